@@ -1,0 +1,3 @@
+from dynvocab.cli import main
+
+main()

@@ -1,0 +1,33 @@
+"""The ``dynvocab`` command line: a typer app with one module per command family."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from dynvocab.cli import bench as _bench
+from dynvocab.cli import generate as _generate
+from dynvocab.errors import DynvocabError
+
+app = typer.Typer(
+    name="dynvocab",
+    help="Lossless speculative decoding with a small, context-dependent draft vocabulary.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("generate")(_generate.generate)
+app.command("bench")(_bench.bench)
+
+
+def main() -> None:
+    """Console entry point: run the app; a DynvocabError becomes one line on stderr and exit code 1."""
+    try:
+        app(standalone_mode=True)
+    except DynvocabError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)

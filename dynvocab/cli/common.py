@@ -1,0 +1,72 @@
+"""Options and helpers shared by the commands."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from dynvocab.errors import DynvocabError
+
+err_console = Console(stderr=True)
+
+Target = Annotated[
+    str, typer.Option(help="Target model: hub id, local folder, .gguf file, or demo:target.")
+]
+Draft = Annotated[str, typer.Option(help="Draft model: hub id, local folder, .gguf file, or demo:draft.")]
+Device = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when a GPU is visible).")]
+Dtype = Annotated[
+    Optional[str],
+    typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on GPU and on CPUs with native bf16, else float32)."),
+]
+Gamma = Annotated[int, typer.Option(min=1, max=32, help="Draft tokens per cycle (γ).")]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Stop after this many new tokens.")]
+TokenMap = Annotated[
+    Optional[str],
+    typer.Option(help="FR-Spec/SGLang token map for fr and fr-pa: a torch.save'd list of token ids, most frequent first."),
+]
+FrSize = Annotated[Optional[int], typer.Option(help="Use only the first K ids of the token map.")]
+PaKMax = Annotated[Optional[int], typer.Option(help="k_max of fr-pa's position-aware budget (default: the map size).")]
+
+
+def one_line_errors(func):
+    """Turn DynvocabError (and a few plain OS errors) into ``error: …`` on stderr and exit code 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except DynvocabError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except (OSError, MemoryError) as exc:
+            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err_console.print("[bold red]error:[/] interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def status_printer(quiet: bool = False):
+    """A callback that prints loading messages on stderr."""
+    if quiet:
+        return lambda msg: None
+    return lambda msg: err_console.print(f"[dim]{msg}…[/]", highlight=False)
+
+
+def check_dtype_device(device: str | None, dtype: str | None) -> None:
+    """Validate --device / --dtype early, before any model is loaded."""
+    if device is not None and device != "cpu" and not device.startswith("cuda"):
+        raise DynvocabError(f"unknown device '{device}'; use cpu or cuda")
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise DynvocabError(f"unknown dtype '{dtype}'; use float32, bfloat16 or float16")
+
+
+def stdout_is_terminal() -> bool:
+    """Whether stdout is a terminal (stream text only there or when asked)."""
+    return sys.stdout.isatty()

@@ -1,0 +1,93 @@
+"""``dynvocab generate``: run one strategy on one prompt."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from dynvocab.cli.common import (
+    Device,
+    Draft,
+    Dtype,
+    FrSize,
+    Gamma,
+    MaxNew,
+    PaKMax,
+    Target,
+    TokenMap,
+    check_dtype_device,
+    err_console,
+    one_line_errors,
+    status_printer,
+)
+from dynvocab.errors import DynvocabError
+from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.prompts import encode_prompt
+from dynvocab.runtime.strategies import AVAILABLE, StrategyOptions, check_strategy
+
+
+@one_line_errors
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied unless --no-chat-template).")],
+    target: Target = "demo:target",
+    draft: Draft = "demo:draft",
+    strategy: Annotated[str, typer.Option(help=f"One of: {', '.join(AVAILABLE)}.")] = "full",
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy; > 0 samples (exact rejection sampling).")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling threshold, applied to target and draft alike.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
+    max_new_tokens: MaxNew = 128,
+    gamma: Gamma = 4,
+    token_map: TokenMap = None,
+    fr_size: FrSize = None,
+    pa_k_max: PaKMax = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode the prompt as plain text.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, strategy, metrics) as the last line.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No loading messages.")] = False,
+) -> None:
+    """Generate a reply with speculative decoding; greedy output is exactly the target's own."""
+    from dynvocab.runtime.session import ModelConfig, Session
+
+    if not prompt.strip():
+        raise DynvocabError("the prompt is empty; pass some text")
+    check_strategy(strategy)
+    check_dtype_device(device, dtype)
+    if top_p <= 0.0:
+        raise DynvocabError("--top-p must be in (0, 1]")
+    options = StrategyOptions(token_map=token_map, fr_size=fr_size, pa_k_max=pa_k_max)
+    session = Session(ModelConfig(target, draft, device, dtype), need_draft=strategy != "ar", status=status_printer(quiet))
+    prompt_ids = encode_prompt(session.tokenizer, [{"role": "user", "content": prompt}], not no_chat_template)
+    decode = DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+
+    shown: list[int] = []
+    printed = ""
+
+    def stream(new: list[int]) -> None:
+        nonlocal printed
+        shown.extend(new)
+        text = session.tokenizer.decode(shown, skip_special_tokens=True)
+        if text.startswith(printed) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+
+    result = session.generate(prompt_ids, strategy, decode, options, on_tokens=None if json_out else stream)
+    text = session.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    m = result.metrics
+    summary = (
+        f"[{strategy}] {m.new_tokens} tokens in {m.wall_s:.2f}s · {m.tokens_per_s:.2f} tokens/s · "
+        f"mean accepted length {m.mean_accepted_length:.2f} · {session.dtype} on {session.device}"
+    )
+    if json_out:
+        err_console.print(summary, highlight=False)
+        payload = {"text": text, "token_ids": result.token_ids, "strategy": strategy, "metrics": m.as_dict()}
+        print(json.dumps(payload, ensure_ascii=False))
+    else:
+        if text.startswith(printed):
+            sys.stdout.write(text[len(printed):])
+        sys.stdout.write("\n")
+        print(summary)

@@ -1,0 +1,1 @@
+"""The runtime: model wrappers, the speculative loop, verification, vocabulary policies, metrics."""

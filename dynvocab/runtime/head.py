@@ -1,0 +1,125 @@
+"""The draft's LM head restricted to an active set of rows, kept in a packed, contiguous buffer.
+
+The buffer is updated incrementally: rows of tokens that left the active set are overwritten by rows of
+tokens that entered, so a sliding-window policy that changes a few dozen ids per cycle copies a few dozen
+rows, not thousands. A policy that returns nested prefixes of one ranking (FR-Spec, position-aware FR) is
+packed once in ranking order; each prefix is then a slice of the buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class PackedHead:
+    """Computes draft logits over ``ids`` only, reusing a packed copy of ``W[ids]`` across calls."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
+        self.weight = weight  # [V, d]
+        self.bias = bias  # [V] or None
+        self.softcap = softcap
+        vocab, dim = weight.shape
+        device = weight.device
+        self.slot_of = torch.full((vocab,), -1, dtype=torch.long, device=device)  # [V] token id -> slot
+        self.ids = torch.empty(0, dtype=torch.long, device=device)  # [cap] slot -> token id
+        self.rows = torch.empty(0, dim, dtype=weight.dtype, device=device)  # [cap, d] packed W rows
+        self.row_bias = None if bias is None else torch.empty(0, dtype=bias.dtype, device=device)  # [cap]
+        self.n = 0  # slots in use: [0, n)
+        self._ordered: torch.Tensor | None = None  # ids packed in order by the last repack (prefixes reuse it)
+        self._last: torch.Tensor | None = None  # the ids tensor of the previous call
+        self.rows_copied = 0
+
+    def _reserve(self, n: int) -> None:
+        cap = self.rows.shape[0]
+        if n <= cap:
+            return
+        new_cap = max(n, 2 * cap)
+        rows = self.rows.new_empty(new_cap, self.rows.shape[1])
+        rows[:cap] = self.rows
+        ids = self.ids.new_full((new_cap,), -1)
+        ids[:cap] = self.ids
+        self.rows, self.ids = rows, ids
+        if self.row_bias is not None:
+            row_bias = self.row_bias.new_empty(new_cap)
+            row_bias[:cap] = self.row_bias
+            self.row_bias = row_bias
+
+    def _write(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        self.rows[slots] = self.weight.index_select(0, ids)
+        if self.row_bias is not None:
+            self.row_bias[slots] = self.bias.index_select(0, ids)
+        self.ids[slots] = ids
+        self.slot_of[ids] = slots
+        self.rows_copied += ids.numel()
+
+    def repack(self, ids: torch.Tensor) -> None:
+        """Pack exactly ``ids`` [n] in the given order, copying every row."""
+        self.slot_of[self.ids[: self.n]] = -1
+        self._reserve(ids.numel())
+        self.n = ids.numel()
+        self._write(torch.arange(self.n, device=ids.device), ids)
+
+    def update(self, ids: torch.Tensor) -> None:
+        """Make the packed rows hold exactly the set ``ids`` [n] (order free), copying only changed rows."""
+        current = self.ids[: self.n]
+        inside = torch.zeros_like(self.slot_of, dtype=torch.bool)
+        inside[ids] = True
+        stale = torch.nonzero(~inside[current]).flatten()  # slots whose token left, ascending
+        fresh = ids[self.slot_of[ids] < 0]  # tokens that entered
+        self.slot_of[current[stale]] = -1
+        n_new = self.n - stale.numel() + fresh.numel()
+        self._reserve(n_new)
+        if fresh.numel() >= stale.numel():
+            tail = torch.arange(self.n, n_new, device=ids.device)
+            self._write(torch.cat([stale, tail]), fresh)
+        else:
+            self._write(stale[: fresh.numel()], fresh)
+            holes = stale[fresh.numel():]
+            self.ids[holes] = -1
+            # Keep the rows compact: live rows past the new end move into holes below it.
+            low_holes = holes[holes < n_new]
+            tail = torch.arange(n_new, self.n, device=ids.device)
+            movers = tail[self.ids[tail] >= 0]
+            moved = self.ids[movers].clone()
+            self.ids[movers] = -1
+            self._write(low_holes, moved)
+        self.n = n_new
+
+    def contains(self, token: int) -> bool:
+        """Whether ``token`` is in the currently packed set."""
+        return bool(self.slot_of[token] >= 0)
+
+    def logits(self, hidden: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [m, n] over the active set for hidden states [m, d], and the token id of each column [n].
+
+        ``ids=None`` means the full vocabulary (column j is token j).
+        """
+        if ids is None:
+            return self._finish(F.linear(hidden, self.weight, self.bias)), None
+        ordered = self._ordered
+        if ids is self._last:
+            n = ids.numel()  # the same active set as the previous step
+        elif (
+            ordered is not None
+            and ids.data_ptr() == ordered.data_ptr()
+            and ids.numel() <= ordered.numel()
+        ):
+            n = ids.numel()  # a prefix of the ranking packed in order: a slice of the buffer
+        elif self.n == 0 or 2 * ids.numel() > self.weight.shape[0]:
+            self.repack(ids)
+            self._ordered, n = ids, ids.numel()
+        else:
+            self.update(ids)
+            self._ordered, n = None, self.n
+        self._last = ids
+        bias = None if self.row_bias is None else self.row_bias[:n]
+        return self._finish(F.linear(hidden, self.rows[:n], bias)), self.ids[:n]
+
+    def _finish(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

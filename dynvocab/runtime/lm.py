@@ -1,0 +1,67 @@
+"""A causal LM split into its body (with a KV cache we can roll back) and its output head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class CausalLM:
+    """Wraps a transformers causal LM: ``step`` runs the body over new tokens, ``logits`` applies the head.
+
+    Splitting body and head lets the draft compute logits over a subset of rows and lets the target
+    return hidden states without ``output_hidden_states`` (which would keep every layer's activations).
+    """
+
+    def __init__(self, model, vocab_rows: int | None = None):
+        self.model = model
+        self.body = getattr(model, model.base_model_prefix)
+        head = model.get_output_embeddings()
+        rows = vocab_rows or head.weight.shape[0]
+        self.weight = head.weight[:rows].detach()  # [V, d]
+        self.bias = None if getattr(head, "bias", None) is None else head.bias[:rows].detach()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.device = self.weight.device
+        self.dtype = self.weight.dtype
+        self.cache = None
+        self.length = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the (possibly trimmed) output head."""
+        return self.weight.shape[0]
+
+    def reset(self) -> None:
+        """Drop the KV cache; the next ``step`` starts a new sequence."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        if hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()
+        self.length = 0
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Append ``ids`` [n] to the sequence; returns the final hidden states [n, d]."""
+        if self.cache is None:
+            self.reset()
+        out = self.body(input_ids=ids.view(1, -1), past_key_values=self.cache, use_cache=True)
+        self.length += ids.numel()
+        return out.last_hidden_state[0]
+
+    def rollback(self, length: int) -> None:
+        """Crop the KV cache to its first ``length`` positions."""
+        remove = self.length - length
+        if remove > 0:
+            self.cache.crop(-remove)
+            self.length = length
+
+    def finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply the model's final logit soft-capping, if it has one."""
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [n, V] in float32 for hidden states [n, d]."""
+        return self.finish(F.linear(hidden, self.weight, self.bias).float())

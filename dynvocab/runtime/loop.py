@@ -1,0 +1,193 @@
+"""The speculative decoding loop: the one loop every strategy, `generate` and `bench` run.
+
+Each cycle: the policy names the active ids, the draft proposes γ tokens computing logits only over them,
+the target scores γ+1 positions over its full vocabulary in one pass, tokens are accepted (greedy or exact
+rejection sampling), both KV caches roll back to the accepted prefix, and the policy observes the cycle.
+``gamma = 0`` with no draft is plain autoregressive decoding by the target.
+
+Cache invariant: before a cycle the target's cache holds every committed token but the last one; the draft's
+cache holds some prefix of the committed tokens and catches up at its first draft step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dynvocab.runtime.head import PackedHead
+from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.metrics import Metrics
+from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Decoding settings shared by every strategy."""
+
+    gamma: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The sampling part of the config."""
+        return SamplingConfig(self.temperature, self.top_p)
+
+
+@dataclass
+class Generation:
+    """The result of one generation: new token ids and metrics."""
+
+    token_ids: list[int]
+    metrics: Metrics
+    stopped_by_eos: bool = False
+    cycle_lengths: list[int] = field(default_factory=list)
+
+
+class _Clock:
+    """Wall-clock timer that waits for the GPU before reading, so each section is charged its own work."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: CausalLM,
+    prompt_ids: list[int],
+    cfg: DecodeConfig,
+    eos_ids: set[int],
+    draft: CausalLM | None = None,
+    head: PackedHead | None = None,
+    policy: VocabPolicy | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``; returns exactly the target's output.
+
+    With ``draft=None`` (or ``cfg.gamma == 0``) this is autoregressive decoding by the target alone.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty")
+    device = target.device
+    clock = _Clock(device)
+    sampling = cfg.sampling
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    speculative = draft is not None and cfg.gamma > 0
+    m = Metrics()
+    accepted_at = [0] * (cfg.gamma if speculative else 0)
+    drafted_at = [0] * (cfg.gamma if speculative else 0)
+    active_total = covered = counted = 0
+
+    start = clock()
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    target.reset()
+    prefix_hidden = target.step(prompt[:-1]) if prompt.numel() > 1 else None  # [L-1, d]
+    if policy is not None:
+        prefill_logits = None
+        if policy.prefill_logits and prefix_hidden is not None:
+            prefill_logits = target.logits(prefix_hidden)
+        policy.prefill(prompt, prefill_logits, prefix_hidden)
+    if speculative:
+        draft.reset()
+        if prompt.numel() > 1:
+            draft.step(prompt[:-1])
+    m.prefill_s = clock() - start
+
+    tokens = list(prompt_ids)
+    out: list[int] = []
+    stopped = False
+    lengths = []
+    while len(out) < cfg.max_new_tokens and not stopped:
+        n = len(tokens)
+        gamma = min(cfg.gamma, cfg.max_new_tokens - len(out) - 1) if speculative else 0
+
+        t_draft = clock()
+        steps: list[DraftStep] = []
+        actives: list[torch.Tensor | None] = []
+        tops: list[torch.Tensor] = []
+        feed = torch.tensor(tokens[draft.length:] if gamma else [], dtype=torch.long, device=device)
+        for j in range(gamma):
+            hidden = draft.step(feed)[-1:]  # [1, d]
+            ids = policy.active_ids(j) if policy is not None else None
+            t_head = clock()
+            logits, cols = head.logits(hidden, ids)  # [1, n_active], [n_active] or None
+            m.head_s += clock() - t_head
+            actives.append(ids)
+            active_total += head.weight.shape[0] if ids is None else ids.numel()
+            row = logits[0]
+            if sampling.greedy:
+                col = int(row.argmax())
+                q = None
+            else:
+                q = probs_from_logits(row, sampling)  # [n_active]
+                col = int(torch.multinomial(q, 1, generator=generator))
+            token = col if cols is None else int(cols[col])
+            steps.append(DraftStep(token, cols, q))
+            if policy is not None and policy.draft_topk:
+                top = row.topk(min(policy.draft_topk, row.numel())).indices
+                tops.append(top if cols is None else cols[top])
+            feed = torch.tensor([token], dtype=torch.long, device=device)
+        m.draft_s += clock() - t_draft
+        m.draft_steps += gamma
+
+        t_verify = clock()
+        drafted = [s.token for s in steps]
+        hidden = target.step(torch.tensor([tokens[-1], *drafted], dtype=torch.long, device=device))  # [γ+1, d]
+        logits = target.logits(hidden)  # [γ+1, V]
+        if sampling.greedy:
+            k, nxt = verify_greedy(drafted, logits)
+        else:
+            k, nxt = verify_sampling(steps, logits, sampling, generator)
+        emitted = drafted[:k] + [nxt]
+        emitted = emitted[: cfg.max_new_tokens - len(out)]
+        for i, tok in enumerate(emitted):
+            if tok in eos_ids:
+                emitted, stopped = emitted[: i + 1], True
+                break
+        target.rollback(n + k)
+        if speculative:
+            draft.rollback(min(draft.length, n + k))
+        m.verify_s += clock() - t_verify
+
+        for j in range(gamma):
+            drafted_at[j] += 1
+            accepted_at[j] += j < k
+        if k < gamma and k < len(emitted) and policy is not None:
+            ids = actives[k]
+            counted += 1
+            covered += ids is None or bool((ids == emitted[k]).any())
+        counted_acc = min(k, len(emitted))
+        counted += counted_acc
+        covered += counted_acc
+        m.cycles += 1
+        lengths.append(len(emitted))
+        tokens.extend(emitted)
+        out.extend(emitted)
+        if policy is not None:
+            policy.observe(
+                CycleReport(n, drafted, tops, k, emitted, logits, hidden)
+            )
+        if on_tokens is not None:
+            on_tokens(emitted)
+
+    m.wall_s = clock() - start
+    m.new_tokens = len(out)
+    m.mean_accepted_length = m.new_tokens / m.cycles if m.cycles else 0.0
+    m.tokens_per_s = m.new_tokens / m.wall_s if m.wall_s > 0 else 0.0
+    m.accept_by_position = [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)]
+    if speculative:
+        m.mean_active_vocab = active_total / m.draft_steps if m.draft_steps else None
+        m.coverage = covered / counted if counted else None
+        m.head_rows_copied = head.rows_copied
+    return Generation(out, m, stopped, lengths)

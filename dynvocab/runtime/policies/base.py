@@ -1,0 +1,60 @@
+"""The interface between the speculative loop and a vocabulary policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CycleReport:
+    """What one draft-verify cycle did, reported to the policy after verification.
+
+    ``target_logits`` and ``target_hidden`` cover the γ+1 verified positions (position j predicts the
+    token after ``draft_tokens[:j]``); only the first ``accepted + 1`` of them lie on the accepted path.
+    """
+
+    position: int  # sequence length before the cycle (prompt + tokens emitted so far)
+    draft_tokens: list[int]  # [γ] drafted ids
+    draft_top: list[torch.Tensor]  # γ × [k] the draft's top alternatives per step (empty when not asked)
+    accepted: int  # draft tokens accepted
+    emitted: list[int]  # tokens appended this cycle (accepted + correction/bonus, after EOS/length cuts)
+    target_logits: torch.Tensor  # [γ+1, V] float32
+    target_hidden: torch.Tensor  # [γ+1, d_target]
+
+    @classmethod
+    def make_dummy(cls, gamma: int = 2, vocab: int = 16, dim: int = 4) -> "CycleReport":
+        """A well-formed report for tests."""
+        return cls(
+            position=3,
+            draft_tokens=list(range(gamma)),
+            draft_top=[],
+            accepted=1,
+            emitted=[0, 5],
+            target_logits=torch.zeros(gamma + 1, vocab),
+            target_hidden=torch.zeros(gamma + 1, dim),
+        )
+
+
+class VocabPolicy:
+    """Chooses the draft's active vocabulary before each draft step and learns from each cycle.
+
+    The loop calls ``prefill`` once, then per cycle ``active_ids(j)`` for each draft step j = 0..γ-1 and
+    ``observe`` after verification. Returning the same tensor object (or a prefix view of a tensor the head
+    packed in order) tells the packed head nothing changed, so it copies no rows.
+    """
+
+    name = "base"
+    prefill_logits = False  # set when prefill needs target logits at every prompt position
+    draft_topk = 0  # >0 asks the loop to report the draft's top-k alternatives per step
+
+    def prefill(self, prompt_ids: torch.Tensor, target_logits: torch.Tensor | None, target_hidden) -> None:
+        """See the prompt [L] (and, if asked for, target logits [L-1, V] and hidden states [L-1, d])."""
+
+    def active_ids(self, step: int) -> torch.Tensor | None:
+        """Token ids the draft may propose at draft position ``step`` (0-based); None = full vocabulary."""
+        raise NotImplementedError
+
+    def observe(self, cycle: CycleReport) -> None:
+        """Update state after a verified cycle."""

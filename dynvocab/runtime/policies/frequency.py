@@ -1,0 +1,54 @@
+"""FR-Spec: the draft head restricted to the most frequent corpus tokens, fixed or position-aware."""
+
+from __future__ import annotations
+
+import torch
+
+from dynvocab.runtime.policies.base import VocabPolicy
+
+
+class FrequencyPolicy(VocabPolicy):
+    """Static FR-Spec: the first ``size`` ids of a frequency ranking at every draft step."""
+
+    name = "fr"
+
+    def __init__(self, ranking: torch.Tensor, size: int | None = None):
+        self.ranking = ranking  # [K] token ids, most frequent first
+        self.ids = ranking[: size or ranking.numel()]
+
+    def active_ids(self, step: int) -> torch.Tensor:
+        """The same top-K set at every step."""
+        return self.ids
+
+
+def pa_budget(k_max: int, step: int, divisor: int = 1) -> int:
+    """DynaSpec's position-aware budget: k_max for steps 0 and 1, then ⌊k_max / (divisor·(t+1))⌋.
+
+    ``divisor=1`` is the frequency-ranked schedule (DynaSpec appendix A.1); ``divisor=2`` the cluster one.
+    """
+    if step < 2:
+        return k_max
+    return max(1, k_max // (divisor * (step + 1)))
+
+
+class PositionAwareFrequencyPolicy(VocabPolicy):
+    """PA-FR (DynaSpec appendix A.1): the top-K_fr(t) most frequent tokens, shrinking with draft position."""
+
+    name = "fr-pa"
+
+    def __init__(self, ranking: torch.Tensor, k_max: int | None = None, always: torch.Tensor | None = None):
+        k_max = min(k_max or ranking.numel(), ranking.numel())
+        if always is not None and always.numel():
+            # Tokens that must stay drafted (EOS) go first so every prefix holds them.
+            rest = ranking[~torch.isin(ranking, always)]
+            ranking = torch.cat([always, rest])
+        self.ranking = ranking
+        self.k_max = k_max
+        self._views: dict[int, torch.Tensor] = {}
+
+    def active_ids(self, step: int) -> torch.Tensor:
+        """A prefix of the ranking; prefixes are views of one tensor, so the packed head slices, not copies."""
+        k = pa_budget(self.k_max, step)
+        if k not in self._views:
+            self._views[k] = self.ranking[:k]
+        return self._views[k]

@@ -1,0 +1,94 @@
+"""A loaded target/draft pair and the entry point that runs one strategy on one prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from dynvocab.errors import DynvocabError
+from dynvocab.models import (
+    default_device,
+    default_dtype,
+    load_model,
+    load_tokenizer,
+    match_vocabularies,
+    resolve_model,
+)
+from dynvocab.runtime.head import PackedHead
+from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.loop import DecodeConfig, Generation, speculative_generate
+from dynvocab.runtime.strategies import StrategyOptions, make_policy
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which models to load and how; ``None`` device/dtype pick the defaults for the machine."""
+
+    target: str = "demo:target"
+    draft: str = "demo:draft"
+    device: str | None = None
+    dtype: str | None = None
+
+
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+
+
+def eos_token_ids(tokenizer, model) -> set[int]:
+    """EOS ids from the generation config and the tokenizer (chat models often end turns with their own)."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN if t in vocab)
+    return ids
+
+
+class Session:
+    """Target and draft loaded once; ``generate`` runs any strategy on them."""
+
+    def __init__(self, cfg: ModelConfig, need_draft: bool = True, status: Callable[[str], None] | None = None):
+        say = status or (lambda msg: None)
+        self.device = cfg.device or default_device()
+        self.dtype = cfg.dtype or default_dtype(self.device)
+        target_spec = resolve_model(cfg.target)
+        draft_spec = resolve_model(cfg.draft) if need_draft else None
+        say(f"loading target {cfg.target}")
+        self.tokenizer = load_tokenizer(target_spec)
+        target_model = load_model(target_spec, self.device, self.dtype)
+        self.target = CausalLM(target_model)
+        self.eos_ids = eos_token_ids(self.tokenizer, target_model)
+        self.draft = None
+        self.match = None
+        if draft_spec is not None:
+            say(f"loading draft {cfg.draft}")
+            draft_tokenizer = load_tokenizer(draft_spec)
+            draft_model = load_model(draft_spec, self.device, self.dtype)
+            rows_t = target_model.get_output_embeddings().weight.shape[0]
+            rows_d = draft_model.get_output_embeddings().weight.shape[0]
+            self.match = match_vocabularies(self.tokenizer, draft_tokenizer, rows_t, rows_d)
+            self.draft = CausalLM(draft_model, vocab_rows=self.match.shared)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        strategy: str,
+        decode: DecodeConfig,
+        options: StrategyOptions = StrategyOptions(),
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
+        """Run ``strategy`` on ``prompt_ids``; the output is the target's own (greedy: token for token)."""
+        if not prompt_ids:
+            raise DynvocabError("the prompt is empty; pass some text")
+        if strategy == "ar":
+            return speculative_generate(self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens)
+        if self.draft is None:
+            raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
+        policy = make_policy(strategy, options, self.draft.vocab_size, self.eos_ids)
+        head = PackedHead(self.draft.weight, self.draft.bias, self.draft.softcap)
+        return speculative_generate(
+            self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens
+        )
