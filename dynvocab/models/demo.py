@@ -105,10 +105,17 @@ def ensure_demo(name: str) -> Path:
         gguf = assemble_gguf(model, work_dir / f"{name}.gguf")
         tokenizer = AutoTokenizer.from_pretrained(work_dir, gguf_file=gguf.name)
         weights = AutoModelForCausalLM.from_pretrained(work_dir, gguf_file=gguf.name, dtype="float32")
+        gguf.unlink()
+        # The GGUF tensors are dequantized on load; drop the quantizer so the model saves as plain safetensors.
+        weights.hf_quantizer = None
+        if hasattr(weights.config, "quantization_config"):
+            del weights.config.quantization_config
         staged = work_dir / "model"
         weights.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
+        if (final / "config.json").is_file():
+            return final  # a concurrent build finished first
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(final, ignore_errors=True)  # a damaged earlier attempt
         os.replace(staged, final)
     return final

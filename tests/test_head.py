@@ -1,0 +1,67 @@
+"""The packed draft head: logits over active rows equal the full head's, with incremental updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynvocab.runtime.head import PackedHead
+
+
+@pytest.fixture
+def weight():
+    torch.manual_seed(0)
+    return torch.randn(200, 16)
+
+
+def check(head, weight, hidden, ids):
+    logits, cols = head.logits(hidden, ids)
+    assert sorted(cols.tolist()) == sorted(ids.tolist())
+    torch.testing.assert_close(logits, hidden @ weight[cols].T)
+
+
+def test_full_head_when_ids_none(weight):
+    head = PackedHead(weight)
+    h = torch.randn(3, 16)
+    logits, cols = head.logits(h, None)
+    assert cols is None
+    torch.testing.assert_close(logits, h @ weight.T)
+
+
+def test_incremental_updates_copy_only_changed_rows(weight):
+    head = PackedHead(weight)
+    h = torch.randn(2, 16)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randperm(200, generator=gen)[:60]
+    check(head, weight, h, ids)
+    for step in range(30):
+        # Drop a few ids and add a few others (sometimes more, sometimes fewer), like a sliding window.
+        keep = ids[torch.randperm(ids.numel(), generator=gen)[: ids.numel() - int(torch.randint(0, 12, (1,), generator=gen))]]
+        pool = torch.tensor(sorted(set(range(200)) - set(keep.tolist())))
+        add = pool[torch.randperm(pool.numel(), generator=gen)[: int(torch.randint(0, 12, (1,), generator=gen))]]
+        new = torch.cat([keep, add])
+        before = head.rows_copied
+        check(head, weight, h, new)
+        assert head.rows_copied - before <= add.numel() + (ids.numel() - keep.numel())
+        ids = new
+    assert (head.slot_of >= 0).sum() == ids.numel()
+
+
+def test_prefix_views_of_a_ranking_do_not_copy(weight):
+    head = PackedHead(weight)
+    ranking = torch.randperm(200)[:90]
+    h = torch.randn(1, 16)
+    check(head, weight, h, ranking)
+    copied = head.rows_copied
+    for k in (90, 45, 30, 90):
+        logits, cols = head.logits(h, ranking[:k])
+        assert cols.tolist() == ranking[:k].tolist()
+        torch.testing.assert_close(logits, h @ weight[ranking[:k]].T)
+    assert head.rows_copied == copied
+
+
+def test_softcap_applies(weight):
+    head = PackedHead(weight, softcap=2.0)
+    h = torch.randn(1, 16) * 10
+    logits, _ = head.logits(h, torch.arange(10))
+    assert logits.abs().max() <= 2.0

@@ -1,0 +1,155 @@
+"""The speculative loop on tiny random models: lossless at temperature 0, correct cache rollback, exact sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_qwen2
+from dynvocab.runtime.head import PackedHead
+from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
+from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
+
+VOCAB = 96
+
+
+class ChangingPolicy(VocabPolicy):
+    """A random active set per step, redrawn every cycle: stresses the packed head's incremental updates."""
+
+    name = "random"
+
+    def __init__(self, seed: int, size: int = 40):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.size = size
+        self._redraw()
+
+    def _redraw(self):
+        self.sets = [torch.randperm(VOCAB, generator=self.gen)[: self.size] for _ in range(8)]
+
+    def active_ids(self, step):
+        return self.sets[step]
+
+    def observe(self, cycle):
+        self._redraw()
+
+
+def make_policy(kind: str, seed: int) -> VocabPolicy:
+    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
+    return {
+        "full": lambda: FullPolicy(),
+        "fr": lambda: FrequencyPolicy(ranking[:50]),
+        "fr-pa": lambda: PositionAwareFrequencyPolicy(ranking, k_max=70),
+        "random": lambda: ChangingPolicy(seed),
+    }[kind]()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    target, draft = tiny_pair
+    return CausalLM(target), CausalLM(draft)
+
+
+@pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random"])
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_is_lossless(pair, kind, seed):
+    target, draft = pair
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+    gamma = 1 + seed % 5
+    cfg = DecodeConfig(gamma=gamma, max_new_tokens=30)
+    eos = {int(torch.randint(0, VOCAB, (1,), generator=gen))} if seed % 2 else set()
+    ar = speculative_generate(target, prompt, cfg, eos)
+    spec = speculative_generate(target, prompt, cfg, eos, draft, PackedHead(draft.weight), make_policy(kind, seed))
+    assert spec.token_ids == ar.token_ids
+    assert spec.metrics.cycles <= ar.metrics.cycles
+    assert spec.metrics.new_tokens == len(ar.token_ids)
+
+
+def test_draft_accepts_some_and_rejects_some(pair):
+    """The tiny pair must exercise partial acceptance, or the lossless tests prove little."""
+    target, draft = pair
+    cfg = DecodeConfig(gamma=4, max_new_tokens=40)
+    g = speculative_generate(target, [3, 1, 4, 1, 5], cfg, set(), draft, PackedHead(draft.weight), FullPolicy())
+    assert any(0 < n < cfg.gamma + 1 for n in g.cycle_lengths), g.cycle_lengths
+    assert 1.0 < g.metrics.mean_accepted_length < cfg.gamma + 1
+
+
+def test_kv_cache_after_rollback_matches_a_fresh_prefill(pair):
+    target, draft = pair
+    cfg = DecodeConfig(gamma=4, max_new_tokens=25)
+    prompt = [7, 8, 9, 10]
+    g = speculative_generate(target, prompt, cfg, set(), draft, PackedHead(draft.weight), make_policy("random", 3))
+    seq = prompt + g.token_ids
+    assert target.length == len(seq) - 1
+    assert draft.length <= len(seq) - 1
+    cached = target.logits(target.step(torch.tensor(seq[-1:])))
+    fresh = target.model(torch.tensor([seq])).logits[0, -1:]
+    torch.testing.assert_close(cached, fresh.float(), atol=1e-4, rtol=1e-4)
+    dcached = draft.logits(draft.step(torch.tensor(seq[draft.length:])))[-1]
+    dfresh = draft.model(torch.tensor([seq])).logits[0, -1]
+    torch.testing.assert_close(dcached, dfresh.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_max_new_tokens_and_eos_stop_cleanly(pair):
+    target, draft = pair
+    prompt = [2, 4, 6]
+    ar = speculative_generate(target, prompt, DecodeConfig(max_new_tokens=20), set())
+    stop = ar.token_ids[7]
+    first = ar.token_ids.index(stop)
+    for gamma in (1, 3, 6):
+        g = speculative_generate(
+            target, prompt, DecodeConfig(gamma=gamma, max_new_tokens=20), {stop}, draft, PackedHead(draft.weight), FullPolicy()
+        )
+        assert g.token_ids == ar.token_ids[: first + 1] and g.stopped_by_eos
+        short = speculative_generate(
+            target, prompt, DecodeConfig(gamma=gamma, max_new_tokens=5), set(), draft, PackedHead(draft.weight), FullPolicy()
+        )
+        assert short.token_ids == ar.token_ids[:5]
+
+
+def test_sampling_follows_the_target_distribution(pair):
+    """First sampled token over many seeds, with q restricted to a subset, vs the target's p (chi-square)."""
+    target, draft = pair
+    prompt = [5, 9, 13]
+    cfg_s = SamplingConfig(temperature=1.5)
+    p = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1].float(), cfg_s)
+    draws = 400
+    counts = torch.zeros(VOCAB)
+    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:30]
+    for seed in range(draws):
+        cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5, seed=seed)
+        g = speculative_generate(target, prompt, cfg, set(), draft, PackedHead(draft.weight), FrequencyPolicy(ranking))
+        counts[g.token_ids[0]] += 1
+    # Pool the tail into one bin so every expected count is >= 5.
+    order = p.argsort(descending=True)
+    big = order[p[order] * draws >= 5]
+    rest = ~torch.isin(torch.arange(VOCAB), big)
+    observed = torch.cat([counts[big], counts[rest].sum(0, keepdim=True)])
+    expected = torch.cat([p[big], p[rest].sum(0, keepdim=True)]) * draws
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    dof = observed.numel() - 1
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_sampling_is_reproducible_with_a_seed(pair):
+    target, draft = pair
+    cfg = DecodeConfig(gamma=3, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=11)
+    a = speculative_generate(target, [1, 2, 3], cfg, set(), draft, PackedHead(draft.weight), FullPolicy())
+    b = speculative_generate(target, [1, 2, 3], cfg, set(), draft, PackedHead(draft.weight), FullPolicy())
+    assert a.token_ids == b.token_ids
+
+
+def test_padded_vocabularies_are_matched_on_shared_ids():
+    """A draft with fewer head rows than the target: it proposes only shared ids; output still exact."""
+    padded = tiny_qwen2(vocab=VOCAB + 8, seed=5)
+    with torch.no_grad():
+        padded.lm_head.weight[VOCAB:] = 0.0  # padding rows carry no token, as in real padded heads
+    target = CausalLM(padded)
+    draft = CausalLM(tiny_qwen2(vocab=VOCAB, seed=6), vocab_rows=VOCAB)
+    cfg = DecodeConfig(gamma=3, max_new_tokens=20)
+    ar = speculative_generate(target, [1, 2], cfg, set())
+    assert max(ar.token_ids) < VOCAB
+    g = speculative_generate(target, [1, 2], cfg, set(), draft, PackedHead(draft.weight), FullPolicy())
+    assert g.token_ids == ar.token_ids
