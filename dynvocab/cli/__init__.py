@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
 
+# The CLI renders its own progress; keep transformers' bars and advisory logs off the terminal.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from dynvocab.cli import bench as _bench
+from dynvocab.cli import build as _build
 from dynvocab.cli import generate as _generate
 from dynvocab.errors import DynvocabError
 
@@ -19,6 +26,9 @@ app = typer.Typer(
 )
 app.command("generate")(_generate.generate)
 app.command("bench")(_bench.bench)
+app.command("build-index")(_build.build_index)
+app.command("inspect")(_build.inspect)
+app.command("export")(_build.export)
 
 
 def main() -> None:

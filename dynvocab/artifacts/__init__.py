@@ -1,0 +1,30 @@
+"""The bundle: the one place where builders and runtime meet (read, write, validate, export)."""
+
+from dynvocab.artifacts.bundle import FORMAT_VERSION, Bundle, Stage, load_bundle, write_bundle
+from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS, eagle3_mapping, export_freq, save_torch_atomic, sglang_token_map
+from dynvocab.artifacts.fingerprint import ModelFingerprint
+from dynvocab.artifacts.hnsw import HnswParams, augment_queries, augment_rows, load_hnsw, mips_search
+from dynvocab.artifacts.tables import ClusterTable, FreqTable, GraphTable
+
+__all__ = [
+    "DEFAULT_EXPORT_SIZE",
+    "FORMATS",
+    "FORMAT_VERSION",
+    "Bundle",
+    "ClusterTable",
+    "FreqTable",
+    "GraphTable",
+    "HnswParams",
+    "ModelFingerprint",
+    "Stage",
+    "augment_queries",
+    "augment_rows",
+    "eagle3_mapping",
+    "export_freq",
+    "load_bundle",
+    "load_hnsw",
+    "mips_search",
+    "save_torch_atomic",
+    "sglang_token_map",
+    "write_bundle",
+]

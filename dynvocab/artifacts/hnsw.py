@@ -1,0 +1,101 @@
+"""The HNSW index over the target's LM-head rows, stored as bytes inside the bundle, and MIPS search on it.
+
+Maximum inner-product search (MIPS) is turned into nearest-neighbour search by norm augmentation: every row
+``w`` becomes ``[w, sqrt(R² − ‖w‖²)]`` with ``R = max ‖w‖``, so all rows have norm ``R``; a query ``q``
+becomes ``[q, 0]``. Then ``‖q' − w'‖² = ‖q‖² + R² − 2 q·w``, and the nearest row in **L2** is the row with
+the largest inner product. We index the augmented rows in hnswlib's ``l2`` space (squared distances).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dynvocab.artifacts.bundle import Bundle
+from dynvocab.errors import DynvocabError
+
+SPACE = "l2"  # on norm-augmented vectors; see the module docstring
+
+
+@dataclass(frozen=True)
+class HnswParams:
+    """What it takes to load and query a stored index."""
+
+    dim: int  # augmented dimension = hidden size + 1
+    num_elements: int  # indexed rows; labels are the token ids 0..num_elements-1
+    max_norm: float  # R, the largest row norm
+    m: int
+    ef_construction: int
+    ef_search: int
+    space: str = SPACE
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HnswParams":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def augment_rows(weight: torch.Tensor) -> tuple[np.ndarray, float]:
+    """Norm-augment LM-head rows ``weight`` [V, d] -> (float32 array [V, d + 1] of equal norms, R)."""
+    w = weight.detach().float().cpu()
+    sq = (w * w).sum(dim=1)  # [V]
+    r2 = float(sq.max())
+    extra = torch.sqrt(torch.clamp(r2 - sq, min=0.0)).unsqueeze(1)  # [V, 1]
+    return torch.cat([w, extra], dim=1).numpy(), r2**0.5
+
+
+def augment_queries(queries: torch.Tensor) -> np.ndarray:
+    """Queries [n, d] -> float32 array [n, d + 1] with a zero last coordinate."""
+    q = queries.detach().float().cpu().reshape(-1, queries.shape[-1])
+    return torch.cat([q, torch.zeros(q.shape[0], 1)], dim=1).numpy()
+
+
+def index_to_tensor(index) -> torch.Tensor:
+    """Serialise an hnswlib index to a uint8 tensor [n_bytes] (through a temp file)."""
+    with tempfile.TemporaryDirectory(prefix="dynvocab-hnsw-") as tmp:
+        path = Path(tmp) / "index.bin"
+        index.save_index(str(path))
+        data = np.fromfile(path, dtype=np.uint8)
+    return torch.from_numpy(data)
+
+
+def index_from_tensor(data: torch.Tensor, params: HnswParams):
+    """Rebuild an hnswlib index from :func:`index_to_tensor`'s bytes; ef is set to ``params.ef_search``."""
+    import hnswlib
+
+    index = hnswlib.Index(space=params.space, dim=params.dim)
+    fd, tmp = tempfile.mkstemp(prefix="dynvocab-hnsw-", suffix=".bin")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.numpy().tobytes())
+        index.load_index(tmp, max_elements=params.num_elements)
+    except RuntimeError as exc:
+        raise DynvocabError(f"the stored HNSW index cannot be loaded ({exc}); rebuild stage hnsw") from exc
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    index.set_ef(params.ef_search)
+    return index
+
+
+def load_hnsw(bundle: Bundle):
+    """Load the bundle's HNSW index: returns ``(hnswlib.Index, HnswParams)``; labels are target token ids."""
+    bundle.require("hnsw")
+    params = HnswParams.from_dict(bundle.info("hnsw")["index"])
+    return index_from_tensor(bundle.tensor("hnsw.index"), params), params
+
+
+def mips_search(index, queries: torch.Tensor, k: int, num_threads: int = 1) -> torch.Tensor:
+    """Approximate top-``k`` inner-product search of ``queries`` [n, d] (or [d]) over the indexed rows.
+
+    Returns LongTensor [n, k] of token ids, largest inner product first. One thread suits single queries at
+    run time; pass ``num_threads=-1`` for large batches.
+    """
+    labels, _ = index.knn_query(augment_queries(queries), k=k, num_threads=num_threads)  # [n, k] uint64
+    return torch.from_numpy(labels.astype(np.int64))

@@ -1,0 +1,97 @@
+"""Typed views of the bundle's stages: what the builders produce and what the runtime reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dynvocab.artifacts.bundle import Bundle
+
+
+@dataclass(frozen=True)
+class FreqTable:
+    """FR-Spec token frequencies over a corpus, with the target tokenizer's ids."""
+
+    counts: torch.Tensor  # [V] int64, corpus count of each target token id
+    ranking: torch.Tensor  # [V] int64, all ids: end tokens first, then by count (desc), ties by id
+    eos_ids: torch.Tensor  # [E] int64, end-of-sequence / end-of-turn ids (always ranked in)
+
+    def top(self, k: int) -> torch.Tensor:
+        """The first ``k`` ids of the ranking, LongTensor [k]."""
+        return self.ranking[:k]
+
+    def coverage(self, k: int) -> float:
+        """Share of corpus tokens that fall inside the top ``k`` ids."""
+        total = int(self.counts.sum())
+        return float(self.counts[self.ranking[:k]].sum()) / total if total else 0.0
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors for the bundle, keyed without the stage prefix."""
+        return {"counts": self.counts, "ranking": self.ranking, "eos_ids": self.eos_ids}
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle) -> "FreqTable":
+        """Read the ``freq`` stage."""
+        t = bundle.stage_tensors("freq")
+        return cls(t["counts"], t["ranking"], t["eos_ids"])
+
+
+@dataclass(frozen=True)
+class ClusterTable:
+    """DynaSpec token clusters: spherical k-means of the draft's normalised LM-head rows."""
+
+    assign: torch.Tensor  # [V_draft] int64, cluster id of each draft LM-head row
+    centroids: torch.Tensor  # [M, d_draft] float32, unit-norm cluster centres
+
+    @property
+    def num_clusters(self) -> int:
+        return int(self.centroids.shape[0])
+
+    def sizes(self) -> torch.Tensor:
+        """Tokens per cluster, LongTensor [M]."""
+        return torch.bincount(self.assign, minlength=self.num_clusters)
+
+    def members(self, cluster_ids: torch.Tensor) -> torch.Tensor:
+        """Sorted token ids of the union of ``cluster_ids``, LongTensor [n]."""
+        return torch.nonzero(torch.isin(self.assign, cluster_ids)).flatten()
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors for the bundle, keyed without the stage prefix."""
+        return {"assign": self.assign, "centroids": self.centroids}
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle) -> "ClusterTable":
+        """Read the ``clusters`` stage."""
+        t = bundle.stage_tensors("clusters")
+        return cls(t["assign"], t["centroids"])
+
+
+@dataclass(frozen=True)
+class GraphTable:
+    """EvoSpec bigram successor graph u -> v with p(v | u), pruned, as CSR (rows sorted by p, descending)."""
+
+    indptr: torch.Tensor  # [V + 1] int64, row u spans indices[indptr[u]:indptr[u + 1]]
+    indices: torch.Tensor  # [E] int32, successor token ids
+    probs: torch.Tensor  # [E] float32, p(v | u) over all observed successors of u (before pruning)
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.indices.numel())
+
+    def successors(self, u: int, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (at most ``k``) most likely successors of token ``u``: (ids LongTensor [n], probs [n])."""
+        begin, end = int(self.indptr[u]), int(self.indptr[u + 1])
+        if k is not None:
+            end = min(end, begin + k)
+        return self.indices[begin:end].long(), self.probs[begin:end]
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors for the bundle, keyed without the stage prefix."""
+        return {"indptr": self.indptr, "indices": self.indices, "probs": self.probs}
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle) -> "GraphTable":
+        """Read the ``graph`` stage."""
+        t = bundle.stage_tensors("graph")
+        return cls(t["indptr"], t["indices"], t["probs"])

@@ -1,0 +1,147 @@
+"""Corpus sources as streams of documents (plain strings).
+
+- ``slimpajama``: ``cerebras/SlimPajama-627B`` streamed through ``datasets`` (rows with ``text`` and ``meta``).
+- ``sharegpt``: the embedded ShareGPT V3 conversations, **training split only** (see :mod:`dynvocab.data`):
+  positions ≡ 9 (mod 10) are the evaluation split and never reach a builder.
+- paths: ``.txt`` (one document per non-empty line), ``.jsonl``/``.json`` (``text``, ShareGPT
+  ``conversations`` or chat ``messages``), ``.parquet``, or a folder written by ``datasets.save_to_disk``.
+  JSON lines and parquet go through ``datasets`` streaming, the same path as SlimPajama.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlparse
+
+from dynvocab.data.sharegpt import EVAL_EVERY, EVAL_REMAINDER, conversation_text, sharegpt_train
+from dynvocab.errors import DynvocabError
+
+SLIMPAJAMA = "cerebras/SlimPajama-627B"
+_STREAMED = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    """Which documents to read. ``sources`` items are ``slimpajama``, ``sharegpt`` or file/folder paths."""
+
+    sources: tuple[str, ...] = ("sharegpt",)
+    max_docs: int = 1_000_000  # FR-Spec counts 1M SlimPajama documents
+    slimpajama_id: str = SLIMPAJAMA  # hub id, or a local SlimPajama-format .jsonl (tests)
+
+    def describe(self) -> dict:
+        """A JSON-ready description stored in the bundle (ShareGPT: training split)."""
+        out = asdict(self)
+        out["sources"] = list(self.sources)
+        if "sharegpt" in self.sources:
+            out["sharegpt_split"] = f"train (positions not ≡ {EVAL_REMAINDER} mod {EVAL_EVERY})"
+        return out
+
+
+def check_sources(cfg: CorpusConfig) -> None:
+    """Fail early on empty or missing sources, before any model is loaded."""
+    if not cfg.sources:
+        raise DynvocabError("no corpus given; pass --corpus sharegpt, --corpus slimpajama or file paths")
+    if cfg.max_docs < 1:
+        raise DynvocabError("--max-docs must be at least 1")
+    for src in cfg.sources:
+        if src in ("sharegpt", "slimpajama"):
+            continue
+        path = Path(src).expanduser()
+        if not path.exists():
+            raise DynvocabError(f"corpus {src} does not exist; pass sharegpt, slimpajama or existing files")
+        if path.is_file() and path.suffix not in (".txt", *_STREAMED):
+            raise DynvocabError(f"corpus file {src} has an unknown type; use .txt, .jsonl, .json or .parquet")
+        if path.is_dir() and not ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+            raise DynvocabError(f"corpus folder {src} is not a saved `datasets` folder (no dataset_info.json)")
+
+
+def iter_documents(cfg: CorpusConfig) -> Iterator[str]:
+    """All documents of all sources, in order, at most ``cfg.max_docs`` non-empty ones."""
+    check_sources(cfg)
+    docs = itertools.chain.from_iterable(_source(src, cfg) for src in cfg.sources)
+    return itertools.islice((d for d in docs if d and d.strip()), cfg.max_docs)
+
+
+def _source(src: str, cfg: CorpusConfig) -> Iterator[str]:
+    if src == "sharegpt":
+        return (conversation_text(r) for r in sharegpt_train())
+    if src == "slimpajama":
+        return stream_texts(cfg.slimpajama_id)
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return _saved_dataset_texts(path)
+    if path.suffix == ".txt":
+        return _txt_lines(path)
+    return stream_texts(str(path))
+
+
+def row_text(row: dict) -> str:
+    """The text of one corpus row: ``text``, else its conversation turns."""
+    text = row.get("text")
+    return text if isinstance(text, str) else conversation_text(row)
+
+
+# ---- datasets streaming (SlimPajama and local json/parquet) -----------------------------------------------
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers (a quick TCP connect; offline env vars mean no)."""
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def stream_texts(source: str) -> Iterator[str]:
+    """Stream the documents of a hub dataset id or a local .jsonl/.json/.parquet file with ``datasets``."""
+    import datasets
+
+    local = Path(source).expanduser()
+    if local.is_file():
+        args, kwargs = (_STREAMED.get(local.suffix, "json"),), {"data_files": str(local)}
+    else:
+        if not hub_reachable():
+            raise DynvocabError(
+                f"cannot reach the Hugging Face hub to stream {source}; "
+                "connect to the internet or pass local corpus files (--corpus FILE.jsonl)"
+            )
+        args, kwargs = (source,), {}
+    try:
+        stream = datasets.load_dataset(*args, split="train", streaming=True, **kwargs)
+        for row in stream:
+            yield row_text(row)
+    except DynvocabError:
+        raise
+    except Exception as exc:  # datasets raises many types (network, format, schema)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise DynvocabError(f"cannot read corpus {source}: {first}; check the path or your connection") from exc
+
+
+def _saved_dataset_texts(path: Path) -> Iterator[str]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise DynvocabError(f"cannot load the saved dataset {path} ({type(exc).__name__}); re-save it with save_to_disk") from exc
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    for row in ds:
+        yield row_text(row)
+
+
+def _txt_lines(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line.strip():
+                yield line

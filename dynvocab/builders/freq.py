@@ -1,0 +1,46 @@
+"""Stage ``freq``: FR-Spec token frequencies and their ranking."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from dynvocab.artifacts import FreqTable
+
+
+@dataclass(frozen=True)
+class FreqConfig:
+    """FR-Spec ranking: tokens sorted by corpus count, end tokens forced to the front."""
+
+    coverage_sizes: tuple[int, ...] = (4096, 8192, 16384, 32768)  # top-K sizes whose coverage is reported
+
+    def as_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def build(cfg: FreqConfig, counts: np.ndarray, eos_ids: list[int]) -> FreqTable:
+    """Rank all ids by count (descending, ties by id) after the end tokens, which any top-K must contain.
+
+    ``counts`` is int64 [V]; the ranking is a permutation of ``[0, V)``, so every K up to V can be exported.
+    """
+    vocab = counts.shape[0]
+    eos = np.array(sorted({int(i) for i in eos_ids if 0 <= int(i) < vocab}), dtype=np.int64)  # [E]
+    order = np.lexsort((np.arange(vocab), -counts))  # by count desc, then id
+    rest = order[~np.isin(order, eos)]
+    ranking = np.concatenate([eos, rest])  # [V]
+    return FreqTable(
+        counts=torch.from_numpy(counts.astype(np.int64)),
+        ranking=torch.from_numpy(ranking),
+        eos_ids=torch.from_numpy(eos),
+    )
+
+
+def summary(cfg: FreqConfig, table: FreqTable) -> dict:
+    """Statistics stored with the stage: total tokens, distinct ids seen, coverage of each top-K."""
+    return {
+        "total_tokens": int(table.counts.sum()),
+        "distinct_tokens": int((table.counts > 0).sum()),
+        "coverage": {str(k): round(table.coverage(k), 6) for k in cfg.coverage_sizes},
+    }

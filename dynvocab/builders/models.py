@@ -1,0 +1,118 @@
+"""What the builders need from the models: LM-head shapes and weights, end tokens, target hidden states.
+
+LM heads are read straight from the safetensors files when the model is a local folder (the demo cache
+is), so a build never holds a whole float32 model in memory; anything else falls back to loading it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from dynvocab.artifacts import ModelFingerprint
+from dynvocab.errors import DynvocabError
+from dynvocab.models import ModelSpec, default_dtype, load_model
+
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+_HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
+
+
+def _config(spec: ModelSpec):
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(spec.path, gguf_file=spec.gguf_file)
+    except Exception as exc:
+        raise DynvocabError(f"cannot read the config of model '{spec.source}' ({type(exc).__name__}); check --target/--draft") from exc
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def head_shape(spec: ModelSpec) -> tuple[int, int]:
+    """``(rows, hidden)`` of the model's LM head, from its config (no weights loaded)."""
+    cfg = _config(spec)
+    return int(cfg.vocab_size), int(cfg.hidden_size)
+
+
+def fingerprint(spec: ModelSpec, tokenizer) -> ModelFingerprint:
+    """The fingerprint stored in the bundle for this model."""
+    return ModelFingerprint.of(tokenizer, head_shape(spec), spec.source)
+
+
+def _safetensors_files(folder: Path) -> dict[str, Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: folder / v for k, v in weight_map.items()}
+    out = {}
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: file for k in f.keys()})
+    return out
+
+
+def load_head(spec: ModelSpec) -> torch.Tensor:
+    """The LM-head weight as float32 [rows, hidden] (tied heads read the input embedding)."""
+    rows, hidden = head_shape(spec)
+    folder = Path(spec.path)
+    if spec.gguf_file is None and folder.is_dir():
+        from safetensors import safe_open
+
+        files = _safetensors_files(folder)
+        # A checkpoint without lm_head.weight ties its head to the input embedding.
+        key = next((k for k in _HEAD_KEYS if k in files), None)
+        if key is not None:
+            with safe_open(str(files[key]), framework="pt") as f:
+                weight = f.get_tensor(key)
+            if tuple(weight.shape) == (rows, hidden):
+                return weight.float()
+    model = load_model(spec, "cpu", "float32")
+    weight = model.get_output_embeddings().weight.detach().clone()
+    del model
+    gc.collect()
+    return weight
+
+
+def end_token_ids(spec: ModelSpec, tokenizer) -> list[int]:
+    """EOS and end-of-turn ids: tokenizer EOS, the generation config's EOS, and known end-of-turn tokens."""
+    ids: set[int] = set()
+    values: list = [tokenizer.eos_token_id]
+    gen = Path(spec.path) / "generation_config.json"
+    if gen.is_file():
+        values.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in values:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN if t in vocab)
+    return sorted(ids)
+
+
+@torch.inference_mode()
+def target_hidden_states(
+    spec: ModelSpec, tokenizer, texts: Iterable[str], max_tokens: int, device: str = "cpu"
+) -> torch.Tensor:
+    """Final (post-norm) hidden states of the target body on each text's first ``max_tokens`` tokens.
+
+    Returns float32 [n, hidden]: one row per position of every text, the vectors the LM head multiplies.
+    """
+    model = load_model(spec, device, default_dtype(device))
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    rows = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
+        if ids:
+            out = body(input_ids=torch.tensor([ids], device=device)).last_hidden_state  # [1, T, hidden]
+            rows.append(out[0].float().cpu())
+    del model, body
+    gc.collect()
+    if not rows:
+        raise DynvocabError("no recall queries: the corpus gave no text for the target's hidden states")
+    return torch.cat(rows)

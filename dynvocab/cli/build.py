@@ -1,0 +1,189 @@
+"""``dynvocab build-index``, ``inspect`` and ``export``: make, look into, and convert a bundle."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Iterator, List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS
+from dynvocab.builders.clusters import ClustersConfig
+from dynvocab.builders.corpus import CorpusConfig
+from dynvocab.builders.hnsw import HnswConfig
+from dynvocab.builders.pipeline import STAGES
+from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, err_console, one_line_errors
+from dynvocab.errors import DynvocabError
+
+
+class RichReporter:
+    """Draws the builders' progress as rich bars on stderr and prints their messages above them."""
+
+    def __init__(self, console: Console):
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console, transient=True,
+        )
+
+    def __enter__(self) -> "RichReporter":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    @contextmanager
+    def task(self, description: str, total: int | None = None) -> Iterator:
+        task_id = self.progress.add_task(description, total=total)
+        try:
+            yield lambda n=1: self.progress.advance(task_id, n)
+        finally:
+            self.progress.remove_task(task_id)
+
+    def log(self, message: str) -> None:
+        self.progress.console.print(message, highlight=False, soft_wrap=True)
+
+
+def _override(cfg, **values):
+    """The frozen config ``cfg`` with the options the user gave (None = keep the default)."""
+    return replace(cfg, **{k: v for k, v in values.items() if v is not None})
+
+
+@one_line_errors
+def build_index(
+    out: Annotated[Path, typer.Option("--out", help="The bundle to write (.safetensors); other stages in it are kept.")],
+    target: Target = "demo:target",
+    draft: Draft = "demo:draft",
+    corpus: Annotated[
+        Optional[List[str]],
+        typer.Option(help="sharegpt (training split), slimpajama, or a .txt/.jsonl/.json/.parquet file or saved datasets folder; repeatable."),
+    ] = None,
+    max_docs: Annotated[Optional[int], typer.Option(help=f"Read at most this many documents (default {CorpusConfig.max_docs:,}).")] = None,
+    stages: Annotated[Optional[str], typer.Option(help=f"Comma-separated stages to (re)build, from {','.join(STAGES)} (default: all).")] = None,
+    num_clusters: Annotated[Optional[int], typer.Option(help=f"clusters: number of clusters M (default {ClustersConfig.num_clusters}).")] = None,
+    hnsw_m: Annotated[Optional[int], typer.Option(help=f"hnsw: graph degree M (default {HnswConfig.m}).")] = None,
+    ef_construction: Annotated[Optional[int], typer.Option(help=f"hnsw: ef at construction (default {HnswConfig.ef_construction}).")] = None,
+    ef_search: Annotated[Optional[int], typer.Option(help=f"hnsw: ef at search time (default {HnswConfig.ef_search}).")] = None,
+    device: Device = None,
+) -> None:
+    """Build the offline tables (freq, clusters, hnsw, graph) for a target/draft pair into one bundle."""
+    from dynvocab.builders.pipeline import BuildConfig, build_bundle, parse_stages
+
+    check_dtype_device(device, None)
+    base = BuildConfig()
+    cfg = BuildConfig(
+        stages=parse_stages(stages) if stages is not None else STAGES,
+        corpus=_override(base.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
+        clusters=_override(base.clusters, num_clusters=num_clusters),
+        hnsw=_override(base.hnsw, m=hnsw_m, ef_construction=ef_construction, ef_search=ef_search),
+        device=device,
+    )
+    with RichReporter(err_console) as reporter:
+        report = build_bundle(target, draft, out, cfg, reporter)
+    kept = f" · kept {', '.join(report.kept)}" if report.kept else ""
+    err_console.print(
+        f"wrote {report.path} · {report.file_bytes / 1e6:.1f} MB · {report.seconds:.1f} s{kept}", highlight=False
+    )
+
+
+def describe_bundle(bundle) -> dict:
+    """Everything ``inspect`` shows, as JSON-ready data."""
+    from dynvocab.artifacts import FreqTable
+    from dynvocab.builders.freq import FreqConfig
+
+    stages = {}
+    for name in bundle.stages:
+        entry = {
+            "config": bundle.config(name),
+            "info": bundle.info(name),
+            "bytes": bundle.stage_nbytes(name),
+            "tensors": {
+                t: {"dtype": bundle.entries[f"{name}.{t}"].dtype, "shape": list(bundle.entries[f"{name}.{t}"].shape)}
+                for t in bundle.tensor_names(name)
+            },
+        }
+        if name == "freq":
+            table = FreqTable.from_bundle(bundle)
+            sizes = bundle.config("freq").get("coverage_sizes", FreqConfig().coverage_sizes)
+            entry["coverage"] = {str(k): round(table.coverage(int(k)), 6) for k in sizes}
+        stages[name] = entry
+    return {
+        "path": str(bundle.path),
+        "format_version": bundle.metadata["format_version"],
+        "written_at": bundle.metadata["written_at"],
+        "dynvocab_version": bundle.metadata["dynvocab_version"],
+        "file_bytes": bundle.path.stat().st_size,
+        "fingerprint": {role: fp.as_dict() for role, fp in bundle.fingerprints.items()},
+        "stages": stages,
+    }
+
+
+@one_line_errors
+def inspect(
+    bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="A bundle written by build-index.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """Show a bundle's stages, sizes, configs, model fingerprint and the corpus coverage of the top-K tokens."""
+    from dynvocab.artifacts import load_bundle
+
+    info = describe_bundle(load_bundle(bundle_path, verify=True))
+    if json_out:
+        print(json.dumps(info, ensure_ascii=False))
+        return
+    console = Console()
+    console.print(
+        f"[bold]{info['path']}[/] · format v{info['format_version']} · {info['file_bytes'] / 1e6:.1f} MB · "
+        f"written {info['written_at']}", highlight=False,
+    )
+    for role, fp in info["fingerprint"].items():
+        console.print(
+            f"{role}: {fp['source'] or '?'} · vocab {fp['vocab_size']:,} · head {fp['head_rows']:,}×{fp['hidden_size']} "
+            f"· tokenizer {fp['tokenizer_sha256'][:12]}", highlight=False,
+        )
+    table = Table(title="stages")
+    for col in ("stage", "size", "tensors", "built"):
+        table.add_column(col)
+    for name, st in info["stages"].items():
+        tensors = "\n".join(f"{t} {v['dtype']} {tuple(v['shape'])}" for t, v in st["tensors"].items())
+        built = f"{st['info'].get('built_at', '?')}\nin {st['info'].get('seconds', '?')} s"
+        table.add_row(name, f"{st['bytes'] / 1e6:.1f} MB", tensors, built)
+    console.print(table)
+    for name, st in info["stages"].items():
+        skip = ("built_at", "seconds", "corpus", "index", "coverage")
+        console.print(f"[bold]{name}[/] config: " + ", ".join(f"{k}={v}" for k, v in st["config"].items()), soft_wrap=True)
+        stats = ", ".join(f"{k}={v}" for k, v in st["info"].items() if k not in skip)
+        if stats:
+            console.print(f"[bold]{name}[/] stats: {stats}", soft_wrap=True)
+    if "freq" in info["stages"]:
+        corpus = info["stages"]["freq"]["info"].get("corpus", {})
+        cov = " · ".join(f"top-{int(k):,} {v:.2%}" for k, v in info["stages"]["freq"]["coverage"].items())
+        console.print(
+            f"freq coverage of {corpus.get('tokens', 0):,} corpus tokens ({', '.join(corpus.get('sources', []))}): {cov}",
+            highlight=False, soft_wrap=True,
+        )
+
+
+@one_line_errors
+def export(
+    bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="A bundle with a freq stage.")],
+    out: Annotated[Path, typer.Option("--out", help="The file to write (torch.save).")],
+    fmt: Annotated[str, typer.Option("--format", help=f"One of {', '.join(FORMATS)}. sglang: list of token ids (FR-Spec / --speculative-token-map); eagle3: {{d2t, t2d}}.")] = "sglang",
+    size: Annotated[Optional[int], typer.Option(help=f"Number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
+) -> None:
+    """Export the top-K frequency ranking as an SGLang/FR-Spec token map or EAGLE-3 d2t/t2d."""
+    from dynvocab.artifacts import FreqTable, export_freq, load_bundle, save_torch_atomic
+
+    if fmt not in FORMATS:
+        raise DynvocabError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
+    bundle = load_bundle(bundle_path, verify=True)
+    bundle.require("freq")
+    size = DEFAULT_EXPORT_SIZE if size is None else size
+    obj = export_freq(FreqTable.from_bundle(bundle), fmt, size)
+    save_torch_atomic(obj, out)
+    err_console.print(f"wrote {out} ({fmt}, {size:,} ids)", highlight=False)
