@@ -37,3 +37,48 @@ def tiny_pair():
         for p in draft.parameters():
             p.add_(0.02 * torch.randn_like(p) * p.std())
     return target, draft
+
+
+def tiny_tokenizer(vocab: int = 96, shift: int = 0):
+    """A real fast word-level tokenizer over ``vocab`` ids: words w0..w{vocab-3}, plus <unk> and <eos>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{(i + shift) % (vocab - 2)}": i for i in range(vocab - 2)}
+    words["<unk>"] = vocab - 2
+    words["<eos>"] = vocab - 1
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def tiny_llama(vocab: int = 96, seed: int = 0):
+    """A tiny random Llama causal LM (AutoTokenizer trusts a saved generic tokenizer for this model type)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Local model folders (config, safetensors, tokenizer): target, draft, and a draft with another tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=0)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.02 * torch.randn_like(p) * p.std())
+    dirs = {}
+    for name, model, shift in (("target", target, 0), ("draft", draft, 0), ("alien", draft, 7)):
+        path = root / name
+        model.save_pretrained(path)
+        tiny_tokenizer(shift=shift).save_pretrained(path)
+        dirs[name] = path
+    return dirs

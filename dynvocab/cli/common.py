@@ -37,6 +37,7 @@ def one_line_errors(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        quiet_transformers()
         try:
             return func(*args, **kwargs)
         except DynvocabError as exc:
@@ -50,6 +51,14 @@ def one_line_errors(func):
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' own progress bars and advisory logs off the terminal; the CLI renders progress."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
 
 
 def status_printer(quiet: bool = False):
