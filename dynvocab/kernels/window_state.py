@@ -1,0 +1,114 @@
+"""MicroSpec's sliding-window vocabulary state, kept on the device with no host sync per step (§3.2, §3.3).
+
+The window holds the last ``W_max`` (3072) entries of the candidate stream in a ring buffer; ``counts`` [V]
+(int32) holds how often each token occurs in it, so the active set ``I_t = Unique(Suffix(S, W_max))`` is the
+bitmap ``counts > 0``. A push writes the new entries over the oldest ones (FIFO) and adjusts the counts of the
+entries it evicts and adds.
+
+Implementation: on CUDA a push is one Triton kernel (``window_push_kernel``: a ring write plus atomic count
+updates); elsewhere, and as the reference the tests check the kernel against, it is a few torch index and
+``scatter_add_`` ops. Either way the write position is host arithmetic on the push length, so no step reads a
+device value back (no ``.item()``, ``.tolist()`` or ``nonzero``) except ``active_ids``, which the caller asks
+for explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynvocab.kernels._triton import check_launchable, triton_available
+
+W_MAX = 3072
+
+
+def window_push_reference(ring: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+    """Torch reference: write ``tokens`` [n] (n <= W) into ``ring`` [W] from slot ``start`` and update ``counts`` [V]."""
+    window = ring.numel()
+    slots = torch.arange(start, start + tokens.numel(), device=ring.device) % window  # [n]
+    old = ring[slots]  # [n] evicted entries, -1 = empty
+    counts.scatter_add_(0, old.clamp(min=0).long(), -(old >= 0).to(counts.dtype))
+    counts.scatter_add_(0, tokens.long(), torch.ones_like(tokens, dtype=counts.dtype))
+    ring[slots] = tokens.to(ring.dtype)
+
+
+def window_push(ring: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
+    """Triton kernel: the same update as ``window_push_reference``, in one launch.
+
+    Needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``.
+    """
+    if ring.dtype != torch.int32 or counts.dtype != torch.int32:
+        raise TypeError(f"ring and counts must be int32; got {ring.dtype}, {counts.dtype}")
+    if tokens.dtype not in (torch.int32, torch.int64) or tokens.dim() != 1 or not tokens.is_contiguous():
+        raise TypeError("tokens must be a contiguous 1-D int32/int64 tensor")
+    if tokens.numel() > ring.numel():
+        raise ValueError(f"push of {tokens.numel()} entries exceeds the window {ring.numel()}; keep the suffix")
+    check_launchable(ring, counts, tokens)
+    import triton
+
+    from dynvocab.kernels.window_state_triton import window_push_kernel
+
+    n = tokens.numel()
+    if n == 0:
+        return
+    block = 256
+    window_push_kernel[(triton.cdiv(n, block),)](ring, counts, tokens, n, start, ring.numel(), BLOCK=block)
+
+
+class WindowState:
+    """The last ``window`` stream entries and the active-token bitmap they define, all on one device."""
+
+    def __init__(self, vocab: int, window: int = W_MAX, device: torch.device | str | None = None):
+        self.vocab = vocab
+        self.window = window
+        self.ring = torch.full((window,), -1, dtype=torch.int32, device=device)  # [W] entries, -1 = empty
+        self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)  # [V] occurrences in the window
+        self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V] active at the last change query
+        self._pos = 0  # next ring slot to write (host arithmetic: no device read)
+        self.filled = 0  # entries in the window, <= W
+        self._use_kernel = self.ring.is_cuda and triton_available()
+
+    def reset(self) -> None:
+        """Empty the window."""
+        self.ring.fill_(-1)
+        self.counts.zero_()
+        self._seen.zero_()
+        self._pos = self.filled = 0
+
+    def push(self, tokens: torch.Tensor) -> None:
+        """Append stream entries ``tokens`` [n] (oldest first, duplicates allowed), evicting the oldest (FIFO).
+
+        A push longer than the window keeps only its last ``window`` entries, exactly as appending one by one.
+        """
+        tokens = tokens.reshape(-1)[-self.window:]  # [n <= W]
+        n = tokens.numel()
+        if n == 0:
+            return
+        tokens = tokens.to(self.ring.device).contiguous()
+        push = window_push if self._use_kernel else window_push_reference
+        push(self.ring, self.counts, tokens, self._pos)
+        self._pos = (self._pos + n) % self.window
+        self.filled = min(self.window, self.filled + n)
+
+    def active_mask(self) -> torch.Tensor:
+        """Bitmap [V] of the active set: tokens that occur in the window."""
+        return self.counts > 0
+
+    def active_count(self) -> torch.Tensor:
+        """Size of the active set, as a 0-d device tensor (reading it is the caller's sync)."""
+        return self.active_mask().sum()
+
+    def active_ids(self) -> torch.Tensor:
+        """Sorted ids [n] of the active set (``nonzero``: a host sync on CUDA)."""
+        return torch.nonzero(self.active_mask()).flatten()
+
+    def changed_since_last(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks [V] of tokens that entered and that left the active set since the previous call (or creation)."""
+        now = self.active_mask()  # [V]
+        entered = now & ~self._seen
+        left = self._seen & ~now
+        self._seen = now
+        return entered, left
+
+    def entries(self) -> torch.Tensor:
+        """The window's entries [filled], oldest first (for tests and debugging)."""
+        return torch.roll(self.ring, -self._pos)[self.window - self.filled:]
