@@ -57,7 +57,11 @@ def window_push(ring: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor, 
 class WindowState:
     """The last ``window`` stream entries and the active-token bitmap they define, all on one device."""
 
-    def __init__(self, vocab: int, window: int = W_MAX, device: torch.device | str | None = None):
+    def __init__(
+        self, vocab: int, window: int = W_MAX, device: torch.device | str | None = None, use_kernel: bool | None = None
+    ):
+        """An empty window of ``window`` entries over ``vocab`` tokens. ``use_kernel``: push with the Triton kernel
+        (default: on CUDA when Triton is installed; ``True`` on CPU needs ``TRITON_INTERPRET=1``)."""
         self.vocab = vocab
         self.window = window
         self.ring = torch.full((window,), -1, dtype=torch.int32, device=device)  # [W] entries, -1 = empty
@@ -65,7 +69,7 @@ class WindowState:
         self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V] active at the last change query
         self._pos = 0  # next ring slot to write (host arithmetic: no device read)
         self.filled = 0  # entries in the window, <= W
-        self._use_kernel = self.ring.is_cuda and triton_available()
+        self._use_kernel = self.ring.is_cuda and triton_available() if use_kernel is None else use_kernel
 
     def reset(self) -> None:
         """Empty the window."""

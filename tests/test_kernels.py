@@ -1,0 +1,142 @@
+"""The fused gathered-head kernels against their torch references (CPU under TRITON_INTERPRET=1, or CUDA)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Before any Triton kernel is decorated: the kernel modules load lazily, at their first launch.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dynvocab.kernels import (  # noqa: E402
+    batched_gathered_logits,
+    batched_gathered_logits_auto,
+    batched_gathered_logits_reference,
+    gathered_logits,
+    gathered_logits_auto,
+    gathered_logits_reference,
+    interpreting,
+    triton_available,
+)
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(), reason="CPU launches need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="no GPU")),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Against the float64 truth the kernels only add float32 summation error; the references round to the dtype.
+TRUTH_TOL = dict(rtol=1e-4, atol=1e-4)
+REF_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2),
+           torch.float16: dict(rtol=2e-3, atol=1e-2)}
+VOCAB = 300
+
+
+def operands(m, n, d, dtype, device, seed=0, row_stride=None):
+    """h [m, d], weight [VOCAB, d] (rows ``row_stride`` apart when given), idx [n] with repeats."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(m, d, generator=gen).to(device, dtype)
+    stride = row_stride or d
+    weight = torch.randn(VOCAB, stride, generator=gen).to(device, dtype)[:, :d]
+    idx = torch.randint(0, VOCAB, (n,), generator=gen).to(device)
+    return h, weight, idx
+
+
+def truth(h, weight, idx):
+    return (h.double() @ weight.double()[idx.long()].T).float()
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,d", [(1, 64), (37, 96), (200, 96), (130, 40)])
+def test_gathered_logits_matches_reference(device, dtype, m, n, d):
+    h, weight, idx = operands(m, n, d, dtype, device)
+    out = gathered_logits(h, weight, idx)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, truth(h, weight, idx), **TRUTH_TOL)
+    torch.testing.assert_close(out, gathered_logits_reference(h, weight, idx), **REF_TOL[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [20, 64])
+def test_gathered_logits_many_hidden_states(device, m):
+    """Tree/batch drafting: several BLOCK_M tiles of hidden states, strided weight rows, int32 ids."""
+    h, weight, idx = operands(m, 77, 96, torch.bfloat16, device, row_stride=128)
+    out = gathered_logits(h, weight, idx.int())
+    torch.testing.assert_close(out, truth(h, weight, idx), **TRUTH_TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_gathered_logits_empty(device):
+    h, weight, idx = operands(2, 0, 64, torch.float32, device)
+    assert gathered_logits(h, weight, idx).shape == (2, 0)
+
+
+@needs_triton
+def test_gathered_logits_rejects_bad_operands():
+    h, weight, idx = operands(2, 5, 64, torch.float32, "cpu")
+    with pytest.raises(TypeError):
+        gathered_logits(h.half(), weight, idx)
+    with pytest.raises(TypeError):
+        gathered_logits(h, weight, idx.float())
+    with pytest.raises(ValueError):
+        gathered_logits(h[:, :32], weight, idx)
+    with pytest.raises(ValueError):
+        gathered_logits(h.t().contiguous().t(), weight, idx)
+    with pytest.raises(ValueError):
+        gathered_logits(h, weight, idx.view(1, -1))
+
+
+def test_auto_uses_reference_on_cpu():
+    h, weight, idx = operands(3, 50, 96, torch.float32, "cpu")
+    assert torch.equal(gathered_logits_auto(h, weight, idx), gathered_logits_reference(h, weight, idx))
+
+
+def batched_operands(b, n, d, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(b, d, generator=gen).to(device, dtype)
+    weight = torch.randn(VOCAB, d, generator=gen).to(device, dtype)
+    idx = torch.randint(0, VOCAB, (b, n), generator=gen)
+    idx[torch.rand(b, n, generator=gen) < 0.3] = -1
+    idx[0, n // 2:] = -1  # a sequence with a shorter active set, padded at the end
+    return h, weight, idx.to(device)
+
+
+def check_batched(out, h, weight, idx, tol):
+    pad = idx < 0
+    assert torch.equal(torch.isneginf(out), pad)
+    expected = torch.einsum("bnd,bd->bn", weight.double()[idx.clamp(min=0)], h.double()).float()
+    torch.testing.assert_close(out[~pad], expected[~pad], **tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b,n,d", [(1, 1, 64), (4, 37, 96), (3, 130, 40)])
+def test_batched_gathered_logits_matches_reference(device, dtype, b, n, d):
+    h, weight, idx = batched_operands(b, n, d, dtype, device)
+    out = batched_gathered_logits(h, weight, idx)
+    assert out.shape == (b, n) and out.dtype == torch.float32
+    check_batched(out, h, weight, idx, TRUTH_TOL)
+    ref = batched_gathered_logits_reference(h, weight, idx)
+    assert torch.equal(torch.isneginf(ref), idx < 0)
+    torch.testing.assert_close(out, ref, **REF_TOL[dtype])
+
+
+def test_batched_reference_and_auto_on_cpu():
+    h, weight, idx = batched_operands(4, 37, 96, torch.float32, "cpu")
+    out = batched_gathered_logits_auto(h, weight, idx)
+    check_batched(out, h, weight, idx, REF_TOL[torch.float32])
+
+
+@needs_triton
+def test_batched_rejects_batch_mismatch():
+    h, weight, idx = batched_operands(4, 8, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError):
+        batched_gathered_logits(h[:3], weight, idx)

@@ -1,0 +1,108 @@
+"""MicroSpec's device-side sliding window against a plain-Python deque model (torch path and Triton kernel)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first (lazy) Triton kernel import
+
+from collections import Counter, deque  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dynvocab.kernels import WindowState, interpreting, triton_available, window_push, window_push_reference  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+kernel_runs_here = pytest.mark.skipif(
+    not triton_available() or (KERNEL_DEVICE == "cpu" and not interpreting()), reason="needs a GPU or the interpreter"
+)
+VOCAB = 50
+
+
+def random_pushes(steps: int, window: int, seed: int):
+    """Push lengths from 0 to past the window; tokens from a small range, so duplicates are common."""
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        length = int(torch.randint(0, window + 1, (1,), generator=gen))
+        if step % 9 == 4:
+            length = window + int(torch.randint(1, 2 * window, (1,), generator=gen))
+        high = 8 if step % 2 else VOCAB
+        yield torch.randint(0, high, (length,), generator=gen)
+
+
+def run_against_deque(state: WindowState, steps: int, seed: int) -> None:
+    window = deque(maxlen=state.window)
+    seen: set[int] = set()
+    for tokens in random_pushes(steps, state.window, seed):
+        state.push(tokens.to(state.ring.device))
+        window.extend(tokens.tolist())
+        counts = Counter(window)
+        expected = torch.tensor([counts[t] for t in range(VOCAB)], dtype=torch.int32)
+        assert torch.equal(state.counts.cpu(), expected)
+        assert state.entries().tolist() == list(window)
+        assert state.filled == len(window)
+        active = set(counts)
+        assert state.active_ids().tolist() == sorted(active)
+        assert int(state.active_count()) == len(active)
+        entered, left = state.changed_since_last()
+        assert torch.nonzero(entered).flatten().tolist() == sorted(active - seen)
+        assert torch.nonzero(left).flatten().tolist() == sorted(seen - active)
+        seen = active
+
+
+@pytest.mark.parametrize("window", [1, 7, 32])
+def test_torch_window_matches_deque(window):
+    run_against_deque(WindowState(VOCAB, window=window, device="cpu", use_kernel=False), steps=60, seed=window)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("window", [7, 300])
+def test_kernel_window_matches_deque(window):
+    state = WindowState(VOCAB, window=window, device=KERNEL_DEVICE, use_kernel=True)
+    run_against_deque(state, steps=30, seed=window + 1)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_push_kernel_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    ring = torch.full((600,), -1, dtype=torch.int32)
+    counts = torch.zeros(VOCAB, dtype=torch.int32)
+    ring_k, counts_k = ring.to(KERNEL_DEVICE), counts.to(KERNEL_DEVICE)
+    start = 0
+    for length in (0, 1, 255, 256, 257, 600, 599, 33):
+        tokens = torch.randint(0, 20, (length,), generator=gen, dtype=dtype)
+        window_push_reference(ring, counts, tokens, start)
+        window_push(ring_k, counts_k, tokens.to(KERNEL_DEVICE), start)
+        start = (start + length) % ring.numel()
+        assert torch.equal(ring_k.cpu(), ring) and torch.equal(counts_k.cpu(), counts)
+
+
+def test_window_default_size_and_reset():
+    state = WindowState(151936)
+    assert state.window == 3072
+    state.push(torch.arange(5000))
+    assert state.filled == 3072 and int(state.active_count()) == 3072
+    assert state.active_ids()[0] == 5000 - 3072
+    state.reset()
+    assert state.filled == 0 and int(state.active_count()) == 0 and (state.ring == -1).all()
+
+
+def test_push_and_masks_never_read_the_device(monkeypatch):
+    """No .item()/.tolist()/nonzero/bool() of a tensor in push, active_mask or changed_since_last."""
+    state = WindowState(VOCAB, window=16, use_kernel=False)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host read of a device tensor")
+
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    monkeypatch.setattr(torch, "nonzero", forbidden)
+    for length in (3, 16, 40, 0, 9):
+        state.push(torch.randint(0, VOCAB, (length,)))
+        state.active_mask()
+        state.changed_since_last()
+    monkeypatch.undo()
+    assert state.filled == 16
