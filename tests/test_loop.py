@@ -10,6 +10,7 @@ from dynvocab.runtime.head import PackedHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
+from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
 
 VOCAB = 96
@@ -42,6 +43,7 @@ def make_policy(kind: str, seed: int) -> VocabPolicy:
         "fr": lambda: FrequencyPolicy(ranking[:50]),
         "fr-pa": lambda: PositionAwareFrequencyPolicy(ranking, k_max=70),
         "random": lambda: ChangingPolicy(seed),
+        "microspec": lambda: MicroSpecPolicy(MicroSpecConfig(window=24), VOCAB, "cpu"),
     }[kind]()
 
 
@@ -51,7 +53,7 @@ def pair(tiny_pair):
     return CausalLM(target), CausalLM(draft)
 
 
-@pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random"])
+@pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random", "microspec"])
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_is_lossless(pair, kind, seed):
     target, draft = pair

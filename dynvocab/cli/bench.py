@@ -20,7 +20,10 @@ from dynvocab.cli.common import (
     FrSize,
     Gamma,
     MaxNew,
+    KPre,
+    KVer,
     PaKMax,
+    Window,
     Target,
     TokenMap,
     check_dtype_device,
@@ -29,6 +32,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.policies.microspec import MicroSpecConfig
 from dynvocab.runtime.prompts import load_prompts
 from dynvocab.runtime.strategies import StrategyOptions, parse_strategies
 
@@ -48,6 +52,9 @@ def bench(
     token_map: TokenMap = None,
     fr_size: FrSize = None,
     pa_k_max: PaKMax = None,
+    k_pre: KPre = MicroSpecConfig.k_pre,
+    k_ver: KVer = MicroSpecConfig.k_ver,
+    window: Window = MicroSpecConfig.window,
     device: Device = None,
     dtype: Dtype = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode prompts as plain text.")] = False,
@@ -62,7 +69,12 @@ def bench(
     rows = load_prompts(prompts, _split(ids), _split(tasks))
     if json_path is not None and not json_path.parent.exists():
         raise DynvocabError(f"folder {json_path.parent} for --json does not exist")
-    options = StrategyOptions(token_map=token_map, fr_size=fr_size, pa_k_max=pa_k_max)
+    options = StrategyOptions(
+        token_map=token_map,
+        fr_size=fr_size,
+        pa_k_max=pa_k_max,
+        microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
+    )
     cfg = BenchConfig(
         strategies=tuple(names),
         decode=DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed),

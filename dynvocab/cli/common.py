@@ -79,3 +79,6 @@ def check_dtype_device(device: str | None, dtype: str | None) -> None:
 def stdout_is_terminal() -> bool:
     """Whether stdout is a terminal (stream text only there or when asked)."""
     return sys.stdout.isatty()
+KPre = Annotated[int, typer.Option(min=1, help="microspec: target top-K_pre per prompt position joining the stream.")]
+KVer = Annotated[int, typer.Option(min=1, help="microspec: target top-K_ver per verified position joining the stream.")]
+Window = Annotated[int, typer.Option(min=1, help="microspec: W_max, the stream entries the active set is drawn from.")]

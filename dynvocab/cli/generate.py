@@ -15,7 +15,10 @@ from dynvocab.cli.common import (
     FrSize,
     Gamma,
     MaxNew,
+    KPre,
+    KVer,
     PaKMax,
+    Window,
     Target,
     TokenMap,
     check_dtype_device,
@@ -25,6 +28,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.policies.microspec import MicroSpecConfig
 from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.strategies import AVAILABLE, StrategyOptions, check_strategy
 
@@ -43,6 +47,9 @@ def generate(
     token_map: TokenMap = None,
     fr_size: FrSize = None,
     pa_k_max: PaKMax = None,
+    k_pre: KPre = MicroSpecConfig.k_pre,
+    k_ver: KVer = MicroSpecConfig.k_ver,
+    window: Window = MicroSpecConfig.window,
     device: Device = None,
     dtype: Dtype = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode the prompt as plain text.")] = False,
@@ -58,7 +65,12 @@ def generate(
     check_dtype_device(device, dtype)
     if top_p <= 0.0:
         raise DynvocabError("--top-p must be in (0, 1]")
-    options = StrategyOptions(token_map=token_map, fr_size=fr_size, pa_k_max=pa_k_max)
+    options = StrategyOptions(
+        token_map=token_map,
+        fr_size=fr_size,
+        pa_k_max=pa_k_max,
+        microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
+    )
     session = Session(ModelConfig(target, draft, device, dtype), need_draft=strategy != "ar", status=status_printer(quiet))
     prompt_ids = encode_prompt(session.tokenizer, [{"role": "user", "content": prompt}], not no_chat_template)
     decode = DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)

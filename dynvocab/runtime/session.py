@@ -87,7 +87,7 @@ class Session:
             return speculative_generate(self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens)
         if self.draft is None:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
-        policy = make_policy(strategy, options, self.draft.vocab_size, self.eos_ids)
+        policy = make_policy(strategy, options, self.draft.vocab_size, self.eos_ids, self.draft.device)
         head = PackedHead(self.draft.weight, self.draft.bias, self.draft.softcap)
         return speculative_generate(
             self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens

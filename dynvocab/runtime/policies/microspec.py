@@ -1,0 +1,76 @@
+"""MicroSpec: a training-free in-context vocabulary from a FIFO window over a candidate token stream.
+
+The stream starts with the prompt tokens and the target's top-K_pre at every prompt position; after each
+cycle it grows by the draft's tokens (with chain drafting also the draft's top alternatives per step) and the
+target's top-K_ver at the verified positions. The active set is the unique tokens of the last W_max entries.
+Defaults from the paper: K_pre = K_ver = 3, W_max = 3072.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dynvocab.kernels.window_state import WindowState
+from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+
+
+@dataclass(frozen=True)
+class MicroSpecConfig:
+    """MicroSpec's knobs (paper §4.1 defaults)."""
+
+    k_pre: int = 3
+    k_ver: int = 3
+    window: int = 3072
+    draft_alternatives: int = 3  # chain drafting: the draft's top-k at each step join the stream
+
+
+class MicroSpecPolicy(VocabPolicy):
+    """The unique tokens of the last ``window`` stream entries, plus the EOS ids (so drafts can end)."""
+
+    name = "microspec"
+    prefill_logits = True
+
+    def __init__(self, cfg: MicroSpecConfig, vocab_size: int, device, pinned: torch.Tensor | None = None):
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.draft_topk = cfg.draft_alternatives
+        self.state = WindowState(vocab_size, cfg.window, device=device)
+        self.pinned = torch.empty(0, dtype=torch.long, device=device) if pinned is None else pinned.to(device)
+        self.ids = self.pinned
+
+    def prefill(self, prompt_ids, target_logits, target_hidden) -> None:
+        """S_init = prompt ⊕ ∪_i top-K_pre(z_i) (the last prompt position arrives with the first cycle)."""
+        self.state.push(prompt_ids[prompt_ids < self.vocab_size])
+        if target_logits is not None and target_logits.numel():
+            top = target_logits[:, : self.vocab_size].topk(self.cfg.k_pre, dim=-1).indices  # [L-1, K_pre]
+            self.state.push(_unique_in_order(top.flatten()))
+        self._refresh()
+
+    def active_ids(self, step: int) -> torch.Tensor:
+        """The same window set at every draft step of a cycle."""
+        return self.ids
+
+    def observe(self, cycle: CycleReport) -> None:
+        """S ← S ⊕ C_draft ⊕ C_ver, then take the unique tokens of the last W_max entries."""
+        device = self.ids.device
+        drafted = [torch.tensor(cycle.draft_tokens, dtype=torch.long, device=device), *cycle.draft_top]
+        c_draft = _unique_in_order(torch.cat(drafted)) if cycle.draft_tokens else drafted[0]
+        verified = cycle.target_logits[: cycle.accepted + 1, : self.vocab_size]  # [k+1, V] on the accepted path
+        c_ver = _unique_in_order(verified.topk(self.cfg.k_ver, dim=-1).indices.flatten())
+        self.state.push(torch.cat([c_draft, c_ver]))
+        self._refresh()
+
+    def _refresh(self) -> None:
+        mask = self.state.active_mask().clone()
+        mask[self.pinned] = True
+        self.ids = torch.nonzero(mask).flatten()
+
+
+def _unique_in_order(ids: torch.Tensor) -> torch.Tensor:
+    """Distinct ids of a 1-D tensor, in order of first appearance."""
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    first = torch.full((uniq.numel(),), ids.numel(), dtype=torch.long, device=ids.device)
+    first.scatter_reduce_(0, inverse, torch.arange(ids.numel(), device=ids.device), reduce="amin")
+    return uniq[first.argsort()]

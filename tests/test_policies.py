@@ -1,0 +1,98 @@
+"""Each policy's own logic: FR prefixes, the position-aware budget, MicroSpec's FIFO window."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+from dynvocab.runtime.policies import CycleReport, FrequencyPolicy, PositionAwareFrequencyPolicy, pa_budget
+from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
+
+
+def test_pa_budget_follows_dynaspec():
+    assert [pa_budget(32768, t) for t in range(5)] == [32768, 32768, 10922, 8192, 6553]
+    assert [pa_budget(64, t, divisor=2) for t in range(5)] == [64, 64, 10, 8, 6]
+    assert pa_budget(3, 10) == 1
+
+
+def test_fr_pa_prefixes_share_one_tensor_and_keep_eos():
+    ranking = torch.arange(100, 200)
+    policy = PositionAwareFrequencyPolicy(ranking, k_max=60, always=torch.tensor([5]))
+    sets = [policy.active_ids(t) for t in range(4)]
+    assert [s.numel() for s in sets] == [60, 60, 20, 15]
+    assert all(5 in s.tolist() for s in sets)
+    assert all(s.data_ptr() == sets[0].data_ptr() for s in sets)
+
+
+def test_fr_returns_the_same_object_each_step():
+    policy = FrequencyPolicy(torch.arange(50), size=10)
+    assert policy.active_ids(0) is policy.active_ids(3)
+    assert policy.active_ids(0).tolist() == list(range(10))
+
+
+def test_unique_in_order():
+    assert _unique_in_order(torch.tensor([5, 3, 5, 1, 3, 9])).tolist() == [5, 3, 1, 9]
+
+
+def cycle(draft, accepted, logits, top=()):
+    return CycleReport(
+        position=0, draft_tokens=draft, draft_top=list(top), accepted=accepted, emitted=[],
+        target_logits=logits, target_hidden=torch.zeros(len(draft) + 1, 2),
+    )
+
+
+class StreamModel:
+    """MicroSpec written the slow, obvious way: a list stream and a set over its last W entries."""
+
+    def __init__(self, window):
+        self.stream = deque(maxlen=window)
+
+    def extend(self, ids):
+        self.stream.extend(ids)
+
+    def active(self, pinned=()):
+        return sorted(set(self.stream) | set(pinned))
+
+
+def test_microspec_matches_the_obvious_stream_model():
+    vocab, window = 50, 12
+    cfg = MicroSpecConfig(k_pre=2, k_ver=2, window=window, draft_alternatives=0)
+    policy = MicroSpecPolicy(cfg, vocab, "cpu", pinned=torch.tensor([49]))
+    model = StreamModel(window)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.tensor([1, 2, 3, 2])
+    prefill = torch.randn(3, vocab, generator=gen)
+    policy.prefill(prompt, prefill, None)
+    model.extend(prompt.tolist())
+    model.extend(_unique_in_order(prefill.topk(2, dim=-1).indices.flatten()).tolist())
+    assert policy.active_ids(0).tolist() == model.active([49])
+    for _ in range(20):
+        draft = torch.randint(0, vocab, (3,), generator=gen).tolist()
+        accepted = int(torch.randint(0, 4, (1,), generator=gen))
+        logits = torch.randn(4, vocab, generator=gen)
+        policy.observe(cycle(draft, accepted, logits))
+        model.extend(list(dict.fromkeys(draft)))
+        model.extend(_unique_in_order(logits[: accepted + 1].topk(2, dim=-1).indices.flatten()).tolist())
+        assert policy.active_ids(0).tolist() == model.active([49])
+        assert policy.active_ids(0) is policy.active_ids(2)
+
+
+def test_microspec_adds_draft_alternatives_and_only_verified_positions():
+    vocab = 40
+    policy = MicroSpecPolicy(MicroSpecConfig(k_pre=1, k_ver=1, window=100, draft_alternatives=2), vocab, "cpu")
+    policy.prefill(torch.tensor([0]), None, None)
+    logits = torch.full((3, vocab), -1.0)
+    logits[0, 10] = logits[1, 11] = logits[2, 12] = 5.0
+    policy.observe(cycle([20, 21], accepted=1, logits=logits, top=[torch.tensor([20, 30]), torch.tensor([21, 31])]))
+    active = set(policy.active_ids(0).tolist())
+    assert {0, 20, 21, 30, 31, 10, 11} <= active
+    assert 12 not in active  # position 2 lies past the first rejection: not verified
+
+
+@pytest.mark.parametrize("window", [4, 3072])
+def test_microspec_window_bounds_the_active_set(window):
+    policy = MicroSpecPolicy(MicroSpecConfig(window=window), 5000, "cpu")
+    policy.prefill(torch.arange(4000), torch.randn(3999, 5000), None)
+    assert policy.active_ids(0).numel() <= window
