@@ -65,7 +65,8 @@ def random_sets(steps: int, seed: int):
             pool = torch.ones(VOCAB, dtype=torch.bool)
             pool[keep] = False
             candidates = torch.nonzero(pool).flatten()
-            add = candidates[torch.randperm(candidates.numel(), generator=gen)[: int(torch.randint(0, 15, (1,), generator=gen))]]
+            n_add = int(torch.randint(0, 15, (1,), generator=gen))
+            add = candidates[torch.randperm(candidates.numel(), generator=gen)[:n_add]]
             current = torch.cat([keep, add])[torch.randperm(keep.numel() + add.numel(), generator=gen)]
         yield current
 

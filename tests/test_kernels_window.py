@@ -11,7 +11,13 @@ from collections import Counter, deque  # noqa: E402
 
 import pytest  # noqa: E402
 
-from dynvocab.kernels import WindowState, interpreting, triton_available, window_push, window_push_reference  # noqa: E402
+from dynvocab.kernels import (  # noqa: E402
+    WindowState,
+    interpreting,
+    triton_available,
+    window_push,
+    window_push_reference,
+)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"

@@ -76,9 +76,10 @@ def run_kernel_bench(
     """Time every head method for each M in ``ms`` and active size in ``sizes`` on a random W [vocab, dim].
 
     Returns a JSON-ready dict: ``device``, ``device_name``, ``dtype``, ``vocab``, ``dim``, ``repeats``,
-    ``bandwidth_gbps`` (measured device copy), ``theoretical_gbps`` (CUDA properties, else None), ``methods``,
-    ``threads`` (CPU intra-op threads; ``threads`` sets them for the run), ``notes``, and ``results``: one row per (method, m, rows) with ``time_ms`` (median), ``gbps`` and
-    ``bw_frac`` (achieved / measured bandwidth). ``repack`` rows have ``m = None`` (no hidden states).
+    ``threads`` (CPU intra-op threads in use; the ``threads`` argument sets them for the run), ``bandwidth_gbps``
+    (measured device copy), ``theoretical_gbps`` (CUDA properties, else None), ``methods``, ``notes``, and
+    ``results``: one row per (method, m, rows) with ``time_ms`` (median), ``gbps`` and ``bw_frac`` (achieved /
+    measured bandwidth). ``repack`` rows have ``m = None`` (no hidden states).
     """
     with cpu_threads(threads):
         return _run_kernel_bench(_resolve_device(device), resolve_dtype(dtype), vocab, dim, sizes, ms, repeats,
@@ -159,7 +160,8 @@ def render_kernel_table(result: dict) -> Table:
     """A rich table of a ``run_kernel_bench`` result: one row per (M, active rows), one column per method;
     each cell is the median time over its achieved GB/s and that rate's share of the measured bandwidth."""
     table = Table(
-        title=f"LM-head kernels · {result['device_name']} · {result['dtype']} · V={result['vocab']} d={result['dim']}"
+        title=f"LM-head kernels · {result['device_name']} · {result['dtype']} · "
+        f"V={result['vocab']} d={result['dim']}"
     )
     methods = result["methods"]
     table.add_column("M", justify="right")
@@ -173,7 +175,10 @@ def render_kernel_table(result: dict) -> Table:
         for s in sizes:
             cells = []
             for method in methods:
-                key = (method, m, result["vocab"]) if method == "full" else (method, None if method == "repack" else m, s)
+                if method == "full":
+                    key = (method, m, result["vocab"])
+                else:
+                    key = (method, None if method == "repack" else m, s)
                 cells.append(_cell(by_key.get(key)))
             table.add_row(str(m), str(s), *cells)
         table.add_section()

@@ -22,7 +22,7 @@ W_MAX = 3072
 
 
 def window_push_reference(ring: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor, start: int) -> None:
-    """Torch reference: write ``tokens`` [n] (n <= W) into ``ring`` [W] from slot ``start`` and update ``counts`` [V]."""
+    """Torch reference: write ``tokens`` [n] (n <= W) into ``ring`` [W] from slot ``start``; update ``counts`` [V]."""
     window = ring.numel()
     slots = torch.arange(start, start + tokens.numel(), device=ring.device) % window  # [n]
     old = ring[slots]  # [n] evicted entries, -1 = empty
@@ -79,7 +79,8 @@ class WindowState:
         self._pos = self.filled = 0
 
     def push(self, tokens: torch.Tensor) -> None:
-        """Append stream entries ``tokens`` [n] (oldest first, duplicates allowed), evicting the oldest (FIFO).
+        """Append stream entries ``tokens`` [n] (ids in ``[0, vocab)``, oldest first, duplicates allowed),
+        evicting the oldest (FIFO).
 
         A push longer than the window keeps only its last ``window`` entries, exactly as appending one by one.
         """
