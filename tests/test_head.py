@@ -65,3 +65,20 @@ def test_softcap_applies(weight):
     h = torch.randn(1, 16) * 10
     logits, _ = head.logits(h, torch.arange(10))
     assert logits.abs().max() <= 2.0
+
+
+def test_draft_head_segments_concatenate_and_keep_their_own_buffers(weight):
+    from dynvocab.runtime.head import DraftHead, active_contains, active_size
+
+    head = DraftHead(weight)
+    h = torch.randn(1, 16)
+    core = torch.arange(100, 160)
+    for step, k in enumerate((60, 60, 20, 15)):
+        window = torch.tensor([3, 5, 7 + step])
+        logits, cols = head.logits(h, (window, core[:k]))
+        assert cols.tolist() == window.tolist() + core[:k].tolist() or sorted(cols[:3].tolist()) == sorted(window.tolist())
+        torch.testing.assert_close(logits, h @ weight[cols].T)
+    assert head.segments[1].rows_copied == 60  # the core was packed once; its prefixes are slices
+    assert active_size((window, core[:15]), 200) == 18
+    assert active_contains((window, core[:15]), 114) and not active_contains((window, core[:15]), 115)
+    assert active_contains(None, 5)

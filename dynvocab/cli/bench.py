@@ -14,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dynvocab.cli.common import (
+    BundleOpt,
+    Threads,
     Device,
     Draft,
     Dtype,
@@ -28,6 +30,7 @@ from dynvocab.cli.common import (
     TokenMap,
     check_dtype_device,
     one_line_errors,
+    set_threads,
     status_printer,
 )
 from dynvocab.errors import DynvocabError
@@ -39,7 +42,9 @@ from dynvocab.runtime.strategies import StrategyOptions, parse_strategies
 
 @one_line_errors
 def bench(
-    prompts: Annotated[str, typer.Option("--prompts", help="JSONL prompt file: rows with id, task, and prompt or messages.")],
+    prompts: Annotated[
+        Optional[str], typer.Option("--prompts", help="JSONL prompt file: rows with id, task, and prompt or messages.")
+    ] = None,
     strategies: Annotated[str, typer.Option(help="Comma-separated strategies, e.g. ar,full,fr.")] = "ar,full",
     ids: Annotated[Optional[str], typer.Option(help="Comma-separated prompt ids to run (default: all).")] = None,
     tasks: Annotated[Optional[str], typer.Option(help="Comma-separated tasks to run (default: all).")] = None,
@@ -55,20 +60,31 @@ def bench(
     k_pre: KPre = MicroSpecConfig.k_pre,
     k_ver: KVer = MicroSpecConfig.k_ver,
     window: Window = MicroSpecConfig.window,
+    bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
+    threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode prompts as plain text.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the full results (generations, summary) here.")] = None,
+    kernels: Annotated[
+        bool, typer.Option("--kernels", help="Instead: microbenchmark the draft-head paths (full, 32k, gathered, packed).")
+    ] = False,
 ) -> None:
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON."""
     from dynvocab.runtime.bench import BenchConfig, run_bench
     from dynvocab.runtime.session import ModelConfig, Session
 
-    names = parse_strategies(strategies)
     check_dtype_device(device, dtype)
-    rows = load_prompts(prompts, _split(ids), _split(tasks))
     if json_path is not None and not json_path.parent.exists():
         raise DynvocabError(f"folder {json_path.parent} for --json does not exist")
+    set_threads(threads)
+    if kernels:
+        _kernel_bench(device, dtype, json_path, threads)
+        return
+    names = parse_strategies(strategies)
+    if prompts is None:
+        raise DynvocabError("bench needs --prompts FILE.jsonl (or --kernels for the head microbenchmark)")
+    rows = load_prompts(prompts, _split(ids), _split(tasks))
     options = StrategyOptions(
         token_map=token_map,
         fr_size=fr_size,
@@ -82,7 +98,7 @@ def bench(
         chat_template=not no_chat_template,
     )
     needs_draft = any(n != "ar" for n in names)
-    session = Session(ModelConfig(target, draft, device, dtype), need_draft=needs_draft, status=status_printer())
+    session = Session(ModelConfig(target, draft, device, dtype), need_draft=needs_draft, status=status_printer(), bundle=bundle)
     console = Console(stderr=True)
     with Progress(
         TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -97,6 +113,20 @@ def bench(
     Console().print(render_table(results))
     if json_path is not None:
         write_json_atomic(json_path, results)
+        console.print(f"wrote {json_path}")
+
+
+def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None, threads: int | None) -> None:
+    from dynvocab.kernels.microbench import render_kernel_table, run_kernel_bench
+    from dynvocab.models import default_device
+
+    device = device or default_device()
+    console = Console(stderr=True)
+    with console.status("timing draft-head paths…"):
+        result = run_kernel_bench(device=device, dtype=dtype or "float32", threads=threads)
+    Console().print(render_kernel_table(result))
+    if json_path is not None:
+        write_json_atomic(json_path, result)
         console.print(f"wrote {json_path}")
 
 

@@ -82,3 +82,18 @@ def stdout_is_terminal() -> bool:
 KPre = Annotated[int, typer.Option(min=1, help="microspec: target top-K_pre per prompt position joining the stream.")]
 KVer = Annotated[int, typer.Option(min=1, help="microspec: target top-K_ver per verified position joining the stream.")]
 Window = Annotated[int, typer.Option(min=1, help="microspec: W_max, the stream entries the active set is drawn from.")]
+BundleOpt = Annotated[
+    Optional[str], typer.Option("--bundle", help="Bundle from `dynvocab build-index` (freq ranking for fr/fr-pa, …).")
+]
+Threads = Annotated[
+    Optional[int],
+    typer.Option(min=1, help="CPU threads for torch (default: torch's choice; 1 is steadier on a shared machine)."),
+]
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply --threads."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

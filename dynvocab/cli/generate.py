@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from dynvocab.cli.common import (
+    BundleOpt,
+    Threads,
     Device,
     Draft,
     Dtype,
@@ -24,6 +26,7 @@ from dynvocab.cli.common import (
     check_dtype_device,
     err_console,
     one_line_errors,
+    set_threads,
     status_printer,
 )
 from dynvocab.errors import DynvocabError
@@ -50,8 +53,10 @@ def generate(
     k_pre: KPre = MicroSpecConfig.k_pre,
     k_ver: KVer = MicroSpecConfig.k_ver,
     window: Window = MicroSpecConfig.window,
+    bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
+    threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode the prompt as plain text.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, strategy, metrics) as the last line.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No loading messages.")] = False,
@@ -71,7 +76,10 @@ def generate(
         pa_k_max=pa_k_max,
         microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
     )
-    session = Session(ModelConfig(target, draft, device, dtype), need_draft=strategy != "ar", status=status_printer(quiet))
+    set_threads(threads)
+    session = Session(
+        ModelConfig(target, draft, device, dtype), need_draft=strategy != "ar", status=status_printer(quiet), bundle=bundle
+    )
     prompt_ids = encode_prompt(session.tokenizer, [{"role": "user", "content": prompt}], not no_chat_template)
     decode = DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
 

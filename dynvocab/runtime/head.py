@@ -123,3 +123,53 @@ class PackedHead:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class DraftHead:
+    """The draft head over an active set given as None (full), one id tensor, or disjoint segments.
+
+    Each segment position has its own :class:`PackedHead`, so a policy can combine a set that changes every
+    cycle (a context window) with nested prefixes of a fixed ranking (a static core that shrinks with the
+    draft position) and neither segment copies rows the other one changed.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
+        self.weight = weight  # [V, d]
+        self.bias = bias
+        self.softcap = softcap
+        self.segments: list[PackedHead] = []
+
+    @property
+    def rows_copied(self) -> int:
+        """Rows gathered into packed buffers so far (all segments)."""
+        return sum(p.rows_copied for p in self.segments)
+
+    def _segment(self, i: int) -> PackedHead:
+        while len(self.segments) <= i:
+            self.segments.append(PackedHead(self.weight, self.bias, self.softcap))
+        return self.segments[i]
+
+    def logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [m, n] and the token id of each column [n] (None = the full vocabulary, column j is id j)."""
+        if active is None or isinstance(active, torch.Tensor):
+            return self._segment(0).logits(hidden, active)
+        parts = [self._segment(i).logits(hidden, ids) for i, ids in enumerate(active) if ids.numel()]
+        return torch.cat([p[0] for p in parts], dim=-1), torch.cat([p[1] for p in parts])
+
+
+def active_size(active, vocab: int) -> int:
+    """Number of ids in an active set (None = the full vocabulary)."""
+    if active is None:
+        return vocab
+    if isinstance(active, torch.Tensor):
+        return active.numel()
+    return sum(ids.numel() for ids in active)
+
+
+def active_contains(active, token: int) -> bool:
+    """Whether ``token`` is in an active set."""
+    if active is None:
+        return True
+    if isinstance(active, torch.Tensor):
+        return bool((active == token).any())
+    return any(bool((ids == token).any()) for ids in active)

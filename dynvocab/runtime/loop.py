@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from dynvocab.runtime.head import PackedHead
+from dynvocab.runtime.head import DraftHead, active_contains, active_size
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
@@ -69,7 +69,7 @@ def speculative_generate(
     cfg: DecodeConfig,
     eos_ids: set[int],
     draft: CausalLM | None = None,
-    head: PackedHead | None = None,
+    head: DraftHead | None = None,
     policy: VocabPolicy | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> Generation:
@@ -114,7 +114,7 @@ def speculative_generate(
 
         t_draft = clock()
         steps: list[DraftStep] = []
-        actives: list[torch.Tensor | None] = []
+        actives: list = []  # the active set of each draft step
         tops: list[torch.Tensor] = []
         feed = torch.tensor(tokens[draft.length:] if gamma else [], dtype=torch.long, device=device)
         for j in range(gamma):
@@ -124,7 +124,7 @@ def speculative_generate(
             logits, cols = head.logits(hidden, ids)  # [1, n_active], [n_active] or None
             m.head_s += clock() - t_head
             actives.append(ids)
-            active_total += head.weight.shape[0] if ids is None else ids.numel()
+            active_total += active_size(ids, head.weight.shape[0])
             row = logits[0]
             if sampling.greedy:
                 col = int(row.argmax())
@@ -163,13 +163,13 @@ def speculative_generate(
         for j in range(gamma):
             drafted_at[j] += 1
             accepted_at[j] += j < k
-        if k < gamma and k < len(emitted) and policy is not None:
-            ids = actives[k]
-            counted += 1
-            covered += ids is None or bool((ids == emitted[k]).any())
-        counted_acc = min(k, len(emitted))
-        counted += counted_acc
-        covered += counted_acc
+        # Coverage: accepted tokens were drafted from the active set; the correction at position k < γ is
+        # covered when it was inside the active set of draft step k. A bonus after full acceptance had no step.
+        in_steps = min(k + 1, gamma, len(emitted))
+        counted += in_steps
+        covered += min(k, in_steps)
+        if k < in_steps:
+            covered += active_contains(actives[k], emitted[k])
         m.cycles += 1
         lengths.append(len(emitted))
         tokens.extend(emitted)

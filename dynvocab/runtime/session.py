@@ -14,10 +14,10 @@ from dynvocab.models import (
     match_vocabularies,
     resolve_model,
 )
-from dynvocab.runtime.head import PackedHead
+from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, Generation, speculative_generate
-from dynvocab.runtime.strategies import StrategyOptions, make_policy
+from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,13 @@ def eos_token_ids(tokenizer, model) -> set[int]:
 class Session:
     """Target and draft loaded once; ``generate`` runs any strategy on them."""
 
-    def __init__(self, cfg: ModelConfig, need_draft: bool = True, status: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        need_draft: bool = True,
+        status: Callable[[str], None] | None = None,
+        bundle: str | None = None,
+    ):
         say = status or (lambda msg: None)
         self.device = cfg.device or default_device()
         self.dtype = cfg.dtype or default_dtype(self.device)
@@ -71,6 +77,15 @@ class Session:
             rows_d = draft_model.get_output_embeddings().weight.shape[0]
             self.match = match_vocabularies(self.tokenizer, draft_tokenizer, rows_t, rows_d)
             self.draft = CausalLM(draft_model, vocab_rows=self.match.shared)
+        self.bundle = None
+        if bundle is not None:
+            from dynvocab.artifacts import ModelFingerprint, load_bundle
+
+            say(f"loading bundle {bundle}")
+            self.bundle = load_bundle(bundle)
+            target_fp = ModelFingerprint.of_model(self.tokenizer, target_model, cfg.target)
+            draft_fp = None if draft_spec is None else ModelFingerprint.of_model(draft_tokenizer, draft_model, cfg.draft)
+            self.bundle.check_models(target_fp, draft_fp)
 
     def generate(
         self,
@@ -87,8 +102,9 @@ class Session:
             return speculative_generate(self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens)
         if self.draft is None:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
-        policy = make_policy(strategy, options, self.draft.vocab_size, self.eos_ids, self.draft.device)
-        head = PackedHead(self.draft.weight, self.draft.bias, self.draft.softcap)
+        ctx = PolicyContext(self.draft.vocab_size, self.eos_ids, self.draft.device, self.bundle)
+        policy = make_policy(strategy, options, ctx)
+        head = DraftHead(self.draft.weight, self.draft.bias, self.draft.softcap)
         return speculative_generate(
             self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens
         )

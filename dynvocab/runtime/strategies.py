@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,16 +13,32 @@ from dynvocab.runtime.token_map import load_token_map
 
 ALL_STRATEGIES = ("ar", "full", "fr", "fr-pa", "dynaspec", "microspec", "evospec", "hybrid")
 AVAILABLE = ("ar", "full", "fr", "fr-pa", "microspec")
+FR_SIZE = 32768  # FR-Spec's K when the ranking comes from a bundle
 
 
 @dataclass(frozen=True)
 class StrategyOptions:
-    """Options of the strategies; each default lives here (FR-Spec: K = 32768)."""
+    """Options of the strategies; each default lives here or in the strategy's own config."""
 
     token_map: str | None = None
-    fr_size: int | None = None  # use only the first K ids of the map (default: all of it)
-    pa_k_max: int | None = None  # fr-pa's k_max (default: the map's size)
-    microspec: MicroSpecConfig = MicroSpecConfig()
+    fr_size: int | None = None  # use only the first K ids of the ranking (default: the map, or 32768 of a bundle)
+    pa_k_max: int | None = None  # fr-pa's k_max (default: the FR size)
+    microspec: MicroSpecConfig = field(default_factory=MicroSpecConfig)
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may need from the session: the draft's usable vocabulary, EOS ids, device, bundle."""
+
+    vocab_size: int
+    eos_ids: set[int]
+    device: torch.device | str = "cpu"
+    bundle: object | None = None  # dynvocab.artifacts.Bundle, already checked against the models
+
+    @property
+    def eos(self) -> torch.Tensor:
+        """EOS ids the draft can propose, LongTensor [E]."""
+        return torch.tensor(sorted(i for i in self.eos_ids if i < self.vocab_size), dtype=torch.long)
 
 
 def parse_strategies(text: str) -> list[str]:
@@ -43,25 +59,39 @@ def check_strategy(name: str) -> None:
         raise DynvocabError(f"strategy '{name}' is not available in this version; use one of {', '.join(AVAILABLE)}")
 
 
-def make_policy(
-    name: str, opts: StrategyOptions, vocab_size: int, eos_ids: set[int], device="cpu"
-) -> VocabPolicy | None:
-    """Build the policy of strategy ``name`` for a draft with ``vocab_size`` usable rows (None for ``ar``)."""
+def frequency_ranking(opts: StrategyOptions, ctx: PolicyContext, name: str) -> torch.Tensor:
+    """The FR ranking: the token map if given, else the bundle's ``freq`` stage (top 32768 by default)."""
+    if opts.token_map is not None:
+        ranking = load_token_map(opts.token_map, ctx.vocab_size)
+        size = opts.fr_size
+    elif ctx.bundle is not None and ctx.bundle.has("freq"):
+        from dynvocab.artifacts import FreqTable
+
+        ranking = FreqTable.from_bundle(ctx.bundle).ranking
+        ranking = ranking[ranking < ctx.vocab_size]
+        size = opts.fr_size or FR_SIZE
+    else:
+        raise DynvocabError(
+            f"strategy '{name}' needs a frequency ranking: pass --token-map FILE or --bundle B with a freq stage"
+        )
+    if size is not None:
+        if size < 1:
+            raise DynvocabError("--fr-size must be at least 1")
+        ranking = ranking[:size]
+    return ranking
+
+
+def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPolicy | None:
+    """Build the policy of strategy ``name`` (None for ``ar``, which runs without a draft)."""
     check_strategy(name)
-    eos = torch.tensor(sorted(i for i in eos_ids if i < vocab_size), dtype=torch.long)
     if name == "ar":
         return None
     if name == "full":
         return FullPolicy()
     if name == "microspec":
-        return MicroSpecPolicy(opts.microspec, vocab_size, device, pinned=eos)
-    if opts.token_map is None:
-        raise DynvocabError(f"strategy '{name}' needs --token-map FILE (a torch.save'd list of token ids)")
-    ranking = load_token_map(opts.token_map, vocab_size)
-    if opts.fr_size is not None:
-        if opts.fr_size < 1:
-            raise DynvocabError("--fr-size must be at least 1")
-        ranking = ranking[: opts.fr_size]
+        return MicroSpecPolicy(opts.microspec, ctx.vocab_size, ctx.device, pinned=ctx.eos)
+    ranking = frequency_ranking(opts, ctx, name)
+    eos = ctx.eos
     if name == "fr":
         missing = eos[~torch.isin(eos, ranking)]
         return FrequencyPolicy(torch.cat([ranking, missing]))  # EOS stays draftable so drafts can end
