@@ -29,7 +29,7 @@ class ChangingPolicy(VocabPolicy):
     def _redraw(self):
         self.sets = [torch.randperm(VOCAB, generator=self.gen)[: self.size] for _ in range(8)]
 
-    def active_ids(self, step):
+    def active_ids(self, step, hidden=None, token=None):
         return self.sets[step]
 
     def observe(self, cycle):

@@ -119,7 +119,7 @@ def speculative_generate(
         feed = torch.tensor(tokens[draft.length:] if gamma else [], dtype=torch.long, device=device)
         for j in range(gamma):
             hidden = draft.step(feed)[-1:]  # [1, d]
-            ids = policy.active_ids(j) if policy is not None else None
+            ids = policy.active_ids(j, hidden, int(feed[-1])) if policy is not None else None
             t_head = clock()
             logits, cols = head.logits(hidden, ids)  # [1, n_active], [n_active] or None
             m.head_s += clock() - t_head

@@ -102,7 +102,7 @@ class Session:
             return speculative_generate(self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens)
         if self.draft is None:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
-        ctx = PolicyContext(self.draft.vocab_size, self.eos_ids, self.draft.device, self.bundle)
+        ctx = PolicyContext(self.draft.vocab_size, self.eos_ids, self.draft.device, self.bundle, self.draft, self.target)
         policy = make_policy(strategy, options, ctx)
         head = DraftHead(self.draft.weight, self.draft.bias, self.draft.softcap)
         return speculative_generate(

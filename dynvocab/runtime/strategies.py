@@ -34,6 +34,8 @@ class PolicyContext:
     eos_ids: set[int]
     device: torch.device | str = "cpu"
     bundle: object | None = None  # dynvocab.artifacts.Bundle, already checked against the models
+    draft: object | None = None  # the draft CausalLM (policies that adapt the draft, e.g. EvoSpec's LoRA)
+    target: object | None = None  # the target CausalLM (read-only: its LM head, for retrieval)
 
     @property
     def eos(self) -> torch.Tensor:

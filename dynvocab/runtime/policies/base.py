@@ -40,7 +40,7 @@ class CycleReport:
 class VocabPolicy:
     """Chooses the draft's active vocabulary before each draft step and learns from each cycle.
 
-    The loop calls ``prefill`` once, then per cycle ``active_ids(j)`` for each draft step j = 0..γ-1 and
+    The loop calls ``prefill`` once, then per cycle ``active_ids(j, hidden, token)`` for each draft step and
     ``observe`` after verification. Returning the same tensor object (or a prefix view of a tensor the head
     packed in order) tells the packed head nothing changed, so it copies no rows.
     """
@@ -52,8 +52,13 @@ class VocabPolicy:
     def prefill(self, prompt_ids: torch.Tensor, target_logits: torch.Tensor | None, target_hidden) -> None:
         """See the prompt [L] (and, if asked for, target logits [L-1, V] and hidden states [L-1, d])."""
 
-    def active_ids(self, step: int) -> torch.Tensor | None:
-        """Token ids the draft may propose at draft position ``step`` (0-based); None = full vocabulary."""
+    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None):
+        """Token ids the draft may propose at draft position ``step`` (0-based).
+
+        ``hidden`` [1, d] is the draft's final hidden state at this step (before its head) and ``token`` the
+        last token fed to the draft; context-routed policies (DynaSpec) use them, others ignore them.
+        Returns None (full vocabulary), a LongTensor [n], or a tuple of disjoint LongTensors (segments).
+        """
         raise NotImplementedError
 
     def observe(self, cycle: CycleReport) -> None:

@@ -16,7 +16,7 @@ class FrequencyPolicy(VocabPolicy):
         self.ranking = ranking  # [K] token ids, most frequent first
         self.ids = ranking[: size or ranking.numel()]
 
-    def active_ids(self, step: int) -> torch.Tensor:
+    def active_ids(self, step: int, hidden=None, token=None) -> torch.Tensor:
         """The same top-K set at every step."""
         return self.ids
 
@@ -46,7 +46,7 @@ class PositionAwareFrequencyPolicy(VocabPolicy):
         self.k_max = k_max
         self._views: dict[int, torch.Tensor] = {}
 
-    def active_ids(self, step: int) -> torch.Tensor:
+    def active_ids(self, step: int, hidden=None, token=None) -> torch.Tensor:
         """A prefix of the ranking; prefixes are views of one tensor, so the packed head slices, not copies."""
         k = pa_budget(self.k_max, step)
         if k not in self._views:

@@ -8,6 +8,6 @@ class FullPolicy(VocabPolicy):
 
     name = "full"
 
-    def active_ids(self, step: int):
+    def active_ids(self, step: int, hidden=None, token=None):
         """Always the full vocabulary."""
         return None

@@ -48,7 +48,7 @@ class MicroSpecPolicy(VocabPolicy):
             self.state.push(_unique_in_order(top.flatten()))
         self._refresh()
 
-    def active_ids(self, step: int) -> torch.Tensor:
+    def active_ids(self, step: int, hidden=None, token=None) -> torch.Tensor:
         """The same window set at every draft step of a cycle."""
         return self.ids
 
