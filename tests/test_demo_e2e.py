@@ -56,7 +56,7 @@ def test_every_strategy_matches_ar(session, token_map, prompt):
     options = StrategyOptions(token_map=str(token_map))
     ar = session.generate(ids, "ar", decode)
     assert ar.metrics.new_tokens > 0
-    for strategy in ("full", "fr", "fr-pa", "microspec"):
+    for strategy in ("full", "fr", "fr-pa", "microspec", "hybrid"):
         result = session.generate(ids, strategy, decode, options)
         assert result.token_ids == ar.token_ids, strategy
         assert result.metrics.mean_accepted_length > 1.0, strategy

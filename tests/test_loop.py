@@ -10,6 +10,7 @@ from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
+from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
 
@@ -36,6 +37,17 @@ class ChangingPolicy(VocabPolicy):
         self._redraw()
 
 
+def tiny_graph(seed: int):
+    """A random successor graph over the tiny vocabulary, as CSR (GraphTable)."""
+    from dynvocab.artifacts import GraphTable
+
+    gen = torch.Generator().manual_seed(seed)
+    degree = torch.randint(0, 5, (VOCAB,), generator=gen)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), degree.cumsum(0)])
+    indices = torch.randint(0, VOCAB, (int(indptr[-1]),), generator=gen).int()
+    return GraphTable(indptr, indices, torch.rand(indices.numel(), generator=gen))
+
+
 def make_policy(kind: str, seed: int) -> VocabPolicy:
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
     return {
@@ -44,6 +56,7 @@ def make_policy(kind: str, seed: int) -> VocabPolicy:
         "fr-pa": lambda: PositionAwareFrequencyPolicy(ranking, k_max=70),
         "random": lambda: ChangingPolicy(seed),
         "microspec": lambda: MicroSpecPolicy(MicroSpecConfig(window=24), VOCAB, "cpu"),
+        "hybrid": lambda: HybridPolicy(HybridConfig(core_size=12, window=16), VOCAB, "cpu", ranking, graph=tiny_graph(seed)),
     }[kind]()
 
 
@@ -53,7 +66,7 @@ def pair(tiny_pair):
     return CausalLM(target), CausalLM(draft)
 
 
-@pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random", "microspec"])
+@pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random", "microspec", "hybrid"])
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_is_lossless(pair, kind, seed):
     target, draft = pair

@@ -96,3 +96,43 @@ def test_microspec_window_bounds_the_active_set(window):
     policy = MicroSpecPolicy(MicroSpecConfig(window=window), 5000, "cpu")
     policy.prefill(torch.arange(4000), torch.randn(3999, 5000), None)
     assert policy.active_ids(0).numel() <= window
+
+
+def test_hybrid_segments_are_disjoint_and_the_core_shrinks_with_position():
+    from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
+
+    vocab = 200
+    ranking = torch.arange(100, 200)
+    policy = HybridPolicy(HybridConfig(core_size=60, window=50), vocab, "cpu", ranking, pinned=torch.tensor([7]))
+    policy.prefill(torch.tensor([1, 2, 105, 150]), torch.randn(3, vocab), None)
+    sizes = []
+    for step in range(4):
+        dyn, core = policy.active_ids(step)
+        assert not set(dyn.tolist()) & set(core.tolist())
+        assert 7 in core.tolist() and {1, 2} <= set(dyn.tolist())
+        sizes.append(core.numel())
+    assert sizes == [61, 61, 20, 15]
+    assert policy.active_ids(3)[1] is policy.active_ids(3)[1]  # cached views: packed once, sliced after
+
+
+def test_hybrid_pushes_neighbours_of_a_missed_token():
+    from dynvocab.artifacts import GraphTable
+    from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
+
+    vocab = 50
+    # Token 40 is followed by 41 and 42 in the graph.
+    indptr = torch.zeros(vocab + 1, dtype=torch.long)
+    indptr[41:] = 2
+    graph = GraphTable(indptr, torch.tensor([41, 42], dtype=torch.int32), torch.tensor([0.6, 0.4]))
+    cfg = HybridConfig(core_size=5, window=100, miss_topk=2, draft_alternatives=0, k_ver=1)
+    policy = HybridPolicy(cfg, vocab, "cpu", torch.arange(5), graph=graph)
+    policy.prefill(torch.tensor([10]), None, None)
+    logits = torch.full((3, vocab), -5.0)
+    logits[0, 40] = 5.0
+    logits[0, 30] = 4.0
+    policy.observe(CycleReport(
+        position=1, draft_tokens=[12, 13], draft_top=[], accepted=0, emitted=[40],
+        target_logits=logits, target_hidden=torch.zeros(3, 2)))
+    assert policy.misses == 1
+    dyn = set(policy.active_ids(0)[0].tolist())
+    assert {40, 30, 41, 42} <= dyn

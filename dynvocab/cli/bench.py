@@ -15,6 +15,8 @@ from rich.table import Table
 
 from dynvocab.cli.common import (
     BundleOpt,
+    CoreSize,
+    HybridWindow,
     Threads,
     Device,
     Draft,
@@ -35,6 +37,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
 from dynvocab.runtime.prompts import load_prompts
 from dynvocab.runtime.strategies import StrategyOptions, parse_strategies
@@ -60,6 +63,8 @@ def bench(
     k_pre: KPre = MicroSpecConfig.k_pre,
     k_ver: KVer = MicroSpecConfig.k_ver,
     window: Window = MicroSpecConfig.window,
+    core_size: CoreSize = HybridConfig.core_size,
+    hybrid_window: HybridWindow = HybridConfig.window,
     bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
@@ -90,6 +95,7 @@ def bench(
         fr_size=fr_size,
         pa_k_max=pa_k_max,
         microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
+        hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
     )
     cfg = BenchConfig(
         strategies=tuple(names),

@@ -97,3 +97,5 @@ def set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+CoreSize = Annotated[int, typer.Option(min=1, help="hybrid: size of the static core of most frequent tokens.")]
+HybridWindow = Annotated[int, typer.Option(min=1, help="hybrid: stream entries of its context window.")]

@@ -10,6 +10,8 @@ import typer
 
 from dynvocab.cli.common import (
     BundleOpt,
+    CoreSize,
+    HybridWindow,
     Threads,
     Device,
     Draft,
@@ -31,6 +33,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
 from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.strategies import AVAILABLE, StrategyOptions, check_strategy
@@ -53,6 +56,8 @@ def generate(
     k_pre: KPre = MicroSpecConfig.k_pre,
     k_ver: KVer = MicroSpecConfig.k_ver,
     window: Window = MicroSpecConfig.window,
+    core_size: CoreSize = HybridConfig.core_size,
+    hybrid_window: HybridWindow = HybridConfig.window,
     bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
@@ -75,6 +80,7 @@ def generate(
         fr_size=fr_size,
         pa_k_max=pa_k_max,
         microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
+        hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
     )
     set_threads(threads)
     session = Session(

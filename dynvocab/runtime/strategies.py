@@ -8,11 +8,12 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
+from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.token_map import load_token_map
 
 ALL_STRATEGIES = ("ar", "full", "fr", "fr-pa", "dynaspec", "microspec", "evospec", "hybrid")
-AVAILABLE = ("ar", "full", "fr", "fr-pa", "microspec")
+AVAILABLE = ("ar", "full", "fr", "fr-pa", "microspec", "hybrid")
 FR_SIZE = 32768  # FR-Spec's K when the ranking comes from a bundle
 
 
@@ -24,6 +25,7 @@ class StrategyOptions:
     fr_size: int | None = None  # use only the first K ids of the ranking (default: the map, or 32768 of a bundle)
     pa_k_max: int | None = None  # fr-pa's k_max (default: the FR size)
     microspec: MicroSpecConfig = field(default_factory=MicroSpecConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
 
 
 @dataclass
@@ -94,7 +96,22 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
         return MicroSpecPolicy(opts.microspec, ctx.vocab_size, ctx.device, pinned=ctx.eos)
     ranking = frequency_ranking(opts, ctx, name)
     eos = ctx.eos
+    if name == "hybrid":
+        return _hybrid(opts.hybrid, ranking, ctx)
     if name == "fr":
         missing = eos[~torch.isin(eos, ranking)]
         return FrequencyPolicy(torch.cat([ranking, missing]))  # EOS stays draftable so drafts can end
     return PositionAwareFrequencyPolicy(ranking, opts.pa_k_max, always=eos)
+
+
+def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> HybridPolicy:
+    """The hybrid with the bundle's graph and HNSW index when it has them."""
+    graph = hnsw = None
+    if ctx.bundle is not None:
+        from dynvocab.artifacts import GraphTable, load_hnsw
+
+        if ctx.bundle.has("graph"):
+            graph = GraphTable.from_bundle(ctx.bundle)
+        if ctx.bundle.has("hnsw"):
+            hnsw = load_hnsw(ctx.bundle)[0]
+    return HybridPolicy(cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw)

@@ -1,0 +1,121 @@
+"""Our hybrid: MicroSpec's context stream ∪ a small static core ∪ EvoSpec-style neighbours on misses.
+
+- **Context stream** (MicroSpec): prompt tokens, target top-K at prompt and verified positions, the draft's
+  tokens and top alternatives; the active part is the unique tokens of the last ``window`` entries.
+- **Static core** (FR-Spec): the ``core_size`` most frequent tokens, packed once. With ``pa_core`` the core
+  shrinks with the draft position as DynaSpec's position-aware budget (⌊core/(t+1)⌋ for t ≥ 2): later
+  positions matter less for acceptance, so they get the context plus only the most frequent tokens.
+- **Neighbours on misses** (EvoSpec): when the target's token at the first rejected position was outside the
+  active set, the target's top-``miss_topk`` there, HNSW neighbours of the target hidden state (when the
+  bundle has an ``hnsw`` stage) and graph successors of those seeds and of the token itself (when it has a
+  ``graph`` stage) join the stream, at most ``max_insert`` per miss, and age out with it.
+
+The active set is returned as two disjoint segments (context \\ core, core prefix), so the draft head keeps
+the core packed once and copies only the context rows that changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dynvocab.runtime.policies.base import CycleReport
+from dynvocab.runtime.policies.frequency import pa_budget
+from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Knobs of the hybrid; window/K defaults from MicroSpec, miss handling from EvoSpec (top-10, ≤8, ≤32)."""
+
+    core_size: int = 1024
+    pa_core: bool = True
+    window: int = 2048
+    k_pre: int = 3
+    k_ver: int = 3
+    draft_alternatives: int = 3
+    miss_topk: int = 10
+    successors: int = 8
+    max_insert: int = 32
+
+
+class HybridPolicy(MicroSpecPolicy):
+    """Context window ∪ static core (position-aware) ∪ neighbours of missed tokens."""
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        cfg: HybridConfig,
+        vocab_size: int,
+        device,
+        ranking: torch.Tensor,
+        pinned: torch.Tensor | None = None,
+        graph=None,
+        hnsw=None,
+    ):
+        window_cfg = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives)
+        super().__init__(window_cfg, vocab_size, device)
+        self.hcfg = cfg
+        pinned = torch.empty(0, dtype=torch.long) if pinned is None else pinned
+        core = _unique_in_order(torch.cat([pinned, ranking[: cfg.core_size]]).to(device))
+        self.core = core  # [C] EOS first, then by frequency
+        self.core_rank = torch.full((vocab_size,), vocab_size, dtype=torch.long, device=device)  # [V]
+        self.core_rank[core] = torch.arange(core.numel(), device=device)
+        self.min_core = pinned.numel()
+        self.graph = graph  # dynvocab.artifacts.GraphTable or None
+        self.hnsw = hnsw  # an hnswlib index over the target head (dynvocab.artifacts.load_hnsw) or None
+        self._views: dict[int, torch.Tensor] = {}
+        self.dyn_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
+        self.dyn = torch.empty(0, dtype=torch.long, device=device)
+        self.misses = 0
+
+    def core_size(self, step: int) -> int:
+        """Core ids active at draft position ``step``."""
+        if not self.hcfg.pa_core:
+            return self.core.numel()
+        return max(self.min_core, min(self.core.numel(), pa_budget(self.core.numel(), step)))
+
+    def active_ids(self, step: int, hidden=None, token=None):
+        """(context \\ core, core prefix for this position): two disjoint segments."""
+        k = self.core_size(step)
+        if k not in self._views:
+            self._views[k] = self.core[:k]
+        return self.dyn, self._views[k]
+
+    def observe(self, cycle: CycleReport) -> None:
+        """Handle a miss at the first rejected position, then extend the stream as MicroSpec does."""
+        k = cycle.accepted
+        if k < len(cycle.draft_tokens) and k < len(cycle.emitted):
+            token = cycle.emitted[k]
+            if not (self.dyn_mask[token] or self.core_rank[token] < self.core_size(k)):
+                self.misses += 1
+                self.state.push(self._neighbours(token, cycle, k))
+        super().observe(cycle)
+
+    def _neighbours(self, token: int, cycle: CycleReport, k: int) -> torch.Tensor:
+        """Candidates for a missed ``token`` at verified position ``k`` (at most ``max_insert``)."""
+        cfg = self.hcfg
+        device = self.core.device
+        seeds = [torch.tensor([token], device=device)]
+        seeds.append(cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices)
+        if self.hnsw is not None:
+            from dynvocab.artifacts import mips_search
+
+            found = mips_search(self.hnsw, cycle.target_hidden[k : k + 1].float().cpu(), cfg.miss_topk)
+            seeds.append(found.flatten().to(device))
+        seeds = _unique_in_order(torch.cat(seeds))
+        seeds = seeds[seeds < self.vocab_size]
+        parts = [seeds]
+        if self.graph is not None:
+            for u in seeds.tolist()[: cfg.miss_topk]:
+                parts.append(self.graph.successors(u, cfg.successors)[0].to(device))
+        found = _unique_in_order(torch.cat(parts))
+        found = found[(found < self.vocab_size) & (self.core_rank[found.clamp(max=self.vocab_size - 1)] >= self.core.numel())]
+        return found[: cfg.max_insert]
+
+    def _refresh(self) -> None:
+        mask = self.state.active_mask() & (self.core_rank >= self.core.numel())
+        self.dyn_mask = mask
+        self.dyn = torch.nonzero(mask).flatten()
