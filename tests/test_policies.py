@@ -136,3 +136,10 @@ def test_hybrid_pushes_neighbours_of_a_missed_token():
     assert policy.misses == 1
     dyn = set(policy.active_ids(0)[0].tolist())
     assert {40, 30, 41, 42} <= dyn
+
+
+def test_embedded_ranking_only_for_its_tokenizer():
+    from dynvocab.runtime.strategies import embedded_ranking
+
+    assert embedded_ranking("0" * 64) is None
+    assert embedded_ranking(None) is None

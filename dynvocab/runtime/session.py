@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,6 +14,7 @@ from dynvocab.models import (
     load_tokenizer,
     match_vocabularies,
     resolve_model,
+    tokenizer_fingerprint,
 )
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
@@ -87,6 +89,11 @@ class Session:
             draft_fp = None if draft_spec is None else ModelFingerprint.of_model(draft_tokenizer, draft_model, cfg.draft)
             self.bundle.check_models(target_fp, draft_fp)
 
+    @functools.cached_property
+    def tokenizer_sha256(self) -> str:
+        """Fingerprint of the shared tokenizer (selects the embedded demo ranking when it fits)."""
+        return tokenizer_fingerprint(self.tokenizer)
+
     def generate(
         self,
         prompt_ids: list[int],
@@ -102,7 +109,10 @@ class Session:
             return speculative_generate(self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens)
         if self.draft is None:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
-        ctx = PolicyContext(self.draft.vocab_size, self.eos_ids, self.draft.device, self.bundle, self.draft, self.target)
+        ctx = PolicyContext(
+            self.draft.vocab_size, self.eos_ids, self.draft.device, self.bundle, self.draft, self.target,
+            self.tokenizer_sha256,
+        )
         policy = make_policy(strategy, options, ctx)
         head = DraftHead(self.draft.weight, self.draft.bias, self.draft.softcap)
         return speculative_generate(

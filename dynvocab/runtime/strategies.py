@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ class PolicyContext:
     bundle: object | None = None  # dynvocab.artifacts.Bundle, already checked against the models
     draft: object | None = None  # the draft CausalLM (policies that adapt the draft, e.g. EvoSpec's LoRA)
     target: object | None = None  # the target CausalLM (read-only: its LM head, for retrieval)
+    tokenizer_sha256: str | None = None  # dynvocab.models.tokenizer_fingerprint of the shared tokenizer
 
     @property
     def eos(self) -> torch.Tensor:
@@ -74,6 +76,9 @@ def frequency_ranking(opts: StrategyOptions, ctx: PolicyContext, name: str) -> t
         ranking = FreqTable.from_bundle(ctx.bundle).ranking
         ranking = ranking[ranking < ctx.vocab_size]
         size = opts.fr_size or FR_SIZE
+    elif (embedded := embedded_ranking(ctx.tokenizer_sha256)) is not None:
+        ranking = embedded[embedded < ctx.vocab_size]
+        size = opts.fr_size
     else:
         raise DynvocabError(
             f"strategy '{name}' needs a frequency ranking: pass --token-map FILE or --bundle B with a freq stage"
@@ -83,6 +88,18 @@ def frequency_ranking(opts: StrategyOptions, ctx: PolicyContext, name: str) -> t
             raise DynvocabError("--fr-size must be at least 1")
         ranking = ranking[:size]
     return ranking
+
+
+def embedded_ranking(tokenizer_sha256: str | None) -> torch.Tensor | None:
+    """The 32k FR ranking shipped for the demo tokenizer (Qwen2.5, ShareGPT training split), if it fits."""
+    from importlib import resources
+
+    folder = resources.files("dynvocab.data")
+    meta = json.loads(folder.joinpath("demo_ranking.json").read_text())
+    if tokenizer_sha256 != meta["tokenizer_sha256"]:
+        return None
+    with resources.as_file(folder.joinpath("demo_ranking.pt")) as path:
+        return torch.load(path, weights_only=True).long()
 
 
 def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPolicy | None:
