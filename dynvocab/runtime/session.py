@@ -115,6 +115,11 @@ class Session:
         )
         policy = make_policy(strategy, options, ctx)
         head = DraftHead(self.draft.weight, self.draft.bias, self.draft.softcap)
-        return speculative_generate(
-            self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens
-        )
+        try:
+            return speculative_generate(
+                self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens
+            )
+        finally:
+            close = getattr(policy, "close", None)
+            if close is not None:
+                close()  # policies that adapt the shared draft (EvoSpec's LoRA) undo it here
