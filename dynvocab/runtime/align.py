@@ -212,7 +212,7 @@ class Aligner:
             for i in range(0, len(samples), self.cfg.micro_batch):
                 loss = self.loss(samples[i : i + self.cfg.micro_batch]) / len(samples)
                 loss.backward()
-                value += float(loss)
+                value += float(loss.detach())
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.stats.updates += 1
