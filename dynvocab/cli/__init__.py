@@ -29,6 +29,7 @@ app.command("bench")(_bench.bench)
 app.command("build-index")(_build.build_index)
 app.command("inspect")(_build.inspect)
 app.command("export")(_build.export)
+app.command("train-router")(__import__("dynvocab.cli.router", fromlist=["train_router"]).train_router)
 
 
 def main() -> None:

@@ -1,0 +1,86 @@
+"""``dynvocab train-router``: train DynaSpec's cluster router on the draft and add it to a bundle."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+from rich.table import Table
+
+from dynvocab.builders.corpus import CorpusConfig
+from dynvocab.builders.router import RouterConfig, TrainRouterConfig
+from dynvocab.cli.build import RichReporter
+from dynvocab.cli.common import Device, Draft, check_dtype_device, err_console, one_line_errors
+
+_DEFAULTS = TrainRouterConfig()
+
+
+def _override(cfg, **values):
+    """The frozen config ``cfg`` with the options the user gave (None = keep the default)."""
+    return replace(cfg, **{k: v for k, v in values.items() if v is not None})
+
+
+@one_line_errors
+def train_router(
+    bundle: Annotated[Path, typer.Option("--bundle", help="Bundle with a clusters stage; the router stage is added to it.")],
+    draft: Draft = "demo:draft",
+    target: Annotated[
+        Optional[str], typer.Option(help="Target model; when given, the bundle must have been built for it too.")
+    ] = None,
+    corpus: Annotated[
+        Optional[List[str]],
+        typer.Option(help="sharegpt (training split, chat-template encoded), or .txt/.jsonl/.json/.parquet files; repeatable."),
+    ] = None,
+    max_docs: Annotated[Optional[int], typer.Option(help=f"Documents to run the draft over (default {_DEFAULTS.corpus.max_docs}).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help=f"Tokens per document (default {RouterConfig.max_tokens}).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help=f"Training epochs (default {RouterConfig.epochs}).")] = None,
+    top_l: Annotated[Optional[int], typer.Option(help=f"Positives: clusters of the draft's top-L tokens (default {RouterConfig.top_l}).")] = None,
+    hidden: Annotated[Optional[int], typer.Option(help=f"Hidden units of the router MLP (default {RouterConfig.width}).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help=f"Training batch size (default {RouterConfig.batch_size}).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help=f"AdamW learning rate (default {RouterConfig.lr:g}).")] = None,
+    k_max: Annotated[Optional[int], typer.Option(help=f"Cluster budget k_max the recall report centres on (default {RouterConfig.k_max}).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the initialisation and the batch order.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write the bundle here instead of updating --bundle in place.")] = None,
+    device: Device = None,
+    dtype: Annotated[Optional[str], typer.Option(help=f"The draft's dtype for the data pass (default {_DEFAULTS.dtype}).")] = None,
+) -> None:
+    """Train DynaSpec's router (cluster meta-classifier) on the draft's top-L predictions; add it to the bundle."""
+    from dynvocab.builders.router import train_router as run
+
+    check_dtype_device(device, dtype)
+    cfg = TrainRouterConfig(
+        corpus=_override(_DEFAULTS.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
+        router=_override(RouterConfig(), max_tokens=max_tokens, epochs=epochs, top_l=top_l, width=hidden,
+                         batch_size=batch_size, lr=lr, k_max=k_max, seed=seed),
+        device=device,
+        dtype=dtype or _DEFAULTS.dtype,
+    )
+    with RichReporter(err_console) as reporter:
+        report = run(bundle, draft, target, cfg, out, reporter)
+    err_console.print(_recall_table(report.recall, cfg.router.k_max))
+    sched = report.recall.get("schedule")
+    if sched:
+        err_console.print(
+            f"position-aware schedule (γ={sched['gamma']}): mean shortlist {sched['mean_shortlist']:,.0f} ids · "
+            f"top-1 recall {sched['top1_recall']:.1%}", highlight=False,
+        )
+    err_console.print(
+        f"wrote {report.path} · router stage · {report.docs:,} docs · {report.train_rows:,} train positions · "
+        f"data {report.collect_s:.1f} s · training {report.train_s:.1f} s · total {report.seconds:.1f} s",
+        highlight=False,
+    )
+
+
+def _recall_table(recall: dict, k_max: int) -> Table:
+    table = Table(title="held-out router recall")
+    for col in ("clusters k", "cluster recall", "top-1 recall", "static top-1", "mean shortlist"):
+        table.add_column(col, justify="right")
+    for k, r in recall.items():
+        if k == "schedule":
+            continue
+        mark = " (k_max)" if int(k) == k_max else ""
+        static = f"{r['static_top1_recall']:.1%}" if "static_top1_recall" in r else "-"
+        table.add_row(f"{k}{mark}", f"{r['cluster_recall']:.1%}", f"{r['top1_recall']:.1%}", static, f"{r['mean_shortlist']:,.0f}")
+    return table

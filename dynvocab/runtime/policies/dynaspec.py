@@ -1,0 +1,129 @@
+"""DynaSpec: a router (meta-classifier) picks token clusters per draft step; the draft head covers their union.
+
+At draft step t the router scores the M clusters from the draft's hidden state and the embedding of the
+token it was fed (§4.2), the top-k_c(t) clusters are kept with the position-aware budget
+k_c(t) = k_max for t ∈ {0, 1}, else ⌊k_max / (2(t+1))⌋, and the active set is the union of their token ids
+plus the EOS ids. Clusters partition the vocabulary, so the union is a concatenation of disjoint id lists:
+the ids are stored grouped by cluster (CSR) and the union is one ``torch.cat`` of k slices.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dynvocab.artifacts import ClusterTable
+from dynvocab.artifacts.router import DEFAULT_K_MAX, STAGE, RouterTable, clusters_checksum
+from dynvocab.errors import DynvocabError
+from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.policies.frequency import pa_budget
+
+NEEDS_BUNDLE = (
+    "strategy 'dynaspec' needs --bundle B with clusters and router stages; "
+    "build them with `dynvocab build-index --stages clusters` and `dynvocab train-router`"
+)
+
+
+@dataclass(frozen=True)
+class DynaSpecConfig:
+    """DynaSpec's runtime knobs (§4.2). The router's training settings (top-L, width) live in its bundle stage."""
+
+    k_max: int = DEFAULT_K_MAX  # clusters at steps 0 and 1 (the paper gives none for M = 1024; see DEFAULT_K_MAX)
+    divisor: int = 2  # k_c(t) = ⌊k_max / (divisor · (t+1))⌋ for t ≥ 2 (§4.2: 2)
+    position_aware: bool = True  # False: k_max clusters at every step (the paper's DynaSpec-F, Figure 2)
+
+    def budget(self, step: int) -> int:
+        """k_c(step), the number of clusters at draft step ``step`` (0-based)."""
+        return pa_budget(self.k_max, step, self.divisor) if self.position_aware else self.k_max
+
+
+class DynaSpecPolicy(VocabPolicy):
+    """Per draft step: route (h, E(x)) to the top-k_c(t) clusters and return the union of their ids (+ EOS)."""
+
+    name = "dynaspec"
+
+    def __init__(
+        self,
+        cfg: DynaSpecConfig,
+        clusters: ClusterTable,
+        router: RouterTable,
+        embedding: torch.Tensor,
+        vocab_size: int,
+        eos: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        """``embedding`` [V, d_e] is the draft's input embedding; only ids < ``vocab_size`` are ever returned."""
+        if cfg.k_max < 1 or cfg.divisor < 1:
+            raise DynvocabError(f"dynaspec needs k_max ≥ 1 and divisor ≥ 1 (got {cfg.k_max}, {cfg.divisor})")
+        m = clusters.num_clusters
+        if int(router.config["num_clusters"]) != m:
+            raise DynvocabError(
+                f"the router scores {router.config['num_clusters']} clusters but the bundle has {m}; "
+                "retrain it with `dynvocab train-router`"
+            )
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.router = router.module(self.device)
+        self.embedding = embedding  # [V, d_e], any dtype; rows are cast to float32 when read
+        assign = clusters.assign[:vocab_size].long()  # [V'] cluster of each draftable id
+        order = torch.argsort(assign, stable=True)  # [V'] ids grouped by cluster, ascending within a cluster
+        sizes = torch.bincount(assign, minlength=m)  # [M]
+        self.members = list(torch.split(order.to(self.device), sizes.tolist()))  # M views of one buffer
+        self.sizes = sizes.to(self.device)
+        eos = torch.empty(0, dtype=torch.long) if eos is None else eos.long()
+        eos = eos[eos < vocab_size]
+        self.eos = eos.to(self.device)  # [E]
+        self.eos_cluster = assign[eos].to(self.device)  # [E]
+        self.router_s = 0.0  # time spent routing (router MLP + top-k + union)
+        self.calls = 0
+
+    @classmethod
+    def from_context(cls, cfg: DynaSpecConfig, ctx) -> "DynaSpecPolicy":
+        """Build from a :class:`~dynvocab.runtime.strategies.PolicyContext` (bundle with clusters + router, draft)."""
+        bundle = ctx.bundle
+        if bundle is None or not (bundle.has("clusters") and bundle.has(STAGE)):
+            raise DynvocabError(NEEDS_BUNDLE)
+        if ctx.draft is None:
+            raise DynvocabError("strategy 'dynaspec' needs a draft model; pass --draft")
+        router = RouterTable.from_bundle(bundle)
+        if router.config.get("clusters_sha256") != clusters_checksum(bundle):
+            raise DynvocabError(
+                f"the router in {bundle.path} was trained for other clusters (the clusters stage was rebuilt since); "
+                f"retrain it with `dynvocab train-router --bundle {bundle.path}`"
+            )
+        embedding = ctx.draft.model.get_input_embeddings().weight.detach()  # [V, d_e]
+        hidden = int(ctx.draft.weight.shape[1])  # the head's input: the hidden state the loop passes
+        if (int(router.config["hidden_dim"]), int(router.config["embed_dim"])) != (hidden, embedding.shape[1]):
+            raise DynvocabError(
+                f"the router in {bundle.path} expects hidden size {router.config['hidden_dim']}, the draft has {hidden}; "
+                f"retrain it with `dynvocab train-router --bundle {bundle.path} --draft …`"
+            )
+        return cls(cfg, ClusterTable.from_bundle(bundle), router, embedding, ctx.vocab_size, ctx.eos, ctx.device)
+
+    @torch.inference_mode()
+    def scores(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
+        """Router logits [M] for the draft's hidden state ``hidden`` [1, d] and the token it was fed."""
+        e = self.embedding[token : token + 1].to(self.device, torch.float32)  # [1, d_e]
+        return self.router(hidden.to(self.device, torch.float32), e)[0]
+
+    @torch.inference_mode()
+    def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """The union of the top-``k`` clusters of ``scores`` [M], plus EOS ids outside them, LongTensor [n]."""
+        top = scores.topk(min(k, scores.numel())).indices  # [k], best first
+        parts = [self.members[c] for c in top.tolist()]
+        chosen = torch.zeros(scores.numel(), dtype=torch.bool, device=self.device)
+        chosen[top] = True
+        parts.append(self.eos[~chosen[self.eos_cluster]])  # EOS ids not already in a chosen cluster
+        return torch.cat(parts)
+
+    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> torch.Tensor:
+        """The active ids at draft step ``step`` for the draft's ``hidden`` [1, d] and last fed ``token``."""
+        if hidden is None or token is None:
+            raise ValueError("dynaspec routes on the draft hidden state and token; the loop must pass both")
+        start = time.perf_counter()
+        ids = self.select(self.scores(hidden, token), self.cfg.budget(step))
+        self.router_s += time.perf_counter() - start
+        self.calls += 1
+        return ids

@@ -1,0 +1,125 @@
+"""train-router end to end on tiny local models, its one-line errors, and the trained router in the real loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
+from typer.testing import CliRunner
+
+from dynvocab.artifacts import load_bundle
+from dynvocab.artifacts.router import RouterTable
+from dynvocab.cli import app
+from dynvocab.errors import DynvocabError
+from dynvocab.models import load_model, load_tokenizer, resolve_model
+from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.policies.dynaspec import NEEDS_BUNDLE, DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.strategies import PolicyContext
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *words):
+    assert result.exit_code != 0
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("error:") and "Traceback" not in result.output, result.output
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def build(dirs, corpus, out, stages, clusters=8):
+    result = run("build-index", "--target", dirs[0], "--draft", dirs[1], "--corpus", corpus, "--out", out,
+                 "--stages", stages, "--num-clusters", clusters, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def train_args(bundle, dirs, corpus, *extra):
+    return ["train-router", "--bundle", bundle, "--draft", dirs[1], "--corpus", corpus, "--max-docs", 40,
+            "--max-tokens", 24, "--epochs", 3, "--hidden", 32, "--k-max", 3, "--device", "cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def clusters_bundle(tmp_path_factory, tiny_dirs, corpus_jsonl):  # noqa: F811
+    return build(tiny_dirs, corpus_jsonl, tmp_path_factory.mktemp("router") / "b.safetensors", "freq,clusters")
+
+
+@pytest.fixture(scope="module")
+def trained(clusters_bundle, tiny_dirs, corpus_jsonl, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("trained") / "b.safetensors"
+    out.write_bytes(clusters_bundle.read_bytes())
+    result = run(*train_args(out, tiny_dirs, corpus_jsonl, "--target", tiny_dirs[0]))
+    assert result.exit_code == 0, result.output
+    for text in ("data:", "training:", "held-out router recall", "(k_max)", "position-aware schedule", "wrote"):
+        assert text in result.output, result.output
+    return out
+
+
+def test_train_router_adds_the_stage_and_keeps_the_others(trained, clusters_bundle):
+    before, after = load_bundle(clusters_bundle), load_bundle(trained, verify=True)
+    assert after.stages == ["freq", "clusters", "router"]
+    for stage in ("freq", "clusters"):
+        assert after.info(stage) == before.info(stage)
+        for name, t in before.stage_tensors(stage).items():
+            assert torch.equal(after.tensor(f"{stage}.{name}"), t)
+    assert after.fingerprints == before.fingerprints
+    info, cfg = after.info("router"), after.config("router")
+    assert info["corpus"]["docs"] == 40 and info["train_positions"] > info["heldout_positions"] > 0
+    assert info["losses"][-1] < info["losses"][0]
+    assert 0.0 < info["recall"]["3"]["cluster_recall"] <= 1.0 and "schedule" in info["recall"]
+    assert cfg["num_clusters"] == 8 and cfg["hidden_dim"] == 16 and cfg["width"] == 32 and cfg["top_l"] == 10
+    assert RouterTable.from_bundle(after).module()(torch.zeros(1, 16), torch.zeros(1, 16)).shape == (1, 8)
+
+
+def test_trained_router_is_lossless_in_the_loop(trained, tiny_dirs):  # noqa: F811
+    bundle = load_bundle(trained)
+    models = [CausalLM(load_model(resolve_model(str(d)), "cpu", "float32")) for d in tiny_dirs]
+    target, draft = models
+    eos = {load_tokenizer(resolve_model(str(tiny_dirs[0]))).eos_token_id}
+    ctx = PolicyContext(draft.vocab_size, eos, "cpu", bundle, draft, target)
+    for seed in range(2):
+        prompt = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        policy = DynaSpecPolicy.from_context(DynaSpecConfig(k_max=3), ctx)
+        decode = DecodeConfig(gamma=3, max_new_tokens=16)
+        ar = speculative_generate(target, prompt, decode, eos)
+        spec = speculative_generate(target, prompt, decode, eos, draft, DraftHead(draft.weight), policy)
+        assert spec.token_ids == ar.token_ids
+        assert spec.metrics.mean_active_vocab < draft.vocab_size
+
+
+def test_stale_router_and_missing_stages_are_refused(trained, clusters_bundle, tiny_dirs, corpus_jsonl, tmp_path):  # noqa: F811
+    stale = tmp_path / "stale.safetensors"
+    stale.write_bytes(trained.read_bytes())
+    build(tiny_dirs, corpus_jsonl, stale, "clusters", clusters=5)  # rebuilding clusters keeps the old router
+    draft = CausalLM(load_model(resolve_model(str(tiny_dirs[1])), "cpu", "float32"))
+    ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(stale), draft)
+    with pytest.raises(DynvocabError, match="trained for other clusters"):
+        DynaSpecPolicy.from_context(DynaSpecConfig(), ctx)
+    ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(clusters_bundle), draft)
+    with pytest.raises(DynvocabError) as err:
+        DynaSpecPolicy.from_context(DynaSpecConfig(), ctx)
+    assert str(err.value) == NEEDS_BUNDLE
+
+
+def test_bad_inputs_are_one_line(clusters_bundle, tiny_dirs, corpus_jsonl, tmp_path):  # noqa: F811
+    target, draft = tiny_dirs
+    assert_one_line_error(run(*train_args(tmp_path / "missing.safetensors", tiny_dirs, corpus_jsonl)), "does not exist")
+    freq_only = build(tiny_dirs, corpus_jsonl, tmp_path / "freq.safetensors", "freq")
+    assert_one_line_error(run(*train_args(freq_only, tiny_dirs, corpus_jsonl)), "no 'clusters' stage", "--stages clusters")
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(clusters_bundle.read_bytes())
+    swapped = (draft, target)  # the target (another hidden size) passed as the draft
+    assert_one_line_error(run(*train_args(copy, swapped, corpus_jsonl)), "different draft", f"--draft {draft}")
+    assert_one_line_error(run(*train_args(copy, tiny_dirs, corpus_jsonl, "--target", draft)), "different target")
+    assert_one_line_error(run(*train_args(copy, tiny_dirs, tmp_path / "none.jsonl")), "does not exist")
+    assert_one_line_error(run(*train_args(copy, tiny_dirs, corpus_jsonl, "--top-l", 0)), "--top-l")
+    assert_one_line_error(run(*train_args(copy, tiny_dirs, corpus_jsonl, "--max-docs", 3)), "--max-docs")
+    assert_one_line_error(run(*train_args(copy, tiny_dirs, corpus_jsonl, "--out", tmp_path / "no" / "x.safetensors")), "does not exist")
+    assert copy.read_bytes() == clusters_bundle.read_bytes()  # nothing written on any failure
