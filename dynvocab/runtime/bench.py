@@ -99,14 +99,15 @@ def _close(policy) -> None:
         close()  # policies that adapt the shared draft (EvoSpec's LoRA) undo it here
 
 
-class PolicyRecorder(VocabPolicy):
+class PolicyRecorder:
     """A pass-through proxy around a policy that records what the loop is handed.
 
     Every call reaches the wrapped policy unchanged (``active_ids`` returns the very same object, so the packed
-    head's reuse still works). Per draft step it records the active-set size; with ``coverage`` it scores each
-    verified position on the accepted path that had a draft step — the target's probability mass inside that
-    step's active set and the share of the target's top-k inside it — before the wrapped policy observes the
-    cycle (a policy may update its active set in place there).
+    head's reuse still works; attributes and methods it does not define, such as ``prefill_logits``, are the wrapped
+    policy's). Per draft step it records the active-set size; with ``coverage`` it scores each verified position on
+    the accepted path that had a draft step — the target's probability mass inside that step's active set and the
+    share of the target's top-k inside it — before the wrapped policy observes the cycle (a policy may update its
+    active set in place there).
     """
 
     def __init__(
@@ -114,7 +115,6 @@ class PolicyRecorder(VocabPolicy):
         temperature: float = 0.0,
     ):
         self.inner = inner
-        self.name = getattr(inner, "name", "policy")
         self.vocab_size = vocab_size  # rows of the draft head; None active set = these rows
         self.coverage = coverage
         self.ks = ks
@@ -125,13 +125,11 @@ class PolicyRecorder(VocabPolicy):
         self.analysis_s = 0.0  # time spent scoring (inside the loop's wall clock; the bench subtracts it)
         self._steps: list = []  # this cycle's active sets, by draft step
 
-    @property
-    def prefill_logits(self) -> bool:
-        return self.inner.prefill_logits
-
-    @property
-    def draft_topk(self) -> int:
-        return self.inner.draft_topk
+    def __getattr__(self, name):  # only called for names the proxy itself lacks
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     def prefill(self, prompt_ids, target_logits, target_hidden) -> None:
         self.inner.prefill(prompt_ids, target_logits, target_hidden)
@@ -154,9 +152,6 @@ class PolicyRecorder(VocabPolicy):
 
     def close(self) -> None:
         _close(self.inner)
-
-    def __getattr__(self, name):  # anything else a caller asks of the policy
-        return getattr(self.__dict__["inner"], name)
 
     @torch.inference_mode()
     def score(self, cycle: CycleReport) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from dynvocab.data.sharegpt import is_eval_position
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.prompts import PromptRow, load_prompts
 
@@ -111,7 +112,7 @@ def humaneval_prompts() -> Iterator[tuple[str, str]]:
 
 def sharegpt_eval_conversations() -> Iterator[tuple[str, list[str]]]:
     """``(sg-<position>, user turns)`` of evaluation-split conversations that open with a user turn."""
-    from dynvocab.data.sharegpt import EVAL_EVERY, EVAL_REMAINDER, sharegpt_eval, to_messages
+    from dynvocab.data.sharegpt import EVAL_EVERY, EVAL_REMAINDER, sharegpt_eval, to_messages  # eval split only
 
     for k, record in enumerate(sharegpt_eval()):
         msgs = to_messages(record)
@@ -181,11 +182,33 @@ def embedded_items(tasks: list[str], n: int, ids: list[str] | None = None) -> li
     if not ids:
         return [item for task in tasks for item in itertools.islice(_task_items(task, n), n)]
     wanted = {i.split("/t")[0] for i in ids}
-    items = [item for task in tasks for item in _task_items(task, n) if item.id in wanted]
+    for item_id in wanted:
+        if item_id.startswith("sg-") and item_id[3:].isdigit() and not is_eval_position(int(item_id[3:])):
+            raise DynvocabError(
+                f"{item_id} is not in the ShareGPT evaluation split (positions ≡ 9 mod 10); bench uses only that split"
+            )
+    items = []
+    for task in tasks:
+        todo = {i for i in wanted if _may_hold(task, i)}
+        for item in _task_items(task, n) if todo else ():
+            if item.id in todo:
+                items.append(item)
+                todo.discard(item.id)
+                if not todo:
+                    break  # the embedded ShareGPT file is large: stop once every id is found
     missing = sorted(wanted - {item.id for item in items})
     if missing:
         raise DynvocabError(f"--ids names ids not in tasks {','.join(tasks)}: {', '.join(missing[:5])}")
     return items
+
+
+def _may_hold(task: str, item_id: str) -> bool:
+    """Whether an id of this form can belong to ``task`` (so a search need not scan the others)."""
+    if task == "code":
+        return item_id.startswith("HumanEval/")
+    if task == "topic-switch":
+        return item_id == SWITCH_ID
+    return item_id.startswith("sg-")
 
 
 # --- prompt files -------------------------------------------------------------------------------------------------

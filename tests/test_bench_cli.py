@@ -1,0 +1,95 @@
+"""``dynvocab bench`` through CliRunner on tiny local models: files written, embedded tasks, --quick, errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dynvocab.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def models(dirs):
+    return ["--target", dirs["target"], "--draft", dirs["draft"], "--no-chat-template", "--dtype", "float32"]
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "task": "code", "prompt": "w1 w2 w3 w1 w2"}, {"id": "b", "task": "chat", "prompt": "w9 w8"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_bench_writes_json_csv_and_plot(tiny_dirs, prompts, tmp_path):
+    out_json, out_csv, out_png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
+    result = run("bench", "--prompts", prompts, "--strategies", "ar,full,hf-lookup", "--max-new-tokens", 6,
+                 "--coverage", "--json", out_json, "--csv", out_csv, "--plot", out_png, *models(tiny_dirs))
+    assert result.exit_code == 0, result.output
+    assert "oracle" in result.output and "hf-lookup" in result.output
+    data = json.loads(out_json.read_text())
+    assert len(data["generations"]) == 2 * 3
+    assert set(data["summary"]) == {"ar", "full", "hf-lookup"}
+    assert data["summary"]["full"]["all"]["matches_ar"] == 1.0
+    assert data["summary"]["full"]["all"]["target_mass"] == 1.0  # the full vocabulary holds all the mass
+    assert set(data["oracle"]) == {"code", "chat", "all"}
+    rows = list(csv.DictReader(out_csv.open()))
+    assert {(r["strategy"], r["task"]) for r in rows} == {
+        (s, t) for s in ("ar", "full", "hf-lookup", "oracle") for t in ("code", "chat", "all")
+    }
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left behind
+
+
+def test_bench_seeds_report_spread(tiny_dirs, prompts, tmp_path):
+    out = tmp_path / "s.json"
+    result = run("bench", "--prompts", prompts, "--ids", "a", "--strategies", "ar,full", "--max-new-tokens", 4,
+                 "--temperature", 0.8, "--seeds", "0,1", "--json", out, *models(tiny_dirs))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert sorted({g["seed"] for g in data["generations"]}) == [0, 1]
+    assert set(data["summary"]["full"]["all"]["seed_stats"]) >= {"tokens_per_s", "speedup_vs_ar"}
+
+
+def test_bench_embedded_multiturn(tiny_dirs, tmp_path):
+    out = tmp_path / "m.json"
+    result = run("bench", "--tasks", "multiturn", "--num-prompts", 1, "--strategies", "ar,full",
+                 "--max-new-tokens", 3, "--json", out, *models(tiny_dirs))
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [g["id"] for g in data["generations"] if g["strategy"] == "ar"] == ["sg-9/t1", "sg-9/t2", "sg-9/t3"]
+    assert data["summary"]["full"]["multiturn"]["matches_ar"] == 1.0
+
+
+def test_quick_skips_strategies_without_a_ranking(tiny_dirs):
+    result = run("bench", "--quick", "--max-new-tokens", 3, *models(tiny_dirs))
+    assert result.exit_code == 0, result.output
+    assert "skipped fr" in result.output and "skipped hybrid" in result.output
+    assert "microspec" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--strategies", "ar,hf-bogus"], ["unknown strategy", "hf-bogus"]),
+        (["--seeds", "0,x"], ["--seeds"]),
+        (["--csv", "/no/such/folder/b.csv"], ["does not exist"]),
+        (["--tasks", "poetry"], ["unknown task", "poetry"]),
+        (["--ids", "sg-10"], ["evaluation split"]),
+    ],
+)
+def test_bench_bad_input_one_line_error(tiny_dirs, args, words):
+    result = run("bench", *args, *models(tiny_dirs))
+    assert result.exit_code != 0
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    for word in words:
+        assert word in lines[0]
