@@ -100,6 +100,10 @@ def test_bench_writes_json(tiny_dirs, tmp_path, token_map):
         (["generate", PROMPT, "--strategy", "fr"], ["--token-map"]),
         (["generate", PROMPT, "--strategy", "fr", "--token-map", "/no/such/map.pt"], ["does not exist"]),
         (["generate", PROMPT, "--dtype", "float8"], ["dtype"]),
+        (["generate", PROMPT, "--strategy", "dynaspec"], ["--bundle", "train-router"]),
+        (["generate", PROMPT, "--strategy", "evospec"], ["--bundle", "hnsw"]),
+        (["generate", PROMPT, "--strategy", "hybrid"], ["--token-map"]),
+        (["generate", PROMPT, "--bundle", "/no/such/bundle.safetensors"], ["bundle"]),
     ],
 )
 def test_bad_input_one_line_error(tiny_dirs, args, words):

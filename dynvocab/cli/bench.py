@@ -13,6 +13,8 @@ from rich.console import Console
 
 from dynvocab.cli.common import (
     BundleOpt,
+    KMax,
+    OnlineAlign,
     CoreSize,
     HybridWindow,
     Threads,
@@ -32,6 +34,8 @@ from dynvocab.cli.common import (
     set_threads,
 )
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
+from dynvocab.runtime.policies.evospec import EvoSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
 from dynvocab.runtime.strategies import StrategyOptions
@@ -81,6 +85,8 @@ def bench(
     window: Window = MicroSpecConfig.window,
     core_size: CoreSize = HybridConfig.core_size,
     hybrid_window: HybridWindow = HybridConfig.window,
+    k_max: KMax = DynaSpecConfig.k_max,
+    online_align: OnlineAlign = False,
     bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
@@ -114,6 +120,8 @@ def bench(
         pa_k_max=pa_k_max,
         microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
         hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
+        dynaspec=DynaSpecConfig(k_max=k_max),
+        evospec=EvoSpecConfig(online_align=online_align),
     )
     request = BenchRequest(
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,

@@ -99,3 +99,7 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 CoreSize = Annotated[int, typer.Option(min=1, help="hybrid: size of the static core of most frequent tokens.")]
 HybridWindow = Annotated[int, typer.Option(min=1, help="hybrid: stream entries of its context window.")]
+KMax = Annotated[int, typer.Option(min=1, help="dynaspec: clusters routed at draft steps 0 and 1 (k_max).")]
+OnlineAlign = Annotated[
+    bool, typer.Option("--online-align", help="evospec: online LoRA alignment of the draft (q, v projections).")
+]

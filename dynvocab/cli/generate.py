@@ -10,6 +10,8 @@ import typer
 
 from dynvocab.cli.common import (
     BundleOpt,
+    KMax,
+    OnlineAlign,
     CoreSize,
     HybridWindow,
     Threads,
@@ -33,6 +35,8 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
+from dynvocab.runtime.policies.evospec import EvoSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
 from dynvocab.runtime.prompts import encode_prompt
@@ -58,6 +62,8 @@ def generate(
     window: Window = MicroSpecConfig.window,
     core_size: CoreSize = HybridConfig.core_size,
     hybrid_window: HybridWindow = HybridConfig.window,
+    k_max: KMax = DynaSpecConfig.k_max,
+    online_align: OnlineAlign = False,
     bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
@@ -81,6 +87,8 @@ def generate(
         pa_k_max=pa_k_max,
         microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
         hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
+        dynaspec=DynaSpecConfig(k_max=k_max),
+        evospec=EvoSpecConfig(online_align=online_align),
     )
     set_threads(threads)
     session = Session(

@@ -9,12 +9,14 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
+from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.token_map import load_token_map
 
 ALL_STRATEGIES = ("ar", "full", "fr", "fr-pa", "dynaspec", "microspec", "evospec", "hybrid")
-AVAILABLE = ("ar", "full", "fr", "fr-pa", "microspec", "hybrid")
+AVAILABLE = ALL_STRATEGIES
 FR_SIZE = 32768  # FR-Spec's K when the ranking comes from a bundle
 
 
@@ -27,6 +29,8 @@ class StrategyOptions:
     pa_k_max: int | None = None  # fr-pa's k_max (default: the FR size)
     microspec: MicroSpecConfig = field(default_factory=MicroSpecConfig)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
+    dynaspec: DynaSpecConfig = field(default_factory=DynaSpecConfig)
+    evospec: EvoSpecConfig = field(default_factory=EvoSpecConfig)
 
 
 @dataclass
@@ -111,6 +115,10 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
         return FullPolicy()
     if name == "microspec":
         return MicroSpecPolicy(opts.microspec, ctx.vocab_size, ctx.device, pinned=ctx.eos)
+    if name == "dynaspec":
+        return DynaSpecPolicy.from_context(opts.dynaspec, ctx)
+    if name == "evospec":
+        return EvoSpecPolicy.from_context(opts.evospec, ctx)
     ranking = frequency_ranking(opts, ctx, name)
     eos = ctx.eos
     if name == "hybrid":
