@@ -149,7 +149,7 @@ def test_online_alignment_keeps_greedy_lossless_and_leaves_the_shared_draft_as_i
     target_model, draft_model = tiny_pair
     target, draft = CausalLM(target_model), CausalLM(draft_model)
     before = snapshot(draft_model)
-    index, _ = hnsw_builder.build_index(hnsw_builder.HnswConfig(m=8, ef_construction=32, num_threads=1), target.weight)
+    index = hnsw_builder.build_index(hnsw_builder.HnswConfig(m=8, ef_construction=32, num_threads=1), target.weight)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
     cfg = EvoSpecConfig(
         static_size=88, dynamic_size=4, min_residency=2, synchronous=bool(seed % 2), online_align=True,
@@ -175,3 +175,16 @@ def test_update_peak_memory_reports_each_mode():
     assert reports["lora"]["state"] < reports["full"]["state"]
     for r in reports.values():
         assert r["samples"] == 4 and r["seq_len"] == 12 and r["peak"] >= 0 and r["device"] == "cpu"
+
+
+def test_a_bfloat16_draft_gets_a_float32_adapter_and_is_restored():
+    model = tiny_qwen2(seed=9).to(torch.bfloat16)
+    before = snapshot(model)
+    aligner = Aligner(CausalLM(model), SMALL)
+    assert aligner.params and all(p.dtype == torch.float32 for p in aligner.params)  # 1e-5 steps survive
+    feed(aligner, 2)
+    assert aligner.stats.updates == 1
+    with torch.inference_mode():
+        assert CausalLM(model).step(torch.tensor([1, 2, 3])).dtype == torch.bfloat16
+    aligner.close()
+    assert_restored(model, before)

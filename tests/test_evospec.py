@@ -55,9 +55,9 @@ def tables(pair):
     """A tiny bundle's worth of EvoSpec tables for the tiny target: ranking, HNSW index + params, graph."""
     target, _ = pair
     cfg = hnsw_builder.HnswConfig(m=8, ef_construction=64, ef_search=64, num_threads=1)
-    index, params = hnsw_builder.build_index(cfg, target.weight)
+    index = hnsw_builder.build_index(cfg, target.weight)  # MipsIndex; no preconditioning without sample queries
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
-    return ranking, index, params, random_graph()
+    return ranking, index, index.params, random_graph()
 
 
 def make_policy(tables, core_size=30, **kw) -> EvoSpecPolicy:
@@ -163,7 +163,9 @@ def bundle_for(tmp_path, pair, tables, stages=("freq", "hnsw", "graph")):
     ranking, index, params, graph = tables
     made = {
         "freq": Stage("freq", FreqTable(torch.ones(VOCAB, dtype=torch.long), ranking, torch.tensor([95])).to_tensors(), {}),
-        "hnsw": Stage("hnsw", {"index": index_to_tensor(index)}, {}, {"index": params.as_dict()}),
+        "hnsw": Stage(
+            "hnsw", {"index": index_to_tensor(index.index), "query_map": index.query_map}, {}, {"index": params.as_dict()}
+        ),
         "graph": Stage("graph", graph.to_tensors(), {}),
     }
     fp = ModelFingerprint(VOCAB, "0" * 64, VOCAB, target.weight.shape[1])

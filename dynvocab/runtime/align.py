@@ -135,6 +135,8 @@ class Aligner:
         self._restore = _Restorer(model, flags, targets, set(vars(model)) - attrs)
         params = [p for name, p in model.named_parameters() if "lora_" in name]
         for p in params:
+            if p.dtype in (torch.float16, torch.bfloat16):
+                p.data = p.data.float()  # lr 1e-5 steps vanish in bf16; peft casts inputs to the adapter dtype
             p.requires_grad_(True)
         return params
 
