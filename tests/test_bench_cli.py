@@ -6,11 +6,21 @@ import csv
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from dynvocab.cli import app
 
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run far faster on one thread, above all on a shared, busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def run(*args):

@@ -69,8 +69,9 @@ def needs_draft(strategies) -> bool:
 def policy_context(session: Session) -> PolicyContext:
     """The context ``Session.generate`` builds for a policy (bench builds its policies itself, to wrap them)."""
     return PolicyContext(
-        session.draft.vocab_size, session.eos_ids, session.draft.device, session.bundle, session.draft,
-        session.target, getattr(session, "tokenizer_sha256", None),
+        vocab_size=session.draft.vocab_size, eos_ids=session.eos_ids, device=session.draft.device,
+        bundle=session.bundle, draft=session.draft, target=session.target,
+        tokenizer_sha256=session.tokenizer_sha256,
     )
 
 
