@@ -12,7 +12,6 @@ probability mass inside the active set and Recall@k of the target's top-k at eve
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -432,8 +431,3 @@ def oracle_summary(generations: list[dict]) -> dict:
             entry["speedup_vs_ar"] = _ratio(tps, _summarize(ar[task])["tokens_per_s"])
         out[task] = entry
     return out
-
-
-def is_finite(value) -> bool:
-    """A number that is not None / NaN / inf (for renderers)."""
-    return isinstance(value, (int, float)) and math.isfinite(value)
