@@ -136,7 +136,11 @@ REPLAY = BenchItem("conv", "multiturn", ({"role": "user", "content": "w1 w2 w3"}
 def test_multiturn_feeds_answers_back(session, monkeypatch, strategies, source):
     seen = []
     encode = bench.encode_prompt
-    monkeypatch.setattr(bench, "encode_prompt", lambda tok, msgs, tmpl: seen.append(list(msgs)) or encode(tok, msgs, tmpl))
+    def spy(tokenizer, messages, template):
+        seen.append(list(messages))
+        return encode(tokenizer, messages, template)
+
+    monkeypatch.setattr(bench, "encode_prompt", spy)
     out = run_bench(session, [REPLAY], _cfg(strategies))
     rows = {(g["id"], g["strategy"]): g for g in out["generations"]}
     assert [g["id"] for g in out["generations"]][:2] == ["conv/t1", "conv/t1"]

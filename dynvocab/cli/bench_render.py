@@ -77,7 +77,10 @@ def render_tables(results: dict) -> list[Table]:
     cfg = results["config"]
     seeds = cfg.get("seeds") or [cfg.get("seed")]
     sampling = f"T={cfg['temperature']} · seeds {','.join(map(str, seeds))}" if cfg["temperature"] else "greedy"
-    title = f"dynvocab bench · γ={cfg['gamma']} · {cfg['max_new_tokens']} new tokens · {sampling} · {cfg['dtype']} on {cfg['device']}"
+    title = (
+        f"dynvocab bench · γ={cfg['gamma']} · {cfg['max_new_tokens']} new tokens · {sampling} · "
+        f"{cfg['dtype']} on {cfg['device']}"
+    )
     coverage = cfg.get("coverage")
     table = Table(title=title, title_justify="left")
     columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %", "vocab mean/max",
@@ -145,7 +148,10 @@ def notes(results: dict) -> list[str]:
             listed = ", ".join(f"{s} {n}/{summary[s]['all']['generations']}" for s, n in diverged.items())
             out.append(f"outputs differing from ar: {listed} ({why})")
     if cfg.get("coverage"):
-        out.append("coverage scoring time is taken out of the wall clock; mass / R@k: target top-k inside the active set")
+        out.append(
+            "mass: target probability inside the active set; R@k: share of the target's top-k inside it "
+            "(scoring time is taken out of the wall clock)"
+        )
     out.append(
         "MAL = new tokens per target pass; shares are of wall time (head ⊂ draft); oracle = full without its "
         "draft-head time; tok/s ± request-level std"
@@ -188,7 +194,8 @@ def write_plot(path: Path, results: dict) -> None:
 
     figure, axes = plt.subplots(1, 3, figsize=(17, 5.2))
     width = 0.8 / len(groups)
-    for panel, (key, label) in enumerate((("tokens_per_s", "tokens/s"), ("mean_accepted_length", "mean accepted length"))):
+    panels = (("tokens_per_s", "tokens/s"), ("mean_accepted_length", "mean accepted length"))
+    for panel, (key, label) in enumerate(panels):
         ax = axes[panel]
         for g, task in enumerate(groups):
             xs = [i + (g - (len(groups) - 1) / 2) * width for i in range(len(names))]

@@ -3,6 +3,7 @@ render the tables and write the requested files."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,11 +106,8 @@ def run_command(req: BenchRequest, options: StrategyOptions) -> dict:
     names = parse_rows(req.strategies or (quick.strategies if quick else DEFAULT_ROWS))
     seeds = parse_seeds(req.seeds, req.seed)
     check_outputs(req.json_path, req.csv_path, req.plot_path)
-    if req.plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise DynvocabError("--plot needs matplotlib; run `pip install matplotlib`") from None
+    if req.plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise DynvocabError("--plot needs matplotlib; run `pip install matplotlib`")
     items = select_items(req)
     max_new = req.max_new_tokens or (quick.max_new_tokens if quick else DEFAULT_MAX_NEW)
     cfg = BenchConfig(
