@@ -92,6 +92,7 @@ class Aligner:
         self.stats = AlignStats()
         self._closed = False
         self._restore = None
+        self.grad_bytes = 0  # gradient memory of the last update (for memory reports)
         with torch.inference_mode(False):
             self.params = self._setup()
             self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -215,6 +216,7 @@ class Aligner:
                 loss = self.loss(samples[i : i + self.cfg.micro_batch]) / len(samples)
                 loss.backward()
                 value += float(loss.detach())
+            self.grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.stats.updates += 1
@@ -295,7 +297,8 @@ def update_peak_memory(
     ``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS (VmHWM, reset through
     ``/proc/self/clear_refs``), so run each mode in a fresh process for clean figures. The full modes write
     ``lm``'s weights: pass a throwaway model. Returns bytes: ``baseline`` (before set-up), ``peak``,
-    ``delta`` (= peak − baseline), ``state`` (gradients + optimiser state, exact), and ``trainable_params``.
+    ``delta`` (= peak − baseline), ``grads`` and ``optimizer_state`` (exact; ``state`` is their sum), and the
+    number of ``trainable_params``.
     """
     samples = samples or cfg.buffer_size
     seq_len = seq_len or cfg.context_tokens + path_len - 1
@@ -321,12 +324,9 @@ def update_peak_memory(
         aligner.cfg = cfg
         trainable_params = sum(p.numel() for p in aligner.params)
         aligner.update()
-        state = sum(
-            t.numel() * t.element_size()
-            for st in aligner.optimizer.state.values()
-            for t in st.values()
-            if torch.is_tensor(t)
-        ) + sum(p.numel() * p.element_size() for p in aligner.params)  # grads (freed after the step) + state
+        optimizer_state = sum(
+            t.numel() * t.element_size() for st in aligner.optimizer.state.values() for t in st.values() if torch.is_tensor(t)
+        )
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
@@ -342,6 +342,8 @@ def update_peak_memory(
         "baseline": baseline,
         "peak": peak,
         "delta": peak - baseline,
-        "state": state,
+        "grads": aligner.grad_bytes,
+        "optimizer_state": optimizer_state,
+        "state": aligner.grad_bytes + optimizer_state,
         "device": "cuda" if cuda else "cpu",
     }
