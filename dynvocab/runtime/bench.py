@@ -20,14 +20,14 @@ from typing import Callable
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.head import DraftHead, active_size
+from dynvocab.runtime.head import active_size
 from dynvocab.runtime.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
-from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.metrics import EXTRA_KEYS, RECALL_KS, summarize
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.runtime.prompts import PromptRow, encode_prompt
 from dynvocab.runtime.session import Session
-from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, parse_strategies
+from dynvocab.runtime.strategies import StrategyOptions, make_policy, parse_strategies
 from dynvocab.runtime.tasks import HISTORY_CHARS, BenchItem, as_item
 
 SPEEDUP_BASES = ("ar", "full")
@@ -65,15 +65,6 @@ def needs_draft(strategies) -> bool:
     return any(s not in ("ar", "hf-lookup") for s in strategies)
 
 
-def policy_context(session: Session) -> PolicyContext:
-    """The context ``Session.generate`` builds for a policy (bench builds its policies itself, to wrap them)."""
-    return PolicyContext(
-        vocab_size=session.draft.vocab_size, eos_ids=session.eos_ids, device=session.draft.device,
-        bundle=session.bundle, draft=session.draft, target=session.target,
-        tokenizer_sha256=session.tokenizer_sha256,
-    )
-
-
 def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple[BenchConfig, list[str]]:
     """Build each strategy's policy once before the run; one that cannot be built fails now, or is dropped with a
     note when ``skip`` (``--quick``). Returns the config to run and the notes."""
@@ -83,7 +74,7 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
             keep.append(name)
             continue
         try:
-            policy = make_policy(name, cfg.options, policy_context(session))
+            policy = make_policy(name, cfg.options, session.policy_context())
             _close(policy)
             keep.append(name)
         except DynvocabError as exc:
@@ -206,19 +197,14 @@ def generate_row(
     if strategy == "ar":
         result = session.generate(prompt_ids, "ar", decode, cfg.options)
         return result.token_ids, {**result.metrics.as_dict(), **{key: None for key in EXTRA_KEYS}}
-    if not prompt_ids:
-        raise DynvocabError("the prompt is empty; pass some text")
-    if session.draft is None:
-        raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
-    policy = make_policy(strategy, cfg.options, policy_context(session))
-    recorder = PolicyRecorder(policy, session.draft.vocab_size, cfg.coverage, cfg.recall_ks, decode.temperature)
-    head = DraftHead(session.draft.weight, session.draft.bias, session.draft.softcap)
-    try:
-        result = speculative_generate(
-            session.target, prompt_ids, decode, session.eos_ids, session.draft, head, recorder
-        )
-    finally:
-        recorder.close()
+    recorders: list[PolicyRecorder] = []
+
+    def record(policy):
+        recorders.append(PolicyRecorder(policy, session.draft.vocab_size, cfg.coverage, cfg.recall_ks, decode.temperature))
+        return recorders[-1]
+
+    result = session.generate(prompt_ids, strategy, decode, cfg.options, wrap_policy=record)
+    recorder = recorders[0]
     metrics = {**result.metrics.as_dict(), **recorder.metrics()}
     if recorder.coverage and recorder.analysis_s:
         # Scoring ran inside the loop's clock; take it out so --coverage timings stay comparable.

@@ -19,6 +19,7 @@ from dynvocab.models import (
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, Generation, speculative_generate
+from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 
@@ -94,6 +95,13 @@ class Session:
         """Fingerprint of the shared tokenizer (selects the embedded demo ranking when it fits)."""
         return tokenizer_fingerprint(self.tokenizer)
 
+    def policy_context(self) -> PolicyContext:
+        """What a policy may read from this session (models, EOS ids, bundle, tokenizer fingerprint)."""
+        return PolicyContext(
+            vocab_size=self.draft.vocab_size, eos_ids=self.eos_ids, device=self.draft.device, bundle=self.bundle,
+            draft=self.draft, target=self.target, tokenizer_sha256=self.tokenizer_sha256,
+        )
+
     def generate(
         self,
         prompt_ids: list[int],
@@ -101,19 +109,22 @@ class Session:
         decode: DecodeConfig,
         options: StrategyOptions = StrategyOptions(),
         on_tokens: Callable[[list[int]], None] | None = None,
+        wrap_policy: Callable[[VocabPolicy], VocabPolicy] | None = None,
     ) -> Generation:
-        """Run ``strategy`` on ``prompt_ids``; the output is the target's own (greedy: token for token)."""
+        """Run ``strategy`` on ``prompt_ids``; the output is the target's own (greedy: token for token).
+
+        ``wrap_policy`` may wrap the strategy's policy (bench records active sets this way); the wrapper's
+        ``close()``, if any, runs after the generation, as the policy's own does.
+        """
         if not prompt_ids:
             raise DynvocabError("the prompt is empty; pass some text")
         if strategy == "ar":
             return speculative_generate(self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens)
         if self.draft is None:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
-        ctx = PolicyContext(
-            self.draft.vocab_size, self.eos_ids, self.draft.device, self.bundle, self.draft, self.target,
-            self.tokenizer_sha256,
-        )
-        policy = make_policy(strategy, options, ctx)
+        policy = make_policy(strategy, options, self.policy_context())
+        if wrap_policy is not None:
+            policy = wrap_policy(policy)
         head = DraftHead(self.draft.weight, self.draft.bias, self.draft.softcap)
         try:
             return speculative_generate(
