@@ -226,3 +226,16 @@ def test_the_dynamic_buffer_raises_coverage_over_the_core_alone(pair, tables):
     assert evo.token_ids == fr.token_ids
     assert evo.metrics.coverage > fr.metrics.coverage
     assert evo.metrics.mean_active_vocab > 30
+
+
+def test_a_failing_retrieval_is_counted_and_costs_only_coverage(pair, tables):
+    target, draft = pair
+    ranking, _, _, graph = tables
+    cfg = DecodeConfig(gamma=3, max_new_tokens=20)
+    ar = speculative_generate(target, [2, 7, 1], cfg, set())
+    with EvoSpecPolicy(EvoSpecConfig(static_size=30), ranking[:30], None, graph, VOCAB) as policy:  # no index
+        spec = speculative_generate(target, [2, 7, 1], cfg, set(), draft, DraftHead(draft.weight), policy)
+        policy.apply_ready(wait=True)
+    assert spec.token_ids == ar.token_ids
+    assert policy.stats.oov_events > 0 and policy.stats.failed == policy.stats.oov_events
+    assert policy.summary()["failed"] == policy.stats.failed and len(policy.cache) == 0

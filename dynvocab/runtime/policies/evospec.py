@@ -87,6 +87,7 @@ class EvoSpecStats:
     candidates: int = 0  # candidates offered to the cache (after dedup and core filtering)
     inserted: int = 0  # ids newly admitted into the dynamic buffer
     dropped: int = 0  # events still pending at close()
+    failed: int = 0  # retrievals that raised (the worker carries on)
 
     @property
     def mean_retrieval_ms(self) -> float:
@@ -106,7 +107,7 @@ def assemble_candidates(
 
     Seeds are ``token``, then ``target_top``, then ``semantic`` (HNSW) ids, deduplicated; then up to
     ``fanout`` graph successors of every seed, taken round-robin by rank (every seed's best successor first).
-    Ids outside ``in_core`` [V_draft] (the draft's vocabulary) and ids inside the core are dropped.
+    Ids outside the draft's vocabulary (``in_core`` has one entry per draft row) and ids in the core are dropped.
     ``indptr`` [V_graph + 1] / ``indices`` [E] are the CSR successor lists, best first.
     """
     vocab = in_core.shape[0]
@@ -137,7 +138,7 @@ class Retriever:
     """HNSW search + graph expansion for OOV events; safe to call from one worker thread."""
 
     def __init__(self, index, graph, in_core: np.ndarray, cfg: EvoSpecConfig):
-        self.index = index  # hnswlib.Index over the target's LM-head rows (norm-augmented)
+        self.index = index  # from load_hnsw: MIPS over the target's LM-head rows (labels = token ids)
         self.indptr = graph.indptr.numpy()  # [V_graph + 1]
         self.indices = graph.indices.numpy()  # [E]
         self.in_core = in_core  # [V_draft] bool, read-only
@@ -207,8 +208,8 @@ def _serve(retriever: Retriever, inbox, outbox, stop: threading.Event) -> None:
             return
         try:
             outbox.put((event, *retriever.candidates(event)))
-        except Exception:  # a failed retrieval only costs coverage, never correctness
-            outbox.put((event, [], 0.0))
+        except Exception:  # a failed retrieval only costs coverage, never correctness; it is counted
+            outbox.put((event, None, 0.0))
 
 
 _TABLES: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
@@ -331,6 +332,9 @@ class EvoSpecPolicy(VocabPolicy):
         if self._worker is not None:
             ready += self._worker.drain(wait)
         for event, candidates, seconds in ready:
+            if candidates is None:
+                self.stats.failed += 1
+                continue
             self.stats.retrievals += 1
             self.stats.retrieval_s += seconds
             self.stats.candidates += len(candidates)
@@ -377,6 +381,7 @@ class EvoSpecPolicy(VocabPolicy):
             "t2": len(self.cache.t2),
             "arc_p": round(self.cache.p, 2),
             "dropped": s.dropped,
+            "failed": s.failed,
         }
         if self.aligner is not None:
             a = self.aligner.stats
