@@ -85,8 +85,11 @@ def _damaged(path: Path, why: str) -> DynvocabError:
 class Bundle:
     """A validated bundle on disk. Tensors are read on demand and checked against their checksums."""
 
-    def __init__(self, path: Path, metadata: dict, entries: dict[str, TensorEntry]):
+    def __init__(self, path: Path, metadata: dict, entries: dict[str, TensorEntry], file):
         self.path = path
+        # Reads go through the file opened at load time: if the path is replaced later (a rebuild), this
+        # object keeps reading the bundle it validated.
+        self._file = file
         self.metadata = metadata
         self.entries = entries
         self.fingerprints = {
@@ -141,10 +144,8 @@ class Bundle:
             self.require(stage)
             raise DynvocabError(f"bundle {self.path} has no tensor '{name}'; rebuild stage '{stage}'")
         entry = self.entries[name]
-        with open(self.path, "rb") as f:
-            f.seek(entry.begin)
-            raw = bytearray(f.read(entry.nbytes))
-        if len(raw) != entry.nbytes:
+        raw = bytearray(entry.nbytes)
+        if entry.nbytes and os.preadv(self._file.fileno(), [raw], entry.begin) != entry.nbytes:
             raise _damaged(self.path, f"tensor {name} is cut short")
         if name not in self._verified:
             if hashlib.sha256(raw).hexdigest() != self._checksums.get(name):
@@ -165,7 +166,7 @@ class Bundle:
 
     def verify(self) -> None:
         """Check every tensor's checksum (one pass over the file)."""
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             for name, entry in self.entries.items():
                 if name in self._verified:
                     continue
@@ -173,6 +174,16 @@ class Bundle:
                 if digest != self._checksums.get(name):
                     raise _damaged(self.path, f"checksum mismatch in tensor {name}")
                 self._verified.add(name)
+
+    def close(self) -> None:
+        """Release the file (also done when the object is garbage-collected)."""
+        self._file.close()
+
+    def __enter__(self) -> "Bundle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def check_models(self, target: ModelFingerprint, draft: ModelFingerprint | None = None) -> None:
         """Raise a one-line error naming the model (target or draft) the bundle was not built for."""
@@ -188,19 +199,18 @@ class Bundle:
                 )
 
 
-def _read_header(path: Path) -> tuple[dict, dict[str, TensorEntry]]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _damaged(path, "file too short")
-        n = int.from_bytes(head, "little")
-        if n <= 0 or n > min(_MAX_HEADER, size - 8):
-            raise _damaged(path, "bad header length")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise _damaged(path, "header is not valid JSON") from None
+def _read_header(path: Path, f) -> tuple[dict, dict[str, TensorEntry]]:
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise _damaged(path, "file too short")
+    n = int.from_bytes(head, "little")
+    if n <= 0 or n > min(_MAX_HEADER, size - 8):
+        raise _damaged(path, "bad header length")
+    try:
+        header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _damaged(path, "header is not valid JSON") from None
     if not isinstance(header, dict):
         raise _damaged(path, "header is not a JSON object")
     raw_meta = header.pop("__metadata__", None)
@@ -263,11 +273,23 @@ def load_bundle(path: str | Path, verify: bool = False) -> Bundle:
     path = Path(path)
     if not path.is_file():
         raise DynvocabError(f"bundle {path} does not exist; build one with `dynvocab build-index --out {path}`")
-    raw, entries = _read_header(path)
-    bundle = Bundle(path, _parse_metadata(path, raw, entries), entries)
-    if verify:
-        bundle.verify()
+    f = open(path, "rb")
+    try:
+        raw, entries = _read_header(path, f)
+        bundle = Bundle(path, _parse_metadata(path, raw, entries), entries, f)
+        if verify:
+            bundle.verify()
+    except BaseException:
+        f.close()
+        raise
     return bundle
+
+
+def chmod_like_new_file(path: str | Path) -> None:
+    """Give a ``mkstemp`` file (created 0600) the permissions ``open()`` would: 0666 minus the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def write_bundle(
@@ -305,6 +327,7 @@ def write_bundle(
         save_file(tensors, tmp, metadata=metadata)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        chmod_like_new_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

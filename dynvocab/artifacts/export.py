@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dynvocab.artifacts.bundle import chmod_like_new_file
 from dynvocab.artifacts.tables import FreqTable
 from dynvocab.errors import DynvocabError
 
@@ -64,6 +65,7 @@ def save_torch_atomic(obj, path: str | Path) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
+        chmod_like_new_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

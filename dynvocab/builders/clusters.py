@@ -47,6 +47,7 @@ def spherical_kmeans(
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Cluster unit rows ``x`` [V, d]; returns (assign LongTensor [V], centroids float32 [M, d], stats)."""
     n, m = x.shape[0], cfg.num_clusters
+    zero_rows = x.abs().sum(dim=1) == 0  # [V]
     gen = torch.Generator().manual_seed(cfg.seed)
     centroids = x[torch.randperm(n, generator=gen)[:m].to(x.device)].clone()  # [M, d]
     assign = torch.full((n,), -1, dtype=torch.long, device=x.device)
@@ -59,7 +60,8 @@ def spherical_kmeans(
         sizes = torch.bincount(assign, minlength=m)  # [M]
         empty = torch.nonzero(sizes == 0).flatten()
         if empty.numel():
-            far = torch.argsort(best)[: empty.numel()]  # rows least similar to their centroid
+            # Re-seed with the rows least similar to their centroid (zero rows, e.g. padding, never).
+            far = torch.argsort(best.masked_fill(zero_rows, float("inf")))[: empty.numel()]
             sums[empty] = x[far]
             assign[far] = empty
         centroids = F.normalize(sums, dim=1)

@@ -8,20 +8,23 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from dynvocab.artifacts import Bundle, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.builders import clusters as clusters_stage
 from dynvocab.builders import freq as freq_stage
 from dynvocab.builders import graph as graph_stage
 from dynvocab.builders import hnsw as hnsw_stage
 from dynvocab.builders.corpus import CorpusConfig, check_sources, iter_documents
-from dynvocab.builders.counting import CorpusCounts, count_corpus
+from dynvocab.builders.counting import count_corpus
 from dynvocab.builders.models import end_token_ids, fingerprint, load_head, target_hidden_states
 from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.errors import DynvocabError
-from dynvocab.models import default_device, load_tokenizer, match_vocabularies, resolve_model
+from dynvocab.models import ModelSpec, default_device, load_tokenizer, match_vocabularies, resolve_model
 
 STAGES = ("freq", "clusters", "hnsw", "graph")
 CORPUS_STAGES = ("freq", "graph")
+DEPENDS_ON = {"router": ("clusters",)}  # a kept stage is dropped when a stage it was trained on is rebuilt
 
 
 @dataclass(frozen=True)
@@ -44,17 +47,16 @@ class StageReport:
     name: str
     seconds: float
     nbytes: int
-    stats: dict
+    info: dict  # as stored in the bundle: build time, statistics, corpus
 
 
 @dataclass(frozen=True)
 class BuildReport:
-    """The result of a build: the file, the stages built and kept, the corpus pass."""
+    """The result of a build: the file, the stages built and kept."""
 
     path: Path
     built: list[StageReport]
     kept: list[str]
-    corpus: dict | None
     seconds: float
     file_bytes: int
 
@@ -101,11 +103,72 @@ def _existing(out: Path, cfg: BuildConfig, target: ModelFingerprint, draft: Mode
     return old
 
 
-def _corpus_pass(tokenizer, rows: int, cfg: BuildConfig, reporter: Reporter) -> tuple[CorpusCounts, float]:
+@dataclass(frozen=True)
+class _Models:
+    """The resolved pair, their tokenizers and fingerprints."""
+
+    target: ModelSpec
+    draft: ModelSpec
+    target_tokenizer: object
+    target_fp: ModelFingerprint
+    draft_fp: ModelFingerprint
+
+
+def _stage(reporter: Reporter, name: str, start: float, tensors: dict, config: dict, stats: dict, extra: dict | None = None) -> Stage:
+    """A built stage with its build info; logs its one-line summary."""
+    seconds = time.perf_counter() - start
+    stage = Stage(name, tensors, config, {"built_at": _now(), "seconds": round(seconds, 2), **stats, **(extra or {})})
+    reporter.log(f"{name}: {seconds:.1f} s · {stage.nbytes / 1e6:.1f} MB · {_brief(stats)}")
+    return stage
+
+
+def _corpus_stages(m: _Models, cfg: BuildConfig, reporter: Reporter) -> list[Stage]:
+    """freq and/or graph from one tokenization pass over the corpus."""
     start = time.perf_counter()
-    with reporter.task("tokenize corpus", total=None) as advance:
-        counts = count_corpus(iter_documents(cfg.corpus), tokenizer, rows, bigrams="graph" in cfg.stages, advance=advance)
-    return counts, time.perf_counter() - start
+    with reporter.task("tokenize corpus (documents)", total=None) as advance:
+        counts = count_corpus(
+            iter_documents(cfg.corpus), m.target_tokenizer, m.target_fp.head_rows, bigrams="graph" in cfg.stages, advance=advance
+        )
+    seconds = time.perf_counter() - start
+    corpus = {**cfg.corpus.describe(), "docs": counts.docs, "tokens": counts.tokens, "seconds": round(seconds, 2)}
+    reporter.log(f"corpus: {counts.docs:,} documents · {counts.tokens:,} tokens · {seconds:.1f} s")
+    stages = []
+    if "freq" in cfg.stages:
+        start = time.perf_counter()
+        table = freq_stage.build(cfg.freq, counts.unigrams, end_token_ids(m.target, m.target_tokenizer))
+        stats = freq_stage.summary(cfg.freq, table)
+        stages.append(_stage(reporter, "freq", start, table.to_tensors(), cfg.freq.as_dict(), stats, {"corpus": corpus}))
+    if "graph" in cfg.stages:
+        start = time.perf_counter()
+        graph = graph_stage.build(cfg.graph, counts.bigram_keys, counts.bigram_counts, m.target_fp.head_rows)
+        stats = graph_stage.summary(graph)
+        stages.append(_stage(reporter, "graph", start, graph.to_tensors(), cfg.graph.as_dict(), stats, {"corpus": corpus}))
+    return stages
+
+
+def _clusters(m: _Models, cfg: BuildConfig, device: str, reporter: Reporter) -> Stage:
+    start = time.perf_counter()
+    head = load_head(m.draft)  # [V_draft, d_draft]
+    with reporter.task("clusters (k-means iterations)", total=cfg.clusters.max_iters) as advance:
+        table, stats = clusters_stage.build(cfg.clusters, head, device, advance)
+    return _stage(reporter, "clusters", start, table.to_tensors(), cfg.clusters.as_dict(), stats)
+
+
+def _hnsw(m: _Models, cfg: BuildConfig, device: str, reporter: Reporter) -> Stage:
+    """The index, preconditioned on target hidden states of some corpus documents, recall measured on others."""
+    start, h = time.perf_counter(), cfg.hnsw
+    docs = list(itertools.islice(iter_documents(cfg.corpus), h.recall_docs + h.fit_docs))
+    if len(docs) <= h.recall_docs:
+        raise DynvocabError(f"the corpus has {len(docs)} documents; the hnsw stage needs more than {h.recall_docs}")
+    with reporter.task("hnsw queries (target hidden states)", total=None):
+        states = target_hidden_states(m.target, m.target_tokenizer, docs, h.query_tokens, device)  # [T_i, d] each
+    eval_queries, fit_queries = torch.cat(states[: h.recall_docs]), torch.cat(states[h.recall_docs :])
+    del states
+    gc.collect()
+    head = load_head(m.target)  # [V_target, d_target]
+    with reporter.task("hnsw (rows indexed)", total=head.shape[0]) as advance:
+        tensors, params, stats = hnsw_stage.build(h, head, fit_queries, eval_queries, advance)
+    return _stage(reporter, "hnsw", start, tensors, h.as_dict(), stats, {"index": params.as_dict()})
 
 
 def build_bundle(
@@ -124,62 +187,41 @@ def build_bundle(
     check_sources(cfg.corpus)
     t_spec, d_spec = resolve_model(target), resolve_model(draft)
     t_tok, d_tok = load_tokenizer(t_spec), load_tokenizer(d_spec)
-    t_fp, d_fp = fingerprint(t_spec, t_tok), fingerprint(d_spec, d_tok)
-    match_vocabularies(t_tok, d_tok, t_fp.head_rows, d_fp.head_rows)
-    old = _existing(out, cfg, t_fp, d_fp, reporter)
+    m = _Models(t_spec, d_spec, t_tok, fingerprint(t_spec, t_tok), fingerprint(d_spec, d_tok))
+    match_vocabularies(t_tok, d_tok, m.target_fp.head_rows, m.draft_fp.head_rows)
+    old = _existing(out, cfg, m.target_fp, m.draft_fp, reporter)
 
     stages: list[Stage] = []
-    reports: list[StageReport] = []
-
-    def add(name: str, seconds: float, tensors: dict, config: dict, stats: dict, extra: dict | None = None) -> None:
-        stage = Stage(name, tensors, config, {"built_at": _now(), "seconds": round(seconds, 2), **stats, **(extra or {})})
-        stages.append(stage)
-        reports.append(StageReport(name, seconds, stage.nbytes, stats))
-        reporter.log(f"{name}: {seconds:.1f} s · {stage.nbytes / 1e6:.1f} MB · {_brief(stats)}")
-
-    corpus_info = None
     if any(s in cfg.stages for s in CORPUS_STAGES):
-        counts, seconds = _corpus_pass(t_tok, t_fp.head_rows, cfg, reporter)
-        corpus_info = {**cfg.corpus.describe(), "docs": counts.docs, "tokens": counts.tokens, "seconds": round(seconds, 2)}
-        reporter.log(f"corpus: {counts.docs:,} documents · {counts.tokens:,} tokens · {seconds:.1f} s")
-        if "freq" in cfg.stages:
-            start = time.perf_counter()
-            table = freq_stage.build(cfg.freq, counts.unigrams, end_token_ids(t_spec, t_tok))
-            add("freq", time.perf_counter() - start, table.to_tensors(), cfg.freq.as_dict(),
-                freq_stage.summary(cfg.freq, table), {"corpus": corpus_info})
-        if "graph" in cfg.stages:
-            start = time.perf_counter()
-            table = graph_stage.build(cfg.graph, counts.bigram_keys, counts.bigram_counts, t_fp.head_rows)
-            add("graph", time.perf_counter() - start, table.to_tensors(), cfg.graph.as_dict(),
-                graph_stage.summary(table), {"corpus": corpus_info})
-        del counts
+        stages += _corpus_stages(m, cfg, reporter)
         gc.collect()
-
     if "clusters" in cfg.stages:
-        start = time.perf_counter()
-        head = load_head(d_spec)  # [V_draft, d_draft]
-        with reporter.task("clusters (k-means iterations)", total=cfg.clusters.max_iters) as advance:
-            table, stats = clusters_stage.build(cfg.clusters, head, device, advance)
-        del head
-        add("clusters", time.perf_counter() - start, table.to_tensors(), cfg.clusters.as_dict(), stats)
-
-    if "hnsw" in cfg.stages:
-        start = time.perf_counter()
-        docs = list(itertools.islice(iter_documents(cfg.corpus), cfg.hnsw.recall_docs))
-        with reporter.task("hnsw recall queries (target hidden states)", total=None):
-            queries = target_hidden_states(t_spec, t_tok, docs, cfg.hnsw.recall_tokens, device)  # [n, d]
-        head = load_head(t_spec)  # [V_target, d_target]
-        with reporter.task("hnsw (rows indexed)", total=head.shape[0]) as advance:
-            data, params, stats = hnsw_stage.build(cfg.hnsw, head, queries, advance)
-        del head, queries
+        stages.append(_clusters(m, cfg, device, reporter))
         gc.collect()
-        add("hnsw", time.perf_counter() - start, {"index": data}, cfg.hnsw.as_dict(), stats, {"index": params.as_dict()})
+    if "hnsw" in cfg.stages:
+        stages.append(_hnsw(m, cfg, device, reporter))
+        gc.collect()
 
-    kept = [s for s in old.stages if s not in cfg.stages] if old is not None else []
+    built = [StageReport(s.name, s.info["seconds"], s.nbytes, s.info) for s in stages]
+    kept = _kept_stages(old, cfg, reporter)
     stages += [old.load_stage(s) for s in kept]
     with reporter.task(f"writing {out.name}", total=None):
-        write_bundle(out, stages, t_fp, d_fp)
-    return BuildReport(out, reports, kept, corpus_info, time.perf_counter() - t0, out.stat().st_size)
+        write_bundle(out, stages, m.target_fp, m.draft_fp)
+    return BuildReport(out, built, kept, time.perf_counter() - t0, out.stat().st_size)
+
+
+def _kept_stages(old: Bundle | None, cfg: BuildConfig, reporter: Reporter) -> list[str]:
+    """Stages of the existing bundle to carry over: not rebuilt, and not depending on a rebuilt stage."""
+    if old is None:
+        return []
+    kept = []
+    for name in old.stages:
+        stale = [d for d in DEPENDS_ON.get(name, ()) if d in cfg.stages]
+        if stale:
+            reporter.log(f"dropping stage {name}: it was made from the old {', '.join(stale)}; build it again")
+        elif name not in cfg.stages:
+            kept.append(name)
+    return kept
 
 
 def _brief(stats: dict) -> str:

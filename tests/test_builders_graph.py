@@ -1,0 +1,56 @@
+"""The graph stage: EvoSpec's pruned bigram successors as CSR."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynvocab.builders import graph
+from dynvocab.builders.counting import BigramCounter
+
+
+def counted(pairs: dict[tuple[int, int], int], vocab: int):
+    counter = BigramCounter(vocab)
+    for (u, v), c in pairs.items():
+        for _ in range(c):
+            counter.add(np.array([u, v]))
+    return counter.result()
+
+
+def test_pruning_follows_evospec():
+    vocab = 6
+    pairs = {(0, 1): 50, (0, 2): 30, (0, 3): 4, (0, 4): 16, (1, 2): 5, (2, 0): 3, (5, 5): 9}
+    keys, counts = counted(pairs, vocab)
+    table = graph.build(graph.GraphConfig(min_count=5, tau=0.2, max_out_degree=2), keys, counts, vocab)
+    assert table.indptr.tolist() == [0, 2, 3, 3, 3, 3, 4]
+    ids, probs = table.successors(0)
+    assert ids.tolist() == [1, 2]  # (0,3): count 4 < 5; (0,4): p = 0.16 < τ; degree cap 2
+    assert probs.tolist() == pytest.approx([0.5, 0.3])  # p over all 100 successors of 0, before pruning
+    assert table.successors(1)[0].tolist() == [2] and table.successors(1)[1].tolist() == pytest.approx([1.0])
+    assert table.successors(2)[0].numel() == 0  # count 3 < 5
+    assert table.successors(5)[0].tolist() == [5]
+    assert table.indices.dtype.is_floating_point is False and table.probs.dtype.is_floating_point
+
+
+def test_rows_sorted_by_probability_and_capped():
+    rng = np.random.default_rng(1)
+    vocab = 50
+    counter = BigramCounter(vocab, flush_at=1000)
+    for _ in range(300):
+        counter.add(rng.zipf(1.3, size=200).clip(max=vocab) - 1)
+    keys, counts = counter.result()
+    cfg = graph.GraphConfig(max_out_degree=8)
+    table = graph.build(cfg, keys, counts, vocab)
+    degree = (table.indptr[1:] - table.indptr[:-1]).numpy()
+    assert degree.max() <= 8 and table.indptr[-1] == table.num_edges
+    for u in range(vocab):
+        _, p = table.successors(u)
+        assert np.all(np.diff(p.numpy()) <= 0)
+        assert np.all(p.numpy() >= cfg.tau)
+    stats = graph.summary(table)
+    assert stats["edges"] == table.num_edges and stats["sources"] == int((degree > 0).sum())
+
+
+def test_defaults_are_the_papers():
+    cfg = graph.GraphConfig()
+    assert (cfg.min_count, cfg.tau, cfg.max_out_degree) == (5, 1e-4, 64)

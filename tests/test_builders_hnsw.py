@@ -1,0 +1,104 @@
+"""The hnsw stage: MIPS over LM-head rows by norm augmentation; recall@10 ≥ 0.95 against brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tiny_models import tiny_dirs  # noqa: F401  (fixture)
+
+from dynvocab.artifacts import HnswParams, Stage, augment_queries, augment_rows, load_bundle, load_hnsw, mips_search, write_bundle
+from dynvocab.artifacts.fingerprint import ModelFingerprint
+from dynvocab.artifacts.hnsw import index_from_tensor
+from dynvocab.builders import hnsw
+
+
+def synthetic_head(vocab: int = 6000, d: int = 64, seed: int = 0) -> torch.Tensor:
+    """LM-head-like rows: a few shared directions plus noise, with log-normal norms."""
+    g = torch.Generator().manual_seed(seed)
+    topics = torch.randn(32, d, generator=g)
+    mix = torch.randn(vocab, 32, generator=g).pow(3) / 10  # sparse-ish topic weights
+    rows = mix @ topics + torch.randn(vocab, d, generator=g)
+    norms = torch.exp(0.3 * torch.randn(vocab, 1, generator=g))
+    return torch.nn.functional.normalize(rows, dim=1) * norms
+
+
+def hidden_state_like(head: torch.Tensor, n: int = 300, seed: int = 1) -> torch.Tensor:
+    """Queries like final hidden states of a real LM: a large shared mean, a few massive channels, and a part
+    pointing at a few output rows; RMS-normalised with a per-channel gain (as a final RMSNorm does)."""
+    d = head.shape[1]
+    g = torch.Generator().manual_seed(42)  # the model: fixed across query sets
+    mean = torch.randn(d, generator=g)
+    gain = torch.ones(d)
+    gain[torch.randperm(d, generator=g)[:3]] = torch.tensor([20.0, 12.0, 8.0])  # massive channels
+    g = torch.Generator().manual_seed(seed)  # the contexts
+    picks = torch.randint(0, head.shape[0], (n, 3), generator=g)
+    signal = torch.nn.functional.normalize(head[picks].sum(dim=1), dim=1) * d**0.5
+    q = 0.8 * mean + signal + 0.5 * torch.randn(n, d, generator=g)
+    return q / q.pow(2).mean(dim=1, keepdim=True).sqrt() * gain
+
+
+def test_norm_augmentation_turns_mips_into_l2():
+    head = synthetic_head(500, 16)
+    data, r = augment_rows(head)
+    assert np.allclose(np.linalg.norm(data, axis=1), r, rtol=1e-4)
+    q = augment_queries(hidden_state_like(head, 20))
+    l2 = ((q[:, None, :] - data[None, :, :]) ** 2).sum(-1)  # [20, 500]
+    ip = q[:, :-1] @ head.numpy().T
+    assert (l2.argmin(axis=1) == ip.argmax(axis=1)).all()
+
+
+def test_preconditioner_keeps_inner_products():
+    head = synthetic_head(300, 24)
+    fit = hidden_state_like(head, 200, seed=5)
+    root, inv_root = hnsw.fit_preconditioner(fit, shrinkage=0.1)
+    q = hidden_state_like(head, 10, seed=6)
+    assert torch.allclose((q @ inv_root) @ (head @ root).T, q @ head.T, rtol=1e-3, atol=1e-3)
+
+
+def test_recall_at_10_against_brute_force():
+    head = synthetic_head()
+    fit, held_out = hidden_state_like(head, 600, seed=2), hidden_state_like(head, 300, seed=3)
+    index = hnsw.build_index(hnsw.HnswConfig(), head, fit)
+    assert index.params.m == 32 and index.params.dim == head.shape[1] + 1
+    recall = hnsw.recall_at_k(index, head, held_out, k=10)
+    assert recall >= 0.95, recall
+
+
+def test_index_round_trips_through_the_bundle(tmp_path):
+    head = synthetic_head(2000, 32)
+    fit, queries = hidden_state_like(head, 300, seed=4), hidden_state_like(head, 50, seed=5)
+    cfg = hnsw.HnswConfig(ef_construction=100)
+    tensors, params, stats = hnsw.build(cfg, head, fit, queries)
+    assert tensors["index"].dtype == torch.uint8 and tensors["query_map"].shape == (32, 32)
+    assert stats["recall@10"] >= 0.95 and stats["recall_queries"] == 50 and stats["preconditioned"]
+    fp = ModelFingerprint(2000, "0" * 64, 2000, 32)
+    stage = Stage("hnsw", tensors, cfg.as_dict(), {"index": params.as_dict()})
+    path = write_bundle(tmp_path / "h.safetensors", [stage], fp, None)
+    index, loaded = load_hnsw(load_bundle(path))
+    assert loaded == params and isinstance(loaded, HnswParams)
+    ids = mips_search(index, queries, 10)
+    assert ids.shape == (50, 10) and ids.dtype == torch.int64
+    exact = hnsw.exact_mips(head, queries, 10)
+    assert (ids[:, 0] == exact[:, 0]).float().mean() >= 0.95
+    assert torch.equal(mips_search(index, queries[0], 5), ids[:1, :5])  # a single [d] query works too
+    again = index_from_tensor(tensors["index"], params, tensors["query_map"])
+    assert torch.equal(mips_search(again, queries, 10), ids)
+
+
+def test_without_sample_queries_the_map_is_the_identity():
+    head = synthetic_head(500, 16)
+    index = hnsw.build_index(hnsw.HnswConfig(ef_construction=50), head, None)
+    assert torch.equal(index.query_map, torch.eye(16))
+
+
+def test_target_hidden_states_are_the_same_in_padded_batches(tiny_dirs):  # noqa: F811
+    from dynvocab.builders.models import target_hidden_states
+    from dynvocab.models import load_tokenizer, resolve_model
+
+    spec = resolve_model(str(tiny_dirs[0]))
+    tok = load_tokenizer(spec)
+    texts = ["the model runs fast", "a b", "def x(x):\n    return x + 3", ""]
+    batched = target_hidden_states(spec, tok, texts, max_tokens=12, batch_size=4)
+    single = target_hidden_states(spec, tok, texts, max_tokens=12, batch_size=1)
+    assert [s.shape[0] for s in batched] == [min(len(tok(t)["input_ids"]), 12) or 1 for t in texts]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(batched, single))
