@@ -23,8 +23,8 @@ class ClustersConfig:
     """DynaSpec default M = 1024 clusters."""
 
     num_clusters: int = 1024
-    max_iters: int = 25
-    tol: float = 1e-3  # stop once fewer than tol * V rows change cluster in an iteration
+    max_iters: int = 30
+    tol: float = 0.01  # stop once fewer than tol * V rows change cluster (demo: iteration 15, mean cosine within 0.1%)
     seed: int = 0
     chunk_rows: int = 16384  # rows per similarity block (memory: chunk_rows * M floats)
 
