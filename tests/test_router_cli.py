@@ -95,9 +95,19 @@ def test_trained_router_is_lossless_in_the_loop(trained, tiny_dirs):  # noqa: F8
 
 
 def test_stale_router_and_missing_stages_are_refused(trained, clusters_bundle, tiny_dirs, corpus_jsonl, tmp_path):  # noqa: F811
-    stale = tmp_path / "stale.safetensors"
-    stale.write_bytes(trained.read_bytes())
-    build(tiny_dirs, corpus_jsonl, stale, "clusters", clusters=5)  # rebuilding clusters keeps the old router
+    from dynvocab.artifacts import write_bundle
+
+    rebuilt = tmp_path / "rebuilt.safetensors"
+    rebuilt.write_bytes(trained.read_bytes())
+    build(tiny_dirs, corpus_jsonl, rebuilt, "clusters", clusters=5)
+    assert not load_bundle(rebuilt).has("router")  # rebuilding clusters drops the router trained on them
+    # A bundle assembled by hand with a router from other clusters is still refused at run time.
+    source = load_bundle(trained)
+    stages = [source.load_stage(name) for name in source.stages]
+    for stage in stages:
+        if stage.name == "router":
+            stage.config["clusters_sha256"] = "0" * 64
+    stale = write_bundle(tmp_path / "stale.safetensors", stages, source.fingerprints["target"], source.fingerprints["draft"])
     draft = CausalLM(load_model(resolve_model(str(tiny_dirs[1])), "cpu", "float32"))
     ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(stale), draft)
     with pytest.raises(DynvocabError, match="trained for other clusters"):
