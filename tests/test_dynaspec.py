@@ -95,7 +95,7 @@ def pair(tiny_pair):
     return CausalLM(target), CausalLM(draft)
 
 
-@pytest.mark.parametrize(("seed", "position_aware"), [(0, True), (1, True), (2, True), (3, True), (4, False), (5, False)])
+@pytest.mark.parametrize(("seed", "position_aware"), [(0, True), (1, True), (2, True), (3, False)])
 def test_greedy_is_lossless(pair, seed, position_aware):
     target, draft = pair
     gen = torch.Generator().manual_seed(seed)
