@@ -39,7 +39,8 @@ def test_training_loss_goes_down_and_recall_beats_static():
     before.set_input_stats(*router_stage.input_stats(train, embedding))
     module, losses = router_stage.train(cfg, train, embedding, assign, 8)
     assert len(losses) == 6 and losses[-1] < 0.8 * losses[0], losses
-    assert router_stage.mean_loss(module, held, embedding, assign) < 0.8 * router_stage.mean_loss(before, held, embedding, assign)
+    untrained = router_stage.mean_loss(before, held, embedding, assign)
+    assert router_stage.mean_loss(module, held, embedding, assign) < 0.8 * untrained
     sizes = torch.bincount(assign, minlength=8)
     static = router_stage.positive_counts(train, assign, 8).argsort(descending=True)
     recall = router_stage.evaluate(module, held, embedding, assign, sizes, [1, 3], static, gamma=3)
@@ -85,8 +86,11 @@ def test_sharegpt_documents_are_chat_template_encoded(monkeypatch, tmp_path):
     from tiny_models import make_tokenizer
 
     tokenizer = make_tokenizer(tmp_path)
-    tokenizer.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
-    records = [{"conversations": [{"from": "human", "value": "the model"}, {"from": "gpt", "value": "a draft " * 50}]}] * 5
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+    )
+    turns = [{"from": "human", "value": "the model"}, {"from": "gpt", "value": "a draft " * 50}]
+    records = [{"conversations": turns}] * 5
     monkeypatch.setattr(router_stage, "sharegpt_train", lambda: iter(records))
     docs = list(router_stage.encode_documents(CorpusConfig(sources=("sharegpt",), max_docs=3), tokenizer, 16))
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")

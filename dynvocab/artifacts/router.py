@@ -101,7 +101,8 @@ class RouterTable:
             ok = False
         if not ok:
             raise DynvocabError(
-                f"bundle {bundle.path} has a malformed router stage; retrain it with `dynvocab train-router --bundle {bundle.path}`"
+                f"bundle {bundle.path} has a malformed router stage; "
+                f"retrain it with `dynvocab train-router --bundle {bundle.path}`"
             )
         return cls(tensors, config)
 

@@ -127,7 +127,8 @@ def _source_ids(src: str, corpus: CorpusConfig, tokenizer, max_tokens: int) -> I
                 text = tokenizer.apply_chat_template(messages, tokenize=False)
                 yield tokenizer(text[:chars], add_special_tokens=False)["input_ids"][:max_tokens]
         return
-    for text in iter_documents(CorpusConfig(sources=(src,), max_docs=corpus.max_docs, slimpajama_id=corpus.slimpajama_id)):
+    one = CorpusConfig(sources=(src,), max_docs=corpus.max_docs, slimpajama_id=corpus.slimpajama_id)
+    for text in iter_documents(one):
         yield tokenizer(text[:chars], add_special_tokens=False)["input_ids"][:max_tokens]
 
 
@@ -167,7 +168,8 @@ def split(data: RouterData, holdout_every: int) -> tuple[RouterData, RouterData]
     if not held.any() or held.all():
         docs = int(data.doc.max()) + 1
         raise DynvocabError(
-            f"{docs} document(s) are too few to hold every {holdout_every}th out; raise --max-docs to at least {holdout_every}"
+            f"{docs} document(s) are too few to hold every {holdout_every}th out; "
+            f"raise --max-docs to at least {holdout_every}"
         )
     return data.subset(~held), data.subset(held)
 
@@ -206,7 +208,9 @@ def input_stats(data: RouterData, embedding: torch.Tensor, chunk: int = 8192) ->
     return mean.float(), std.float()
 
 
-def bce_loss(module: RouterMLP, data: RouterData, rows: torch.Tensor, embedding: torch.Tensor, assign: torch.Tensor) -> torch.Tensor:
+def bce_loss(
+    module: RouterMLP, data: RouterData, rows: torch.Tensor, embedding: torch.Tensor, assign: torch.Tensor
+) -> torch.Tensor:
     """DynaSpec's router loss on ``rows``: BCE summed over the M clusters, averaged over rows."""
     h, e = _inputs(data, rows, embedding)
     y = labels(data.top[rows], assign, module.num_clusters)  # [n, M]
@@ -214,10 +218,12 @@ def bce_loss(module: RouterMLP, data: RouterData, rows: torch.Tensor, embedding:
 
 
 @torch.no_grad()
-def mean_loss(module: RouterMLP, data: RouterData, embedding: torch.Tensor, assign: torch.Tensor, chunk: int = 4096) -> float:
+def mean_loss(
+    module: RouterMLP, data: RouterData, embedding: torch.Tensor, assign: torch.Tensor, chunk: int = 4096
+) -> float:
     """:func:`bce_loss` over all rows of ``data``."""
-    total = sum(float(bce_loss(module, data, rows, embedding, assign)) * rows.numel() for rows in torch.arange(data.rows).split(chunk))
-    return total / data.rows
+    chunks = torch.arange(data.rows).split(chunk)
+    return sum(float(bce_loss(module, data, rows, embedding, assign)) * rows.numel() for rows in chunks) / data.rows
 
 
 def train(
@@ -346,7 +352,8 @@ def _check_model(bundle, given: ModelFingerprint, role: str) -> None:
     diffs = built.differences(given)
     if diffs:
         raise DynvocabError(
-            f"bundle {bundle.path} was built for a different {role} ({built.source or 'another model'}; {', '.join(diffs)}); "
+            f"bundle {bundle.path} was built for a different {role} "
+            f"({built.source or 'another model'}; {', '.join(diffs)}); "
             f"pass --{role} {built.source or '…'} or rebuild the bundle for {given.source}"
         )
 
@@ -364,7 +371,10 @@ def train_router(
     rc = cfg.router
     check_config(rc)
     if cfg.corpus.max_docs < rc.holdout_every:
-        raise DynvocabError(f"--max-docs {cfg.corpus.max_docs} is too few: every {rc.holdout_every}th document is held out; pass at least {rc.holdout_every}")
+        raise DynvocabError(
+            f"--max-docs {cfg.corpus.max_docs} is too few: every {rc.holdout_every}th document is held out; "
+            f"pass at least {rc.holdout_every}"
+        )
     bundle = load_bundle(bundle_path, verify=True)
     bundle.require("clusters")
     out = Path(out) if out is not None else bundle.path
@@ -399,13 +409,15 @@ def train_router(
     n_docs = int(data.doc.max()) + 1
     train_data, held = split(data, rc.holdout_every)
     del data
+    positives = float(positive_counts(held, assign, m).sum()) / held.rows
     reporter.log(
         f"data: {n_docs:,} documents · {train_data.rows:,} train + {held.rows:,} held-out positions · "
-        f"top-{rc.top_l} → {float(positive_counts(held, assign, m).sum()) / held.rows:.1f} positive clusters per position · {collect_s:.1f} s"
+        f"top-{rc.top_l} → {positives:.1f} positive clusters per position · {collect_s:.1f} s"
     )
 
     start = time.perf_counter()
-    with reporter.task(f"training router ({rc.epochs} epochs, batches)", total=rc.epochs * math.ceil(train_data.rows / rc.batch_size)) as advance:
+    batches = rc.epochs * math.ceil(train_data.rows / rc.batch_size)
+    with reporter.task(f"training router ({rc.epochs} epochs, batches)", total=batches) as advance:
         module, losses = train(rc, train_data, embedding, assign, m, advance)
     train_s = time.perf_counter() - start
     heldout_loss = mean_loss(module, held, embedding, assign)

@@ -9,7 +9,6 @@ from typing import Annotated, List, Optional
 import typer
 from rich.table import Table
 
-from dynvocab.builders.corpus import CorpusConfig
 from dynvocab.builders.router import RouterConfig, TrainRouterConfig
 from dynvocab.cli.build import RichReporter
 from dynvocab.cli.common import Device, Draft, check_dtype_device, err_console, one_line_errors
