@@ -22,7 +22,7 @@ class HnswConfig:
     """EvoSpec Table 5: M = 32. The ef values are not in the paper; these give recall@10 ≥ 0.95 on the demo."""
 
     m: int = 32
-    ef_construction: int = 128
+    ef_construction: int = 200
     ef_search: int = 512
     seed: int = 100
     num_threads: int = -1  # hnswlib threads for building (-1: all cores)
