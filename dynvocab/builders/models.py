@@ -15,8 +15,8 @@ import torch
 from dynvocab.artifacts import ModelFingerprint
 from dynvocab.errors import DynvocabError
 from dynvocab.models import ModelSpec, default_dtype, load_model
+from dynvocab.models.vocab import end_token_ids as _end_token_ids
 
-END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 _HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
 
 
@@ -79,18 +79,9 @@ def load_head(spec: ModelSpec) -> torch.Tensor:
 
 def end_token_ids(spec: ModelSpec, tokenizer) -> list[int]:
     """EOS and end-of-turn ids: tokenizer EOS, the generation config's EOS, and known end-of-turn tokens."""
-    ids: set[int] = set()
-    values: list = [tokenizer.eos_token_id]
     gen = Path(spec.path) / "generation_config.json"
-    if gen.is_file():
-        values.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for value in values:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN if t in vocab)
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    ids = _end_token_ids(tokenizer, eos)
     return sorted(ids)
 
 

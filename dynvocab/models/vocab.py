@@ -50,3 +50,19 @@ def match_vocabularies(target_tokenizer, draft_tokenizer, target_rows: int, draf
             "pick a draft from the same model family as the target"
         )
     return VocabMatch(target_rows, draft_rows, tokenizer_size, shared)
+
+
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+
+
+def end_token_ids(tokenizer, *eos_values) -> set[int]:
+    """EOS ids: the tokenizer's, any given (int or list, e.g. a generation config's), and known end-of-turn tokens."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, *eos_values):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN if t in vocab)
+    return ids

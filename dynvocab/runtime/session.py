@@ -16,6 +16,7 @@ from dynvocab.models import (
     resolve_model,
     tokenizer_fingerprint,
 )
+from dynvocab.models.vocab import end_token_ids
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, Generation, speculative_generate
@@ -33,21 +34,9 @@ class ModelConfig:
     dtype: str | None = None
 
 
-END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
-
-
 def eos_token_ids(tokenizer, model) -> set[int]:
     """EOS ids from the generation config and the tokenizer (chat models often end turns with their own)."""
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN if t in vocab)
-    return ids
+    return end_token_ids(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
 
 
 class Session:
