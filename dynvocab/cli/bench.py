@@ -32,13 +32,12 @@ from dynvocab.cli.common import (
     check_dtype_device,
     one_line_errors,
     set_threads,
+    strategy_options,
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
-from dynvocab.runtime.policies.evospec import EvoSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
-from dynvocab.runtime.strategies import StrategyOptions
 
 
 @one_line_errors
@@ -114,14 +113,8 @@ def bench(
     if kernels:
         _kernel_bench(device, dtype, json_path, threads)
         return
-    options = StrategyOptions(
-        token_map=token_map,
-        fr_size=fr_size,
-        pa_k_max=pa_k_max,
-        microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
-        hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
-        dynaspec=DynaSpecConfig(k_max=k_max),
-        evospec=EvoSpecConfig(online_align=online_align),
+    options = strategy_options(
+        token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, k_max, online_align
     )
     request = BenchRequest(
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,

@@ -103,3 +103,33 @@ KMax = Annotated[int, typer.Option(min=1, help="dynaspec: clusters routed at dra
 OnlineAlign = Annotated[
     bool, typer.Option("--online-align", help="evospec: online LoRA alignment of the draft (q, v projections).")
 ]
+
+
+def strategy_options(
+    token_map: str | None,
+    fr_size: int | None,
+    pa_k_max: int | None,
+    k_pre: int,
+    k_ver: int,
+    window: int,
+    core_size: int,
+    hybrid_window: int,
+    k_max: int,
+    online_align: bool,
+):
+    """The :class:`~dynvocab.runtime.strategies.StrategyOptions` that the shared strategy flags describe."""
+    from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
+    from dynvocab.runtime.policies.evospec import EvoSpecConfig
+    from dynvocab.runtime.policies.hybrid import HybridConfig
+    from dynvocab.runtime.policies.microspec import MicroSpecConfig
+    from dynvocab.runtime.strategies import StrategyOptions
+
+    return StrategyOptions(
+        token_map=token_map,
+        fr_size=fr_size,
+        pa_k_max=pa_k_max,
+        microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
+        hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
+        dynaspec=DynaSpecConfig(k_max=k_max),
+        evospec=EvoSpecConfig(online_align=online_align),
+    )

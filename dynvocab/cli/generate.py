@@ -31,16 +31,16 @@ from dynvocab.cli.common import (
     err_console,
     one_line_errors,
     set_threads,
+    strategy_options,
     status_printer,
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
-from dynvocab.runtime.policies.evospec import EvoSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
 from dynvocab.runtime.prompts import encode_prompt
-from dynvocab.runtime.strategies import AVAILABLE, StrategyOptions, check_strategy
+from dynvocab.runtime.strategies import AVAILABLE, check_strategy
 
 
 @one_line_errors
@@ -81,14 +81,8 @@ def generate(
     check_dtype_device(device, dtype)
     if top_p <= 0.0:
         raise DynvocabError("--top-p must be in (0, 1]")
-    options = StrategyOptions(
-        token_map=token_map,
-        fr_size=fr_size,
-        pa_k_max=pa_k_max,
-        microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
-        hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
-        dynaspec=DynaSpecConfig(k_max=k_max),
-        evospec=EvoSpecConfig(online_align=online_align),
+    options = strategy_options(
+        token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, k_max, online_align
     )
     set_threads(threads)
     session = Session(
