@@ -7,11 +7,7 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
-from dynvocab.cli import app
-
-runner = CliRunner()
+from cli_helpers import run
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -21,10 +17,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def models(dirs):

@@ -6,16 +6,9 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from cli_helpers import assert_one_line_error, run
 
-from dynvocab.cli import app
-
-runner = CliRunner()
 PROMPT = "w1 w2 w3 w4 w5"
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def model_args(dirs, draft="draft"):
@@ -24,16 +17,6 @@ def model_args(dirs, draft="draft"):
 
 def last_json(output: str) -> dict:
     return json.loads(output.strip().splitlines()[-1])
-
-
-def assert_one_line_error(result, *words):
-    assert result.exit_code != 0
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert lines[0].startswith("error:"), result.output
-    assert "Traceback" not in result.output
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

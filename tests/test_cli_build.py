@@ -6,26 +6,10 @@ import json
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, run
 from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
-from typer.testing import CliRunner
 
 from dynvocab.artifacts import FreqTable, load_bundle
-from dynvocab.cli import app
-
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *words):
-    assert result.exit_code != 0
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert lines[0].startswith("error:") and "Traceback" not in result.output, result.output
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 def build_args(dirs, corpus, out, *extra):

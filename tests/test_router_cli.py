@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, run
 from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
-from typer.testing import CliRunner
 
 from dynvocab.artifacts import load_bundle
 from dynvocab.artifacts.router import RouterTable
-from dynvocab.cli import app
 from dynvocab.errors import DynvocabError
 from dynvocab.models import load_model, load_tokenizer, resolve_model
 from dynvocab.runtime.head import DraftHead
@@ -17,21 +16,6 @@ from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.dynaspec import NEEDS_BUNDLE, DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.strategies import PolicyContext
-
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *words):
-    assert result.exit_code != 0
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert lines[0].startswith("error:") and "Traceback" not in result.output, result.output
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 def build(dirs, corpus, out, stages, clusters=8):
