@@ -91,14 +91,14 @@ def test_without_sample_queries_the_map_is_the_identity():
     assert torch.equal(index.query_map, torch.eye(16))
 
 
-def test_target_hidden_states_are_the_same_in_padded_batches(tiny_dirs):  # noqa: F811
-    from dynvocab.builders.models import target_hidden_states
+def test_hidden_states_are_the_same_in_padded_batches(tiny_dirs):  # noqa: F811
+    from dynvocab.builders.models import hidden_states
     from dynvocab.models import load_tokenizer, resolve_model
 
     spec = resolve_model(str(tiny_dirs[0]))
     tok = load_tokenizer(spec)
     texts = ["the model runs fast", "a b", "def x(x):\n    return x + 3", ""]
-    batched = target_hidden_states(spec, tok, texts, max_tokens=12, batch_size=4)
-    single = target_hidden_states(spec, tok, texts, max_tokens=12, batch_size=1)
+    batched = hidden_states(spec, tok, texts, max_tokens=12, batch_size=4)
+    single = hidden_states(spec, tok, texts, max_tokens=12, batch_size=1)
     assert [s.shape[0] for s in batched] == [min(len(tok(t)["input_ids"]), 12) or 1 for t in texts]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(batched, single))

@@ -29,10 +29,12 @@ def bundle(tmp_path_factory, tiny_dirs, corpus_jsonl):  # noqa: F811
 
 def test_build_writes_all_stages(bundle, tiny_dirs):  # noqa: F811
     b = load_bundle(bundle, verify=True)
-    assert b.stages == ["freq", "clusters", "hnsw", "graph"]
+    assert b.stages == ["freq", "clusters", "hnsw", "graph", "draft_hnsw"]
     assert b.fingerprints["target"].hidden_size == 32 and b.fingerprints["draft"].hidden_size == 16
     assert b.info("freq")["corpus"]["docs"] == 300
     assert b.info("hnsw")["recall@10"] >= 0.95
+    assert b.info("draft_hnsw")["recall@10"] >= 0.95 and b.info("draft_hnsw")["model"] == "draft"
+    assert b.info("hnsw")["model"] == "target"
     assert b.config("clusters")["num_clusters"] == 8
     freq = FreqTable.from_bundle(b)
     assert freq.ranking[: freq.eos_ids.numel()].tolist() == freq.eos_ids.tolist()
@@ -42,7 +44,7 @@ def test_inspect_json(bundle):
     result = run("inspect", bundle, "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.output.strip().splitlines()[-1])
-    assert set(info["stages"]) == {"freq", "clusters", "hnsw", "graph"}
+    assert set(info["stages"]) == {"freq", "clusters", "hnsw", "graph", "draft_hnsw"}
     assert info["stages"]["graph"]["config"] == {"min_count": 5, "tau": 1e-4, "max_out_degree": 64}
     assert info["stages"]["hnsw"]["bytes"] > 0
     assert set(info["stages"]["freq"]["coverage"]) == {"4096", "8192", "16384", "32768"}
@@ -139,4 +141,4 @@ def test_router_stage_is_kept_unless_its_clusters_change(bundle, tiny_dirs, corp
     assert "router" in load_bundle(out).stages
     result = run(*build_args(tiny_dirs, corpus_jsonl, out, "--stages", "clusters"))
     assert result.exit_code == 0 and "dropping stage router" in result.output
-    assert load_bundle(out).stages == ["freq", "clusters", "hnsw", "graph"]
+    assert load_bundle(out).stages == ["freq", "clusters", "hnsw", "graph", "draft_hnsw"]

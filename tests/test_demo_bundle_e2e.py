@@ -33,7 +33,7 @@ PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    """freq + clusters + hnsw + graph from 300 documents, then a one-epoch router."""
+    """Every build-index stage from 300 documents, then a one-epoch router."""
     from dynvocab.builders.clusters import ClustersConfig
     from dynvocab.builders.corpus import CorpusConfig
     from dynvocab.builders.hnsw import HnswConfig
@@ -48,7 +48,7 @@ def bundle(tmp_path_factory):
         device="cpu",
     )
     report = build_bundle("demo:target", "demo:draft", out, build)
-    assert {s.name for s in report.built} == {"freq", "clusters", "hnsw", "graph"}
+    assert {s.name for s in report.built} == {"freq", "clusters", "hnsw", "graph", "draft_hnsw"}
     router = TrainRouterConfig(
         corpus=CorpusConfig(max_docs=20), router=RouterConfig(width=128, epochs=1, max_tokens=48), device="cpu"
     )
@@ -70,7 +70,7 @@ def test_bundle_strategies_match_ar(session):
     options = StrategyOptions(
         dynaspec=DynaSpecConfig(k_max=16),  # 16 of 128 clusters: a small active set, many misses
         evospec=EvoSpecConfig(static_size=2048),  # a small static part so OOV events happen
-        hybrid=HybridConfig(core_size=256),  # with the bundle's own ranking, HNSW index and graph
+        hybrid=HybridConfig(core_size=256),  # with the bundle's ranking, both HNSW indexes and the graph
     )
     for strategy in ("dynaspec", "evospec", "hybrid"):
         result = session.generate(ids, strategy, decode, options)

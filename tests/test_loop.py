@@ -82,6 +82,25 @@ def test_greedy_is_lossless(pair, kind, seed):
     assert spec.metrics.new_tokens == len(ar.token_ids)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_is_lossless_with_per_step_retrieval(pair, seed):
+    """The hybrid's third segment (draft-head HNSW neighbours + graph successors) changes every draft step."""
+    from dynvocab.builders.hnsw import HnswConfig, build_index
+
+    target, draft = pair
+    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
+    index = build_index(HnswConfig(m=8, ef_construction=32, ef_search=32), draft.weight.detach())
+    policy = HybridPolicy(
+        HybridConfig(core_size=8, window=12, step_neighbours=4, step_ef=8), VOCAB, "cpu", ranking,
+        graph=tiny_graph(seed), draft_hnsw=index,
+    )
+    cfg = DecodeConfig(gamma=4, max_new_tokens=30)
+    prompt = [5 + seed, 9, 2]
+    ar = speculative_generate(target, prompt, cfg, set())
+    spec = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), policy)
+    assert spec.token_ids == ar.token_ids
+
+
 def test_draft_accepts_some_and_rejects_some(pair):
     """The tiny pair must exercise partial acceptance, or the lossless tests prove little."""
     target, draft = pair

@@ -103,11 +103,13 @@ def test_hybrid_segments_are_disjoint_and_the_core_shrinks_with_position():
 
     vocab = 200
     ranking = torch.arange(100, 200)
-    policy = HybridPolicy(HybridConfig(core_size=60, window=50), vocab, "cpu", ranking, pinned=torch.tensor([7]))
+    cfg = HybridConfig(core_size=60, window=50, pa_core=True)
+    policy = HybridPolicy(cfg, vocab, "cpu", ranking, pinned=torch.tensor([7]))
     policy.prefill(torch.tensor([1, 2, 105, 150]), torch.randn(3, vocab), None)
     sizes = []
     for step in range(4):
-        dyn, core = policy.active_ids(step)
+        dyn, core, extra = policy.active_ids(step)
+        assert extra.numel() == 0  # no graph, no draft-head index: no per-step candidates
         assert not set(dyn.tolist()) & set(core.tolist())
         assert 7 in core.tolist() and {1, 2} <= set(dyn.tolist())
         sizes.append(core.numel())
@@ -136,6 +138,34 @@ def test_hybrid_pushes_neighbours_of_a_missed_token():
     assert policy.misses == 1
     dyn = set(policy.active_ids(0)[0].tolist())
     assert {40, 30, 41, 42} <= dyn
+
+
+def test_hybrid_step_candidates_find_the_draft_argmax_outside_the_active_set():
+    from dynvocab.artifacts import GraphTable
+    from dynvocab.builders.hnsw import HnswConfig, build_index
+    from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
+
+    vocab, dim = 300, 16
+    head = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(0))
+    index = build_index(HnswConfig(m=16, ef_construction=100, ef_search=100), head)
+    indptr = torch.zeros(vocab + 1, dtype=torch.long)
+    indptr[11:] = 2  # token 10 is followed by 20 (in the core) and 250
+    graph = GraphTable(indptr, torch.tensor([20, 250], dtype=torch.int32), torch.tensor([0.7, 0.3]))
+    cfg = HybridConfig(core_size=50, window=20, step_neighbours=5, step_ef=100, step_successors=2)
+    policy = HybridPolicy(cfg, vocab, "cpu", torch.arange(50), graph=graph, draft_hnsw=index)
+    policy.prefill(torch.tensor([60, 61]), None, None)
+    checked = 0
+    for seed in range(20):
+        hidden = torch.randn(1, dim, generator=torch.Generator().manual_seed(seed))
+        best = int((hidden @ head.T).argmax())
+        dyn, core, extra = policy.active_ids(0, hidden, 10)
+        segments = [set(dyn.tolist()), set(core.tolist()), set(extra.tolist())]
+        assert sum(map(len, segments)) == len(set.union(*segments))  # disjoint
+        assert 250 in segments[2] and 20 not in segments[2]  # successors join unless already active
+        if best >= 50 and best not in segments[0]:
+            assert best in segments[2]
+            checked += 1
+    assert checked > 10
 
 
 def test_embedded_ranking_only_for_its_tokenizer():

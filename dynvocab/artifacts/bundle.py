@@ -32,7 +32,7 @@ from dynvocab.errors import DynvocabError
 
 FORMAT = "dynvocab-bundle"
 FORMAT_VERSION = 1
-STAGE_ORDER = ("freq", "clusters", "hnsw", "graph", "router")  # display order; other names are allowed too
+STAGE_ORDER = ("freq", "clusters", "hnsw", "graph", "draft_hnsw", "router")  # display order; other names are allowed too
 _MAX_HEADER = 100 * 1024 * 1024
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

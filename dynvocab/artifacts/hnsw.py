@@ -97,18 +97,19 @@ def index_from_tensor(data: torch.Tensor, params: HnswParams, query_map: torch.T
             f.write(data.numpy().tobytes())
         index.load_index(tmp, max_elements=params.num_elements)
     except RuntimeError as exc:
-        raise DynvocabError(f"the stored HNSW index cannot be loaded ({exc}); rebuild stage hnsw") from exc
+        raise DynvocabError(f"the stored HNSW index cannot be loaded ({exc}); rebuild that stage with build-index") from exc
     finally:
         Path(tmp).unlink(missing_ok=True)
     index.set_ef(params.ef_search)
     return MipsIndex(index, params, query_map.float())
 
 
-def load_hnsw(bundle: Bundle) -> tuple[MipsIndex, HnswParams]:
-    """Load the bundle's HNSW index: ``(MipsIndex, HnswParams)``; search it with :func:`mips_search`."""
-    bundle.require("hnsw")
-    params = HnswParams.from_dict(bundle.info("hnsw")["index"])
-    index = index_from_tensor(bundle.tensor("hnsw.index"), params, bundle.tensor("hnsw.query_map"))
+def load_hnsw(bundle: Bundle, stage: str = "hnsw") -> tuple[MipsIndex, HnswParams]:
+    """Load an HNSW stage of the bundle (``hnsw``: over the target's head; ``draft_hnsw``: over the draft's):
+    ``(MipsIndex, HnswParams)``; search it with :func:`mips_search`."""
+    bundle.require(stage)
+    params = HnswParams.from_dict(bundle.info(stage)["index"])
+    index = index_from_tensor(bundle.tensor(f"{stage}.index"), params, bundle.tensor(f"{stage}.query_map"))
     return index, params
 
 

@@ -92,10 +92,10 @@ def query_dtype(device: str) -> str:
 
 
 @torch.inference_mode()
-def target_hidden_states(
+def hidden_states(
     spec: ModelSpec, tokenizer, texts: list[str], max_tokens: int, device: str = "cpu", batch_size: int = 8
 ) -> list[torch.Tensor]:
-    """Final (post-norm) hidden states of the target body on each text's first ``max_tokens`` tokens.
+    """Final (post-norm) hidden states of the model body on each text's first ``max_tokens`` tokens.
 
     Returns one float32 [T_i, hidden] tensor per text: the vectors the LM head multiplies, one per position.
     Texts run in right-padded batches; causal attention keeps the real positions unaffected by the padding.

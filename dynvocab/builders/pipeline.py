@@ -17,12 +17,13 @@ from dynvocab.builders import graph as graph_stage
 from dynvocab.builders import hnsw as hnsw_stage
 from dynvocab.builders.corpus import CorpusConfig, check_sources, iter_documents
 from dynvocab.builders.counting import count_corpus
-from dynvocab.builders.models import end_token_ids, fingerprint, load_head, target_hidden_states
+from dynvocab.builders.models import end_token_ids, fingerprint, hidden_states, load_head
 from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.errors import DynvocabError
 from dynvocab.models import ModelSpec, default_device, load_tokenizer, match_vocabularies, resolve_model
 
-STAGES = ("freq", "clusters", "hnsw", "graph")
+STAGES = ("freq", "clusters", "hnsw", "graph", "draft_hnsw")
+HNSW_STAGES = {"hnsw": "target", "draft_hnsw": "draft"}  # index over whose LM-head rows
 CORPUS_STAGES = ("freq", "graph")
 DEPENDS_ON = {"router": ("clusters",)}  # a kept stage is dropped when a stage it was trained on is rebuilt
 
@@ -154,21 +155,25 @@ def _clusters(m: _Models, cfg: BuildConfig, device: str, reporter: Reporter) -> 
     return _stage(reporter, "clusters", start, table.to_tensors(), cfg.clusters.as_dict(), stats)
 
 
-def _hnsw(m: _Models, cfg: BuildConfig, device: str, reporter: Reporter) -> Stage:
-    """The index, preconditioned on target hidden states of some corpus documents, recall measured on others."""
+def _hnsw(m: _Models, cfg: BuildConfig, device: str, reporter: Reporter, name: str = "hnsw") -> Stage:
+    """An HNSW index over the LM-head rows of the stage's model (``hnsw``: the target, EvoSpec's retrieval;
+    ``draft_hnsw``: the draft, the hybrid's per-step retrieval), preconditioned on that model's hidden states
+    of some corpus documents, recall measured on others."""
     start, h = time.perf_counter(), cfg.hnsw
+    role = HNSW_STAGES[name]
+    spec = m.target if role == "target" else m.draft
     docs = list(itertools.islice(iter_documents(cfg.corpus), h.recall_docs + h.fit_docs))
     if len(docs) <= h.recall_docs:
-        raise DynvocabError(f"the corpus has {len(docs)} documents; the hnsw stage needs more than {h.recall_docs}")
-    with reporter.task("hnsw queries (target hidden states)", total=None):
-        states = target_hidden_states(m.target, m.target_tokenizer, docs, h.query_tokens, device)  # [T_i, d] each
+        raise DynvocabError(f"the corpus has {len(docs)} documents; the {name} stage needs more than {h.recall_docs}")
+    with reporter.task(f"{name} queries ({role} hidden states)", total=None):
+        states = hidden_states(spec, m.target_tokenizer, docs, h.query_tokens, device)  # [T_i, d] each
     eval_queries, fit_queries = torch.cat(states[: h.recall_docs]), torch.cat(states[h.recall_docs :])
     del states
     gc.collect()
-    head = load_head(m.target)  # [V_target, d_target]
-    with reporter.task("hnsw (rows indexed)", total=head.shape[0]) as advance:
+    head = load_head(spec)  # [V, d] of that model
+    with reporter.task(f"{name} (rows indexed)", total=head.shape[0]) as advance:
         tensors, params, stats = hnsw_stage.build(h, head, fit_queries, eval_queries, advance)
-    return _stage(reporter, "hnsw", start, tensors, h.as_dict(), stats, {"index": params.as_dict()})
+    return _stage(reporter, name, start, tensors, h.as_dict(), stats, {"index": params.as_dict(), "model": role})
 
 
 def build_bundle(
@@ -198,9 +203,10 @@ def build_bundle(
     if "clusters" in cfg.stages:
         stages.append(_clusters(m, cfg, device, reporter))
         gc.collect()
-    if "hnsw" in cfg.stages:
-        stages.append(_hnsw(m, cfg, device, reporter))
-        gc.collect()
+    for name in HNSW_STAGES:
+        if name in cfg.stages:
+            stages.append(_hnsw(m, cfg, device, reporter, name))
+            gc.collect()
 
     built = [StageReport(s.name, s.info["seconds"], s.nbytes, s.info) for s in stages]
     kept = _kept_stages(old, cfg, reporter)

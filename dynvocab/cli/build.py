@@ -72,7 +72,7 @@ def build_index(
     ef_search: Annotated[Optional[int], typer.Option(help=f"hnsw: ef at search time (default {HnswConfig.ef_search}).")] = None,
     device: Device = None,
 ) -> None:
-    """Build the offline tables (freq, clusters, hnsw, graph) for a target/draft pair into one bundle."""
+    """Build the offline tables (freq, clusters, hnsw, graph, draft_hnsw) for a target/draft pair into one bundle."""
     from dynvocab.builders.pipeline import BuildConfig, build_bundle, parse_stages
 
     check_dtype_device(device, None)

@@ -130,8 +130,8 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
 
 
 def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> HybridPolicy:
-    """The hybrid with the bundle's graph and HNSW index when it has them."""
-    graph = hnsw = None
+    """The hybrid with the bundle's graph and HNSW indexes (target head, draft head) when it has them."""
+    graph = hnsw = draft_hnsw = None
     if ctx.bundle is not None:
         from dynvocab.artifacts import GraphTable, load_hnsw
 
@@ -139,4 +139,8 @@ def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> Hyb
             graph = GraphTable.from_bundle(ctx.bundle)
         if ctx.bundle.has("hnsw"):
             hnsw = load_hnsw(ctx.bundle)[0]
-    return HybridPolicy(cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw)
+        if ctx.bundle.has("draft_hnsw") and cfg.step_neighbours:
+            draft_hnsw = load_hnsw(ctx.bundle, "draft_hnsw")[0]
+    return HybridPolicy(
+        cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw, draft_hnsw=draft_hnsw
+    )

@@ -5,13 +5,19 @@
 - **Static core** (FR-Spec): the ``core_size`` most frequent tokens, packed once. With ``pa_core`` the core
   shrinks with the draft position as DynaSpec's position-aware budget (⌊core/(t+1)⌋ for t ≥ 2): later
   positions matter less for acceptance, so they get the context plus only the most frequent tokens.
+- **Per-step candidates** (EvoSpec's retrieval, moved to every draft step): the draft's own likely next
+  tokens, found without its full head: the top-``step_neighbours`` rows of an HNSW index over the draft's
+  LM head for the draft hidden state (bundle stage ``draft_hnsw``) and the ``step_successors`` most likely
+  graph successors of the token just fed (stage ``graph``). They catch content words that are neither frequent
+  nor in the context yet, the main cause of rejections with a small active set. On a GPU the index search
+  needs the hidden state on the host at every step (a sync); there, set ``step_neighbours`` to 0.
 - **Neighbours on misses** (EvoSpec): when the target's token at the first rejected position was outside the
   active set, the target's top-``miss_topk`` there, HNSW neighbours of the target hidden state (when the
   bundle has an ``hnsw`` stage) and graph successors of those seeds and of the token itself (when it has a
   ``graph`` stage) join the stream, at most ``max_insert`` per miss, and age out with it.
 
-The active set is returned as two disjoint segments (context \\ core, core prefix), so the draft head keeps
-the core packed once and copies only the context rows that changed.
+The active set is returned as three disjoint segments (context \\ core, core prefix, per-step candidates),
+so the draft head keeps the core packed once and copies only the context rows that changed.
 """
 
 from __future__ import annotations
@@ -29,15 +35,18 @@ from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 class HybridConfig:
     """Knobs of the hybrid; window/K defaults from MicroSpec, miss handling from EvoSpec (top-10, ≤8, ≤32)."""
 
-    core_size: int = 1024
-    pa_core: bool = True
-    window: int = 2048
+    core_size: int = 2048
+    pa_core: bool = False
+    window: int = 3072
     k_pre: int = 3
     k_ver: int = 3
     draft_alternatives: int = 3
     miss_topk: int = 10
     successors: int = 8
     max_insert: int = 32
+    step_neighbours: int = 16  # per draft step: draft-head HNSW neighbours of the hidden state (0: off)
+    step_ef: int = 256  # HNSW ef for those searches (larger: better recall, slower)
+    step_successors: int = 8  # per draft step: graph successors of the token just fed (0: off)
 
 
 class HybridPolicy(MicroSpecPolicy):
@@ -54,6 +63,7 @@ class HybridPolicy(MicroSpecPolicy):
         pinned: torch.Tensor | None = None,
         graph=None,
         hnsw=None,
+        draft_hnsw=None,
     ):
         window_cfg = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives)
         super().__init__(window_cfg, vocab_size, device)
@@ -65,7 +75,11 @@ class HybridPolicy(MicroSpecPolicy):
         self.core_rank[core] = torch.arange(core.numel(), device=device)
         self.min_core = pinned.numel()
         self.graph = graph  # dynvocab.artifacts.GraphTable or None
-        self.hnsw = hnsw  # an hnswlib index over the target head (dynvocab.artifacts.load_hnsw) or None
+        self.hnsw = hnsw  # a MipsIndex over the target head (dynvocab.artifacts.load_hnsw) or None
+        self.draft_hnsw = draft_hnsw  # a MipsIndex over the draft head (load_hnsw(bundle, "draft_hnsw")) or None
+        if draft_hnsw is not None:
+            draft_hnsw.set_ef(cfg.step_ef)
+        self._none = torch.empty(0, dtype=torch.long, device=device)
         self._views: dict[int, torch.Tensor] = {}
         self.dyn_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
         self.dyn = torch.empty(0, dtype=torch.long, device=device)
@@ -78,11 +92,28 @@ class HybridPolicy(MicroSpecPolicy):
         return max(self.min_core, min(self.core.numel(), pa_budget(self.core.numel(), step)))
 
     def active_ids(self, step: int, hidden=None, token=None):
-        """(context \\ core, core prefix for this position): two disjoint segments."""
+        """(context \\ core, core prefix for this position, per-step candidates): three disjoint segments."""
         k = self.core_size(step)
         if k not in self._views:
             self._views[k] = self.core[:k]
-        return self.dyn, self._views[k]
+        return self.dyn, self._views[k], self.step_candidates(k, hidden, token)
+
+    def step_candidates(self, core_size: int, hidden=None, token=None) -> torch.Tensor:
+        """Draft-head neighbours of ``hidden`` [1, d] and graph successors of ``token`` that are not already
+        active (outside the context and the first ``core_size`` core ids), LongTensor [n], ascending."""
+        cfg = self.hcfg
+        parts = []
+        if self.draft_hnsw is not None and hidden is not None and cfg.step_neighbours:
+            from dynvocab.artifacts import mips_search
+
+            parts.append(mips_search(self.draft_hnsw, hidden[-1:], cfg.step_neighbours).flatten())
+        if self.graph is not None and token is not None and cfg.step_successors and token < self.vocab_size:
+            parts.append(self.graph.successors(token, cfg.step_successors)[0])
+        if not parts:
+            return self._none
+        ids = torch.unique(torch.cat(parts).to(self.core.device))
+        ids = ids[ids < self.vocab_size]
+        return ids[~self.dyn_mask[ids] & (self.core_rank[ids] >= core_size)]
 
     def observe(self, cycle: CycleReport) -> None:
         """Handle a miss at the first rejected position, then extend the stream as MicroSpec does."""
