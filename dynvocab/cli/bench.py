@@ -17,6 +17,7 @@ from dynvocab.cli.common import (
     OnlineAlign,
     CoreSize,
     HybridWindow,
+    StepNeighbours,
     Threads,
     Device,
     Draft,
@@ -84,6 +85,7 @@ def bench(
     window: Window = MicroSpecConfig.window,
     core_size: CoreSize = HybridConfig.core_size,
     hybrid_window: HybridWindow = HybridConfig.window,
+    step_neighbours: StepNeighbours = HybridConfig.step_neighbours,
     k_max: KMax = DynaSpecConfig.k_max,
     online_align: OnlineAlign = False,
     bundle: BundleOpt = None,
@@ -114,7 +116,8 @@ def bench(
         _kernel_bench(device, dtype, json_path, threads)
         return
     options = strategy_options(
-        token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, k_max, online_align
+        token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, step_neighbours, k_max,
+        online_align,
     )
     request = BenchRequest(
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,

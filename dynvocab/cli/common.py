@@ -99,6 +99,14 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 CoreSize = Annotated[int, typer.Option(min=1, help="hybrid: size of the static core of most frequent tokens.")]
 HybridWindow = Annotated[int, typer.Option(min=1, help="hybrid: stream entries of its context window.")]
+StepNeighbours = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        help="hybrid: per draft step, HNSW neighbours of the draft hidden state among the draft's head rows "
+        "(bundle stage draft_hnsw; 0 = off, e.g. on a GPU where the search costs a host sync).",
+    ),
+]
 KMax = Annotated[int, typer.Option(min=1, help="dynaspec: clusters routed at draft steps 0 and 1 (k_max).")]
 OnlineAlign = Annotated[
     bool, typer.Option("--online-align", help="evospec: online LoRA alignment of the draft (q, v projections).")
@@ -114,6 +122,7 @@ def strategy_options(
     window: int,
     core_size: int,
     hybrid_window: int,
+    step_neighbours: int,
     k_max: int,
     online_align: bool,
 ):
@@ -129,7 +138,9 @@ def strategy_options(
         fr_size=fr_size,
         pa_k_max=pa_k_max,
         microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
-        hybrid=HybridConfig(core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver),
+        hybrid=HybridConfig(
+            core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver, step_neighbours=step_neighbours
+        ),
         dynaspec=DynaSpecConfig(k_max=k_max),
         evospec=EvoSpecConfig(online_align=online_align),
     )

@@ -14,6 +14,7 @@ from dynvocab.cli.common import (
     OnlineAlign,
     CoreSize,
     HybridWindow,
+    StepNeighbours,
     Threads,
     Device,
     Draft,
@@ -62,6 +63,7 @@ def generate(
     window: Window = MicroSpecConfig.window,
     core_size: CoreSize = HybridConfig.core_size,
     hybrid_window: HybridWindow = HybridConfig.window,
+    step_neighbours: StepNeighbours = HybridConfig.step_neighbours,
     k_max: KMax = DynaSpecConfig.k_max,
     online_align: OnlineAlign = False,
     bundle: BundleOpt = None,
@@ -82,7 +84,8 @@ def generate(
     if top_p <= 0.0:
         raise DynvocabError("--top-p must be in (0, 1]")
     options = strategy_options(
-        token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, k_max, online_align
+        token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, step_neighbours, k_max,
+        online_align,
     )
     set_threads(threads)
     session = Session(
