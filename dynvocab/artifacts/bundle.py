@@ -19,7 +19,6 @@ import hashlib
 import json
 import mmap
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from dynvocab import __version__
 from dynvocab.artifacts.fingerprint import ModelFingerprint
 from dynvocab.errors import DynvocabError
+from dynvocab.files import write_atomic
 
 FORMAT = "dynvocab-bundle"
 FORMAT_VERSION = 1
@@ -285,13 +285,6 @@ def load_bundle(path: str | Path, verify: bool = False) -> Bundle:
     return bundle
 
 
-def chmod_like_new_file(path: str | Path) -> None:
-    """Give a ``mkstemp`` file (created 0600) the permissions ``open()`` would: 0666 minus the umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def write_bundle(
     path: str | Path,
     stages: list[Stage],
@@ -321,15 +314,4 @@ def write_bundle(
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dynvocab_version": __version__,
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        chmod_like_new_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))

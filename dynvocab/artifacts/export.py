@@ -9,15 +9,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
-from dynvocab.artifacts.bundle import chmod_like_new_file
 from dynvocab.artifacts.tables import FreqTable
 from dynvocab.errors import DynvocabError
+from dynvocab.files import write_atomic
 
 FORMATS = ("sglang", "eagle3")
 DEFAULT_EXPORT_SIZE = 32768  # FR-Spec's K
@@ -61,13 +59,4 @@ def save_torch_atomic(obj, path: str | Path) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise DynvocabError(f"folder {path.parent} does not exist; create it or pick another --out")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        chmod_like_new_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, lambda tmp: torch.save(obj, tmp))

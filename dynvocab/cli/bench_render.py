@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
-import os
-import tempfile
 from pathlib import Path
-from typing import Callable
 
 from rich.table import Table
 
+from dynvocab.files import write_atomic
 from dynvocab.runtime.metrics import RECALL_KS
 
 ORACLE = "oracle"
@@ -23,19 +21,6 @@ CSV_COLUMNS = (
     "tokens_per_s_seed_mean", "tokens_per_s_seed_std", "mean_accepted_length_seed_mean",
     "mean_accepted_length_seed_std",
 )
-
-
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temp file in ``path``'s folder, then rename it over ``path``: never half-written."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def rows_of(results: dict) -> list[tuple[str, str, dict]]:
