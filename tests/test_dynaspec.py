@@ -8,13 +8,18 @@ import torch
 from dynvocab.artifacts import ClusterTable
 from dynvocab.artifacts.router import RouterMLP, RouterTable
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.head import DraftHead, RowRanges, active_segments
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.dynaspec import NEEDS_BUNDLE, DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.strategies import PolicyContext
 
 VOCAB = 96
+
+
+def flat(active) -> torch.Tensor:
+    """All ids of an active set, in segment order."""
+    return torch.cat(active_segments(active))
 
 
 def fixed_router(scores: list[float], dim: int = 4) -> RouterTable:
@@ -52,14 +57,18 @@ def test_union_of_top_clusters_plus_eos():
         return sorted(set(ids[ids < 18].tolist()) | {2, 11})
 
     for step, clusters in ((0, [1, 3, 4]), (1, [1, 3, 4]), (2, [1]), (5, [1])):
-        ids = policy.active_ids(step, h, token=7)
+        active = policy.active_ids(step, h, token=7)
+        assert isinstance(active[0], RowRanges) and active[0].order is policy.order  # packed once, sliced after
+        assert len(active[0].starts) <= len(clusters)
+        ids = flat(active)
         assert ids.dtype == torch.long
         assert ids.numel() == len(set(ids.tolist())), "ids must be distinct for the packed head"
         assert sorted(ids.tolist()) == expected(clusters)
     # EOS inside a chosen cluster is not repeated.
     wide = DynaSpecPolicy(DynaSpecConfig(k_max=5), table, fixed_router(scores), torch.randn(20, 4), 18, eos)
-    ids = wide.active_ids(0, h, 3).tolist()
-    assert sorted(ids) == list(range(18)) and wide.calls == 1 and wide.router_s >= 0
+    active = wide.active_ids(0, h, 3)
+    assert sorted(flat(active).tolist()) == list(range(18))
+    assert len(active[0].starts) == 1  # all five clusters: adjacent ranges merge into one matmul and wide.calls == 1 and wide.router_s >= 0
 
 
 def test_routing_depends_on_hidden_state_and_token():
@@ -71,7 +80,7 @@ def test_routing_depends_on_hidden_state_and_token():
     for token in range(8):
         h = torch.randn(1, 2)
         want = int(mlp(h, embedding[token : token + 1]).argmax())
-        assert sorted(policy.active_ids(0, h, token).tolist()) == [want, want + 4]
+        assert sorted(flat(policy.active_ids(0, h, token)).tolist()) == [want, want + 4]
     with pytest.raises(ValueError):
         policy.active_ids(0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynvocab.runtime.head import PackedHead
+from dynvocab.runtime.head import DraftHead, PackedHead
 
 
 @pytest.fixture
@@ -82,3 +82,24 @@ def test_draft_head_segments_concatenate_and_keep_their_own_buffers(weight):
     assert active_size((window, core[:15]), 200) == 18
     assert active_contains((window, core[:15]), 114) and not active_contains((window, core[:15]), 115)
     assert active_contains(None, 5)
+
+
+def test_row_ranges_match_the_full_head_on_their_ids():
+    from dynvocab.runtime.head import RowRanges, active_contains, active_size, merge_ranges
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(40, 8, generator=gen), torch.randn(40, generator=gen)
+    order = torch.randperm(40, generator=gen)
+    head = DraftHead(weight, bias, softcap=5.0)
+    hidden = torch.randn(2, 8, generator=gen)
+    full = torch.tanh((hidden @ weight.T + bias) / 5.0) * 5.0
+    for starts, ends in (([10, 0, 30], [20, 5, 31]), ([5, 0], [10, 5]), ([], [])):
+        ranges = RowRanges(order, *merge_ranges(starts, ends))
+        extra = order[35:]
+        logits, ids = head.logits(hidden, (ranges, extra))
+        assert ids.tolist() == ranges.ids.tolist() + extra.tolist()
+        torch.testing.assert_close(logits, full[:, ids])
+        assert active_size((ranges, extra), 40) == ranges.numel() + 5
+        assert active_contains((ranges, extra), int(order[35])) and not active_contains((ranges, extra), int(order[25]))
+    assert merge_ranges([5, 0], [10, 5]) == ((0,), (10,))
+    assert head.rows_copied == 40 + 5  # the order packed once; the extra segment once

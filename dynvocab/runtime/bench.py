@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.head import active_size
+from dynvocab.runtime.head import active_segments, active_size
 from dynvocab.runtime.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.metrics import EXTRA_KEYS, RECALL_KS, summarize
@@ -179,10 +179,8 @@ def active_mask(active, vocab: int, width: int, device) -> torch.Tensor:
     mask = torch.zeros(width, dtype=torch.bool, device=device)
     if active is None:
         mask[:vocab] = True
-    elif isinstance(active, torch.Tensor):
-        mask[active.to(device)] = True
     else:
-        for ids in active:
+        for ids in active_segments(active):
             mask[ids.to(device)] = True
     return mask
 

@@ -3,13 +3,57 @@
 The buffer is updated incrementally: rows of tokens that left the active set are overwritten by rows of
 tokens that entered, so a sliding-window policy that changes a few dozen ids per cycle copies a few dozen
 rows, not thousands. A policy that returns nested prefixes of one ranking (FR-Spec, position-aware FR) is
-packed once in ranking order; each prefix is then a slice of the buffer.
+packed once in ranking order; each prefix is then a slice of the buffer. A policy whose set is a union of
+fixed groups (DynaSpec's clusters) returns :class:`RowRanges`: the rows are packed once in group order and
+each step multiplies only the chosen ranges, so a set that changes completely between steps copies nothing.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True, eq=False)
+class RowRanges:
+    """An active set given as ranges of a fixed id order: ``order[starts[i]:ends[i]]`` for every i.
+
+    ``order`` must be the same tensor at every step (the head packs ``W[order]`` once, keyed by it); the ranges
+    must not overlap. Sorted, adjacent ranges merged, they cost one matmul each.
+    """
+
+    order: torch.Tensor  # [N] token ids, e.g. grouped by cluster
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+
+    @functools.cached_property
+    def ids(self) -> torch.Tensor:
+        """The token ids of the set, LongTensor [n], in range order."""
+        if not self.starts:
+            return self.order[:0]
+        return torch.cat([self.order[a:b] for a, b in zip(self.starts, self.ends)])
+
+    def numel(self) -> int:
+        """Number of ids in the set."""
+        return sum(b - a for a, b in zip(self.starts, self.ends))
+
+
+def merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Sort non-overlapping ranges and merge those that touch: ``(starts, ends)``."""
+    out_s: list[int] = []
+    out_e: list[int] = []
+    for a, b in sorted(zip(starts, ends)):
+        if b <= a:
+            continue
+        if out_e and out_e[-1] == a:
+            out_e[-1] = b
+        else:
+            out_s.append(a)
+            out_e.append(b)
+    return tuple(out_s), tuple(out_e)
 
 
 class PackedHead:
@@ -125,8 +169,38 @@ class PackedHead:
         return logits
 
 
+class RangeHead:
+    """Logits over :class:`RowRanges` of one fixed order: ``W[order]`` is packed once, each range is a slice."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
+        self.weight = weight  # [V, d]
+        self.bias = bias
+        self.softcap = softcap
+        self.order: torch.Tensor | None = None
+        self.rows = self.row_bias = None
+        self.rows_copied = 0
+
+    def logits(self, hidden: torch.Tensor, ranges: RowRanges) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [m, n] over the ranges' ids for hidden states [m, d], and those ids [n]."""
+        if ranges.order is not self.order:
+            self.order = ranges.order
+            self.rows = self.weight.index_select(0, ranges.order)  # [N, d], once per order
+            self.row_bias = None if self.bias is None else self.bias.index_select(0, ranges.order)
+            self.rows_copied += ranges.order.numel()
+        parts = [
+            F.linear(hidden, self.rows[a:b], None if self.row_bias is None else self.row_bias[a:b])
+            for a, b in zip(ranges.starts, ranges.ends)
+        ]
+        logits = torch.cat(parts, dim=-1) if parts else hidden.new_empty(hidden.shape[0], 0)
+        logits = logits.float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits, ranges.ids
+
+
 class DraftHead:
-    """The draft head over an active set given as None (full), one id tensor, or disjoint segments.
+    """The draft head over an active set given as None (full), one id tensor, or disjoint segments (id tensors
+    or :class:`RowRanges`).
 
     Each segment position has its own :class:`PackedHead`, so a policy can combine a set that changes every
     cycle (a context window) with nested prefixes of a fixed ranking (a static core that shrinks with the
@@ -138,30 +212,44 @@ class DraftHead:
         self.bias = bias
         self.softcap = softcap
         self.segments: list[PackedHead] = []
+        self.ranges: dict[int, RangeHead] = {}
 
     @property
     def rows_copied(self) -> int:
         """Rows gathered into packed buffers so far (all segments)."""
-        return sum(p.rows_copied for p in self.segments)
+        return sum(p.rows_copied for p in self.segments) + sum(r.rows_copied for r in self.ranges.values())
 
     def _segment(self, i: int) -> PackedHead:
         while len(self.segments) <= i:
             self.segments.append(PackedHead(self.weight, self.bias, self.softcap))
         return self.segments[i]
 
+    def _logits(self, i: int, hidden: torch.Tensor, ids):
+        if isinstance(ids, RowRanges):
+            if i not in self.ranges:
+                self.ranges[i] = RangeHead(self.weight, self.bias, self.softcap)
+            return self.ranges[i].logits(hidden, ids)
+        return self._segment(i).logits(hidden, ids)
+
     def logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [m, n] and the token id of each column [n] (None = the full vocabulary, column j is id j)."""
-        if active is None or isinstance(active, torch.Tensor):
-            return self._segment(0).logits(hidden, active)
-        parts = [self._segment(i).logits(hidden, ids) for i, ids in enumerate(active) if ids.numel()]
+        if active is None or isinstance(active, (torch.Tensor, RowRanges)):
+            return self._logits(0, hidden, active)
+        parts = [self._logits(i, hidden, ids) for i, ids in enumerate(active) if ids.numel()]
         return torch.cat([p[0] for p in parts], dim=-1), torch.cat([p[1] for p in parts])
+
+
+def active_segments(active) -> list[torch.Tensor]:
+    """The id tensors of an active set that is not None: one per segment (:class:`RowRanges` expanded)."""
+    parts = [active] if isinstance(active, (torch.Tensor, RowRanges)) else list(active)
+    return [p.ids if isinstance(p, RowRanges) else p for p in parts]
 
 
 def active_size(active, vocab: int) -> int:
     """Number of ids in an active set (None = the full vocabulary)."""
     if active is None:
         return vocab
-    if isinstance(active, torch.Tensor):
+    if isinstance(active, (torch.Tensor, RowRanges)):
         return active.numel()
     return sum(ids.numel() for ids in active)
 
@@ -170,6 +258,4 @@ def active_contains(active, token: int) -> bool:
     """Whether ``token`` is in an active set."""
     if active is None:
         return True
-    if isinstance(active, torch.Tensor):
-        return bool((active == token).any())
-    return any(bool((ids == token).any()) for ids in active)
+    return any(bool((ids == token).any()) for ids in active_segments(active))

@@ -17,6 +17,7 @@ import torch
 from dynvocab.artifacts import ClusterTable
 from dynvocab.artifacts.router import DEFAULT_K_MAX, STAGE, RouterTable, clusters_checksum
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.head import RowRanges, merge_ranges
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.frequency import pa_budget
 
@@ -70,7 +71,9 @@ class DynaSpecPolicy(VocabPolicy):
         assign = clusters.assign[:vocab_size].long()  # [V'] cluster of each draftable id
         order = torch.argsort(assign, stable=True)  # [V'] ids grouped by cluster, ascending within a cluster
         sizes = torch.bincount(assign, minlength=m)  # [M]
-        self.members = list(torch.split(order.to(self.device), sizes.tolist()))  # M views of one buffer
+        self.order = order.to(self.device)  # the head packs W[order] once; a cluster is a slice of it
+        self.ends = sizes.cumsum(0).tolist()  # cluster c is order[ends[c] - sizes[c] : ends[c]]
+        self.starts = [e - n for e, n in zip(self.ends, sizes.tolist())]
         self.sizes = sizes.to(self.device)
         eos = torch.empty(0, dtype=torch.long) if eos is None else eos.long()
         eos = eos[eos < vocab_size]
@@ -109,17 +112,19 @@ class DynaSpecPolicy(VocabPolicy):
         return self.router(hidden.to(self.device, torch.float32), e)[0]
 
     @torch.inference_mode()
-    def select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        """The union of the top-``k`` clusters of ``scores`` [M], plus EOS ids outside them, LongTensor [n]."""
+    def select(self, scores: torch.Tensor, k: int) -> tuple[RowRanges, torch.Tensor]:
+        """The union of the top-``k`` clusters of ``scores`` [M] as row ranges of the cluster-grouped order, and
+        the EOS ids outside them, LongTensor [e]: two disjoint segments."""
         top = scores.topk(min(k, scores.numel())).indices  # [k], best first
-        parts = [self.members[c] for c in top.tolist()]
-        chosen = torch.zeros(scores.numel(), dtype=torch.bool, device=self.device)
-        chosen[top] = True
-        parts.append(self.eos[~chosen[self.eos_cluster]])  # EOS ids not already in a chosen cluster
-        return torch.cat(parts)
+        chosen = top.tolist()
+        starts, ends = merge_ranges([self.starts[c] for c in chosen], [self.ends[c] for c in chosen])
+        picked = torch.zeros(scores.numel(), dtype=torch.bool, device=self.device)
+        picked[top] = True
+        return RowRanges(self.order, starts, ends), self.eos[~picked[self.eos_cluster]]
 
-    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> torch.Tensor:
-        """The active ids at draft step ``step`` for the draft's ``hidden`` [1, d] and last fed ``token``."""
+    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None):
+        """The active set at draft step ``step`` for the draft's ``hidden`` [1, d] and last fed ``token``:
+        (routed clusters as :class:`~dynvocab.runtime.head.RowRanges`, EOS ids outside them)."""
         if hidden is None or token is None:
             raise ValueError("dynaspec routes on the draft hidden state and token; the loop must pass both")
         start = time.perf_counter()
