@@ -173,3 +173,12 @@ def test_embedded_ranking_only_for_its_tokenizer():
 
     assert embedded_ranking("0" * 64) is None
     assert embedded_ranking(None) is None
+
+
+def test_hybrid_searches_per_step_on_cpu_only_by_default():
+    from dynvocab.runtime.policies.hybrid import HybridConfig
+
+    assert HybridConfig().searches_per_step("cpu")
+    assert not HybridConfig().searches_per_step("cuda:0")  # a host sync per step costs more than the head there
+    assert HybridConfig(step_search_on_gpu=True).searches_per_step("cuda")
+    assert not HybridConfig(step_neighbours=0).searches_per_step("cpu")

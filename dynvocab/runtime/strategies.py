@@ -139,7 +139,7 @@ def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> Hyb
             graph = GraphTable.from_bundle(ctx.bundle)
         if ctx.bundle.has("hnsw"):
             hnsw = load_hnsw(ctx.bundle)[0]
-        if ctx.bundle.has("draft_hnsw") and cfg.step_neighbours:
+        if ctx.bundle.has("draft_hnsw") and cfg.searches_per_step(ctx.device):
             draft_hnsw = load_hnsw(ctx.bundle, "draft_hnsw")[0]
     return HybridPolicy(
         cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw, draft_hnsw=draft_hnsw

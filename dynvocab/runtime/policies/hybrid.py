@@ -10,7 +10,8 @@
   LM head for the draft hidden state (bundle stage ``draft_hnsw``) and the ``step_successors`` most likely
   graph successors of the token just fed (stage ``graph``). They catch content words that are neither frequent
   nor in the context yet, the main cause of rejections with a small active set. On a GPU the index search
-  needs the hidden state on the host at every step (a sync); there, set ``step_neighbours`` to 0.
+  would need the hidden state on the host at every step (a sync costing more than the whole head there), so
+  it runs on CPU devices only unless ``step_search_on_gpu`` is set.
 - **Neighbours on misses** (EvoSpec): when the target's token at the first rejected position was outside the
   active set, the target's top-``miss_topk`` there, HNSW neighbours of the target hidden state (when the
   bundle has an ``hnsw`` stage) and graph successors of those seeds and of the token itself (when it has a
@@ -47,6 +48,11 @@ class HybridConfig:
     step_neighbours: int = 16  # per draft step: draft-head HNSW neighbours of the hidden state (0: off)
     step_ef: int = 256  # HNSW ef for those searches (larger: better recall, slower)
     step_successors: int = 8  # per draft step: graph successors of the token just fed (0: off)
+    step_search_on_gpu: bool = False  # run the per-step HNSW search on CUDA devices too (a host sync per step)
+
+    def searches_per_step(self, device) -> bool:
+        """Whether the per-step draft-head search runs on ``device``."""
+        return self.step_neighbours > 0 and (torch.device(device).type == "cpu" or self.step_search_on_gpu)
 
 
 class HybridPolicy(MicroSpecPolicy):
