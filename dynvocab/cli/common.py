@@ -104,7 +104,7 @@ StepNeighbours = Annotated[
     typer.Option(
         min=0,
         help="hybrid: per draft step, HNSW neighbours of the draft hidden state among the draft's head rows "
-        "(bundle stage draft_hnsw; 0 = off, e.g. on a GPU where the search costs a host sync).",
+        "(bundle stage draft_hnsw; 0 = off; CPU devices only: on a GPU it would cost a host sync per step).",
     ),
 ]
 KMax = Annotated[int, typer.Option(min=1, help="dynaspec: clusters routed at draft steps 0 and 1 (k_max).")]
