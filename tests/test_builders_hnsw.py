@@ -74,8 +74,10 @@ def test_index_round_trips_through_the_bundle(tmp_path):
     fp = ModelFingerprint(2000, "0" * 64, 2000, 32)
     stage = Stage("hnsw", tensors, cfg.as_dict(), {"index": params.as_dict()})
     path = write_bundle(tmp_path / "h.safetensors", [stage], fp, None)
-    index, loaded = load_hnsw(load_bundle(path))
+    bundle = load_bundle(path)
+    index, loaded = load_hnsw(bundle)
     assert loaded == params and isinstance(loaded, HnswParams)
+    assert load_hnsw(bundle)[0] is index  # rebuilt from its bytes once per bundle object
     ids = mips_search(index, queries, 10)
     assert ids.shape == (50, 10) and ids.dtype == torch.int64
     exact = hnsw.exact_mips(head, queries, 10)

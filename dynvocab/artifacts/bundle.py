@@ -98,6 +98,14 @@ class Bundle:
         self.stage_meta: dict[str, dict] = metadata["stages"]
         self._checksums: dict[str, str] = metadata["checksums"]
         self._verified: set[str] = set()
+        self._loaded: dict[str, object] = {}
+
+    def loaded(self, key: str, load):
+        """``load()``'s result, computed once per ``key`` for this bundle object (e.g. an HNSW index rebuilt
+        from its bytes, which takes seconds), so every generation of a session shares it."""
+        if key not in self._loaded:
+            self._loaded[key] = load()
+        return self._loaded[key]
 
     @property
     def stages(self) -> list[str]:

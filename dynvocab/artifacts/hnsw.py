@@ -106,11 +106,15 @@ def index_from_tensor(data: torch.Tensor, params: HnswParams, query_map: torch.T
 
 def load_hnsw(bundle: Bundle, stage: str = "hnsw") -> tuple[MipsIndex, HnswParams]:
     """Load an HNSW stage of the bundle (``hnsw``: over the target's head; ``draft_hnsw``: over the draft's):
-    ``(MipsIndex, HnswParams)``; search it with :func:`mips_search`."""
+    ``(MipsIndex, HnswParams)``; search it with :func:`mips_search`. The index is loaded once per bundle
+    object and shared: a policy that changes its ef (:meth:`MipsIndex.set_ef`) changes it for all users."""
     bundle.require(stage)
     params = HnswParams.from_dict(bundle.info(stage)["index"])
-    index = index_from_tensor(bundle.tensor(f"{stage}.index"), params, bundle.tensor(f"{stage}.query_map"))
-    return index, params
+
+    def load() -> MipsIndex:
+        return index_from_tensor(bundle.tensor(f"{stage}.index"), params, bundle.tensor(f"{stage}.query_map"))
+
+    return bundle.loaded(f"hnsw:{stage}", load), params
 
 
 def mips_search(index: MipsIndex, queries: torch.Tensor, k: int, num_threads: int = 1) -> torch.Tensor:
