@@ -46,7 +46,7 @@ class HybridConfig:
     successors: int = 8
     max_insert: int = 32
     step_neighbours: int = 16  # per draft step: draft-head HNSW neighbours of the hidden state (0: off)
-    step_ef: int = 256  # HNSW ef for those searches (larger: better recall, slower)
+    step_ef: int = 512  # HNSW ef for those searches (demo: MAL 96.7% of full at 256, 98.9% at 512)
     step_successors: int = 8  # per draft step: graph successors of the token just fed (0: off)
     step_search_on_gpu: bool = False  # run the per-step HNSW search on CUDA devices too (a host sync per step)
 
