@@ -80,6 +80,9 @@ def test_greedy_is_lossless(pair, kind, seed):
     assert spec.token_ids == ar.token_ids
     assert spec.metrics.cycles <= ar.metrics.cycles
     assert spec.metrics.new_tokens == len(ar.token_ids)
+    m = spec.metrics
+    assert 0.0 <= m.head_s <= m.draft_s and m.policy_s <= m.wall_s
+    assert m.policy_s > 0 or m.cycles == 0  # every cycle asks and tells the policy
 
 
 @pytest.mark.parametrize("seed", range(3))

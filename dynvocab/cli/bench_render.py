@@ -15,7 +15,7 @@ ORACLE = "oracle"
 CSV_COLUMNS = (
     "strategy", "task", "derived_from", "generations", "new_tokens", "tokens_per_s", "tokens_per_s_std",
     "speedup_vs_ar", "speedup_vs_full", "mean_accepted_length", "mean_accepted_length_std", "accept_by_position",
-    "wall_s", "prefill_share", "draft_share", "verify_share", "head_share", "head_share_of_draft",
+    "wall_s", "prefill_share", "draft_share", "verify_share", "head_share", "policy_share", "head_share_of_draft",
     "mean_active_vocab", "max_active_vocab", "coverage", "target_mass", *(f"recall_at_{k}" for k in RECALL_KS),
     "matches_ar", "diverged_from_ar", "first_divergence",
     "tokens_per_s_seed_mean", "tokens_per_s_seed_std", "mean_accepted_length_seed_mean",

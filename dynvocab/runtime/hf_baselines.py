@@ -97,6 +97,7 @@ def hf_metrics(
         verify_s=round(target.seconds, 5),
         draft_s=None if draft is None else round(draft.seconds, 5),
         head_s=None if head is None else round(head.seconds, 5),
+        policy_s=None,
         mean_active_vocab=None,
         coverage=None,
         head_rows_copied=None,

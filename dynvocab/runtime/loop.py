@@ -119,8 +119,10 @@ def speculative_generate(
         feed = torch.tensor(tokens[draft.length:] if gamma else [], dtype=torch.long, device=device)
         for j in range(gamma):
             hidden = draft.step(feed)[-1:]  # [1, d]
+            t_policy = clock()
             ids = policy.active_ids(j, hidden, int(feed[-1])) if policy is not None else None
             t_head = clock()
+            m.policy_s += t_head - t_policy
             logits, cols = head.logits(hidden, ids)  # [1, n_active], [n_active] or None
             m.head_s += clock() - t_head
             actives.append(ids)
@@ -175,9 +177,9 @@ def speculative_generate(
         tokens.extend(emitted)
         out.extend(emitted)
         if policy is not None:
-            policy.observe(
-                CycleReport(n, drafted, tops, k, emitted, logits, hidden)
-            )
+            t_policy = clock()
+            policy.observe(CycleReport(n, drafted, tops, k, emitted, logits, hidden))
+            m.policy_s += clock() - t_policy
         if on_tokens is not None:
             on_tokens(emitted)
 

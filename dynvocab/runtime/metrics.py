@@ -19,6 +19,7 @@ class Metrics:
     draft_s: float = 0.0
     verify_s: float = 0.0
     head_s: float = 0.0
+    policy_s: float = 0.0  # in the vocabulary policy: choosing active sets (inside draft_s), observing cycles
     mean_active_vocab: float | None = None
     coverage: float | None = None
     accept_by_position: list[float] = field(default_factory=list)
@@ -45,7 +46,7 @@ EXTRA_KEYS = (
     "scored_positions",  # verified positions the coverage figures average over
     "analysis_s",  # --coverage scoring time, already taken out of wall_s / tokens_per_s
 )
-TIME_KEYS = ("prefill_s", "draft_s", "verify_s", "head_s")
+TIME_KEYS = ("prefill_s", "draft_s", "verify_s", "head_s", "policy_s")
 
 
 def _sum(values) -> float | None:
