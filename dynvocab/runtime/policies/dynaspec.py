@@ -74,7 +74,6 @@ class DynaSpecPolicy(VocabPolicy):
         self.order = order.to(self.device)  # the head packs W[order] once; a cluster is a slice of it
         self.ends = sizes.cumsum(0).tolist()  # cluster c is order[ends[c] - sizes[c] : ends[c]]
         self.starts = [e - n for e, n in zip(self.ends, sizes.tolist())]
-        self.sizes = sizes.to(self.device)
         eos = torch.empty(0, dtype=torch.long) if eos is None else eos.long()
         eos = eos[eos < vocab_size]
         self.eos = eos.to(self.device)  # [E]
