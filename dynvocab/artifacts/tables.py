@@ -32,9 +32,13 @@ class FreqTable:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> "FreqTable":
-        """Read the ``freq`` stage."""
-        t = bundle.stage_tensors("freq")
-        return cls(t["counts"], t["ranking"], t["eos_ids"])
+        """Read the ``freq`` stage (once per bundle object; the table is immutable and shared)."""
+
+        def load():
+            t = bundle.stage_tensors("freq")
+            return cls(t["counts"], t["ranking"], t["eos_ids"])
+
+        return bundle.loaded("freq", load)
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,13 @@ class ClusterTable:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> "ClusterTable":
-        """Read the ``clusters`` stage."""
-        t = bundle.stage_tensors("clusters")
-        return cls(t["assign"], t["centroids"])
+        """Read the ``clusters`` stage (once per bundle object; the table is immutable and shared)."""
+
+        def load():
+            t = bundle.stage_tensors("clusters")
+            return cls(t["assign"], t["centroids"])
+
+        return bundle.loaded("clusters", load)
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,10 @@ class GraphTable:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> "GraphTable":
-        """Read the ``graph`` stage."""
-        t = bundle.stage_tensors("graph")
-        return cls(t["indptr"], t["indices"], t["probs"])
+        """Read the ``graph`` stage (once per bundle object; the table is immutable and shared)."""
+
+        def load():
+            t = bundle.stage_tensors("graph")
+            return cls(t["indptr"], t["indices"], t["probs"])
+
+        return bundle.loaded("graph", load)

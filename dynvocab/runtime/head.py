@@ -36,9 +36,14 @@ class RowRanges:
             return self.order[:0]
         return torch.cat([self.order[a:b] for a, b in zip(self.starts, self.ends)])
 
-    def numel(self) -> int:
+    @functools.cached_property
+    def size(self) -> int:
         """Number of ids in the set."""
         return sum(b - a for a, b in zip(self.starts, self.ends))
+
+    def numel(self) -> int:
+        """Number of ids in the set (as ``Tensor.numel``, so segments of either kind count alike)."""
+        return self.size
 
 
 def merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -202,7 +207,8 @@ class DraftHead:
     """The draft head over an active set given as None (full), one id tensor, or disjoint segments (id tensors
     or :class:`RowRanges`).
 
-    Each segment position has its own :class:`PackedHead`, so a policy can combine a set that changes every
+    Each segment position has its own packed rows (:class:`PackedHead`, or :class:`RangeHead` for
+    :class:`RowRanges`), so a policy can combine a set that changes every
     cycle (a context window) with nested prefixes of a fixed ranking (a static core that shrinks with the
     draft position) and neither segment copies rows the other one changed.
     """
@@ -211,25 +217,20 @@ class DraftHead:
         self.weight = weight  # [V, d]
         self.bias = bias
         self.softcap = softcap
-        self.segments: list[PackedHead] = []
-        self.ranges: dict[int, RangeHead] = {}
+        self.segments: list[PackedHead | RangeHead] = []  # the packed rows of each segment position
 
     @property
     def rows_copied(self) -> int:
         """Rows gathered into packed buffers so far (all segments)."""
-        return sum(p.rows_copied for p in self.segments) + sum(r.rows_copied for r in self.ranges.values())
-
-    def _segment(self, i: int) -> PackedHead:
-        while len(self.segments) <= i:
-            self.segments.append(PackedHead(self.weight, self.bias, self.softcap))
-        return self.segments[i]
+        return sum(p.rows_copied for p in self.segments)
 
     def _logits(self, i: int, hidden: torch.Tensor, ids):
-        if isinstance(ids, RowRanges):
-            if i not in self.ranges:
-                self.ranges[i] = RangeHead(self.weight, self.bias, self.softcap)
-            return self.ranges[i].logits(hidden, ids)
-        return self._segment(i).logits(hidden, ids)
+        kind = RangeHead if isinstance(ids, RowRanges) else PackedHead
+        while len(self.segments) <= i:
+            self.segments.append(kind(self.weight, self.bias, self.softcap))
+        if not isinstance(self.segments[i], kind):  # a policy that changed the kind of a segment
+            self.segments[i] = kind(self.weight, self.bias, self.softcap)
+        return self.segments[i].logits(hidden, ids)
 
     def logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [m, n] and the token id of each column [n] (None = the full vocabulary, column j is id j)."""

@@ -212,17 +212,12 @@ def _serve(retriever: Retriever, inbox, outbox, stop: threading.Event) -> None:
             outbox.put((event, None, 0.0))
 
 
-_TABLES: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
-
-
 def _bundle_tables(bundle) -> tuple:
-    """(freq ranking [V], hnswlib index, HnswParams, GraphTable) of a bundle, loaded once per bundle object."""
-    if bundle not in _TABLES:
-        from dynvocab.artifacts import FreqTable, GraphTable, load_hnsw
+    """(freq ranking [V], MipsIndex, HnswParams, GraphTable) of a bundle; each is loaded once per bundle object."""
+    from dynvocab.artifacts import FreqTable, GraphTable, load_hnsw
 
-        index, params = load_hnsw(bundle)
-        _TABLES[bundle] = (FreqTable.from_bundle(bundle).ranking, index, params, GraphTable.from_bundle(bundle))
-    return _TABLES[bundle]
+    index, params = load_hnsw(bundle)
+    return FreqTable.from_bundle(bundle).ranking, index, params, GraphTable.from_bundle(bundle)
 
 
 class EvoSpecPolicy(VocabPolicy):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvocab.artifacts import mips_search
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.frequency import pa_budget
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
@@ -110,8 +111,6 @@ class HybridPolicy(MicroSpecPolicy):
         cfg = self.hcfg
         parts = []
         if self.draft_hnsw is not None and hidden is not None and cfg.step_neighbours:
-            from dynvocab.artifacts import mips_search
-
             parts.append(mips_search(self.draft_hnsw, hidden[-1:], cfg.step_neighbours).flatten())
         if self.graph is not None and token is not None and cfg.step_successors and token < self.vocab_size:
             parts.append(self.graph.successors(token, cfg.step_successors)[0])
@@ -138,8 +137,6 @@ class HybridPolicy(MicroSpecPolicy):
         seeds = [torch.tensor([token], device=device)]
         seeds.append(cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices)
         if self.hnsw is not None:
-            from dynvocab.artifacts import mips_search
-
             found = mips_search(self.hnsw, cycle.target_hidden[k : k + 1].float().cpu(), cfg.miss_topk)
             seeds.append(found.flatten().to(device))
         seeds = _unique_in_order(torch.cat(seeds))
