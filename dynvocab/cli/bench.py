@@ -22,6 +22,7 @@ from dynvocab.cli.common import (
     Device,
     Draft,
     Dtype,
+    Prepack,
     FrSize,
     Gamma,
     KPre,
@@ -91,6 +92,7 @@ def bench(
     bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
+    prepack: Prepack = None,
     threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode prompts as plain text.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the full results (generations, summary) here.")] = None,
@@ -121,7 +123,7 @@ def bench(
     )
     request = BenchRequest(
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
-        target=target, draft=draft, device=device, dtype=dtype, bundle=bundle, max_new_tokens=max_new_tokens,
+        target=target, draft=draft, device=device, dtype=dtype, prepack=prepack, bundle=bundle, max_new_tokens=max_new_tokens,
         gamma=gamma, temperature=temperature, seed=seed, seeds=seeds, coverage=coverage,
         chat_template=not no_chat_template, json_path=json_path, csv_path=csv_path, plot_path=plot_path,
     )

@@ -19,6 +19,7 @@ from dynvocab.cli.common import (
     Device,
     Draft,
     Dtype,
+    Prepack,
     FrSize,
     Gamma,
     MaxNew,
@@ -69,6 +70,7 @@ def generate(
     bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
+    prepack: Prepack = None,
     threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode the prompt as plain text.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, strategy, metrics) as the last line.")] = False,
@@ -89,7 +91,7 @@ def generate(
     )
     set_threads(threads)
     session = Session(
-        ModelConfig(target, draft, device, dtype), need_draft=strategy != "ar", status=status_printer(quiet), bundle=bundle
+        ModelConfig(target, draft, device, dtype, prepack), need_draft=strategy != "ar", status=status_printer(quiet), bundle=bundle
     )
     prompt_ids = encode_prompt(session.tokenizer, [{"role": "user", "content": prompt}], not no_chat_template)
     decode = DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)

@@ -273,6 +273,7 @@ def run_bench(
             "seeds": list(seeds),
             "device": session.device,
             "dtype": session.dtype,
+            "prepacked": session.prepacked,
             "coverage": cfg.coverage,
             "recall_ks": list(cfg.recall_ks) if cfg.coverage else [],
             "lookup_tokens": cfg.lookup_tokens,

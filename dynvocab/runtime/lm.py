@@ -18,6 +18,7 @@ class CausalLM:
         self.body = getattr(model, model.base_model_prefix)
         head = model.get_output_embeddings()
         rows = vocab_rows or head.weight.shape[0]
+        self.head = head if rows == head.weight.shape[0] else None  # the module itself, which may be prepacked
         self.weight = head.weight[:rows].detach()  # [V, d]
         self.bias = None if getattr(head, "bias", None) is None else head.bias[:rows].detach()
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -62,6 +63,9 @@ class CausalLM:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [n, V] in float32 for hidden states [n, d]."""
+        """Full-vocabulary logits [n, V] in float32 for hidden states [n, d] (no autograd: the head is frozen)."""
+        if self.head is not None:
+            return self.finish(self.head(hidden).float())
         return self.finish(F.linear(hidden, self.weight, self.bias).float())

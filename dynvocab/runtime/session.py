@@ -16,6 +16,7 @@ from dynvocab.models import (
     resolve_model,
     tokenizer_fingerprint,
 )
+from dynvocab.models.prepack import prepack_linears, prepack_supported
 from dynvocab.models.vocab import end_token_ids
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
@@ -26,12 +27,17 @@ from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_pol
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which models to load and how; ``None`` device/dtype pick the defaults for the machine."""
+    """Which models to load and how; ``None`` device/dtype pick the defaults for the machine.
+
+    ``prepack``: give the target's linears a oneDNN-packed weight copy for its few-row verification passes
+    (:mod:`dynvocab.models.prepack`); ``None`` does it where it is supported (float32 on CPU).
+    """
 
     target: str = "demo:target"
     draft: str = "demo:draft"
     device: str | None = None
     dtype: str | None = None
+    prepack: bool | None = None
 
 
 def eos_token_ids(tokenizer, model) -> set[int]:
@@ -57,6 +63,7 @@ class Session:
         say(f"loading target {cfg.target}")
         self.tokenizer = load_tokenizer(target_spec)
         target_model = load_model(target_spec, self.device, self.dtype)
+        self.prepacked = self._prepack(target_model, cfg.prepack)
         self.target = CausalLM(target_model)
         self.eos_ids = eos_token_ids(self.tokenizer, target_model)
         self.draft = None
@@ -78,6 +85,15 @@ class Session:
             target_fp = ModelFingerprint.of_model(self.tokenizer, target_model, cfg.target)
             draft_fp = None if draft_spec is None else ModelFingerprint.of_model(draft_tokenizer, draft_model, cfg.draft)
             self.bundle.check_models(target_fp, draft_fp)
+
+    def _prepack(self, model, wanted: bool | None) -> bool:
+        supported = prepack_supported(self.device, self.dtype)
+        if wanted and not supported:
+            raise DynvocabError("--prepack needs float32 on a CPU whose torch has oneDNN; drop --prepack")
+        if wanted is False or not supported:
+            return False
+        prepack_linears(model)
+        return True
 
     @functools.cached_property
     def tokenizer_sha256(self) -> str:
