@@ -22,6 +22,14 @@ Dtype = Annotated[
     Optional[str],
     typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on GPU and on CPUs with native bf16, else float32)."),
 ]
+DraftDtype = Annotated[
+    Optional[str],
+    typer.Option(
+        "--draft-dtype",
+        help="The draft's dtype when it should differ from the target's, e.g. bfloat16 beside a float32 target "
+        "(the output stays the target's own). [default: --dtype]",
+    ),
+]
 Prepack = Annotated[
     Optional[bool],
     typer.Option(
@@ -76,12 +84,13 @@ def status_printer(quiet: bool = False):
     return lambda msg: err_console.print(f"[dim]{msg}…[/]", highlight=False)
 
 
-def check_dtype_device(device: str | None, dtype: str | None) -> None:
-    """Validate --device / --dtype early, before any model is loaded."""
+def check_dtype_device(device: str | None, dtype: str | None, draft_dtype: str | None = None) -> None:
+    """Validate --device / --dtype / --draft-dtype early, before any model is loaded."""
     if device is not None and device != "cpu" and not device.startswith("cuda"):
         raise DynvocabError(f"unknown device '{device}'; use cpu or cuda")
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
-        raise DynvocabError(f"unknown dtype '{dtype}'; use float32, bfloat16 or float16")
+    for flag, value in (("dtype", dtype), ("draft dtype", draft_dtype)):
+        if value is not None and value not in ("float32", "bfloat16", "float16"):
+            raise DynvocabError(f"unknown {flag} '{value}'; use float32, bfloat16 or float16")
 
 
 def stdout_is_terminal() -> bool:

@@ -29,6 +29,8 @@ from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_pol
 class ModelConfig:
     """Which models to load and how; ``None`` device/dtype pick the defaults for the machine.
 
+    ``draft_dtype``: the draft's own dtype (default: the target's). The draft only proposes, so a bfloat16 draft
+    beside a float32 target keeps the output exactly the target's while its memory-bound steps read half the bytes.
     ``prepack``: give the target's linears a oneDNN-packed weight copy for its few-row verification passes
     (:mod:`dynvocab.models.prepack`); ``None`` does it where it is supported (float32 on CPU).
     """
@@ -38,6 +40,7 @@ class ModelConfig:
     device: str | None = None
     dtype: str | None = None
     prepack: bool | None = None
+    draft_dtype: str | None = None
 
 
 def eos_token_ids(tokenizer, model) -> set[int]:
@@ -58,6 +61,7 @@ class Session:
         say = status or (lambda msg: None)
         self.device = cfg.device or default_device()
         self.dtype = cfg.dtype or default_dtype(self.device)
+        self.draft_dtype = cfg.draft_dtype or self.dtype
         target_spec = resolve_model(cfg.target)
         draft_spec = resolve_model(cfg.draft) if need_draft else None
         say(f"loading target {cfg.target}")
@@ -71,7 +75,7 @@ class Session:
         if draft_spec is not None:
             say(f"loading draft {cfg.draft}")
             draft_tokenizer = load_tokenizer(draft_spec)
-            draft_model = load_model(draft_spec, self.device, self.dtype)
+            draft_model = load_model(draft_spec, self.device, self.draft_dtype)
             rows_t = target_model.get_output_embeddings().weight.shape[0]
             rows_d = draft_model.get_output_embeddings().weight.shape[0]
             self.match = match_vocabularies(self.tokenizer, draft_tokenizer, rows_t, rows_d)
