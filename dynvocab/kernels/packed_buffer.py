@@ -1,7 +1,7 @@
 """The draft head's packed buffer for GPUs: ``W[I_t]`` kept contiguous, refilled asynchronously (MicroSpec §3.3).
 
-``SlotTable`` is the bookkeeping — which token sits in which slot — with the incremental algorithm of
-``runtime.head.PackedHead.update``: slots freed by tokens that left are reused by tokens that entered, new slots
+``SlotTable`` is the bookkeeping — which token sits in which slot — shared with the CPU path
+(``runtime.head.PackedHead``): slots freed by tokens that left are reused by tokens that entered, new slots
 are appended when more enter than leave, and when the set shrinks live rows past the new end move into the holes
 below it, so the active rows are always ``[0, n)``. Each update yields a list of copies ``rows[dst] = W[src]``.
 
@@ -93,6 +93,17 @@ class SlotTable:
         inside[ids] = True
         fresh = ids[self.slot_of[ids] < 0]  # [f] tokens that entered
         return self._apply(~inside[self.active], fresh)
+
+    def assign(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make slot ``i`` hold ``ids[i]`` (distinct), whatever was live before; returns the copies ``(dst, src)``."""
+        self.slot_of[self.active] = -1
+        self.ids[: self.n] = -1
+        self._reserve(ids.numel())
+        self.n = ids.numel()
+        dst = torch.arange(self.n, device=ids.device)
+        self.ids[dst] = ids
+        self.slot_of[ids] = dst
+        return dst, ids
 
     def update_changes(self, entered: torch.Tensor, left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The same as ``update``, from masks [V] of tokens that entered / left the set since the last update."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dynvocab.kernels.packed_buffer import SlotTable
+
 
 @dataclass(frozen=True, eq=False)
 class RowRanges:
@@ -62,80 +64,59 @@ def merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, ...], t
 
 
 class PackedHead:
-    """Computes draft logits over ``ids`` only, reusing a packed copy of ``W[ids]`` across calls."""
+    """Computes draft logits over ``ids`` only, reusing a packed copy of ``W[ids]`` across calls.
+
+    Which token sits in which row is a :class:`~dynvocab.kernels.packed_buffer.SlotTable` (the bookkeeping the GPU
+    packed buffer uses too), so an update copies only the rows of tokens that entered.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
         self.weight = weight  # [V, d]
         self.bias = bias  # [V] or None
         self.softcap = softcap
         vocab, dim = weight.shape
-        device = weight.device
-        self.slot_of = torch.full((vocab,), -1, dtype=torch.long, device=device)  # [V] token id -> slot
-        self.ids = torch.empty(0, dtype=torch.long, device=device)  # [cap] slot -> token id
-        self.rows = torch.empty(0, dim, dtype=weight.dtype, device=device)  # [cap, d] packed W rows
-        self.row_bias = None if bias is None else torch.empty(0, dtype=bias.dtype, device=device)  # [cap]
-        self.n = 0  # slots in use: [0, n)
+        self.slots = SlotTable(vocab, 0, weight.device)
+        self.rows = weight.new_empty(0, dim)  # [cap, d] packed W rows
+        self.row_bias = None if bias is None else bias.new_empty(0)  # [cap]
         self._ordered: torch.Tensor | None = None  # ids packed in order by the last repack (prefixes reuse it)
         self._last: torch.Tensor | None = None  # the ids tensor of the previous call
         self.rows_copied = 0
 
-    def _reserve(self, n: int) -> None:
-        cap = self.rows.shape[0]
-        if n <= cap:
-            return
-        new_cap = max(n, 2 * cap)
-        rows = self.rows.new_empty(new_cap, self.rows.shape[1])
-        rows[:cap] = self.rows
-        ids = self.ids.new_full((new_cap,), -1)
-        ids[:cap] = self.ids
-        self.rows, self.ids = rows, ids
-        if self.row_bias is not None:
-            row_bias = self.row_bias.new_empty(new_cap)
-            row_bias[:cap] = self.row_bias
-            self.row_bias = row_bias
+    @property
+    def n(self) -> int:
+        """Rows in use: ``[0, n)``."""
+        return self.slots.n
 
-    def _write(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        if ids.numel() == 0:
+    @property
+    def slot_of(self) -> torch.Tensor:
+        """[V] token id -> row, -1 where absent."""
+        return self.slots.slot_of
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``rows[dst] = W[src]`` (and the bias), growing the rows to the slot table's capacity first."""
+        cap = self.rows.shape[0]
+        if self.slots.capacity > cap:
+            rows = self.rows.new_empty(self.slots.capacity, self.rows.shape[1])
+            rows[:cap] = self.rows
+            self.rows = rows
+            if self.row_bias is not None:
+                row_bias = self.row_bias.new_empty(self.slots.capacity)
+                row_bias[:cap] = self.row_bias
+                self.row_bias = row_bias
+        if src.numel() == 0:
             return
-        self.rows[slots] = self.weight.index_select(0, ids)
+        self.rows[dst] = self.weight.index_select(0, src)
         if self.row_bias is not None:
-            self.row_bias[slots] = self.bias.index_select(0, ids)
-        self.ids[slots] = ids
-        self.slot_of[ids] = slots
-        self.rows_copied += ids.numel()
+            self.row_bias[dst] = self.bias.index_select(0, src)
+        self.rows_copied += src.numel()
 
     def repack(self, ids: torch.Tensor) -> None:
         """Pack exactly ``ids`` [n] in the given order, copying every row."""
-        self.slot_of[self.ids[: self.n]] = -1
-        self._reserve(ids.numel())
-        self.n = ids.numel()
-        self._write(torch.arange(self.n, device=ids.device), ids)
+        self._copy(*self.slots.assign(ids))
 
     def update(self, ids: torch.Tensor) -> None:
         """Make the packed rows hold exactly the set ``ids`` [n] (order free), copying only changed rows."""
-        current = self.ids[: self.n]
-        inside = torch.zeros_like(self.slot_of, dtype=torch.bool)
-        inside[ids] = True
-        stale = torch.nonzero(~inside[current]).flatten()  # slots whose token left, ascending
-        fresh = ids[self.slot_of[ids] < 0]  # tokens that entered
-        self.slot_of[current[stale]] = -1
-        n_new = self.n - stale.numel() + fresh.numel()
-        self._reserve(n_new)
-        if fresh.numel() >= stale.numel():
-            tail = torch.arange(self.n, n_new, device=ids.device)
-            self._write(torch.cat([stale, tail]), fresh)
-        else:
-            self._write(stale[: fresh.numel()], fresh)
-            holes = stale[fresh.numel():]
-            self.ids[holes] = -1
-            # Keep the rows compact: live rows past the new end move into holes below it.
-            low_holes = holes[holes < n_new]
-            tail = torch.arange(n_new, self.n, device=ids.device)
-            movers = tail[self.ids[tail] >= 0]
-            moved = self.ids[movers].clone()
-            self.ids[movers] = -1
-            self._write(low_holes, moved)
-        self.n = n_new
+        self._copy(*self.slots.update(ids))
 
     def contains(self, token: int) -> bool:
         """Whether ``token`` is in the currently packed set."""
@@ -165,7 +146,7 @@ class PackedHead:
             self._ordered, n = None, self.n
         self._last = ids
         bias = None if self.row_bias is None else self.row_bias[:n]
-        return self._finish(F.linear(hidden, self.rows[:n], bias)), self.ids[:n]
+        return self._finish(F.linear(hidden, self.rows[:n], bias)), self.slots.ids[:n]
 
     def _finish(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
