@@ -23,6 +23,16 @@ CSV_COLUMNS = (
 )
 
 
+def models_line(cfg: dict) -> str:
+    """``float32 on cpu`` plus the draft's dtype where it differs and whether the target was prepacked."""
+    line = f"{cfg['dtype']} on {cfg['device']}"
+    if cfg.get("draft_dtype") not in (None, cfg["dtype"]):
+        line += f" (draft {cfg['draft_dtype']})"
+    if cfg.get("prepacked"):
+        line += " · target prepacked"
+    return line
+
+
 def rows_of(results: dict) -> list[tuple[str, str, dict]]:
     """``(strategy, task, figures)`` for every strategy × task of the summary, then the oracle's."""
     out = [(s, task, fig) for s, per in results["summary"].items() for task, fig in per.items() if fig]
@@ -64,7 +74,7 @@ def render_tables(results: dict) -> list[Table]:
     sampling = f"T={cfg['temperature']} · seeds {','.join(map(str, seeds))}" if cfg["temperature"] else "greedy"
     title = (
         f"dynvocab bench · γ={cfg['gamma']} · {cfg['max_new_tokens']} new tokens · {sampling} · "
-        f"{cfg['dtype']} on {cfg['device']}"
+        f"{models_line(cfg)}"
     )
     coverage = cfg.get("coverage")
     table = Table(title=title, title_justify="left")
@@ -208,7 +218,7 @@ def write_plot(path: Path, results: dict) -> None:
     if ax.collections:
         ax.legend(fontsize=7)
     cfg = results["config"]
-    figure.suptitle(f"dynvocab bench · γ={cfg['gamma']} · {cfg['dtype']} on {cfg['device']}")
+    figure.suptitle(f"dynvocab bench · γ={cfg['gamma']} · {models_line(cfg)}")
     figure.tight_layout()
     write_atomic(path, lambda tmp: figure.savefig(tmp, dpi=110, format=(Path(path).suffix.lstrip(".") or "png")))
     plt.close(figure)
