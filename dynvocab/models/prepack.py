@@ -39,14 +39,16 @@ class PrepackedLinear(nn.Module):
         self.bias = linear.bias
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKING_HINT)
+        self._packed_bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, by the faster kernel for the number of rows in ``x``."""
         rows = x.numel() // self.in_features
         if rows < 2 or rows > MAX_PACKED_ROWS or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self.packed, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(rows, self.in_features), self.packed, self._packed_bias, "none", [], ""
+        )
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
