@@ -21,7 +21,7 @@ from dynvocab.cli.common import (
     Threads,
     Device,
     Draft,
-    DraftDtype,
+    DraftStepDtype,
     Dtype,
     Prepack,
     FrSize,
@@ -93,7 +93,7 @@ def bench(
     bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
-    draft_dtype: DraftDtype = None,
+    draft_step_dtype: DraftStepDtype = None,
     prepack: Prepack = None,
     threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode prompts as plain text.")] = False,
@@ -112,7 +112,7 @@ def bench(
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
     from dynvocab.cli.bench_run import BenchRequest, run_command
 
-    check_dtype_device(device, dtype, draft_dtype)
+    check_dtype_device(device, dtype, draft_step_dtype)
     if json_path is not None and not json_path.parent.exists():
         raise DynvocabError(f"folder {json_path.parent} for --json does not exist")
     set_threads(threads)
@@ -125,7 +125,7 @@ def bench(
     )
     request = BenchRequest(
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
-        target=target, draft=draft, device=device, dtype=dtype, draft_dtype=draft_dtype, prepack=prepack, bundle=bundle, max_new_tokens=max_new_tokens,
+        target=target, draft=draft, device=device, dtype=dtype, draft_step_dtype=draft_step_dtype, prepack=prepack, bundle=bundle, max_new_tokens=max_new_tokens,
         gamma=gamma, temperature=temperature, seed=seed, seeds=seeds, coverage=coverage,
         chat_template=not no_chat_template, json_path=json_path, csv_path=csv_path, plot_path=plot_path,
     )

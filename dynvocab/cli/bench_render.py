@@ -24,12 +24,12 @@ CSV_COLUMNS = (
 
 
 def models_line(cfg: dict) -> str:
-    """``float32 on cpu`` plus the draft's dtype where it differs and whether the target was prepacked."""
+    """``float32 on cpu`` plus the draft's step dtype where it differs and whether the models were prepacked."""
     line = f"{cfg['dtype']} on {cfg['device']}"
-    if cfg.get("draft_dtype") not in (None, cfg["dtype"]):
-        line += f" (draft {cfg['draft_dtype']})"
+    if cfg.get("draft_step_dtype") not in (None, cfg["dtype"]):
+        line += f" (draft steps {cfg['draft_step_dtype']})"
     if cfg.get("prepacked"):
-        line += " · target prepacked"
+        line += " · prepacked"
     return line
 
 

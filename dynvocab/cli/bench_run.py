@@ -48,7 +48,7 @@ class BenchRequest:
     draft: str = "demo:draft"
     device: str | None = None
     dtype: str | None = None
-    draft_dtype: str | None = None
+    draft_step_dtype: str | None = None
     prepack: bool | None = None
     bundle: str | None = None
     max_new_tokens: int | None = None
@@ -121,7 +121,7 @@ def run_command(req: BenchRequest, options: StrategyOptions) -> dict:
         coverage=req.coverage,
     )
     session = Session(
-        ModelConfig(req.target, req.draft, req.device, req.dtype, req.prepack, req.draft_dtype), need_draft=needs_draft(names),
+        ModelConfig(req.target, req.draft, req.device, req.dtype, req.prepack, req.draft_step_dtype), need_draft=needs_draft(names),
         status=status_printer(), bundle=req.bundle,
     )
     cfg, skipped = runnable_strategies(session, cfg, skip=req.quick)

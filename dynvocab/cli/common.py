@@ -22,12 +22,13 @@ Dtype = Annotated[
     Optional[str],
     typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on GPU and on CPUs with native bf16, else float32)."),
 ]
-DraftDtype = Annotated[
+DraftStepDtype = Annotated[
     Optional[str],
     typer.Option(
-        "--draft-dtype",
-        help="The draft's dtype when it should differ from the target's, e.g. bfloat16 beside a float32 target "
-        "(the output stays the target's own). [default: --dtype]",
+        "--draft-step-dtype",
+        help="Dtype of a copy of the draft's weights for its one-token steps (they read half the bytes in "
+        "bfloat16; the output stays the target's own); its prompt pass keeps --dtype. float32 turns it off. "
+        "[default: bfloat16 for float32 on CPU]",
     ),
 ]
 Prepack = Annotated[
@@ -84,11 +85,11 @@ def status_printer(quiet: bool = False):
     return lambda msg: err_console.print(f"[dim]{msg}…[/]", highlight=False)
 
 
-def check_dtype_device(device: str | None, dtype: str | None, draft_dtype: str | None = None) -> None:
+def check_dtype_device(device: str | None, dtype: str | None, draft_step_dtype: str | None = None) -> None:
     """Validate --device / --dtype / --draft-dtype early, before any model is loaded."""
     if device is not None and device != "cpu" and not device.startswith("cuda"):
         raise DynvocabError(f"unknown device '{device}'; use cpu or cuda")
-    for flag, value in (("dtype", dtype), ("draft dtype", draft_dtype)):
+    for flag, value in (("dtype", dtype), ("draft step dtype", draft_step_dtype)):
         if value is not None and value not in ("float32", "bfloat16", "float16"):
             raise DynvocabError(f"unknown {flag} '{value}'; use float32, bfloat16 or float16")
 

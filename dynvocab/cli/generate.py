@@ -18,7 +18,7 @@ from dynvocab.cli.common import (
     Threads,
     Device,
     Draft,
-    DraftDtype,
+    DraftStepDtype,
     Dtype,
     Prepack,
     FrSize,
@@ -71,7 +71,7 @@ def generate(
     bundle: BundleOpt = None,
     device: Device = None,
     dtype: Dtype = None,
-    draft_dtype: DraftDtype = None,
+    draft_step_dtype: DraftStepDtype = None,
     prepack: Prepack = None,
     threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode the prompt as plain text.")] = False,
@@ -84,7 +84,7 @@ def generate(
     if not prompt.strip():
         raise DynvocabError("the prompt is empty; pass some text")
     check_strategy(strategy)
-    check_dtype_device(device, dtype, draft_dtype)
+    check_dtype_device(device, dtype, draft_step_dtype)
     if top_p <= 0.0:
         raise DynvocabError("--top-p must be in (0, 1]")
     options = strategy_options(
@@ -93,7 +93,7 @@ def generate(
     )
     set_threads(threads)
     session = Session(
-        ModelConfig(target, draft, device, dtype, prepack, draft_dtype), need_draft=strategy != "ar", status=status_printer(quiet), bundle=bundle
+        ModelConfig(target, draft, device, dtype, prepack, draft_step_dtype), need_draft=strategy != "ar", status=status_printer(quiet), bundle=bundle
     )
     prompt_ids = encode_prompt(session.tokenizer, [{"role": "user", "content": prompt}], not no_chat_template)
     decode = DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)

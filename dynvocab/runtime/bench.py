@@ -273,7 +273,7 @@ def run_bench(
             "seeds": list(seeds),
             "device": session.device,
             "dtype": session.dtype,
-            "draft_dtype": session.draft_dtype,
+            "draft_step_dtype": session.draft_step_dtype,
             "prepacked": session.prepacked,
             "coverage": cfg.coverage,
             "recall_ks": list(cfg.recall_ks) if cfg.coverage else [],

@@ -214,7 +214,11 @@ class DraftHead:
         return self.segments[i].logits(hidden, ids)
 
     def logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [m, n] and the token id of each column [n] (None = the full vocabulary, column j is id j)."""
+        """Logits [m, n] and the token id of each column [n] (None = the full vocabulary, column j is id j).
+
+        ``hidden`` is cast to the head's dtype (a draft may keep a bfloat16 copy of its head for its steps).
+        """
+        hidden = hidden.to(self.weight.dtype)
         if active is None or isinstance(active, (torch.Tensor, RowRanges)):
             return self._logits(0, hidden, active)
         parts = [self._logits(i, hidden, ids) for i, ids in enumerate(active) if ids.numel()]

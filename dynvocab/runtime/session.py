@@ -13,6 +13,7 @@ from dynvocab.models import (
     load_model,
     load_tokenizer,
     match_vocabularies,
+    parse_dtype,
     resolve_model,
     tokenizer_fingerprint,
 )
@@ -29,10 +30,11 @@ from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_pol
 class ModelConfig:
     """Which models to load and how; ``None`` device/dtype pick the defaults for the machine.
 
-    ``draft_dtype``: the draft's own dtype (default: the target's). The draft only proposes, so a bfloat16 draft
-    beside a float32 target keeps the output exactly the target's while its memory-bound steps read half the bytes.
-    ``prepack``: give the target's linears a oneDNN-packed weight copy for its few-row verification passes
-    (:mod:`dynvocab.models.prepack`); ``None`` does it where it is supported (float32 on CPU).
+    ``prepack``: give the target's and the draft's linears a oneDNN-packed weight copy for their few-row passes
+    (verification; the draft catching up on accepted tokens); ``None`` does it where it is supported (float32 on
+    CPU). ``draft_step_dtype``: the dtype of a copy of the draft's weights (body and head) for its one-token steps;
+    the draft only proposes, so this never changes the output. ``None``: bfloat16 where prepacking is supported,
+    else none; a value equal to ``dtype`` means no copy. See :mod:`dynvocab.models.prepack`.
     """
 
     target: str = "demo:target"
@@ -40,7 +42,7 @@ class ModelConfig:
     device: str | None = None
     dtype: str | None = None
     prepack: bool | None = None
-    draft_dtype: str | None = None
+    draft_step_dtype: str | None = None
 
 
 def eos_token_ids(tokenizer, model) -> set[int]:
@@ -61,25 +63,28 @@ class Session:
         say = status or (lambda msg: None)
         self.device = cfg.device or default_device()
         self.dtype = cfg.dtype or default_dtype(self.device)
-        self.draft_dtype = cfg.draft_dtype or self.dtype
         target_spec = resolve_model(cfg.target)
         draft_spec = resolve_model(cfg.draft) if need_draft else None
         say(f"loading target {cfg.target}")
         self.tokenizer = load_tokenizer(target_spec)
         target_model = load_model(target_spec, self.device, self.dtype)
-        self.prepacked = self._prepack(target_model, cfg.prepack)
+        self.prepacked = self._wants_prepack(cfg.prepack)
+        if self.prepacked:
+            prepack_linears(target_model)
         self.target = CausalLM(target_model)
         self.eos_ids = eos_token_ids(self.tokenizer, target_model)
         self.draft = None
+        self.draft_step_dtype = None
         self.match = None
         if draft_spec is not None:
             say(f"loading draft {cfg.draft}")
             draft_tokenizer = load_tokenizer(draft_spec)
-            draft_model = load_model(draft_spec, self.device, self.draft_dtype)
+            draft_model = load_model(draft_spec, self.device, self.dtype)
             rows_t = target_model.get_output_embeddings().weight.shape[0]
             rows_d = draft_model.get_output_embeddings().weight.shape[0]
             self.match = match_vocabularies(self.tokenizer, draft_tokenizer, rows_t, rows_d)
             self.draft = CausalLM(draft_model, vocab_rows=self.match.shared)
+            self._prepare_draft_steps(cfg.draft_step_dtype)
         self.bundle = None
         if bundle is not None:
             from dynvocab.artifacts import ModelFingerprint, load_bundle
@@ -90,14 +95,22 @@ class Session:
             draft_fp = None if draft_spec is None else ModelFingerprint.of_model(draft_tokenizer, draft_model, cfg.draft)
             self.bundle.check_models(target_fp, draft_fp)
 
-    def _prepack(self, model, wanted: bool | None) -> bool:
+    def _wants_prepack(self, wanted: bool | None) -> bool:
         supported = prepack_supported(self.device, self.dtype)
         if wanted and not supported:
             raise DynvocabError("--prepack needs float32 on a CPU whose torch has oneDNN; drop --prepack")
-        if wanted is False or not supported:
-            return False
-        prepack_linears(model)
-        return True
+        return supported and wanted is not False
+
+    def _prepare_draft_steps(self, step_dtype: str | None) -> None:
+        """Give the draft's body linears their prepared copies and pick the weight its head steps read."""
+        if step_dtype is None:
+            step_dtype = "bfloat16" if prepack_supported(self.device, self.dtype) else self.dtype
+        self.draft_step_dtype = step_dtype
+        row_dtype = None if step_dtype == self.dtype else parse_dtype(step_dtype)
+        if self.prepacked or row_dtype is not None:
+            prepack_linears(self.draft.body, packed=self.prepacked, row_dtype=row_dtype)
+        self.draft_head_weight = self.draft.weight if row_dtype is None else self.draft.weight.to(row_dtype)
+        self.draft_head_bias = None if self.draft.bias is None else self.draft.bias.to(self.draft_head_weight.dtype)
 
     @functools.cached_property
     def tokenizer_sha256(self) -> str:
@@ -134,7 +147,7 @@ class Session:
         policy = make_policy(strategy, options, self.policy_context())
         if wrap_policy is not None:
             policy = wrap_policy(policy)
-        head = DraftHead(self.draft.weight, self.draft.bias, self.draft.softcap)
+        head = DraftHead(self.draft_head_weight, self.draft_head_bias, self.draft.softcap)
         try:
             return speculative_generate(
                 self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens
