@@ -125,7 +125,8 @@ def bench(
     )
     request = BenchRequest(
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
-        target=target, draft=draft, device=device, dtype=dtype, draft_step_dtype=draft_step_dtype, prepack=prepack, bundle=bundle, max_new_tokens=max_new_tokens,
+        target=target, draft=draft, device=device, dtype=dtype, draft_step_dtype=draft_step_dtype, prepack=prepack,
+        bundle=bundle, max_new_tokens=max_new_tokens,
         gamma=gamma, temperature=temperature, seed=seed, seeds=seeds, coverage=coverage,
         chat_template=not no_chat_template, json_path=json_path, csv_path=csv_path, plot_path=plot_path,
     )

@@ -121,7 +121,10 @@ def run_command(req: BenchRequest, options: StrategyOptions) -> dict:
         coverage=req.coverage,
     )
     session = Session(
-        ModelConfig(req.target, req.draft, req.device, req.dtype, req.prepack, req.draft_step_dtype), need_draft=needs_draft(names),
+        ModelConfig(
+            req.target, req.draft, req.device, req.dtype, prepack=req.prepack, draft_step_dtype=req.draft_step_dtype
+        ),
+        need_draft=needs_draft(names),
         status=status_printer(), bundle=req.bundle,
     )
     cfg, skipped = runnable_strategies(session, cfg, skip=req.quick)

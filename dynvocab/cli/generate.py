@@ -93,7 +93,10 @@ def generate(
     )
     set_threads(threads)
     session = Session(
-        ModelConfig(target, draft, device, dtype, prepack, draft_step_dtype), need_draft=strategy != "ar", status=status_printer(quiet), bundle=bundle
+        ModelConfig(target, draft, device, dtype, prepack=prepack, draft_step_dtype=draft_step_dtype),
+        need_draft=strategy != "ar",
+        status=status_printer(quiet),
+        bundle=bundle,
     )
     prompt_ids = encode_prompt(session.tokenizer, [{"role": "user", "content": prompt}], not no_chat_template)
     decode = DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)

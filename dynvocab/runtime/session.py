@@ -65,10 +65,10 @@ class Session:
         self.dtype = cfg.dtype or default_dtype(self.device)
         target_spec = resolve_model(cfg.target)
         draft_spec = resolve_model(cfg.draft) if need_draft else None
+        self.prepacked = self._wants_prepack(cfg.prepack)  # refused before anything is loaded
         say(f"loading target {cfg.target}")
         self.tokenizer = load_tokenizer(target_spec)
         target_model = load_model(target_spec, self.device, self.dtype)
-        self.prepacked = self._wants_prepack(cfg.prepack)
         if self.prepacked:
             prepack_linears(target_model)
         self.target = CausalLM(target_model)
