@@ -83,8 +83,14 @@ class Session:
             rows_t = target_model.get_output_embeddings().weight.shape[0]
             rows_d = draft_model.get_output_embeddings().weight.shape[0]
             self.match = match_vocabularies(self.tokenizer, draft_tokenizer, rows_t, rows_d)
+            self.draft_step_dtype = self._prepare_draft_steps(draft_model, cfg.draft_step_dtype)
             self.draft = CausalLM(draft_model, vocab_rows=self.match.shared)
-            self._prepare_draft_steps(cfg.draft_step_dtype)
+            head = draft_model.get_output_embeddings()
+            step_weight = getattr(head, "row_weight", None)
+            step_bias = getattr(head, "row_bias", None)
+            rows = self.draft.vocab_size
+            self.draft_head_weight = self.draft.weight if step_weight is None else step_weight[:rows]
+            self.draft_head_bias = self.draft.bias if step_weight is None or step_bias is None else step_bias[:rows]
         self.bundle = None
         if bundle is not None:
             from dynvocab.artifacts import ModelFingerprint, load_bundle
@@ -101,16 +107,15 @@ class Session:
             raise DynvocabError("--prepack needs float32 on a CPU whose torch has oneDNN; drop --prepack")
         return supported and wanted is not False
 
-    def _prepare_draft_steps(self, step_dtype: str | None) -> None:
-        """Give the draft's body linears their prepared copies and pick the weight its head steps read."""
+    def _prepare_draft_steps(self, model, step_dtype: str | None) -> str:
+        """Give the draft's linears (body and head, so ``hf-assisted`` steps the same way) their prepared copies;
+        returns the step dtype."""
         if step_dtype is None:
             step_dtype = "bfloat16" if prepack_supported(self.device, self.dtype) else self.dtype
-        self.draft_step_dtype = step_dtype
         row_dtype = None if step_dtype == self.dtype else parse_dtype(step_dtype)
         if self.prepacked or row_dtype is not None:
-            prepack_linears(self.draft.body, packed=self.prepacked, row_dtype=row_dtype)
-        self.draft_head_weight = self.draft.weight if row_dtype is None else self.draft.weight.to(row_dtype)
-        self.draft_head_bias = None if self.draft.bias is None else self.draft.bias.to(self.draft_head_weight.dtype)
+            prepack_linears(model, packed=self.prepacked, row_dtype=row_dtype)
+        return step_dtype
 
     @functools.cached_property
     def tokenizer_sha256(self) -> str:
