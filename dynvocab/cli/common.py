@@ -86,7 +86,7 @@ def status_printer(quiet: bool = False):
 
 
 def check_dtype_device(device: str | None, dtype: str | None, draft_step_dtype: str | None = None) -> None:
-    """Validate --device / --dtype / --draft-dtype early, before any model is loaded."""
+    """Validate --device / --dtype / --draft-step-dtype early, before any model is loaded."""
     if device is not None and device != "cpu" and not device.startswith("cuda"):
         raise DynvocabError(f"unknown device '{device}'; use cpu or cuda")
     for flag, value in (("dtype", dtype), ("draft step dtype", draft_step_dtype)):
