@@ -17,7 +17,7 @@ from dynvocab.models import (
     resolve_model,
     tokenizer_fingerprint,
 )
-from dynvocab.models.prepack import prepack_linears, prepack_supported
+from dynvocab.models.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from dynvocab.models.vocab import end_token_ids
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
@@ -85,12 +85,12 @@ class Session:
             self.match = match_vocabularies(self.tokenizer, draft_tokenizer, rows_t, rows_d)
             self.draft_step_dtype = self._prepare_draft_steps(draft_model, cfg.draft_step_dtype)
             self.draft = CausalLM(draft_model, vocab_rows=self.match.shared)
-            head = draft_model.get_output_embeddings()
-            step_weight = getattr(head, "row_weight", None)
-            step_bias = getattr(head, "row_bias", None)
-            rows = self.draft.vocab_size
-            self.draft_head_weight = self.draft.weight if step_weight is None else step_weight[:rows]
-            self.draft_head_bias = self.draft.bias if step_weight is None or step_bias is None else step_bias[:rows]
+            head, rows = draft_model.get_output_embeddings(), self.draft.vocab_size
+            if isinstance(head, PrepackedLinear) and head.row_weight is not None:  # our head reads the step copy
+                self.draft_head_weight = head.row_weight[:rows]
+                self.draft_head_bias = None if head.row_bias is None else head.row_bias[:rows]
+            else:
+                self.draft_head_weight, self.draft_head_bias = self.draft.weight, self.draft.bias
         self.bundle = None
         if bundle is not None:
             from dynvocab.artifacts import ModelFingerprint, load_bundle
