@@ -9,6 +9,16 @@ import torch
 from dynvocab.artifacts.bundle import Bundle
 
 
+def _stage_table(cls, bundle: Bundle, stage: str, names: tuple[str, ...]):
+    """``cls`` built from the stage's tensors ``names`` in order, read once per bundle object and shared."""
+
+    def load():
+        tensors = bundle.stage_tensors(stage)
+        return cls(*(tensors[n] for n in names))
+
+    return bundle.loaded(stage, load)
+
+
 @dataclass(frozen=True)
 class FreqTable:
     """FR-Spec token frequencies over a corpus, with the target tokenizer's ids."""
@@ -33,12 +43,7 @@ class FreqTable:
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> "FreqTable":
         """Read the ``freq`` stage (once per bundle object; the table is immutable and shared)."""
-
-        def load():
-            t = bundle.stage_tensors("freq")
-            return cls(t["counts"], t["ranking"], t["eos_ids"])
-
-        return bundle.loaded("freq", load)
+        return _stage_table(cls, bundle, "freq", ("counts", "ranking", "eos_ids"))
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,7 @@ class ClusterTable:
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> "ClusterTable":
         """Read the ``clusters`` stage (once per bundle object; the table is immutable and shared)."""
-
-        def load():
-            t = bundle.stage_tensors("clusters")
-            return cls(t["assign"], t["centroids"])
-
-        return bundle.loaded("clusters", load)
+        return _stage_table(cls, bundle, "clusters", ("assign", "centroids"))
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,4 @@ class GraphTable:
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> "GraphTable":
         """Read the ``graph`` stage (once per bundle object; the table is immutable and shared)."""
-
-        def load():
-            t = bundle.stage_tensors("graph")
-            return cls(t["indptr"], t["indices"], t["probs"])
-
-        return bundle.loaded("graph", load)
+        return _stage_table(cls, bundle, "graph", ("indptr", "indices", "probs"))

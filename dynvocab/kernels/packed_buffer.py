@@ -66,6 +66,15 @@ def gather_rows_auto(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor
         gather_rows_reference(src, src_idx, dst, dst_idx)
 
 
+def grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``t`` [cap, ...] itself when it has ``capacity`` rows, else a larger copy keeping its rows (a buffer's growth)."""
+    if t.shape[0] >= capacity:
+        return t
+    out = t.new_empty(capacity, *t.shape[1:])
+    out[: t.shape[0]] = t
+    return out
+
+
 class SlotTable:
     """Token ↔ slot bookkeeping of a packed buffer; live slots are always ``[0, n)``."""
 
@@ -200,9 +209,7 @@ class PackedBuffer:
     def _gather(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.rows_copied += src.numel()
         if self._stream is None:
-            old = self._grow()
-            if old is not None:
-                self.rows[: old.shape[0]] = old
+            self.rows = grown(self.rows, self.slots.capacity)
             gather_rows_auto(self.weight, src, self.rows, dst)
             return
         # The side stream starts after the plan (and the previous head matmul reading the rows) on this stream.

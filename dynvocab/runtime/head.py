@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dynvocab.kernels.packed_buffer import SlotTable
+from dynvocab.kernels.packed_buffer import SlotTable, grown
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,15 +94,9 @@ class PackedHead:
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``rows[dst] = W[src]`` (and the bias), growing the rows to the slot table's capacity first."""
-        cap = self.rows.shape[0]
-        if self.slots.capacity > cap:
-            rows = self.rows.new_empty(self.slots.capacity, self.rows.shape[1])
-            rows[:cap] = self.rows
-            self.rows = rows
-            if self.row_bias is not None:
-                row_bias = self.row_bias.new_empty(self.slots.capacity)
-                row_bias[:cap] = self.row_bias
-                self.row_bias = row_bias
+        self.rows = grown(self.rows, self.slots.capacity)
+        if self.row_bias is not None:
+            self.row_bias = grown(self.row_bias, self.slots.capacity)
         if src.numel() == 0:
             return
         self.rows[dst] = self.weight.index_select(0, src)
