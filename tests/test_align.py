@@ -156,7 +156,7 @@ def test_online_alignment_keeps_greedy_lossless_and_leaves_the_shared_draft_as_i
         align=replace(SMALL, lr=1e-2, buffer_size=1),
     )
     prompt = [3 + seed, 1, 4, 1, 5]
-    decode = DecodeConfig(gamma=3, max_new_tokens=40)
+    decode = DecodeConfig(gamma=3, max_new_tokens=40, stop_below=0.0, branch_below=0.0)  # chains that miss
     ar = speculative_generate(target, prompt, decode, set())
     with EvoSpecPolicy(cfg, ranking[:88], index, random_graph(), VOCAB, draft=draft) as policy:
         spec = speculative_generate(target, prompt, decode, set(), draft, DraftHead(draft.weight), policy)

@@ -125,7 +125,7 @@ def session(tiny_dirs):
 
 
 def _cfg(strategies, **kw):
-    decode = DecodeConfig(gamma=3, max_new_tokens=kw.pop("max_new_tokens", 10))
+    decode = DecodeConfig(gamma=3, max_new_tokens=kw.pop("max_new_tokens", 10), stop_below=kw.pop("stop_below", 0.4))
     return BenchConfig(strategies=tuple(strategies), decode=decode, chat_template=False, **kw)
 
 
@@ -152,9 +152,11 @@ def test_multiturn_feeds_answers_back(session, monkeypatch, strategies, source):
         assert [m["content"] for m in msgs if m["role"] == "user"] == ["w1 w2 w3", "w4 w5", "w6"][:turn]
 
 
-def test_hf_rows_match_ar_in_float32(session):
+@pytest.mark.parametrize("stop_below", [0.0, 0.4])
+def test_hf_rows_match_ar_in_float32(session, stop_below):
     item = BenchItem("p", "code", ({"role": "user", "content": "w1 w2 w3 w4 w1 w2"},))
-    out = run_bench(session, [item], _cfg(("ar", "full", "hf-assisted", "hf-lookup"), max_new_tokens=12))
+    cfg = _cfg(("ar", "full", "hf-assisted", "hf-lookup"), max_new_tokens=12, stop_below=stop_below)
+    out = run_bench(session, [item], cfg)
     tokens = {g["strategy"]: g["token_ids"] for g in out["generations"]}
     assert tokens["hf-assisted"] == tokens["ar"] == tokens["full"] == tokens["hf-lookup"]
     keys = set(out["generations"][0]["metrics"])
@@ -162,7 +164,12 @@ def test_hf_rows_match_ar_in_float32(session):
         assert set(g["metrics"]) == keys  # every metrics key on every row, None where it does not exist
     hf = next(g for g in out["generations"] if g["strategy"] == "hf-assisted")["metrics"]
     assert hf["cycles"] >= 1 and hf["mean_active_vocab"] is None and hf["prefill_s"] is None
-    assert len(hf["accept_by_position"]) == 3
+    assert hf["leaves"] is None and hf["leaf_hits"] is None  # transformers verifies chains only
+    full = next(g for g in out["generations"] if g["strategy"] == "full")["metrics"]
+    if stop_below == 0.0:  # always γ draft tokens, as our loop drafts them
+        assert len(hf["accept_by_position"]) == 3 and hf["draft_steps"] == 3 * hf["cycles"]
+    else:  # the same confidence stop ends drafts early in both
+        assert hf["draft_steps"] < 3 * hf["cycles"] and full["draft_steps"] < 3 * full["cycles"]
     assert out["summary"]["hf-assisted"]["all"]["matches_ar"] == 1.0
 
 

@@ -36,12 +36,18 @@ def test_prepacked_linear_matches_nn_linear(shape, bias):
     assert packed.weight is linear.weight and packed.bias is linear.bias
 
 
-def test_one_row_passes_take_the_unpacked_kernel():
-    """Autoregressive decoding (one row) must run exactly as before: bit-identical to F.linear."""
+def test_one_row_passes_take_the_packed_kernel_unless_there_is_a_row_copy():
+    """Decoding (one row) reads the packed copy too (oneDNN beats MKL's one-row sgemm here); without one it is
+    F.linear bit for bit; a row copy (the draft's bf16 step weights) wins over both."""
     linear = nn.Linear(64, 96)
     x = torch.randn(1, 1, 64)
     with torch.inference_mode():
-        assert torch.equal(PrepackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias))
+        packed = PrepackedLinear(linear)
+        direct = torch.ops.mkldnn._linear_pointwise(x.view(1, 64), packed.packed, linear.bias, "none", [], "")
+        assert torch.equal(packed(x), direct.view(1, 1, 96))
+        assert torch.equal(PrepackedLinear(linear, packed=False)(x), F.linear(x, linear.weight, linear.bias))
+        stepped = PrepackedLinear(linear, row_dtype=torch.bfloat16)(x)
+        assert torch.equal(stepped, F.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float())
 
 
 def test_prepack_replaces_every_linear_and_keeps_the_logits():

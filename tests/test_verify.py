@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_greedy, verify_sampling
+from dynvocab.runtime.tree import DraftTree, verify_tree_greedy
+from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_sampling
 
 
 def onehot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:
@@ -24,7 +25,9 @@ def onehot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:
     ],
 )
 def test_verify_greedy(draft, target, expected):
-    assert verify_greedy(draft, onehot_logits(target)) == expected
+    verdict = verify_tree_greedy(DraftTree(draft, {}), onehot_logits(target))
+    assert (len(verdict.path), verdict.next_token) == expected
+    assert verdict.path == draft[: expected[0]] and verdict.leaf_row is None
 
 
 def test_top_p_keeps_the_nucleus():

@@ -24,7 +24,9 @@ from dynvocab.cli.common import (
     DraftStepDtype,
     Dtype,
     Prepack,
+    StopBelow,
     FrSize,
+    BranchBelow,
     Gamma,
     KPre,
     KVer,
@@ -38,6 +40,7 @@ from dynvocab.cli.common import (
     strategy_options,
 )
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
@@ -73,7 +76,9 @@ def bench(
     max_new_tokens: Annotated[
         Optional[int], typer.Option("--max-new-tokens", min=1, help="Stop after this many new tokens. [default: 64]")
     ] = None,
-    gamma: Gamma = 4,
+    gamma: Gamma = DEFAULT_GAMMA,
+    stop_below: StopBelow = DEFAULT_STOP_BELOW,
+    branch_below: BranchBelow = DEFAULT_BRANCH_BELOW,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
     seeds: Annotated[
@@ -127,7 +132,7 @@ def bench(
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
         target=target, draft=draft, device=device, dtype=dtype, draft_step_dtype=draft_step_dtype, prepack=prepack,
         bundle=bundle, max_new_tokens=max_new_tokens,
-        gamma=gamma, temperature=temperature, seed=seed, seeds=seeds, coverage=coverage,
+        gamma=gamma, stop_below=stop_below, branch_below=branch_below, temperature=temperature, seed=seed, seeds=seeds, coverage=coverage,
         chat_template=not no_chat_template, json_path=json_path, csv_path=csv_path, plot_path=plot_path,
     )
     run_command(request, options)

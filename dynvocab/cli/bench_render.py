@@ -66,6 +66,16 @@ def _vocab(s: dict) -> str:
     return f"{mean:,.0f}" if peak is None or peak == round(mean) else f"{mean:,.0f} / {peak:,}"
 
 
+def draft_line(cfg: dict) -> str:
+    """How drafts were made: the longest draft, the early stop and the tree leaves (older JSON has neither)."""
+    parts = [f"γ≤{cfg['gamma']}" if cfg.get("stop_below") else f"γ={cfg['gamma']}"]
+    if cfg.get("stop_below"):
+        parts.append(f"stop<{cfg['stop_below']:g}")
+    if cfg.get("branch_below") and not cfg.get("temperature"):
+        parts.append(f"leaves<{cfg['branch_below']:g}")
+    return " ".join(parts)
+
+
 def render_tables(results: dict) -> list[Table]:
     """The main table (strategies as rows, all tasks together, the oracle last), and with several tasks a
     tokens/s · MAL table per task."""
@@ -73,7 +83,7 @@ def render_tables(results: dict) -> list[Table]:
     seeds = cfg.get("seeds") or [cfg.get("seed")]
     sampling = f"T={cfg['temperature']} · seeds {','.join(map(str, seeds))}" if cfg["temperature"] else "greedy"
     title = (
-        f"dynvocab bench · γ={cfg['gamma']} · {cfg['max_new_tokens']} new tokens · {sampling} · "
+        f"dynvocab bench · {draft_line(cfg)} · {cfg['max_new_tokens']} new tokens · {sampling} · "
         f"{models_line(cfg)}"
     )
     coverage = cfg.get("coverage")
@@ -218,7 +228,7 @@ def write_plot(path: Path, results: dict) -> None:
     if ax.collections:
         ax.legend(fontsize=7)
     cfg = results["config"]
-    figure.suptitle(f"dynvocab bench · γ={cfg['gamma']} · {models_line(cfg)}")
+    figure.suptitle(f"dynvocab bench · {draft_line(cfg)} · {models_line(cfg)}")
     figure.tight_layout()
     write_atomic(path, lambda tmp: figure.savefig(tmp, dpi=110, format=(Path(path).suffix.lstrip(".") or "png")))
     plt.close(figure)

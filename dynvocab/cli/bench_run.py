@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dynvocab.cli.bench_render import notes, render_tables, write_atomic, write_csv, write_plot
 from dynvocab.cli.common import status_printer, stdout_is_terminal
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW, DecodeConfig
 from dynvocab.runtime.strategies import StrategyOptions
 from dynvocab.runtime.tasks import TASKS, BenchItem, embedded_items, file_items
 
@@ -52,7 +52,9 @@ class BenchRequest:
     prepack: bool | None = None
     bundle: str | None = None
     max_new_tokens: int | None = None
-    gamma: int = 4
+    gamma: int = DEFAULT_GAMMA
+    stop_below: float = DEFAULT_STOP_BELOW
+    branch_below: float = DEFAULT_BRANCH_BELOW
     temperature: float = 0.0
     seed: int = 0
     seeds: str | None = None
@@ -114,7 +116,10 @@ def run_command(req: BenchRequest, options: StrategyOptions) -> dict:
     max_new = req.max_new_tokens or (quick.max_new_tokens if quick else DEFAULT_MAX_NEW)
     cfg = BenchConfig(
         strategies=tuple(names),
-        decode=DecodeConfig(gamma=req.gamma, max_new_tokens=max_new, temperature=req.temperature, seed=seeds[0]),
+        decode=DecodeConfig(
+            gamma=req.gamma, max_new_tokens=max_new, temperature=req.temperature, seed=seeds[0],
+            stop_below=req.stop_below, branch_below=req.branch_below,
+        ),
         options=options,
         chat_template=req.chat_template,
         seeds=seeds,

@@ -39,7 +39,23 @@ Prepack = Annotated[
         "there, one more copy of its weights in memory). [default: on for float32 on CPU]",
     ),
 ]
-Gamma = Annotated[int, typer.Option(min=1, max=32, help="Draft tokens per cycle (γ).")]
+Gamma = Annotated[int, typer.Option(min=1, max=32, help="The longest draft per cycle (γ).")]
+StopBelow = Annotated[
+    float,
+    typer.Option(
+        min=0.0, max=1.0,
+        help="End a draft after a token the draft gave a probability below this (0: always γ tokens; hf-assisted "
+        "gets the same threshold).",
+    ),
+]
+BranchBelow = Annotated[
+    float,
+    typer.Option(
+        min=0.0, max=1.0,
+        help="Greedy only: also verify the draft's runner-up where its pick had a probability below this (tree "
+        "leaves in the same target pass; 0: the chain alone).",
+    ),
+]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Stop after this many new tokens.")]
 TokenMap = Annotated[
     Optional[str],

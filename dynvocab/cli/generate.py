@@ -21,7 +21,9 @@ from dynvocab.cli.common import (
     DraftStepDtype,
     Dtype,
     Prepack,
+    StopBelow,
     FrSize,
+    BranchBelow,
     Gamma,
     MaxNew,
     KPre,
@@ -38,7 +40,7 @@ from dynvocab.cli.common import (
     status_printer,
 )
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW, DecodeConfig
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.policies.microspec import MicroSpecConfig
@@ -56,7 +58,9 @@ def generate(
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling threshold, applied to target and draft alike.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
     max_new_tokens: MaxNew = 128,
-    gamma: Gamma = 4,
+    gamma: Gamma = DEFAULT_GAMMA,
+    stop_below: StopBelow = DEFAULT_STOP_BELOW,
+    branch_below: BranchBelow = DEFAULT_BRANCH_BELOW,
     token_map: TokenMap = None,
     fr_size: FrSize = None,
     pa_k_max: PaKMax = None,
@@ -99,7 +103,10 @@ def generate(
         bundle=bundle,
     )
     prompt_ids = encode_prompt(session.tokenizer, [{"role": "user", "content": prompt}], not no_chat_template)
-    decode = DecodeConfig(gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    decode = DecodeConfig(
+        gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        stop_below=stop_below, branch_below=branch_below,
+    )
 
     shown: list[int] = []
     printed = ""

@@ -1,16 +1,17 @@
 """CPU float32 linears with prepared weight copies for the row counts MKL's sgemm handles badly.
 
-MKL's sgemm, which ``F.linear`` calls on CPU, is tuned for one row (decoding) and for many (prefill); with 2–16
-rows it runs at a fraction of either, so a target pass over γ + 1 = 5 tokens costs ~3× a 1-token pass and eats the
-gain of speculation. oneDNN's GEMM over a weight reordered once into its blocked layout does those passes 1.5–3×
-faster (the demo target's 8960 × 1536 projection, 2 threads: 5 rows 12.6 → 3.7 ms). Passes of more than
+MKL's sgemm, which ``F.linear`` calls on CPU, runs 2–16 rows at a fraction of its speed for one row or for many
+(prefill), so a target pass over γ + 1 = 5 tokens cost ~3× a 1-token pass and ate the gain of speculation.
+oneDNN's GEMM over a weight reordered once into its blocked layout does those passes 1.5–3× faster (the demo
+target's 8960 × 1536 projection, 2 threads: 5 rows 12.6 → 3.7 ms), and one-row passes too (3.8 → 1.7 ms; a whole
+one-token pass of the demo target 455 → 322 ms), so plain decoding (``ar``) reads the packed copy as well and the
+bench compares speculation against the fastest decoding this module gives. Passes of more than
 ``MAX_PACKED_ROWS`` rows (prefill) keep ``F.linear``, where MKL is as fast.
 
 One-row passes are memory-bound. For the draft, whose dtype never changes the output, a bfloat16 copy of the weight
 halves what each step reads (the demo draft, 2 threads: body 106 → 79 ms a step), while its prompt pass keeps the
 float32 weight: on a CPU without native bf16 a bf16 GEMM runs at one-row speed per row, which made a bf16 draft's
-prompt pass cost more than the target's. The target's one-row passes keep ``F.linear`` in its own dtype, so
-autoregressive decoding (``ar``) runs exactly as without this module.
+prompt pass cost more than the target's.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def prepack_supported(device: str, dtype: str) -> bool:
 class PrepackedLinear(nn.Linear):
     """An ``nn.Linear`` (the same ``weight``/``bias`` parameters) with optional prepared copies of its weight.
 
-    ``packed``: a oneDNN-packed copy for inputs of 2..``MAX_PACKED_ROWS`` rows. ``row_dtype``: a copy in that dtype
-    for one-row inputs (the result is cast back). Inputs that need gradients (EvoSpec's LoRA training, which peft
+    ``packed``: a oneDNN-packed copy for inputs of 1..``MAX_PACKED_ROWS`` rows. ``row_dtype``: a copy in that dtype
+    for one-row inputs, used before the packed one (the result is cast back). Inputs that need gradients (EvoSpec's LoRA training, which peft
     wraps around this layer as around any ``nn.Linear``) always take ``F.linear``. The copies are made once: the
     weight must not change afterwards.
     """
@@ -62,7 +63,7 @@ class PrepackedLinear(nn.Linear):
             rows = x.numel() // self.in_features
             if rows == 1 and self.row_weight is not None:
                 return F.linear(x.to(self.row_weight.dtype), self.row_weight, self.row_bias).to(x.dtype)
-            if self.packed is not None and 2 <= rows <= MAX_PACKED_ROWS:
+            if self.packed is not None and 1 <= rows <= MAX_PACKED_ROWS:
                 flat = x.reshape(rows, self.in_features)
                 out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self._packed_bias, "none", [], "")
                 return out.view(*x.shape[:-1], self.out_features)

@@ -266,6 +266,8 @@ def run_bench(
         "config": {
             "strategies": list(cfg.strategies),
             "gamma": cfg.decode.gamma,
+            "stop_below": cfg.decode.stop_below,
+            "branch_below": cfg.decode.branch_below,
             "max_new_tokens": cfg.decode.max_new_tokens,
             "temperature": cfg.decode.temperature,
             "top_p": cfg.decode.top_p,

@@ -1,8 +1,9 @@
 """transformers' own speculative decoders as bench rows, on the session's already-loaded models.
 
-* ``hf-assisted`` — ``model.generate(assistant_model=draft)``: the draft proposes a constant γ tokens per cycle
-  (``num_assistant_tokens = γ``, schedule ``constant``, no confidence-based early stop), so it is comparable
-  with our ``full`` strategy.
+* ``hf-assisted`` — ``model.generate(assistant_model=draft)``: the draft proposes up to γ tokens per cycle
+  (``num_assistant_tokens = γ``, schedule ``constant``) and stops early at the same confidence as our loop
+  (``assistant_confidence_threshold = stop_below``), so it is comparable with our ``full`` strategy drafting a
+  chain (transformers verifies no tree leaves).
 * ``hf-lookup`` — prompt lookup decoding, ``generate(prompt_lookup_num_tokens=10)``: candidates are copied from
   an n-gram match in the context; no draft model.
 
@@ -101,6 +102,8 @@ def hf_metrics(
         mean_active_vocab=None,
         coverage=None,
         head_rows_copied=None,
+        leaves=None,
+        leaf_hits=None,
     )
     cycles = accepted_per_cycle(target.passes, prompt_len, new_tokens)
     if cycles is None:
@@ -142,7 +145,7 @@ def hf_generate(session, row: str, prompt_ids: list[int], decode: DecodeConfig, 
         pad_token_id=eos[0] if eos else None,
         num_assistant_tokens=decode.gamma,
         num_assistant_tokens_schedule="constant",
-        assistant_confidence_threshold=0.0,  # no early stop of the draft: always γ candidates
+        assistant_confidence_threshold=decode.stop_below,
         prompt_lookup_num_tokens=lookup_tokens if row == "hf-lookup" else None,
     )
     cuda = session.target.device.type == "cuda"
@@ -160,7 +163,7 @@ def hf_generate(session, row: str, prompt_ids: list[int], decode: DecodeConfig, 
         if row == "hf-assisted":
             draft.generation_config = GenerationConfig(
                 num_assistant_tokens=decode.gamma, num_assistant_tokens_schedule="constant",
-                assistant_confidence_threshold=0.0,
+                assistant_confidence_threshold=decode.stop_below,
             )
             d_hook = _Timed(draft, cuda)
             h_hook = _Timed(draft.get_output_embeddings(), cuda)

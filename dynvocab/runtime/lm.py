@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dynvocab.runtime.tree import DraftTree
+
 
 class CausalLM:
     """Wraps a transformers causal LM: ``step`` runs the body over new tokens, ``logits`` applies the head.
@@ -42,16 +44,30 @@ class CausalLM:
         self.length = 0
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
-        """Append ``ids`` [n] to the sequence; returns the final hidden states [n, d]."""
+    def step(self, ids: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
+        """Append ``ids`` [n] to the sequence; returns the final hidden states [n, d].
+
+        With ``tree``, ``ids`` are its :meth:`~DraftTree.inputs` and the pass uses its positions and tree mask.
+        """
         if self.cache is None:
             self.reset()
-        out = self.body(input_ids=ids.view(1, -1), past_key_values=self.cache, use_cache=True)
+        extra = {}
+        if tree is not None:
+            extra["position_ids"] = tree.positions(self.length, ids.device)
+            extra["attention_mask"] = tree.attention_mask(self.length, self.dtype, ids.device)
+        out = self.body(input_ids=ids.view(1, -1), past_key_values=self.cache, use_cache=True, **extra)
         self.length += ids.numel()
         return out.last_hidden_state[0]
 
-    def rollback(self, length: int) -> None:
-        """Crop the KV cache to its first ``length`` positions."""
+    @torch.inference_mode()
+    def rollback(self, length: int, keep: int | None = None) -> None:
+        """Crop the KV cache to its first ``length`` positions; with ``keep``, the cached position ``keep``
+        (an accepted tree leaf) is moved to ``length`` first and kept as well."""
+        if keep is not None:
+            for layer in self.cache.layers:
+                for kv in (layer.keys, layer.values):
+                    kv[..., length, :] = kv[..., keep, :]
+            length += 1
         remove = self.length - length
         if remove > 0:
             self.cache.crop(-remove)

@@ -21,15 +21,29 @@ from dynvocab.runtime.head import DraftHead, active_contains, active_size
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_greedy, verify_sampling
+from dynvocab.runtime.tree import DraftTree, TreeVerdict, verify_tree_greedy
+from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_sampling
+
+
+DEFAULT_GAMMA = 6  # the longest draft: EvoSpec's speculation horizon
+DEFAULT_STOP_BELOW = 0.4  # transformers' ``assistant_confidence_threshold`` default
+DEFAULT_BRANCH_BELOW = 0.8
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Decoding settings shared by every strategy."""
+    """Decoding settings shared by every strategy.
 
-    gamma: int = 4
+    ``gamma`` is the longest draft. The draft stops early after a token it gave a probability below
+    ``stop_below`` (0 never stops early). Greedy decoding also verifies the draft's runner-up at every step where
+    its chosen token's probability is below ``branch_below`` (a leaf of a small draft tree, see
+    :mod:`dynvocab.runtime.tree`; 0 verifies the chain alone). Neither changes the output, only its speed.
+    """
+
+    gamma: int = DEFAULT_GAMMA
     max_new_tokens: int = 128
+    stop_below: float = DEFAULT_STOP_BELOW
+    branch_below: float = DEFAULT_BRANCH_BELOW
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
@@ -60,6 +74,25 @@ class _Clock:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+
+
+def _draft_choice(
+    row: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator, ranked: bool
+) -> tuple[int, int | None, float, torch.Tensor | None]:
+    """The draft's pick from its logits ``row`` [n]: (column, runner-up column, its probability, q).
+
+    Greedy picks the argmax and ``q`` is None; sampling draws from ``q``. The runner-up (greedy only) and the
+    probability are computed only when ``ranked`` (early stop or branching needs them); else they are None and 1.
+    """
+    if not sampling.greedy:
+        q = probs_from_logits(row, sampling)  # [n]
+        col = int(torch.multinomial(q, 1, generator=generator))
+        return col, None, float(q[col]), q
+    if not ranked:
+        return int(row.argmax()), None, 1.0, None
+    top = torch.softmax(row, dim=-1).topk(min(2, row.numel()))
+    runner_up = int(top.indices[1]) if row.numel() > 1 else None
+    return int(top.indices[0]), runner_up, float(top.values[0]), None
 
 
 @torch.inference_mode()
@@ -111,11 +144,13 @@ def speculative_generate(
     while len(out) < cfg.max_new_tokens and not stopped:
         n = len(tokens)
         gamma = min(cfg.gamma, cfg.max_new_tokens - len(out) - 1) if speculative else 0
+        branch = sampling.greedy and cfg.branch_below > 0
 
         t_draft = clock()
         steps: list[DraftStep] = []
         actives: list = []  # the active set of each draft step
         tops: list[torch.Tensor] = []
+        leaves: dict[int, int] = {}
         feed = torch.tensor(tokens[draft.length:] if gamma else [], dtype=torch.long, device=device)
         for j in range(gamma):
             hidden = draft.step(feed)[-1:]  # [1, d]
@@ -128,46 +163,52 @@ def speculative_generate(
             actives.append(ids)
             active_total += active_size(ids, head.weight.shape[0])
             row = logits[0]
-            if sampling.greedy:
-                col = int(row.argmax())
-                q = None
-            else:
-                q = probs_from_logits(row, sampling)  # [n_active]
-                col = int(torch.multinomial(q, 1, generator=generator))
+            col, runner_up, confidence, q = _draft_choice(row, sampling, generator, branch or cfg.stop_below > 0)
             token = col if cols is None else int(cols[col])
             steps.append(DraftStep(token, cols, q))
+            if branch and runner_up is not None and confidence < cfg.branch_below:
+                leaves[j] = runner_up if cols is None else int(cols[runner_up])
             if policy is not None and policy.draft_topk:
                 top = row.topk(min(policy.draft_topk, row.numel())).indices
                 tops.append(top if cols is None else cols[top])
+            if confidence < cfg.stop_below:
+                break
             feed = torch.tensor([token], dtype=torch.long, device=device)
         m.draft_s += clock() - t_draft
-        m.draft_steps += gamma
+        m.draft_steps += len(steps)
 
         t_verify = clock()
-        drafted = [s.token for s in steps]
-        hidden = target.step(torch.tensor([tokens[-1], *drafted], dtype=torch.long, device=device))  # [γ+1, d]
-        logits = target.logits(hidden)  # [γ+1, V]
+        tree = DraftTree([s.token for s in steps], leaves)
+        pass_ids = torch.tensor(tree.inputs(tokens[-1]), dtype=torch.long, device=device)
+        hidden = target.step(pass_ids, tree if leaves else None)  # [1 + drafted + leaves, d]
+        logits = target.logits(hidden)  # [1 + drafted + leaves, V]
         if sampling.greedy:
-            k, nxt = verify_greedy(drafted, logits)
+            verdict = verify_tree_greedy(tree, logits)
         else:
             k, nxt = verify_sampling(steps, logits, sampling, generator)
-        emitted = drafted[:k] + [nxt]
+            verdict = TreeVerdict(tree.chain[:k], nxt, k)
+        k = len(verdict.path)
+        emitted = verdict.path + [verdict.next_token]
         emitted = emitted[: cfg.max_new_tokens - len(out)]
         for i, tok in enumerate(emitted):
             if tok in eos_ids:
                 emitted, stopped = emitted[: i + 1], True
                 break
-        target.rollback(n + k)
+        kept = None if verdict.leaf_row is None else n - 1 + verdict.leaf_row
+        target.rollback(n + verdict.chain_accepted, keep=kept)
         if speculative:
-            draft.rollback(min(draft.length, n + k))
+            draft.rollback(min(draft.length, n + verdict.chain_accepted))
         m.verify_s += clock() - t_verify
+        m.leaves += len(leaves)
+        m.leaf_hits += verdict.leaf_row is not None
 
-        for j in range(gamma):
+        drafted = tree.chain
+        for j in range(len(drafted)):
             drafted_at[j] += 1
             accepted_at[j] += j < k
         # Coverage: accepted tokens were drafted from the active set; the correction at position k < γ is
         # covered when it was inside the active set of draft step k. A bonus after full acceptance had no step.
-        in_steps = min(k + 1, gamma, len(emitted))
+        in_steps = min(k + 1, len(drafted), len(emitted))
         counted += in_steps
         covered += min(k, in_steps)
         if k < in_steps:
@@ -178,7 +219,11 @@ def speculative_generate(
         out.extend(emitted)
         if policy is not None:
             t_policy = clock()
-            policy.observe(CycleReport(n, drafted, tops, k, emitted, logits, hidden))
+            if leaves:  # report the accepted path's rows (a leaf replaces its chain sibling), then the chain's rest
+                rows = verdict.rows + list(range(k + 1, len(drafted) + 1))
+                logits, hidden = logits[rows], hidden[rows]
+            report = CycleReport(n, verdict.path + drafted[k:], tops, k, emitted, logits, hidden)
+            policy.observe(report)
             m.policy_s += clock() - t_policy
         if on_tokens is not None:
             on_tokens(emitted)

@@ -25,6 +25,8 @@ class Metrics:
     accept_by_position: list[float] = field(default_factory=list)
     draft_steps: int = 0
     head_rows_copied: int = 0
+    leaves: int = 0  # runner-up leaves verified beside the drafted chains (see dynvocab.runtime.tree)
+    leaf_hits: int = 0  # cycles that accepted a leaf (one more token than the chain gave)
 
     def as_dict(self) -> dict:
         """A JSON-ready dict (floats rounded for readability)."""
@@ -98,6 +100,8 @@ def summarize(rows: list[dict]) -> dict:
     maxima = [r.get("max_active_vocab") for r in rows if r.get("max_active_vocab") is not None]
     out["max_active_vocab"] = max(maxima) if maxima else None
     out["coverage"] = _mean((r["coverage"] for r in rows), 4)
+    out["leaves"] = sum(r.get("leaves") or 0 for r in rows)
+    out["leaf_hits"] = sum(r.get("leaf_hits") or 0 for r in rows)
     for key in COVERAGE_KEYS:
         out[key] = _mean((r.get(key) for r in rows), 4)
     positions = [r.get("accept_by_position") or [] for r in rows]

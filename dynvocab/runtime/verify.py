@@ -1,4 +1,4 @@
-"""Verification of a drafted chain against the target: greedy, or exact rejection sampling.
+"""Verification of a drafted chain against the target by exact rejection sampling (greedy: :mod:`.tree`).
 
 Notation follows Leviathan et al. (2023): ``p`` is the target distribution, ``q`` the draft's. The draft's
 ``q`` is only supported on its active vocabulary; tokens outside it have q = 0, so the residual
@@ -44,22 +44,6 @@ class DraftStep:
     token: int
     support: torch.Tensor | None  # [n] token ids where q may be non-zero; None = full vocabulary
     q: torch.Tensor | None  # [n] (or [V]) draft probabilities; None when greedy
-
-
-def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """Accept the longest prefix of the draft that matches the target's argmax.
-
-    Args:
-        draft_tokens: the γ drafted ids.
-        target_logits: [γ+1, V] target logits at the positions predicting each draft token and the bonus.
-    Returns:
-        (number accepted k, the target's token at position k).
-    """
-    choice = target_logits.argmax(dim=-1).tolist()  # [γ+1]
-    k = 0
-    while k < len(draft_tokens) and draft_tokens[k] == choice[k]:
-        k += 1
-    return k, choice[k]
 
 
 def verify_sampling(

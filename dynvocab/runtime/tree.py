@@ -1,0 +1,87 @@
+"""A small draft tree: the drafted chain plus the draft's runner-up as a leaf where it was unsure.
+
+The draft proposes a chain ``d_1..d_γ``. At a step where its chosen token had probability below a threshold, its
+runner-up ``s_j`` joins as a leaf: a sibling of ``d_j`` with the same parent ``d_1..d_{j-1}``. The target scores
+the root (the last committed token), the chain and the leaves in one pass; tree attention (a 4-D mask) lets each
+leaf see only the prefix, the root and its own ancestors, at the position of the chain token it replaces.
+
+Greedy verification walks the chain as usual; where it stops at depth j and the target's token there is the
+leaf ``s_j``, the leaf is accepted and the target's token after it (from the leaf's own row) is emitted too. So
+the output is still exactly the target's greedy output, one token longer whenever a runner-up was right
+(SpecInfer, Miao et al. 2024; EAGLE-2 and MicroSpec verify wider trees in the same way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """The chain and its leaves; ``leaves`` maps a chain depth j (0-based) to the runner-up token there."""
+
+    chain: list[int]
+    leaves: dict[int, int]
+
+    def inputs(self, root: int) -> list[int]:
+        """The token ids of one verification pass: root, chain, then the leaves in depth order."""
+        return [root, *self.chain, *(self.leaves[j] for j in sorted(self.leaves))]
+
+    def leaf_row(self, depth: int) -> int:
+        """Index in :meth:`inputs` (and in the pass's logits) of the leaf at ``depth``."""
+        return 1 + len(self.chain) + sorted(self.leaves).index(depth)
+
+    def positions(self, start: int, device) -> torch.Tensor:
+        """Position ids [1, n] of the pass: the root at ``start``; a leaf shares its chain sibling's position."""
+        pos = [start + i for i in range(len(self.chain) + 1)]
+        pos += [start + 1 + j for j in sorted(self.leaves)]
+        return torch.tensor([pos], dtype=torch.long, device=device)
+
+    def attention_mask(self, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive mask [1, 1, n, past + n]: every row sees the ``past`` cached positions; the root and the chain
+        are causal; the leaf at depth j sees the root, its ancestors ``d_1..d_j`` (0-based: ``chain[:j]``) and
+        itself."""
+        n_chain = len(self.chain) + 1
+        depths = sorted(self.leaves)
+        n = n_chain + len(depths)
+        allowed = torch.zeros(n, n, dtype=torch.bool, device=device)
+        allowed[:n_chain, :n_chain] = torch.ones(n_chain, n_chain, dtype=torch.bool, device=device).tril()
+        for i, j in enumerate(depths):
+            row = n_chain + i
+            allowed[row, : j + 1] = True  # the root and the chain tokens before depth j
+            allowed[row, row] = True
+        mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=device)
+        mask[0, 0, :, past:].masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """What greedy verification of a tree kept: the accepted path, the next token and where they came from."""
+
+    path: list[int]  # accepted draft tokens: a chain prefix, possibly ending in a leaf
+    next_token: int  # the target's token after the path (correction or bonus)
+    chain_accepted: int  # chain tokens in ``path``
+    leaf_row: int | None = None  # the accepted leaf's row in the pass, or None
+
+    @property
+    def rows(self) -> list[int]:
+        """Logit rows along the path: row i predicts ``path[i]``; the last one predicts ``next_token``."""
+        rows = list(range(self.chain_accepted + 1))
+        return rows if self.leaf_row is None else rows + [self.leaf_row]
+
+
+def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerdict:
+    """Accept the longest chain prefix matching the target's argmax, then the leaf at the stopping depth if it
+    matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs`."""
+    choice = target_logits.argmax(dim=-1).tolist()
+    k = 0
+    while k < len(tree.chain) and tree.chain[k] == choice[k]:
+        k += 1
+    leaf = tree.leaves.get(k) if k < len(tree.chain) else None
+    if leaf is not None and leaf == choice[k]:
+        row = tree.leaf_row(k)
+        return TreeVerdict(tree.chain[:k] + [leaf], choice[row], k, row)
+    return TreeVerdict(tree.chain[:k], choice[k], k)
