@@ -128,3 +128,31 @@ def test_leaves_are_hit_and_early_stops_shorten_drafts(pair):
         steps_stop += stopped.metrics.draft_steps / stopped.metrics.cycles
     assert hits > 0
     assert steps_stop < steps_full
+
+
+class Recorder(FullPolicy):
+    """The full vocabulary, keeping every cycle report."""
+
+    def __init__(self):
+        self.reports = []
+
+    def observe(self, cycle):
+        self.reports.append(cycle)
+
+
+def test_policies_see_the_accepted_path_rows_when_a_leaf_is_accepted(pair):
+    target, draft = pair
+    hits = 0
+    for seed in range(6):
+        prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        policy = Recorder()
+        cfg = DecodeConfig(gamma=4, max_new_tokens=30, stop_below=0.0, branch_below=1.0)
+        run = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), policy)
+        hits += run.metrics.leaf_hits
+        for report in policy.reports:
+            k = report.accepted
+            assert report.target_logits.shape[0] == len(report.draft_tokens) + 1 == report.target_hidden.shape[0]
+            assert report.draft_tokens[:k] == report.emitted[:k]
+            # Rows 0..k lie on the accepted path: row i is the target's choice for emitted token i.
+            assert report.target_logits[: k + 1].argmax(-1).tolist() == report.emitted[: k + 1]
+    assert hits > 0  # some of those reports had a leaf in their path

@@ -137,6 +137,8 @@ def speculative_generate(
             draft.step(prompt[:-1])
     m.prefill_s = clock() - start
 
+    branch = sampling.greedy and cfg.branch_below > 0  # tree leaves: greedy verification only
+    ranked = branch or cfg.stop_below > 0
     tokens = list(prompt_ids)
     out: list[int] = []
     stopped = False
@@ -144,7 +146,6 @@ def speculative_generate(
     while len(out) < cfg.max_new_tokens and not stopped:
         n = len(tokens)
         gamma = min(cfg.gamma, cfg.max_new_tokens - len(out) - 1) if speculative else 0
-        branch = sampling.greedy and cfg.branch_below > 0
 
         t_draft = clock()
         steps: list[DraftStep] = []
@@ -163,7 +164,7 @@ def speculative_generate(
             actives.append(ids)
             active_total += active_size(ids, head.weight.shape[0])
             row = logits[0]
-            col, runner_up, confidence, q = _draft_choice(row, sampling, generator, branch or cfg.stop_below > 0)
+            col, runner_up, confidence, q = _draft_choice(row, sampling, generator, ranked)
             token = col if cols is None else int(cols[col])
             steps.append(DraftStep(token, cols, q))
             if branch and runner_up is not None and confidence < cfg.branch_below:
@@ -219,10 +220,10 @@ def speculative_generate(
         out.extend(emitted)
         if policy is not None:
             t_policy = clock()
-            if leaves:  # report the accepted path's rows (a leaf replaces its chain sibling), then the chain's rest
+            rows = slice(0, len(drafted) + 1)  # the chain's rows; an accepted leaf's row replaces its sibling's
+            if verdict.leaf_row is not None:
                 rows = verdict.rows + list(range(k + 1, len(drafted) + 1))
-                logits, hidden = logits[rows], hidden[rows]
-            report = CycleReport(n, verdict.path + drafted[k:], tops, k, emitted, logits, hidden)
+            report = CycleReport(n, verdict.path + drafted[k:], tops, k, emitted, logits[rows], hidden[rows])
             policy.observe(report)
             m.policy_s += clock() - t_policy
         if on_tokens is not None:
