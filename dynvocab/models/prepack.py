@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_PACKED_ROWS = 128  # above this MKL's sgemm is as fast as oneDNN's packed GEMM (prefill)
-PACKING_HINT = 4  # the row count oneDNN tunes the packed layout for (γ + 1 with the default γ)
+PACKING_HINT = 4  # the row count oneDNN tunes the packed layout for (a typical verification pass)
 
 
 def prepack_supported(device: str, dtype: str) -> bool:
