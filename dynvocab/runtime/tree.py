@@ -13,6 +13,7 @@ the output is still exactly the target's greedy output, one token longer wheneve
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,18 +26,23 @@ class DraftTree:
     chain: list[int]
     leaves: dict[int, int]
 
+    @functools.cached_property
+    def depths(self) -> list[int]:
+        """The leaves' depths in the order the pass feeds them."""
+        return sorted(self.leaves)
+
     def inputs(self, root: int) -> list[int]:
         """The token ids of one verification pass: root, chain, then the leaves in depth order."""
-        return [root, *self.chain, *(self.leaves[j] for j in sorted(self.leaves))]
+        return [root, *self.chain, *(self.leaves[j] for j in self.depths)]
 
     def leaf_row(self, depth: int) -> int:
         """Index in :meth:`inputs` (and in the pass's logits) of the leaf at ``depth``."""
-        return 1 + len(self.chain) + sorted(self.leaves).index(depth)
+        return 1 + len(self.chain) + self.depths.index(depth)
 
     def positions(self, start: int, device) -> torch.Tensor:
         """Position ids [1, n] of the pass: the root at ``start``; a leaf shares its chain sibling's position."""
         pos = [start + i for i in range(len(self.chain) + 1)]
-        pos += [start + 1 + j for j in sorted(self.leaves)]
+        pos += [start + 1 + j for j in self.depths]
         return torch.tensor([pos], dtype=torch.long, device=device)
 
     def attention_mask(self, past: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -44,11 +50,10 @@ class DraftTree:
         are causal; the leaf at depth j sees the root, its ancestors ``d_1..d_j`` (0-based: ``chain[:j]``) and
         itself."""
         n_chain = len(self.chain) + 1
-        depths = sorted(self.leaves)
-        n = n_chain + len(depths)
+        n = n_chain + len(self.depths)
         allowed = torch.zeros(n, n, dtype=torch.bool, device=device)
         allowed[:n_chain, :n_chain] = torch.ones(n_chain, n_chain, dtype=torch.bool, device=device).tril()
-        for i, j in enumerate(depths):
+        for i, j in enumerate(self.depths):
             row = n_chain + i
             allowed[row, : j + 1] = True  # the root and the chain tokens before depth j
             allowed[row, row] = True
