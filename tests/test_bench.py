@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime import bench
-from dynvocab.runtime.bench import BenchConfig, PolicyRecorder, oracle_summary, run_bench, summarize_bench
-from dynvocab.runtime.hf_baselines import accepted_per_cycle
+from dynvocab.bench import runner as bench
+from dynvocab.bench.runner import BenchConfig, PolicyRecorder, oracle_summary, run_bench, summarize_bench
+from dynvocab.bench.hf_baselines import accepted_per_cycle
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.metrics import EXTRA_KEYS, Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.runtime.tasks import (
+from dynvocab.bench.tasks import (
     MAX_CHARS,
     BenchItem,
     clip,

@@ -139,7 +139,7 @@ def bench(
 
 
 def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None, threads: int | None) -> None:
-    from dynvocab.kernels.microbench import render_kernel_table, run_kernel_bench
+    from dynvocab.bench.microbench import render_kernel_table, run_kernel_bench
     from dynvocab.models import default_device
 
     device = device or default_device()

@@ -11,12 +11,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dynvocab.cli.bench_render import notes, render_tables, write_atomic, write_csv, write_plot
+from dynvocab.bench.report import notes, render_tables, write_atomic, write_csv, write_plot
 from dynvocab.cli.common import status_printer, stdout_is_terminal
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW, DecodeConfig
 from dynvocab.runtime.strategies import StrategyOptions
-from dynvocab.runtime.tasks import TASKS, BenchItem, embedded_items, file_items
+from dynvocab.bench.tasks import TASKS, BenchItem, embedded_items, file_items
 
 DEFAULT_ROWS = "ar,full"
 DEFAULT_MAX_NEW = 64
@@ -103,7 +103,7 @@ def check_outputs(*paths: Path | None) -> None:
 
 def run_command(req: BenchRequest, options: StrategyOptions) -> dict:
     """Run the bench as asked; print the tables and notes; write JSON / CSV / plot. Returns the results."""
-    from dynvocab.runtime.bench import BenchConfig, needs_draft, parse_rows, run_bench, runnable_strategies
+    from dynvocab.bench.runner import BenchConfig, needs_draft, parse_rows, run_bench, runnable_strategies
     from dynvocab.runtime.session import ModelConfig, Session
 
     quick = Quick() if req.quick else None

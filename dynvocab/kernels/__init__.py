@@ -2,13 +2,12 @@
 
 Importing this package never imports Triton: the ``*_triton.py`` kernel modules load on the first launch (so
 ``TRITON_INTERPRET`` may be set any time before it), and the ``*_auto`` functions use the torch references on
-CPU. Public entry points:
+CPU. Their timings live in :mod:`dynvocab.bench.microbench`. Public entry points:
 
 - ``gathered_logits_auto(h, weight, idx)``: logits [M, n] over rows ``idx`` of the LM head, fused on CUDA.
 - ``batched_gathered_logits_auto(h, weight, idx)``: per-sequence active sets, ``idx`` [B, n] padded with -1.
 - ``PackedBuffer``: the contiguous ``W[I_t]`` buffer, refilled on a side stream (``schedule`` / ``wait``).
 - ``WindowState``: MicroSpec's sliding window (ring + counts bitmap) on the device.
-- ``microbench.run_kernel_bench`` / ``render_kernel_table`` / ``draft_step_bench``: head and draft-step timings.
 """
 
 from dynvocab.kernels._triton import interpreting, triton_available

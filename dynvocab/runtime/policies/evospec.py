@@ -23,7 +23,7 @@ reproducible for tests; either way the cache only changes between cycles. The AR
 once per draft-verify cycle, so "min residency 8 decoding steps" means 8 cycles.
 
 With ``online_align`` the draft also gets a temporary LoRA adapter trained on mismatched cycles
-(:mod:`dynvocab.runtime.align`); call :meth:`EvoSpecPolicy.close` after the generation to remove it.
+(:mod:`dynvocab.runtime.policies.evospec_align`); call :meth:`EvoSpecPolicy.close` after the generation to remove it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.align import AlignConfig, Aligner
+from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 from dynvocab.runtime.policies.arc import ARCCache
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 

@@ -1,7 +1,7 @@
 """Run several strategies over several prompts on one loaded session; results as data.
 
 Rows are our strategies (through the one speculative loop) and transformers' own decoders (``hf-assisted``,
-``hf-lookup``, see :mod:`dynvocab.runtime.hf_baselines`), all on the same loaded models and timed the same way.
+``hf-lookup``, see :mod:`dynvocab.bench.hf_baselines`), all on the same loaded models and timed the same way.
 Replayed conversations (multiturn, topic-switch) feed an answer back before each next user turn: ``ar``'s
 answer when ``ar`` is in the run (so every row sees the same context), else each row's own.
 
@@ -21,14 +21,14 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.head import active_segments, active_size
-from dynvocab.runtime.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
+from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.metrics import EXTRA_KEYS, RECALL_KS, summarize
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.runtime.prompts import PromptRow, encode_prompt
 from dynvocab.runtime.session import Session
 from dynvocab.runtime.strategies import StrategyOptions, make_policy, parse_strategies
-from dynvocab.runtime.tasks import HISTORY_CHARS, BenchItem, as_item
+from dynvocab.bench.tasks import HISTORY_CHARS, BenchItem, as_item
 
 SPEEDUP_BASES = ("ar", "full")
 SEED_KEYS = ("tokens_per_s", "mean_accepted_length", "speedup_vs_ar", "speedup_vs_full")

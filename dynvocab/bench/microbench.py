@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from dynvocab.kernels._triton import triton_available
-from dynvocab.kernels.draft_bench import draft_step_bench
+from dynvocab.bench.draft_step import draft_step_bench
 from dynvocab.kernels.gathered_head import gathered_logits
 from dynvocab.kernels.packed_buffer import gather_rows_auto
-from dynvocab.kernels.timing import (
+from dynvocab.bench.timing import (
     CacheFlusher,
     copy_bandwidth_gbps,
     cpu_threads,

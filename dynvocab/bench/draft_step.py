@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.kernels.gathered_head import gathered_logits_auto
-from dynvocab.kernels.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
+from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
 
 QWEN2_0_5B = {  # Qwen2.5(-Coder)-0.5B: the demo draft
     "hidden_size": 896,

@@ -5,7 +5,7 @@ import io
 import pytest
 from rich.console import Console
 
-from dynvocab.kernels.microbench import draft_step_bench, render_kernel_table, run_kernel_bench
+from dynvocab.bench.microbench import draft_step_bench, render_kernel_table, run_kernel_bench
 
 TINY_DRAFT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
               "vocab_size": 2048}
