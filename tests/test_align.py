@@ -18,15 +18,7 @@ from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
 
 VOCAB = 96
 SMALL = AlignConfig(rank=4, alpha=4, buffer_size=2, k_logit=16, context_tokens=16, micro_batch=2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run several times faster on one thread than on a contended pool."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def snapshot(model: torch.nn.Module) -> dict:

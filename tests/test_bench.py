@@ -26,14 +26,7 @@ from dynvocab.bench.tasks import (
     trim_history,
 )
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run far faster on one thread, above all on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --- tasks ------------------------------------------------------------------------------------------------------
 

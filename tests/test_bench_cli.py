@@ -9,14 +9,7 @@ import pytest
 import torch
 from cli_helpers import run
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run far faster on one thread, above all on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def models(dirs):

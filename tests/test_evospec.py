@@ -17,6 +17,7 @@ from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy, OOVE
 from dynvocab.runtime.strategies import PolicyContext
 
 VOCAB = 96
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_graph(vocab: int = VOCAB, max_degree: int = 6, seed: int = 0) -> GraphTable:
@@ -33,15 +34,6 @@ def random_graph(vocab: int = VOCAB, max_degree: int = 6, seed: int = 0) -> Grap
     return GraphTable(
         torch.tensor(indptr, dtype=torch.int64), torch.tensor(indices, dtype=torch.int32), torch.tensor(probs)
     )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run several times faster on one thread than on a contended pool."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -1,31 +1,18 @@
 """The fused gathered-head kernels against their torch references (CPU under TRITON_INTERPRET=1, or CUDA)."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before any Triton kernel is decorated: the kernel modules load lazily, at their first launch.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from dynvocab.kernels import (  # noqa: E402
+from dynvocab.kernels import (
     batched_gathered_logits,
     batched_gathered_logits_auto,
     batched_gathered_logits_reference,
     gathered_logits,
     gathered_logits_auto,
     gathered_logits_reference,
-    interpreting,
-    triton_available,
 )
+from triton_modes import KERNEL_DEVICES, needs_triton
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(), reason="CPU launches need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="no GPU")),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Against the float64 truth the kernels only add float32 summation error; the references round to the dtype.
 TRUTH_TOL = dict(rtol=1e-4, atol=1e-4)
@@ -49,7 +36,7 @@ def truth(h, weight, idx):
 
 
 @needs_triton
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n,d", [(1, 64), (37, 96), (200, 96), (130, 40)])
@@ -62,7 +49,7 @@ def test_gathered_logits_matches_reference(device, dtype, m, n, d):
 
 
 @needs_triton
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("m", [20, 64])
 def test_gathered_logits_many_hidden_states(device, m):
     """Tree/batch drafting: several BLOCK_M tiles of hidden states, strided weight rows, int32 ids."""
@@ -72,7 +59,7 @@ def test_gathered_logits_many_hidden_states(device, m):
 
 
 @needs_triton
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_gathered_logits_empty(device):
     h, weight, idx = operands(2, 0, 64, torch.float32, device)
     assert gathered_logits(h, weight, idx).shape == (2, 0)
@@ -116,7 +103,7 @@ def check_batched(out, h, weight, idx, tol):
 
 
 @needs_triton
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("b,n,d", [(1, 1, 64), (4, 37, 96), (3, 130, 40)])
 def test_batched_gathered_logits_matches_reference(device, dtype, b, n, d):

@@ -1,30 +1,17 @@
 """The packed head buffer: slot bookkeeping against a brute-force model, the gather kernel against its reference."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first (lazy) Triton kernel import
-
-import pytest  # noqa: E402
-
-from dynvocab.kernels import (  # noqa: E402
+from dynvocab.kernels import (
     PackedBuffer,
     SlotTable,
     WindowState,
     gather_rows,
     gather_rows_reference,
-    interpreting,
-    triton_available,
 )
+from triton_modes import KERNEL_DEVICES, needs_cuda, needs_triton
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(), reason="CPU launches need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="no GPU")),
-]
 VOCAB = 500
 
 
@@ -134,7 +121,7 @@ def test_packed_buffer_follows_window_changes():
 
 
 @needs_triton
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("k,d", [(0, 96), (1, 96), (13, 96), (100, 40)])
 def test_gather_rows_matches_reference(device, dtype, k, d):

@@ -1,29 +1,17 @@
 """MicroSpec's device-side sliding window against a plain-Python deque model (torch path and Triton kernel)."""
 
-import os
+from collections import Counter, deque
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first (lazy) Triton kernel import
-
-from collections import Counter, deque  # noqa: E402
-
-import pytest  # noqa: E402
-
-from dynvocab.kernels import (  # noqa: E402
+from dynvocab.kernels import (
     WindowState,
-    interpreting,
-    triton_available,
     window_push,
     window_push_reference,
 )
+from triton_modes import KERNEL_DEVICE, kernel_runs_here
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
-kernel_runs_here = pytest.mark.skipif(
-    not triton_available() or (KERNEL_DEVICE == "cpu" and not interpreting()), reason="needs a GPU or the interpreter"
-)
 VOCAB = 50
 
 
