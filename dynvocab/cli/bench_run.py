@@ -111,7 +111,7 @@ def run_command(req: BenchRequest, options: StrategyOptions) -> dict:
     seeds = parse_seeds(req.seeds, req.seed)
     check_outputs(req.json_path, req.csv_path, req.plot_path)
     if req.plot_path is not None and importlib.util.find_spec("matplotlib") is None:
-        raise DynvocabError("--plot needs matplotlib; run `pip install matplotlib`")
+        raise DynvocabError("--plot needs matplotlib (the extra `plot`): pip install 'dynvocab[plot]'")
     items = select_items(req)
     max_new = req.max_new_tokens or (quick.max_new_tokens if quick else DEFAULT_MAX_NEW)
     cfg = BenchConfig(
