@@ -182,3 +182,36 @@ def test_hybrid_searches_per_step_on_cpu_only_by_default():
     assert not HybridConfig().searches_per_step("cuda:0")  # a host sync per step costs more than the head there
     assert HybridConfig(step_search_on_gpu=True).searches_per_step("cuda")
     assert not HybridConfig(step_neighbours=0).searches_per_step("cpu")
+
+
+# --- device: every policy's ids live where the draft head's weight does ------------------------------------------
+# "meta" stands in for an accelerator: a tensor there is not on the CPU, and the head refuses ids on another device.
+
+
+@pytest.mark.parametrize("name", ["fr", "fr-pa"])
+def test_ranking_policies_put_their_ids_on_the_context_device(name, tmp_path):
+    from dynvocab.runtime.head import DraftHead
+    from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
+
+    token_map = tmp_path / "map.pt"
+    torch.save(list(range(10, 70)), token_map)
+    policy = make_policy(name, StrategyOptions(token_map=str(token_map)), PolicyContext(96, {95}, device="meta"))
+    head = DraftHead(torch.empty(96, 8, device="meta"))
+    for step in range(4):
+        ids = policy.active_ids(step)
+        assert ids.device.type == "meta", (name, step, ids.device)
+        logits, columns = head.logits(torch.empty(1, 8, device="meta"), ids)
+        assert logits.shape == (1, ids.numel()) and columns.device.type == "meta"
+
+
+def test_the_draft_head_refuses_ids_on_another_device():
+    from dynvocab.runtime.head import DraftHead, RowRanges
+
+    head = DraftHead(torch.empty(96, 8, device="meta"))
+    hidden = torch.empty(1, 8, device="meta")
+    with pytest.raises(ValueError, match="active ids on cpu, the draft head on meta"):
+        head.logits(hidden, torch.arange(5))
+    with pytest.raises(ValueError, match="active ids on cpu"):
+        head.logits(hidden, (torch.arange(5, device="meta"), torch.arange(5, 9)))
+    with pytest.raises(ValueError, match="active ids on cpu"):
+        head.logits(hidden, RowRanges(torch.arange(10), (0,), (4,)))

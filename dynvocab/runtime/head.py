@@ -200,6 +200,10 @@ class DraftHead:
         return sum(p.rows_copied for p in self.segments)
 
     def _logits(self, i: int, hidden: torch.Tensor, ids):
+        if ids is not None:
+            ids_device = ids.order.device if isinstance(ids, RowRanges) else ids.device
+            if ids_device != self.weight.device:  # a policy that ignored PolicyContext.device
+                raise ValueError(f"active ids on {ids_device}, the draft head on {self.weight.device}")
         kind = RangeHead if isinstance(ids, RowRanges) else PackedHead
         while len(self.segments) <= i:
             self.segments.append(kind(self.weight, self.bias, self.softcap))

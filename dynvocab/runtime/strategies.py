@@ -125,8 +125,8 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
         return _hybrid(opts.hybrid, ranking, ctx)
     if name == "fr":
         missing = eos[~torch.isin(eos, ranking)]
-        return FrequencyPolicy(torch.cat([ranking, missing]))  # EOS stays draftable so drafts can end
-    return PositionAwareFrequencyPolicy(ranking, opts.pa_k_max, always=eos)
+        return FrequencyPolicy(torch.cat([ranking, missing]), device=ctx.device)  # EOS stays draftable
+    return PositionAwareFrequencyPolicy(ranking, opts.pa_k_max, always=eos, device=ctx.device)
 
 
 def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> HybridPolicy:

@@ -12,9 +12,9 @@ class FrequencyPolicy(VocabPolicy):
 
     name = "fr"
 
-    def __init__(self, ranking: torch.Tensor, size: int | None = None):
-        self.ranking = ranking  # [K] token ids, most frequent first
-        self.ids = ranking[: size or ranking.numel()]
+    def __init__(self, ranking: torch.Tensor, size: int | None = None, device: torch.device | str = "cpu"):
+        self.ranking = ranking.to(device)  # [K] token ids, most frequent first, on the draft head's device
+        self.ids = self.ranking[: size or ranking.numel()]
 
     def active_ids(self, step: int, hidden=None, token=None) -> torch.Tensor:
         """The same top-K set at every step."""
@@ -36,13 +36,19 @@ class PositionAwareFrequencyPolicy(VocabPolicy):
 
     name = "fr-pa"
 
-    def __init__(self, ranking: torch.Tensor, k_max: int | None = None, always: torch.Tensor | None = None):
+    def __init__(
+        self,
+        ranking: torch.Tensor,
+        k_max: int | None = None,
+        always: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ):
         k_max = min(k_max or ranking.numel(), ranking.numel())
         if always is not None and always.numel():
             # Tokens that must stay drafted (EOS) go first so every prefix holds them.
             rest = ranking[~torch.isin(ranking, always)]
             ranking = torch.cat([always, rest])
-        self.ranking = ranking
+        self.ranking = ranking.to(device)  # [K'] on the draft head's device
         self.k_max = k_max
         self._views: dict[int, torch.Tensor] = {}
 
