@@ -82,7 +82,12 @@ def generate(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, strategy, metrics) as the last line.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No loading messages.")] = False,
 ) -> None:
-    """Generate a reply with speculative decoding; greedy output is exactly the target's own."""
+    """Generate a reply with speculative decoding.
+
+    Greedy: each token is the argmax of the target's own verification pass.
+    Sampling (--temperature > 0): exact rejection sampling from the target.
+    Equality with `ar` is measured, not guaranteed (bench's `= ar` column): a multi-position pass may round apart.
+    """
     from dynvocab.runtime.session import ModelConfig, Session
 
     if not prompt.strip():
