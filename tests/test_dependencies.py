@@ -19,7 +19,7 @@ def declared() -> list[Requirement]:
 
 
 def test_every_dependency_has_an_upper_bound():
-    """Each third-party requirement is capped (``<``, ``<=``, ``==`` or ``~=``); the extras of dynvocab itself are not."""
+    """Each third-party requirement is capped (``<``, ``<=``, ``==`` or ``~=``); dynvocab's own extras are not."""
     open_ended = [str(r) for r in declared()
                   if r.name != "dynvocab" and not any(s.operator in ("<", "<=", "==", "~=") for s in r.specifier)]
     assert not open_ended, f"no upper bound: {open_ended}"

@@ -84,8 +84,8 @@ class TritonModuleItem(pytest.Item):
 
     def repr_failure(self, excinfo):
         if isinstance(excinfo.value, ChildFailed):
-            return f"child pytest failed ({'TRITON_INTERPRET=' + child_env(self.path.name)['TRITON_INTERPRET']}):\n" \
-                   f"{excinfo.value}"
+            mode = child_env(self.path.name)["TRITON_INTERPRET"]
+            return f"child pytest (TRITON_INTERPRET={mode}) failed:\n{excinfo.value}"
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
