@@ -6,7 +6,9 @@ Layout. Tensors live under a stage prefix (``freq.counts``, ``clusters.assign``,
 - ``format`` / ``format_version``: what this file is;
 - ``fingerprint``: ``{"target": ModelFingerprint, "draft": ModelFingerprint}`` of the models it was built for;
 - ``stages``: ``{stage: {"config": …, "info": …}}`` (``info`` has the build time, seconds, corpus, stats);
-- ``checksums``: SHA-256 of every tensor's bytes, checked when a tensor is read or by :meth:`Bundle.verify`;
+- ``checksums``: SHA-256 of every tensor's bytes (so of every stage's), checked when a tensor is first read or by
+  :meth:`Bundle.verify`; a mismatch names the stage to rebuild. Bundles written before checksums existed load
+  unchecked, and ``inspect`` says so;
 - ``written_at`` and ``dynvocab_version``.
 
 Nothing is read from the file name. Writes go to a temp file in the same folder and are renamed into place,
@@ -96,7 +98,7 @@ class Bundle:
             role: ModelFingerprint.from_dict(fp) for role, fp in metadata["fingerprint"].items() if fp is not None
         }
         self.stage_meta: dict[str, dict] = metadata["stages"]
-        self._checksums: dict[str, str] = metadata["checksums"]
+        self._checksums: dict[str, str] | None = metadata["checksums"]
         self._verified: set[str] = set()
         self._loaded: dict[str, object] = {}
 
@@ -156,9 +158,7 @@ class Bundle:
         if entry.nbytes and os.preadv(self._file.fileno(), [raw], entry.begin) != entry.nbytes:
             raise _damaged(self.path, f"tensor {name} is cut short")
         if name not in self._verified:
-            if hashlib.sha256(raw).hexdigest() != self._checksums.get(name):
-                raise _damaged(self.path, f"checksum mismatch in tensor {name}")
-            self._verified.add(name)
+            self._check(name, hashlib.sha256(raw).hexdigest())
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return flat.view(_DTYPES[entry.dtype]).reshape(entry.shape)
 
@@ -178,10 +178,26 @@ class Bundle:
             for name, entry in self.entries.items():
                 if name in self._verified:
                     continue
-                digest = hashlib.sha256(memoryview(mm)[entry.begin : entry.end]).hexdigest()
-                if digest != self._checksums.get(name):
-                    raise _damaged(self.path, f"checksum mismatch in tensor {name}")
-                self._verified.add(name)
+                self._check(name, hashlib.sha256(memoryview(mm)[entry.begin : entry.end]).hexdigest())
+
+    @property
+    def has_checksums(self) -> bool:
+        """False for a bundle written before bundles carried checksums: its tensors are read unchecked."""
+        return self._checksums is not None
+
+    def _check(self, name: str, digest: str) -> None:
+        """Compare one tensor's SHA-256 with the stored one; a mismatch names the stage to rebuild."""
+        if self._checksums is not None and digest != self._checksums.get(name):
+            stage = name.split(".", 1)[0]
+            rebuild = (
+                f"dynvocab train-router --bundle {self.path}" if stage == "router"
+                else f"dynvocab build-index --stages {stage} --out {self.path}"
+            )
+            raise DynvocabError(
+                f"bundle {self.path} is damaged: stage '{stage}' fails its checksum (tensor {name}); "
+                f"rebuild the stage with `{rebuild}`"
+            )
+        self._verified.add(name)
 
     def close(self) -> None:
         """Release the file (also done when the object is garbage-collected)."""
@@ -249,8 +265,10 @@ def _parse_metadata(path: Path, raw: dict, entries: dict[str, TensorEntry]) -> d
         raise DynvocabError(
             f"bundle {path} has format version {version}, newer than this dynvocab ({FORMAT_VERSION}); upgrade dynvocab"
         )
-    meta = {"format_version": version}
+    meta = {"format_version": version, "checksums": None}
     for key in ("fingerprint", "stages", "checksums"):
+        if key == "checksums" and key not in raw:
+            continue  # written before bundles carried checksums: still readable, unchecked
         try:
             meta[key] = json.loads(raw[key])
         except (KeyError, TypeError, json.JSONDecodeError):
@@ -262,7 +280,7 @@ def _parse_metadata(path: Path, raw: dict, entries: dict[str, TensorEntry]) -> d
     for name in entries:
         if name.split(".", 1)[0] not in meta["stages"]:
             raise _damaged(path, f"tensor {name} belongs to no stage")
-        if name not in meta["checksums"]:
+        if meta["checksums"] is not None and name not in meta["checksums"]:
             raise _damaged(path, f"tensor {name} has no checksum")
     for stage, sm in meta["stages"].items():
         if not isinstance(sm, dict) or "config" not in sm:
