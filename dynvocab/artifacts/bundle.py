@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import time
@@ -247,7 +248,10 @@ def _read_header(path: Path, f) -> tuple[dict, dict[str, TensorEntry]]:
             begin, end = (int(x) for x in spec["data_offsets"])
             if spec["dtype"] not in _DTYPES or not (0 <= begin <= end <= data_len):
                 raise ValueError(name)
-            entries[name] = TensorEntry(spec["dtype"], tuple(int(s) for s in spec["shape"]), data_start + begin, data_start + end)
+            shape = tuple(int(s) for s in spec["shape"])
+            if math.prod(shape) * _DTYPES[spec["dtype"]].itemsize != end - begin or min(shape, default=0) < 0:
+                raise ValueError(name)
+            entries[name] = TensorEntry(spec["dtype"], shape, data_start + begin, data_start + end)
             end_max = max(end_max, end)
     except (KeyError, TypeError, ValueError):
         raise _damaged(path, "tensor table is inconsistent or the file is truncated") from None

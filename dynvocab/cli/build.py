@@ -18,7 +18,7 @@ from dynvocab.builders.clusters import ClustersConfig
 from dynvocab.builders.corpus import CorpusConfig
 from dynvocab.builders.hnsw import HnswConfig
 from dynvocab.builders.pipeline import STAGES
-from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, err_console, one_line_errors
+from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
 
 
@@ -64,12 +64,12 @@ def build_index(
         Optional[List[str]],
         typer.Option(help="sharegpt (training split), slimpajama, or a .txt/.jsonl/.json/.parquet file or saved datasets folder; repeatable."),
     ] = None,
-    max_docs: Annotated[Optional[int], typer.Option(help=f"Read at most this many documents (default {CorpusConfig.max_docs:,}).")] = None,
+    max_docs: Annotated[Optional[int], typer.Option(min=1, help=f"Read at most this many documents (default {CorpusConfig.max_docs:,}).")] = None,
     stages: Annotated[Optional[str], typer.Option(help=f"Comma-separated stages to (re)build, from {','.join(STAGES)} (default: all).")] = None,
-    num_clusters: Annotated[Optional[int], typer.Option(help=f"clusters: number of clusters M (default {ClustersConfig.num_clusters}).")] = None,
-    hnsw_m: Annotated[Optional[int], typer.Option(help=f"hnsw: graph degree M (default {HnswConfig.m}).")] = None,
-    ef_construction: Annotated[Optional[int], typer.Option(help=f"hnsw: ef at construction (default {HnswConfig.ef_construction}).")] = None,
-    ef_search: Annotated[Optional[int], typer.Option(help=f"hnsw: ef at search time (default {HnswConfig.ef_search}).")] = None,
+    num_clusters: Annotated[Optional[int], typer.Option(min=1, help=f"clusters: number of clusters M (default {ClustersConfig.num_clusters}).")] = None,
+    hnsw_m: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: graph degree M (default {HnswConfig.m}).")] = None,
+    ef_construction: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: ef at construction (default {HnswConfig.ef_construction}).")] = None,
+    ef_search: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: ef at search time (default {HnswConfig.ef_search}).")] = None,
     hnsw_threads: Annotated[
         Optional[int],
         typer.Option(
@@ -84,6 +84,9 @@ def build_index(
     from dynvocab.builders.pipeline import BuildConfig, build_bundle, parse_stages
 
     check_dtype_device(device, None)
+    check_out(out, "--out")
+    if hnsw_threads == 0:
+        raise DynvocabError("--hnsw-threads must be -1 (all cores) or at least 1")
     base = BuildConfig()
     cfg = BuildConfig(
         stages=parse_stages(stages) if stages is not None else STAGES,
@@ -191,13 +194,14 @@ def export(
     bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="A bundle with a freq stage.")],
     out: Annotated[Path, typer.Option("--out", help="The file to write (torch.save).")],
     fmt: Annotated[str, typer.Option("--format", help=f"One of {', '.join(FORMATS)}. sglang: list of token ids (FR-Spec / --speculative-token-map); eagle3: {{d2t, t2d}}.")] = "sglang",
-    size: Annotated[Optional[int], typer.Option(help=f"Number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
+    size: Annotated[Optional[int], typer.Option(min=1, help=f"Number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
 ) -> None:
     """Export the top-K frequency ranking as an SGLang/FR-Spec token map or EAGLE-3 d2t/t2d."""
     from dynvocab.artifacts import FreqTable, export_freq, load_bundle, save_torch_atomic
 
     if fmt not in FORMATS:
         raise DynvocabError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
+    check_out(out, "--out")
     bundle = load_bundle(bundle_path, verify=True)
     bundle.require("freq")
     size = DEFAULT_EXPORT_SIZE if size is None else size
