@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from cli_helpers import assert_one_line_error, run
 from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
 
@@ -32,7 +33,7 @@ def content(path: Path) -> dict:
     """A bundle's content: per stage its config and its tensors' bytes (not the build times)."""
     with load_bundle(path, verify=True) as b:
         return {
-            stage: (b.config(stage), {n: bytes(t.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy())
+            stage: (b.config(stage), {n: bytes(t.contiguous().view(-1).view(torch.uint8).numpy())
                                       for n, t in b.stage_tensors(stage).items()})
             for stage in b.stages
         }
