@@ -202,3 +202,18 @@ def test_bench_takes_top_p(tiny_dirs, files, tmp_path):
                  "--max-new-tokens", 6, "--temperature", 0.8, "--top-p", 0.9, "--json", out)
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["config"]["top_p"] == 0.9
+
+
+def test_generate_and_bench_share_the_strategy_flags():
+    import dataclasses
+
+    import typer
+
+    from dynvocab.cli import app
+    from dynvocab.cli.common import StrategyFlags
+
+    commands = typer.main.get_command(app).commands
+    for field in dataclasses.fields(StrategyFlags):
+        options = [{p.name: p for p in commands[c].params}[field.name] for c in ("generate", "bench")]
+        assert options[0].opts == options[1].opts == [f"--{field.name.replace('_', '-')}"] or field.name == "online_align"
+        assert options[0].default == options[1].default == field.default

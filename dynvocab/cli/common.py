@@ -104,6 +104,8 @@ def one_line_errors(func):
             raise fail(f"out of memory; {hint}") from None
         except OSError as exc:
             raise fail(f"{type(exc).__name__}: {exc}") from None
+        except typer.Exit:
+            raise
         except RuntimeError as exc:  # torch reports out of memory, and tensors that do not fit, as RuntimeError
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             if "out of memory" in first.lower() or "can't allocate memory" in first.lower():
