@@ -99,6 +99,23 @@ def test_flipped_byte_in_each_stage_is_named(whole, stage, tmp_path, tiny_dirs):
         assert_one_line_error(result, "stage 'hnsw' fails its checksum")
 
 
+def test_stage_checksums_are_shown_and_checked(whole, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    info = json.loads(run("inspect", whole, "--json").output.strip().splitlines()[-1])
+    assert all(len(st["sha256"]) == 64 for st in info["stages"].values())
+    with safe_open(str(whole), "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    stages = json.loads(metadata["stages"])
+    stages["graph"]["sha256"] = "0" * 64
+    metadata["stages"] = json.dumps(stages)
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata=metadata)
+    assert_one_line_error(run("inspect", bad), "stage 'graph' disagrees with its tensors' checksums")
+
+
 def test_bundle_without_checksums_still_loads(whole, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -107,6 +124,9 @@ def test_bundle_without_checksums_still_loads(whole, tmp_path):
         metadata = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     del metadata["checksums"]
+    metadata["stages"] = json.dumps(
+        {k: {key: v[key] for key in ("config", "info")} for k, v in json.loads(metadata["stages"]).items()}
+    )
     old = tmp_path / "old.safetensors"
     save_file(tensors, str(old), metadata=metadata)
     result = run("inspect", old, "--json")

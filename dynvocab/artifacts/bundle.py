@@ -5,7 +5,8 @@ Layout. Tensors live under a stage prefix (``freq.counts``, ``clusters.assign``,
 
 - ``format`` / ``format_version``: what this file is;
 - ``fingerprint``: ``{"target": ModelFingerprint, "draft": ModelFingerprint}`` of the models it was built for;
-- ``stages``: ``{stage: {"config": …, "info": …}}`` (``info`` has the build time, seconds, corpus, stats);
+- ``stages``: ``{stage: {"config": …, "info": …, "sha256": …}}`` (``info`` has the build time, seconds, corpus,
+  stats; ``sha256`` is the stage's checksum, over its tensors' names and checksums);
 - ``checksums``: SHA-256 of every tensor's bytes (so of every stage's), checked when a tensor is first read or by
   :meth:`Bundle.verify`; a mismatch names the stage to rebuild. Bundles written before checksums existed load
   unchecked, and ``inspect`` says so;
@@ -79,6 +80,12 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
 
 
+def stage_sha256(stage: str, checksums: dict[str, str]) -> str:
+    """One SHA-256 for a stage: over its tensors' names and SHA-256s, in name order."""
+    lines = sorted(f"{name} {sha}" for name, sha in checksums.items() if name.split(".", 1)[0] == stage)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def _damaged(path: Path, why: str) -> DynvocabError:
     return DynvocabError(
         f"bundle {path} is damaged ({why}); rebuild it with `dynvocab build-index … --out {path}`"
@@ -143,6 +150,10 @@ class Bundle:
         """Names (without prefix) of a stage's tensors."""
         prefix = f"{stage}."
         return [k[len(prefix):] for k in self.entries if k.startswith(prefix)]
+
+    def stage_checksum(self, stage: str) -> str | None:
+        """The stage's SHA-256 (over its tensors' checksums), or None for a bundle written without checksums."""
+        return None if self._checksums is None else stage_sha256(stage, self._checksums)
 
     def stage_nbytes(self, stage: str) -> int:
         """Bytes the stage's tensors take in the file."""
@@ -289,6 +300,9 @@ def _parse_metadata(path: Path, raw: dict, entries: dict[str, TensorEntry]) -> d
     for stage, sm in meta["stages"].items():
         if not isinstance(sm, dict) or "config" not in sm:
             raise _damaged(path, f"stage '{stage}' has no config")
+        stored = sm.get("sha256")
+        if stored is not None and meta["checksums"] is not None and stored != stage_sha256(stage, meta["checksums"]):
+            raise _damaged(path, f"stage '{stage}' disagrees with its tensors' checksums")
     meta["written_at"] = raw.get("written_at", "")
     meta["dynvocab_version"] = raw.get("dynvocab_version", "")
     return meta
@@ -335,12 +349,15 @@ def write_bundle(
         stage_meta[stage.name] = {"config": stage.config, "info": stage.info}
         for name, t in stage.tensors.items():
             tensors[f"{stage.name}.{name}"] = t.detach().contiguous().cpu()
+    checksums = {name: tensor_sha256(t) for name, t in tensors.items()}
+    for name, meta in stage_meta.items():
+        meta["sha256"] = stage_sha256(name, checksums)
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         "fingerprint": json.dumps({"target": target.as_dict(), "draft": draft.as_dict() if draft else None}),
         "stages": json.dumps(stage_meta),
-        "checksums": json.dumps({name: tensor_sha256(t) for name, t in tensors.items()}),
+        "checksums": json.dumps(checksums),
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dynvocab_version": __version__,
     }

@@ -114,6 +114,7 @@ def describe_bundle(bundle) -> dict:
             "config": bundle.config(name),
             "info": bundle.info(name),
             "bytes": bundle.stage_nbytes(name),
+            "sha256": bundle.stage_checksum(name),
             "tensors": {
                 t: {"dtype": bundle.entries[f"{name}.{t}"].dtype, "shape": list(bundle.entries[f"{name}.{t}"].shape)}
                 for t in bundle.tensor_names(name)
@@ -172,7 +173,8 @@ def inspect(
     for name, st in info["stages"].items():
         tensors = "\n".join(f"{t} {v['dtype']} {tuple(v['shape'])}" for t, v in st["tensors"].items())
         built = f"{st['info'].get('built_at', '?')}\nin {st['info'].get('seconds', '?')} s"
-        table.add_row(name, f"{st['bytes'] / 1e6:.1f} MB", tensors, built)
+        sha = f"\nsha256 {st['sha256'][:12]}" if st["sha256"] else "\nno checksum"
+        table.add_row(name, f"{st['bytes'] / 1e6:.1f} MB{sha}", tensors, built)
     console.print(table)
     for name, st in info["stages"].items():
         skip = ("built_at", "seconds", "corpus", "index", "coverage")
