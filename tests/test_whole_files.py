@@ -206,3 +206,25 @@ def test_a_killed_writer_leaves_no_file_and_its_temp_is_swept(tmp_path):
     assert not target.exists() and len(list(tmp_path.iterdir())) == 1  # only the dead writer's temp file
     write_atomic(target, lambda tmp: tmp.write_text("{}"))
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_a_conversion_killed_half_way_leaves_nothing_to_load(tmp_path):
+    entry = tmp_path / "cache" / "tiny-0123"
+    code = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_whole_files import save_tiny\n"
+        "from dynvocab.models.cache import ensure_entry\n"
+        "def convert(folder):\n"
+        "    save_tiny(folder)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"ensure_entry(Path({str(entry)!r}), convert, 'tiny')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO).returncode == -signal.SIGKILL
+    assert entry_problem(entry) == "missing"  # the half-made folder is a temp beside it, never the entry
+    calls = []
+    ensure_entry(entry, lambda f: (calls.append(1), save_tiny(f)), "tiny")
+    assert len(calls) == 1 and entry_problem(entry) is None
+    assert sorted(p.name for p in entry.parent.iterdir()) == [".tiny-0123.lock", "tiny-0123"]  # the dead temp swept
