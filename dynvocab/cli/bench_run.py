@@ -86,7 +86,7 @@ def select_items(req: BenchRequest) -> list[BenchItem]:
 def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     """Run the bench as asked; print the tables and notes; write JSON / CSV / plot. Returns the results.
 
-    A Ctrl-C stops after the row in progress is dropped: the finished rows are printed and written as usual, then
+    A Ctrl-C drops the row in progress: the finished rows are printed and written as usual, then
     :class:`~dynvocab.errors.Interrupted` says how many there were.
     """
     from dynvocab.bench.runner import BenchConfig, bench_results, needs_draft, parse_rows, run_bench, runnable_strategies
