@@ -1,5 +1,13 @@
-"""The one exception type the CLI turns into a one-line message and a non-zero exit."""
+"""The exception types the CLI turns into a one-line message and a non-zero exit."""
 
 
 class DynvocabError(Exception):
     """A bad input or an unusable resource; the message says what is wrong and what to do."""
+
+    exit_code = 1
+
+
+class Interrupted(DynvocabError):
+    """Ctrl-C, after what was done so far has been printed or written; the message says how far it got."""
+
+    exit_code = 130

@@ -5,8 +5,11 @@ Layout. Tensors live under a stage prefix (``freq.counts``, ``clusters.assign``,
 
 - ``format`` / ``format_version``: what this file is;
 - ``fingerprint``: ``{"target": ModelFingerprint, "draft": ModelFingerprint}`` of the models it was built for;
-- ``stages``: ``{stage: {"config": …, "info": …}}`` (``info`` has the build time, seconds, corpus, stats);
-- ``checksums``: SHA-256 of every tensor's bytes, checked when a tensor is read or by :meth:`Bundle.verify`;
+- ``stages``: ``{stage: {"config": …, "info": …, "sha256": …}}`` (``info`` has the build time, seconds, corpus,
+  stats; ``sha256`` is the stage's checksum, over its tensors' names and checksums);
+- ``checksums``: SHA-256 of every tensor's bytes (so of every stage's), checked when a tensor is first read or by
+  :meth:`Bundle.verify`; a mismatch names the stage to rebuild. Bundles written before checksums existed load
+  unchecked, and ``inspect`` says so;
 - ``written_at`` and ``dynvocab_version``.
 
 Nothing is read from the file name. Writes go to a temp file in the same folder and are renamed into place,
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import time
@@ -76,6 +80,12 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
 
 
+def stage_sha256(stage: str, checksums: dict[str, str]) -> str:
+    """One SHA-256 for a stage: over its tensors' names and SHA-256s, in name order."""
+    lines = sorted(f"{name} {sha}" for name, sha in checksums.items() if name.split(".", 1)[0] == stage)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def _damaged(path: Path, why: str) -> DynvocabError:
     return DynvocabError(
         f"bundle {path} is damaged ({why}); rebuild it with `dynvocab build-index … --out {path}`"
@@ -96,7 +106,7 @@ class Bundle:
             role: ModelFingerprint.from_dict(fp) for role, fp in metadata["fingerprint"].items() if fp is not None
         }
         self.stage_meta: dict[str, dict] = metadata["stages"]
-        self._checksums: dict[str, str] = metadata["checksums"]
+        self._checksums: dict[str, str] | None = metadata["checksums"]
         self._verified: set[str] = set()
         self._loaded: dict[str, object] = {}
 
@@ -141,6 +151,10 @@ class Bundle:
         prefix = f"{stage}."
         return [k[len(prefix):] for k in self.entries if k.startswith(prefix)]
 
+    def stage_checksum(self, stage: str) -> str | None:
+        """The stage's SHA-256 (over its tensors' checksums), or None for a bundle written without checksums."""
+        return None if self._checksums is None else stage_sha256(stage, self._checksums)
+
     def stage_nbytes(self, stage: str) -> int:
         """Bytes the stage's tensors take in the file."""
         return sum(self.entries[f"{stage}.{n}"].nbytes for n in self.tensor_names(stage))
@@ -156,9 +170,7 @@ class Bundle:
         if entry.nbytes and os.preadv(self._file.fileno(), [raw], entry.begin) != entry.nbytes:
             raise _damaged(self.path, f"tensor {name} is cut short")
         if name not in self._verified:
-            if hashlib.sha256(raw).hexdigest() != self._checksums.get(name):
-                raise _damaged(self.path, f"checksum mismatch in tensor {name}")
-            self._verified.add(name)
+            self._check(name, hashlib.sha256(raw).hexdigest())
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return flat.view(_DTYPES[entry.dtype]).reshape(entry.shape)
 
@@ -178,10 +190,26 @@ class Bundle:
             for name, entry in self.entries.items():
                 if name in self._verified:
                     continue
-                digest = hashlib.sha256(memoryview(mm)[entry.begin : entry.end]).hexdigest()
-                if digest != self._checksums.get(name):
-                    raise _damaged(self.path, f"checksum mismatch in tensor {name}")
-                self._verified.add(name)
+                self._check(name, hashlib.sha256(memoryview(mm)[entry.begin : entry.end]).hexdigest())
+
+    @property
+    def has_checksums(self) -> bool:
+        """False for a bundle written before bundles carried checksums: its tensors are read unchecked."""
+        return self._checksums is not None
+
+    def _check(self, name: str, digest: str) -> None:
+        """Compare one tensor's SHA-256 with the stored one; a mismatch names the stage to rebuild."""
+        if self._checksums is not None and digest != self._checksums.get(name):
+            stage = name.split(".", 1)[0]
+            rebuild = (
+                f"dynvocab train-router --bundle {self.path}" if stage == "router"
+                else f"dynvocab build-index --stages {stage} --out {self.path}"
+            )
+            raise DynvocabError(
+                f"bundle {self.path} is damaged: stage '{stage}' fails its checksum (tensor {name}); "
+                f"rebuild the stage with `{rebuild}`"
+            )
+        self._verified.add(name)
 
     def close(self) -> None:
         """Release the file (also done when the object is garbage-collected)."""
@@ -231,7 +259,10 @@ def _read_header(path: Path, f) -> tuple[dict, dict[str, TensorEntry]]:
             begin, end = (int(x) for x in spec["data_offsets"])
             if spec["dtype"] not in _DTYPES or not (0 <= begin <= end <= data_len):
                 raise ValueError(name)
-            entries[name] = TensorEntry(spec["dtype"], tuple(int(s) for s in spec["shape"]), data_start + begin, data_start + end)
+            shape = tuple(int(s) for s in spec["shape"])
+            if math.prod(shape) * _DTYPES[spec["dtype"]].itemsize != end - begin or min(shape, default=0) < 0:
+                raise ValueError(name)
+            entries[name] = TensorEntry(spec["dtype"], shape, data_start + begin, data_start + end)
             end_max = max(end_max, end)
     except (KeyError, TypeError, ValueError):
         raise _damaged(path, "tensor table is inconsistent or the file is truncated") from None
@@ -249,8 +280,10 @@ def _parse_metadata(path: Path, raw: dict, entries: dict[str, TensorEntry]) -> d
         raise DynvocabError(
             f"bundle {path} has format version {version}, newer than this dynvocab ({FORMAT_VERSION}); upgrade dynvocab"
         )
-    meta = {"format_version": version}
+    meta = {"format_version": version, "checksums": None}
     for key in ("fingerprint", "stages", "checksums"):
+        if key == "checksums" and key not in raw:
+            continue  # written before bundles carried checksums: still readable, unchecked
         try:
             meta[key] = json.loads(raw[key])
         except (KeyError, TypeError, json.JSONDecodeError):
@@ -262,11 +295,14 @@ def _parse_metadata(path: Path, raw: dict, entries: dict[str, TensorEntry]) -> d
     for name in entries:
         if name.split(".", 1)[0] not in meta["stages"]:
             raise _damaged(path, f"tensor {name} belongs to no stage")
-        if name not in meta["checksums"]:
+        if meta["checksums"] is not None and name not in meta["checksums"]:
             raise _damaged(path, f"tensor {name} has no checksum")
     for stage, sm in meta["stages"].items():
         if not isinstance(sm, dict) or "config" not in sm:
             raise _damaged(path, f"stage '{stage}' has no config")
+        stored = sm.get("sha256")
+        if stored is not None and meta["checksums"] is not None and stored != stage_sha256(stage, meta["checksums"]):
+            raise _damaged(path, f"stage '{stage}' disagrees with its tensors' checksums")
     meta["written_at"] = raw.get("written_at", "")
     meta["dynvocab_version"] = raw.get("dynvocab_version", "")
     return meta
@@ -313,12 +349,15 @@ def write_bundle(
         stage_meta[stage.name] = {"config": stage.config, "info": stage.info}
         for name, t in stage.tensors.items():
             tensors[f"{stage.name}.{name}"] = t.detach().contiguous().cpu()
+    checksums = {name: tensor_sha256(t) for name, t in tensors.items()}
+    for name, meta in stage_meta.items():
+        meta["sha256"] = stage_sha256(name, checksums)
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         "fingerprint": json.dumps({"target": target.as_dict(), "draft": draft.as_dict() if draft else None}),
         "stages": json.dumps(stage_meta),
-        "checksums": json.dumps({name: tensor_sha256(t) for name, t in tensors.items()}),
+        "checksums": json.dumps(checksums),
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dynvocab_version": __version__,
     }

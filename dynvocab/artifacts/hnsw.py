@@ -16,9 +16,7 @@ still exact MIPS, but the rows' geometry now matches what queries can tell apart
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -78,11 +76,14 @@ def augment_queries(queries: torch.Tensor) -> np.ndarray:
 
 
 def index_to_tensor(index) -> torch.Tensor:
-    """Serialise an hnswlib index to a uint8 tensor [n_bytes] (through a temp file)."""
-    with tempfile.TemporaryDirectory(prefix="dynvocab-hnsw-") as tmp:
-        path = Path(tmp) / "index.bin"
-        index.save_index(str(path))
+    """Serialise an hnswlib index to a uint8 tensor [n_bytes] (through an in-memory file: nothing on disk)."""
+    fd = os.memfd_create("dynvocab-hnsw")
+    try:
+        path = f"/proc/self/fd/{fd}"
+        index.save_index(path)
         data = np.fromfile(path, dtype=np.uint8)
+    finally:
+        os.close(fd)
     return torch.from_numpy(data)
 
 
@@ -91,15 +92,16 @@ def index_from_tensor(data: torch.Tensor, params: HnswParams, query_map: torch.T
     import hnswlib
 
     index = hnswlib.Index(space=params.space, dim=params.dim)
-    fd, tmp = tempfile.mkstemp(prefix="dynvocab-hnsw-", suffix=".bin")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.numpy().tobytes())
-        index.load_index(tmp, max_elements=params.num_elements)
-    except RuntimeError as exc:
-        raise DynvocabError(f"the stored HNSW index cannot be loaded ({exc}); rebuild that stage with build-index") from exc
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    # hnswlib loads only from a path: hand it an anonymous in-memory file, which no kill can leave on disk.
+    with os.fdopen(os.memfd_create("dynvocab-hnsw"), "wb") as f:
+        f.write(data.numpy().tobytes())
+        f.flush()
+        try:
+            index.load_index(f"/proc/self/fd/{f.fileno()}", max_elements=params.num_elements)
+        except RuntimeError as exc:
+            raise DynvocabError(
+                f"the stored HNSW index cannot be loaded ({exc}); rebuild that stage with build-index"
+            ) from exc
     index.set_ef(params.ef_search)
     return MipsIndex(index, params, query_map.float())
 

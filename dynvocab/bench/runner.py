@@ -262,6 +262,12 @@ def run_bench(
                     generations.append(record)
                     if on_result is not None:
                         on_result(record)
+    return bench_results(session, cfg, generations)
+
+
+def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -> dict:
+    """``run_bench``'s result for the rows in ``generations`` (all of them, or those finished before a Ctrl-C)."""
+    seeds = cfg.seeds or (cfg.decode.seed,)
     return {
         "config": {
             "strategies": list(cfg.strategies),

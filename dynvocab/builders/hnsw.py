@@ -25,7 +25,7 @@ class HnswConfig:
     ef_construction: int = 200
     ef_search: int = 512
     seed: int = 100
-    num_threads: int = -1  # hnswlib threads for building (-1: all cores)
+    num_threads: int = -1  # hnswlib threads for building (-1: all cores; 1: the same graph on every build)
     batch_rows: int = 4096  # rows added per call (progress granularity)
     precondition: bool = True  # fit S^{1/2} on sample queries (see dynvocab.artifacts.hnsw)
     shrinkage: float = 0.1  # S = (1 - λ) E[q qᵀ] + λ diag(E[q qᵀ])

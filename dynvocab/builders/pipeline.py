@@ -12,6 +12,7 @@ import torch
 
 from dynvocab.artifacts import Bundle, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.builders import clusters as clusters_stage
+from dynvocab.builders.checkpoints import StageCheckpoints
 from dynvocab.builders import freq as freq_stage
 from dynvocab.builders import graph as graph_stage
 from dynvocab.builders import hnsw as hnsw_stage
@@ -182,7 +183,9 @@ def build_bundle(
     """Build ``cfg.stages`` for the ``target``/``draft`` pair and write the bundle at ``out`` atomically.
 
     Stages of an existing bundle at ``out`` that are not rebuilt are kept, provided it was built for the same
-    models. ``freq`` and ``graph`` share one tokenization pass over the corpus.
+    models. ``freq`` and ``graph`` share one tokenization pass over the corpus. Each finished stage is kept beside
+    ``out`` until the bundle is written, so a build killed half-way and run again resumes after its last
+    finished stage (:mod:`dynvocab.builders.checkpoints`).
     """
     t0 = time.perf_counter()
     out = Path(out)
@@ -196,24 +199,42 @@ def build_bundle(
     match_vocabularies(t_tok, d_tok, m.target_fp.head_rows, m.draft_fp.head_rows)
     old = _existing(out, cfg, m.target_fp, m.draft_fp, reporter)
 
-    stages: list[Stage] = []
-    if any(s in cfg.stages for s in CORPUS_STAGES):
-        stages += _corpus_stages(m, cfg, reporter)
-        gc.collect()
-    if "clusters" in cfg.stages:
-        stages.append(_clusters(m, cfg, device, reporter))
-        gc.collect()
-    for name in HNSW_STAGES:
-        if name in cfg.stages:
-            stages.append(_hnsw(m, cfg, device, reporter, name))
-            gc.collect()
+    done = StageCheckpoints(out, m.target_fp, m.draft_fp, {**cfg.corpus.describe(), "device": device})
+    configs = _stage_configs(cfg)
+    stages = {name: stage for name in cfg.stages if (stage := done.load(name, configs[name])) is not None}
+    if stages:
+        reporter.log(f"resuming: {', '.join(stages)} finished by an earlier run of this build")
 
-    built = [StageReport(s.name, s.info["seconds"], s.nbytes, s.info) for s in stages]
+    def finished(stage: Stage) -> None:
+        done.save(stage, configs[stage.name])
+        stages[stage.name] = stage
+        gc.collect()
+
+    if any(s in cfg.stages and s not in stages for s in CORPUS_STAGES):
+        for stage in _corpus_stages(m, cfg, reporter):
+            finished(stage)
+    if "clusters" in cfg.stages and "clusters" not in stages:
+        finished(_clusters(m, cfg, device, reporter))
+    for name in HNSW_STAGES:
+        if name in cfg.stages and name not in stages:
+            finished(_hnsw(m, cfg, device, reporter, name))
+
+    ordered = [stages[name] for name in cfg.stages]
+    built = [StageReport(s.name, s.info["seconds"], s.nbytes, s.info) for s in ordered]
     kept = _kept_stages(old, cfg, reporter)
-    stages += [old.load_stage(s) for s in kept]
+    ordered += [old.load_stage(s) for s in kept]
     with reporter.task(f"writing {out.name}", total=None):
-        write_bundle(out, stages, m.target_fp, m.draft_fp)
+        write_bundle(out, ordered, m.target_fp, m.draft_fp)
+    done.clear()
     return BuildReport(out, built, kept, time.perf_counter() - t0, out.stat().st_size)
+
+
+def _stage_configs(cfg: BuildConfig) -> dict[str, dict]:
+    """The config each stage's content depends on (the corpus and the models are keyed separately)."""
+    return {
+        "freq": cfg.freq.as_dict(), "graph": cfg.graph.as_dict(), "clusters": cfg.clusters.as_dict(),
+        "hnsw": cfg.hnsw.as_dict(), "draft_hnsw": cfg.hnsw.as_dict(),
+    }
 
 
 def _kept_stages(old: Bundle | None, cfg: BuildConfig, reporter: Reporter) -> list[str]:

@@ -6,6 +6,8 @@ import os
 import sys
 
 import typer
+from typer._click.exceptions import NoArgsIsHelpError  # typer >= 0.25 carries its own click
+from typer.core import TyperGroup
 
 # The CLI renders its own progress; keep transformers' bars and advisory logs off the terminal.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -17,7 +19,29 @@ from dynvocab.cli import build as _build
 from dynvocab.cli import generate as _generate
 from dynvocab.errors import DynvocabError
 
+class OneLineUsageErrors(TyperGroup):
+    """The app's command group: a bad option value or a missing argument is one ``error: …`` line too."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except typer.TyperException as exc:
+            command = f" {exc.ctx.info_name}" if getattr(exc, "ctx", None) and exc.ctx.parent else ""
+            print(f"error: {exc.format_message()} (see `dynvocab{command} --help`)", file=sys.stderr)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            print("error: interrupted", file=sys.stderr)
+            sys.exit(130)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
+    cls=OneLineUsageErrors,
     name="dynvocab",
     help="Lossless speculative decoding with a small, context-dependent draft vocabulary.",
     no_args_is_help=True,
@@ -38,7 +62,7 @@ def main() -> None:
         app(standalone_mode=True)
     except DynvocabError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,41 +10,25 @@ import typer
 from rich.console import Console
 
 from dynvocab.cli.common import (
-    BundleOpt,
-    KMax,
-    OnlineAlign,
-    CoreSize,
-    HybridWindow,
-    StepNeighbours,
-    Threads,
     Device,
     Draft,
     DraftStepDtype,
     Dtype,
     Prepack,
-    StopBelow,
-    FrSize,
-    BranchBelow,
-    Gamma,
-    KPre,
-    KVer,
-    PaKMax,
-    Window,
+    StrategyFlags,
     Target,
-    TokenMap,
+    Threads,
     check_dtype_device,
+    check_out,
     one_line_errors,
     set_threads,
-    strategy_options,
+    with_strategy_flags,
 )
-from dynvocab.errors import DynvocabError
-from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW
-from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
-from dynvocab.runtime.policies.hybrid import HybridConfig
-from dynvocab.runtime.policies.microspec import MicroSpecConfig
+from dynvocab.files import write_atomic
 
 
 @one_line_errors
+@with_strategy_flags
 def bench(
     prompts: Annotated[
         Optional[str],
@@ -76,26 +58,10 @@ def bench(
     max_new_tokens: Annotated[
         Optional[int], typer.Option("--max-new-tokens", min=1, help="Stop after this many new tokens. [default: 64]")
     ] = None,
-    gamma: Gamma = DEFAULT_GAMMA,
-    stop_below: StopBelow = DEFAULT_STOP_BELOW,
-    branch_below: BranchBelow = DEFAULT_BRANCH_BELOW,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Random seed for sampling.")] = 0,
     seeds: Annotated[
         Optional[str], typer.Option(help="Comma-separated seeds (e.g. 0,1,2): every row once per seed; mean ± std over seeds.")
     ] = None,
-    token_map: TokenMap = None,
-    fr_size: FrSize = None,
-    pa_k_max: PaKMax = None,
-    k_pre: KPre = MicroSpecConfig.k_pre,
-    k_ver: KVer = MicroSpecConfig.k_ver,
-    window: Window = MicroSpecConfig.window,
-    core_size: CoreSize = HybridConfig.core_size,
-    hybrid_window: HybridWindow = HybridConfig.window,
-    step_neighbours: StepNeighbours = HybridConfig.step_neighbours,
-    k_max: KMax = DynaSpecConfig.k_max,
-    online_align: OnlineAlign = False,
-    bundle: BundleOpt = None,
+    flags: StrategyFlags = StrategyFlags(),
     device: Device = None,
     dtype: Dtype = None,
     draft_step_dtype: DraftStepDtype = None,
@@ -116,26 +82,23 @@ def bench(
 ) -> None:
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
     from dynvocab.cli.bench_run import BenchRequest, run_command
+    from dynvocab.runtime.session import ModelConfig
 
     check_dtype_device(device, dtype, draft_step_dtype)
-    if json_path is not None and not json_path.parent.exists():
-        raise DynvocabError(f"folder {json_path.parent} for --json does not exist")
+    for path, flag in ((json_path, "--json"), (csv_path, "--csv"), (plot_path, "--plot")):
+        check_out(path, flag)
     set_threads(threads)
     if kernels:
         _kernel_bench(device, dtype, json_path, threads)
         return
-    options = strategy_options(
-        token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, step_neighbours, k_max,
-        online_align,
-    )
+    flags.check()
     request = BenchRequest(
+        models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_step_dtype=draft_step_dtype),
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
-        target=target, draft=draft, device=device, dtype=dtype, draft_step_dtype=draft_step_dtype, prepack=prepack,
-        bundle=bundle, max_new_tokens=max_new_tokens,
-        gamma=gamma, stop_below=stop_below, branch_below=branch_below, temperature=temperature, seed=seed, seeds=seeds, coverage=coverage,
-        chat_template=not no_chat_template, json_path=json_path, csv_path=csv_path, plot_path=plot_path,
+        max_new_tokens=max_new_tokens, seeds=seeds, coverage=coverage, chat_template=not no_chat_template,
+        json_path=json_path, csv_path=csv_path, plot_path=plot_path,
     )
-    run_command(request, options)
+    run_command(request, flags)
 
 
 def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None, threads: int | None) -> None:
@@ -148,17 +111,6 @@ def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None,
         result = run_kernel_bench(device=device, dtype=dtype or "float32", threads=threads)
     Console().print(render_kernel_table(result))
     if json_path is not None:
-        write_json_atomic(json_path, result)
+        text = json.dumps(result, ensure_ascii=False, indent=1)
+        write_atomic(json_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
         console.print(f"wrote {json_path}")
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write JSON to a temp file in the same folder, then rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, ensure_ascii=False, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dynvocab.bench.report import notes, render_tables, write_atomic, write_csv, write_plot
-from dynvocab.cli.common import status_printer, stdout_is_terminal
-from dynvocab.errors import DynvocabError
-from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW, DecodeConfig
-from dynvocab.runtime.strategies import StrategyOptions
+from dynvocab.bench.report import notes, render_tables, write_csv, write_plot
 from dynvocab.bench.tasks import TASKS, BenchItem, embedded_items, file_items
+from dynvocab.cli.common import StrategyFlags, status_printer, stdout_is_terminal
+from dynvocab.errors import DynvocabError, Interrupted
+from dynvocab.files import write_atomic
+from dynvocab.runtime.session import ModelConfig
 
 DEFAULT_ROWS = "ar,full"
 DEFAULT_MAX_NEW = 64
@@ -36,27 +36,16 @@ class Quick:
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """What the user asked of ``dynvocab bench`` (None = the default, or ``--quick``'s)."""
+    """What the user asked of ``dynvocab bench`` besides the strategy flags (None = the default, or ``--quick``'s)."""
 
+    models: ModelConfig = field(default_factory=ModelConfig)
     prompts: str | None = None
     strategies: str | None = None
     ids: str | None = None
     tasks: str | None = None
     num_prompts: int | None = None
     quick: bool = False
-    target: str = "demo:target"
-    draft: str = "demo:draft"
-    device: str | None = None
-    dtype: str | None = None
-    draft_step_dtype: str | None = None
-    prepack: bool | None = None
-    bundle: str | None = None
     max_new_tokens: int | None = None
-    gamma: int = DEFAULT_GAMMA
-    stop_below: float = DEFAULT_STOP_BELOW
-    branch_below: float = DEFAULT_BRANCH_BELOW
-    temperature: float = 0.0
-    seed: int = 0
     seeds: str | None = None
     coverage: bool = False
     chat_template: bool = True
@@ -94,61 +83,85 @@ def select_items(req: BenchRequest) -> list[BenchItem]:
     return embedded_items(tasks, n or DEFAULT_NUM_PROMPTS, split(req.ids))
 
 
-def check_outputs(*paths: Path | None) -> None:
-    """Refuse output paths whose folder does not exist, before any model is loaded."""
-    for path in paths:
-        if path is not None and not Path(path).parent.exists():
-            raise DynvocabError(f"folder {Path(path).parent} for {path.name} does not exist")
+def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
+    """Run the bench as asked; print the tables and notes; write JSON / CSV / plot. Returns the results.
 
-
-def run_command(req: BenchRequest, options: StrategyOptions) -> dict:
-    """Run the bench as asked; print the tables and notes; write JSON / CSV / plot. Returns the results."""
-    from dynvocab.bench.runner import BenchConfig, needs_draft, parse_rows, run_bench, runnable_strategies
-    from dynvocab.runtime.session import ModelConfig, Session
+    A Ctrl-C drops the row in progress: the finished rows are printed and written as usual, then
+    :class:`~dynvocab.errors.Interrupted` says how many there were.
+    """
+    from dynvocab.bench.runner import BenchConfig, bench_results, needs_draft, parse_rows, run_bench, runnable_strategies
+    from dynvocab.runtime.session import Session
+    from dynvocab.runtime.strategies import check_bundle_stages
 
     quick = Quick() if req.quick else None
     names = parse_rows(req.strategies or (quick.strategies if quick else DEFAULT_ROWS))
-    seeds = parse_seeds(req.seeds, req.seed)
-    check_outputs(req.json_path, req.csv_path, req.plot_path)
+    seeds = parse_seeds(req.seeds, flags.seed)
     if req.plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise DynvocabError("--plot needs matplotlib (the extra `plot`): pip install 'dynvocab[plot]'")
     items = select_items(req)
+    if not req.quick:
+        check_bundle_stages(names, flags.bundle)
     max_new = req.max_new_tokens or (quick.max_new_tokens if quick else DEFAULT_MAX_NEW)
     cfg = BenchConfig(
         strategies=tuple(names),
-        decode=DecodeConfig(
-            gamma=req.gamma, max_new_tokens=max_new, temperature=req.temperature, seed=seeds[0],
-            stop_below=req.stop_below, branch_below=req.branch_below,
-        ),
-        options=options,
+        decode=flags.decode(max_new, seed=seeds[0]),
+        options=flags.options(),
         chat_template=req.chat_template,
         seeds=seeds,
         coverage=req.coverage,
     )
-    session = Session(
-        ModelConfig(
-            req.target, req.draft, req.device, req.dtype, prepack=req.prepack, draft_step_dtype=req.draft_step_dtype
-        ),
-        need_draft=needs_draft(names),
-        status=status_printer(), bundle=req.bundle,
-    )
+    session = Session(req.models, need_draft=needs_draft(names), status=status_printer(), bundle=flags.bundle)
+    check_prompts_fit(session, items, cfg)
     cfg, skipped = runnable_strategies(session, cfg, skip=req.quick)
     console = Console(stderr=True)
     for note in skipped:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     total = sum(item.turns for item in items) * len(cfg.strategies) * len(seeds)
+    finished: list[dict] = []
+    interrupted = False
     with Progress(
         TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
         TimeElapsedColumn(), console=console, transient=True,
     ) as progress:
         bar = progress.add_task("", total=total)
-        results = run_bench(
-            session, items, cfg,
-            on_start=lambda row, strategy: progress.update(bar, description=f"{row} · {strategy}"),
-            on_result=lambda record: progress.update(bar, advance=1),
-        )
+
+        def on_result(record: dict) -> None:
+            finished.append(record)
+            progress.update(bar, advance=1)
+
+        try:
+            results = run_bench(
+                session, items, cfg,
+                on_start=lambda row, strategy: progress.update(bar, description=f"{row} · {strategy}"),
+                on_result=on_result,
+            )
+        except KeyboardInterrupt:
+            interrupted = True
+            results = bench_results(session, cfg, finished)
     results["notes"] = skipped
     results["config"]["tasks"] = sorted({item.task for item in items})
+    if interrupted:
+        results["interrupted"] = True
+    if finished:
+        show_and_write(req, results, console)
+    if interrupted:
+        raise Interrupted(f"interrupted after {len(finished)} of {total} rows")
+    return results
+
+
+def check_prompts_fit(session, items: list[BenchItem], cfg) -> None:
+    """Refuse, before the first row runs, a prompt that leaves no room for ``--max-new-tokens`` in the target's
+    context (replayed turns grow with the answers; their first turn is checked)."""
+    from dynvocab.runtime.prompts import encode_prompt
+
+    for item in items:
+        messages = item.context(0, [], 0)
+        ids = encode_prompt(session.tokenizer, messages, cfg.chat_template)
+        session.check_fits(len(ids), cfg.decode.max_new_tokens, where=f"prompt '{item.id}'")
+
+
+def show_and_write(req: BenchRequest, results: dict, console: Console) -> None:
+    """Print the tables and notes; write the requested JSON / CSV / plot."""
     out = Console(width=None if stdout_is_terminal() else 200)
     for table in render_tables(results):
         out.print(table)
@@ -164,4 +177,3 @@ def run_command(req: BenchRequest, options: StrategyOptions) -> dict:
     if req.plot_path is not None:
         write_plot(req.plot_path, results)
         console.print(f"wrote {req.plot_path}")
-    return results

@@ -18,7 +18,7 @@ from dynvocab.builders.clusters import ClustersConfig
 from dynvocab.builders.corpus import CorpusConfig
 from dynvocab.builders.hnsw import HnswConfig
 from dynvocab.builders.pipeline import STAGES
-from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, err_console, one_line_errors
+from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
 
 
@@ -64,24 +64,35 @@ def build_index(
         Optional[List[str]],
         typer.Option(help="sharegpt (training split), slimpajama, or a .txt/.jsonl/.json/.parquet file or saved datasets folder; repeatable."),
     ] = None,
-    max_docs: Annotated[Optional[int], typer.Option(help=f"Read at most this many documents (default {CorpusConfig.max_docs:,}).")] = None,
+    max_docs: Annotated[Optional[int], typer.Option(min=1, help=f"Read at most this many documents (default {CorpusConfig.max_docs:,}).")] = None,
     stages: Annotated[Optional[str], typer.Option(help=f"Comma-separated stages to (re)build, from {','.join(STAGES)} (default: all).")] = None,
-    num_clusters: Annotated[Optional[int], typer.Option(help=f"clusters: number of clusters M (default {ClustersConfig.num_clusters}).")] = None,
-    hnsw_m: Annotated[Optional[int], typer.Option(help=f"hnsw: graph degree M (default {HnswConfig.m}).")] = None,
-    ef_construction: Annotated[Optional[int], typer.Option(help=f"hnsw: ef at construction (default {HnswConfig.ef_construction}).")] = None,
-    ef_search: Annotated[Optional[int], typer.Option(help=f"hnsw: ef at search time (default {HnswConfig.ef_search}).")] = None,
+    num_clusters: Annotated[Optional[int], typer.Option(min=1, help=f"clusters: number of clusters M (default {ClustersConfig.num_clusters}).")] = None,
+    hnsw_m: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: graph degree M (default {HnswConfig.m}).")] = None,
+    ef_construction: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: ef at construction (default {HnswConfig.ef_construction}).")] = None,
+    ef_search: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: ef at search time (default {HnswConfig.ef_search}).")] = None,
+    hnsw_threads: Annotated[
+        Optional[int],
+        typer.Option(
+            min=-1,
+            help="hnsw: threads inserting rows (default all cores: fastest, but the graph, not its recall, differs "
+            "between builds; 1: every build writes the same bytes).",
+        ),
+    ] = None,
     device: Device = None,
 ) -> None:
     """Build the offline tables (freq, clusters, hnsw, graph, draft_hnsw) for a target/draft pair into one bundle."""
     from dynvocab.builders.pipeline import BuildConfig, build_bundle, parse_stages
 
     check_dtype_device(device, None)
+    check_out(out, "--out")
+    if hnsw_threads == 0:
+        raise DynvocabError("--hnsw-threads must be -1 (all cores) or at least 1")
     base = BuildConfig()
     cfg = BuildConfig(
         stages=parse_stages(stages) if stages is not None else STAGES,
         corpus=_override(base.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
         clusters=_override(base.clusters, num_clusters=num_clusters),
-        hnsw=_override(base.hnsw, m=hnsw_m, ef_construction=ef_construction, ef_search=ef_search),
+        hnsw=_override(base.hnsw, m=hnsw_m, ef_construction=ef_construction, ef_search=ef_search, num_threads=hnsw_threads),
         device=device,
     )
     with RichReporter(err_console) as reporter:
@@ -103,6 +114,7 @@ def describe_bundle(bundle) -> dict:
             "config": bundle.config(name),
             "info": bundle.info(name),
             "bytes": bundle.stage_nbytes(name),
+            "sha256": bundle.stage_checksum(name),
             "tensors": {
                 t: {"dtype": bundle.entries[f"{name}.{t}"].dtype, "shape": list(bundle.entries[f"{name}.{t}"].shape)}
                 for t in bundle.tensor_names(name)
@@ -120,8 +132,17 @@ def describe_bundle(bundle) -> dict:
         "dynvocab_version": bundle.metadata["dynvocab_version"],
         "file_bytes": bundle.path.stat().st_size,
         "fingerprint": {role: fp.as_dict() for role, fp in bundle.fingerprints.items()},
+        "checksums": checksum_note(bundle),
         "stages": stages,
     }
+
+
+def checksum_note(bundle) -> str:
+    """What ``inspect`` says of the bundle's checksums (it verified every one before describing the bundle)."""
+    if bundle.has_checksums:
+        return "sha256 per tensor, all verified"
+    written = bundle.metadata["written_at"] or "at an unknown time"
+    return f"no checksum (built before bundles carried checksums; written {written})"
 
 
 @one_line_errors
@@ -139,7 +160,7 @@ def inspect(
     console = Console()
     console.print(
         f"[bold]{info['path']}[/] · format v{info['format_version']} · {info['file_bytes'] / 1e6:.1f} MB · "
-        f"written {info['written_at']}", highlight=False,
+        f"written {info['written_at']} · {info['checksums']}", highlight=False,
     )
     for role, fp in info["fingerprint"].items():
         console.print(
@@ -152,7 +173,8 @@ def inspect(
     for name, st in info["stages"].items():
         tensors = "\n".join(f"{t} {v['dtype']} {tuple(v['shape'])}" for t, v in st["tensors"].items())
         built = f"{st['info'].get('built_at', '?')}\nin {st['info'].get('seconds', '?')} s"
-        table.add_row(name, f"{st['bytes'] / 1e6:.1f} MB", tensors, built)
+        sha = f"\nsha256 {st['sha256'][:12]}" if st["sha256"] else "\nno checksum"
+        table.add_row(name, f"{st['bytes'] / 1e6:.1f} MB{sha}", tensors, built)
     console.print(table)
     for name, st in info["stages"].items():
         skip = ("built_at", "seconds", "corpus", "index", "coverage")
@@ -174,13 +196,14 @@ def export(
     bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="A bundle with a freq stage.")],
     out: Annotated[Path, typer.Option("--out", help="The file to write (torch.save).")],
     fmt: Annotated[str, typer.Option("--format", help=f"One of {', '.join(FORMATS)}. sglang: list of token ids (FR-Spec / --speculative-token-map); eagle3: {{d2t, t2d}}.")] = "sglang",
-    size: Annotated[Optional[int], typer.Option(help=f"Number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
+    size: Annotated[Optional[int], typer.Option(min=1, help=f"Number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
 ) -> None:
     """Export the top-K frequency ranking as an SGLang/FR-Spec token map or EAGLE-3 d2t/t2d."""
     from dynvocab.artifacts import FreqTable, export_freq, load_bundle, save_torch_atomic
 
     if fmt not in FORMATS:
         raise DynvocabError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
+    check_out(out, "--out")
     bundle = load_bundle(bundle_path, verify=True)
     bundle.require("freq")
     size = DEFAULT_EXPORT_SIZE if size is None else size

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
+import math
 import sys
+import tempfile
+import typing
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -11,6 +18,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW
+from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
+from dynvocab.runtime.policies.hybrid import HybridConfig
+from dynvocab.runtime.policies.microspec import MicroSpecConfig
 
 err_console = Console(stderr=True)
 
@@ -62,12 +73,26 @@ TokenMap = Annotated[
     Optional[str],
     typer.Option(help="FR-Spec/SGLang token map for fr and fr-pa: a torch.save'd list of token ids, most frequent first."),
 ]
-FrSize = Annotated[Optional[int], typer.Option(help="Use only the first K ids of the token map.")]
-PaKMax = Annotated[Optional[int], typer.Option(help="k_max of fr-pa's position-aware budget (default: the map size).")]
+FrSize = Annotated[Optional[int], typer.Option(min=1, help="Use only the first K ids of the token map.")]
+PaKMax = Annotated[Optional[int], typer.Option(min=1, help="k_max of fr-pa's position-aware budget (default: the map size).")]
+
+
+OOM_HINTS = {
+    "generate": "reduce --max-new-tokens or the prompt, or use --dtype bfloat16",
+    "bench": "reduce --max-new-tokens, the --strategies rows or --num-prompts, or use --dtype bfloat16",
+    "build_index": "reduce --max-docs or build fewer --stages at a time",
+    "train_router": "reduce --max-docs, --max-tokens or --batch-size",
+}
 
 
 def one_line_errors(func):
-    """Turn DynvocabError (and a few plain OS errors) into ``error: …`` on stderr and exit code 1."""
+    """Turn DynvocabError, OS errors, running out of memory and a torch ``RuntimeError`` into ``error: …`` on
+    stderr and exit code 1; Ctrl-C into ``error: interrupted`` and exit code 130."""
+    hint = OOM_HINTS.get(func.__name__, "use a smaller model or input")
+
+    def fail(message: str, code: int = 1):
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        return typer.Exit(code)
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -75,14 +100,20 @@ def one_line_errors(func):
         try:
             return func(*args, **kwargs)
         except DynvocabError as exc:
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-        except (OSError, MemoryError) as exc:
-            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+            raise fail(str(exc), exc.exit_code) from None
+        except MemoryError:
+            raise fail(f"out of memory; {hint}") from None
+        except OSError as exc:
+            raise fail(f"{type(exc).__name__}: {exc}") from None
+        except typer.Exit:
+            raise
+        except RuntimeError as exc:  # torch reports out of memory, and tensors that do not fit, as RuntimeError
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            if "out of memory" in first.lower() or "can't allocate memory" in first.lower():
+                raise fail(f"out of memory ({first}); {hint}") from None
+            raise fail(f"{type(exc).__name__}: {first}") from None
         except KeyboardInterrupt:
-            err_console.print("[bold red]error:[/] interrupted")
-            raise typer.Exit(130) from None
+            raise fail("interrupted", 130) from None
 
     return wrapper
 
@@ -148,34 +179,118 @@ OnlineAlign = Annotated[
 ]
 
 
-def strategy_options(
-    token_map: str | None,
-    fr_size: int | None,
-    pa_k_max: int | None,
-    k_pre: int,
-    k_ver: int,
-    window: int,
-    core_size: int,
-    hybrid_window: int,
-    step_neighbours: int,
-    k_max: int,
-    online_align: bool,
-):
-    """The :class:`~dynvocab.runtime.strategies.StrategyOptions` that the shared strategy flags describe."""
-    from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
-    from dynvocab.runtime.policies.evospec import EvoSpecConfig
-    from dynvocab.runtime.policies.hybrid import HybridConfig
-    from dynvocab.runtime.policies.microspec import MicroSpecConfig
-    from dynvocab.runtime.strategies import StrategyOptions
+Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (exact rejection sampling).")]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1], applied to target and draft alike.")]
+Seed = Annotated[int, typer.Option(help="Random seed for sampling.")]
 
-    return StrategyOptions(
-        token_map=token_map,
-        fr_size=fr_size,
-        pa_k_max=pa_k_max,
-        microspec=MicroSpecConfig(k_pre=k_pre, k_ver=k_ver, window=window),
-        hybrid=HybridConfig(
-            core_size=core_size, window=hybrid_window, k_pre=k_pre, k_ver=k_ver, step_neighbours=step_neighbours
-        ),
-        dynaspec=DynaSpecConfig(k_max=k_max),
-        evospec=EvoSpecConfig(online_align=online_align),
-    )
+
+@dataclass(frozen=True)
+class StrategyFlags:
+    """The decoding and strategy flags ``generate`` and ``bench`` share, as given on the command line.
+
+    Defined once: :func:`with_strategy_flags` adds them to a command, which receives them as ``flags``.
+    """
+
+    gamma: int = DEFAULT_GAMMA
+    stop_below: float = DEFAULT_STOP_BELOW
+    branch_below: float = DEFAULT_BRANCH_BELOW
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    token_map: Optional[str] = None
+    fr_size: Optional[int] = None
+    pa_k_max: Optional[int] = None
+    k_pre: int = MicroSpecConfig.k_pre
+    k_ver: int = MicroSpecConfig.k_ver
+    window: int = MicroSpecConfig.window
+    core_size: int = HybridConfig.core_size
+    hybrid_window: int = HybridConfig.window
+    step_neighbours: int = HybridConfig.step_neighbours
+    k_max: int = DynaSpecConfig.k_max
+    online_align: bool = False
+    bundle: Optional[str] = None
+
+    def check(self) -> None:
+        """Refuse values the option ranges cannot express (not-a-number, an empty nucleus), before any load."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DynvocabError(f"--temperature must be a finite number ≥ 0 (got {self.temperature})")
+        if not (0.0 < self.top_p <= 1.0):  # also refuses nan
+            raise DynvocabError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        for flag, value in (("--stop-below", self.stop_below), ("--branch-below", self.branch_below)):
+            if not math.isfinite(value):
+                raise DynvocabError(f"{flag} must be a number in [0, 1] (got {value})")
+
+    def decode(self, max_new_tokens: int, seed: int | None = None):
+        """The :class:`~dynvocab.runtime.loop.DecodeConfig` these flags describe."""
+        from dynvocab.runtime.loop import DecodeConfig
+
+        return DecodeConfig(
+            gamma=self.gamma, max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+            seed=self.seed if seed is None else seed, stop_below=self.stop_below, branch_below=self.branch_below,
+        )
+
+    def options(self):
+        """The :class:`~dynvocab.runtime.strategies.StrategyOptions` these flags describe."""
+        from dynvocab.runtime.policies.evospec import EvoSpecConfig
+        from dynvocab.runtime.strategies import StrategyOptions
+
+        return StrategyOptions(
+            token_map=self.token_map,
+            fr_size=self.fr_size,
+            pa_k_max=self.pa_k_max,
+            microspec=MicroSpecConfig(k_pre=self.k_pre, k_ver=self.k_ver, window=self.window),
+            hybrid=HybridConfig(
+                core_size=self.core_size, window=self.hybrid_window, k_pre=self.k_pre, k_ver=self.k_ver,
+                step_neighbours=self.step_neighbours,
+            ),
+            dynaspec=DynaSpecConfig(k_max=self.k_max),
+            evospec=EvoSpecConfig(online_align=self.online_align),
+        )
+
+
+_FLAG_TYPES = {
+    "gamma": Gamma, "stop_below": StopBelow, "branch_below": BranchBelow, "temperature": Temperature, "top_p": TopP,
+    "seed": Seed, "token_map": TokenMap, "fr_size": FrSize, "pa_k_max": PaKMax, "k_pre": KPre, "k_ver": KVer,
+    "window": Window, "core_size": CoreSize, "hybrid_window": HybridWindow, "step_neighbours": StepNeighbours,
+    "k_max": KMax, "online_align": OnlineAlign, "bundle": BundleOpt,
+}
+
+
+def with_strategy_flags(command):
+    """Give ``command`` the :class:`StrategyFlags` options in place of its ``flags`` parameter (typer reads the
+    signature); the command receives them as one checked ``flags`` object."""
+    signature = inspect.signature(command, eval_str=True)
+    hints = typing.get_type_hints(command, include_extras=True)
+    shared = [
+        inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_FLAG_TYPES[f.name], default=f.default)
+        for f in dataclasses.fields(StrategyFlags)
+    ]
+    params = []
+    for p in signature.parameters.values():
+        params += shared if p.name == "flags" else [p.replace(annotation=hints.get(p.name, p.annotation))]
+    names = [f.name for f in dataclasses.fields(StrategyFlags)]
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        flags = StrategyFlags(**{n: kwargs.pop(n) for n in names if n in kwargs})
+        return command(*args, flags=flags, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
+
+
+def check_out(path: Path | str | None, flag: str) -> None:
+    """Refuse an output path whose folder does not exist or cannot be written, before any model loads."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise DynvocabError(f"{flag} {path} is a folder; name a file in it")
+    folder = path.parent
+    if not folder.is_dir():
+        raise DynvocabError(f"folder {folder} for {flag} does not exist; create it or pick another {flag}")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise DynvocabError(f"folder {folder} for {flag} cannot be written ({exc.strerror}); pick another {flag}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, List, Optional
@@ -11,7 +12,8 @@ from rich.table import Table
 
 from dynvocab.builders.router import RouterConfig, TrainRouterConfig
 from dynvocab.cli.build import RichReporter
-from dynvocab.cli.common import Device, Draft, check_dtype_device, err_console, one_line_errors
+from dynvocab.cli.common import Device, Draft, check_dtype_device, check_out, err_console, one_line_errors
+from dynvocab.errors import DynvocabError
 
 _DEFAULTS = TrainRouterConfig()
 
@@ -32,14 +34,14 @@ def train_router(
         Optional[List[str]],
         typer.Option(help="sharegpt (training split, chat-template encoded), or .txt/.jsonl/.json/.parquet files; repeatable."),
     ] = None,
-    max_docs: Annotated[Optional[int], typer.Option(help=f"Documents to run the draft over (default {_DEFAULTS.corpus.max_docs}).")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(help=f"Tokens per document (default {RouterConfig.max_tokens}).")] = None,
-    epochs: Annotated[Optional[int], typer.Option(help=f"Training epochs (default {RouterConfig.epochs}).")] = None,
-    top_l: Annotated[Optional[int], typer.Option(help=f"Positives: clusters of the draft's top-L tokens (default {RouterConfig.top_l}).")] = None,
-    hidden: Annotated[Optional[int], typer.Option(help=f"Hidden units of the router MLP (default {RouterConfig.width}).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help=f"Training batch size (default {RouterConfig.batch_size}).")] = None,
+    max_docs: Annotated[Optional[int], typer.Option(min=1, help=f"Documents to run the draft over (default {_DEFAULTS.corpus.max_docs}).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(min=1, help=f"Tokens per document (default {RouterConfig.max_tokens}).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(min=1, help=f"Training epochs (default {RouterConfig.epochs}).")] = None,
+    top_l: Annotated[Optional[int], typer.Option(min=1, help=f"Positives: clusters of the draft's top-L tokens (default {RouterConfig.top_l}).")] = None,
+    hidden: Annotated[Optional[int], typer.Option(min=1, help=f"Hidden units of the router MLP (default {RouterConfig.width}).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, help=f"Training batch size (default {RouterConfig.batch_size}).")] = None,
     lr: Annotated[Optional[float], typer.Option(help=f"AdamW learning rate (default {RouterConfig.lr:g}).")] = None,
-    k_max: Annotated[Optional[int], typer.Option(help=f"Cluster budget k_max the recall report centres on (default {RouterConfig.k_max}).")] = None,
+    k_max: Annotated[Optional[int], typer.Option(min=1, help=f"Cluster budget k_max the recall report centres on (default {RouterConfig.k_max}).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the initialisation and the batch order.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the bundle here instead of updating --bundle in place.")] = None,
     device: Device = None,
@@ -49,6 +51,9 @@ def train_router(
     from dynvocab.builders.router import train_router as run
 
     check_dtype_device(device, dtype)
+    check_out(out if out is not None else bundle, "--out")
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise DynvocabError(f"--lr must be a finite number > 0 (got {lr})")
     cfg = TrainRouterConfig(
         corpus=_override(_DEFAULTS.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
         router=_override(RouterConfig(), max_tokens=max_tokens, epochs=epochs, top_l=top_l, width=hidden,

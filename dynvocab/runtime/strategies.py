@@ -51,6 +51,36 @@ class PolicyContext:
         return torch.tensor(sorted(i for i in self.eos_ids if i < self.vocab_size), dtype=torch.long)
 
 
+BUNDLE_STAGES = {"dynaspec": ("clusters", "router"), "evospec": ("freq", "hnsw", "graph")}  # stages a strategy reads
+
+
+def check_bundle_stages(strategies: list[str] | tuple[str, ...], bundle_path: str | None) -> None:
+    """Refuse, before any model loads, a strategy whose bundle stages are missing (or that needs a bundle)."""
+    needs = {s: BUNDLE_STAGES[s] for s in strategies if s in BUNDLE_STAGES}
+    if not needs:
+        return
+    if bundle_path is None:
+        name, stages = next(iter(needs.items()))
+        raise DynvocabError(
+            f"strategy '{name}' needs --bundle B with {', '.join(stages)} stages; build one with "
+            "`dynvocab build-index` (and `dynvocab train-router` for router)"
+        )
+    from dynvocab.artifacts import load_bundle
+
+    with load_bundle(bundle_path) as bundle:
+        for name, stages in needs.items():
+            missing = [s for s in stages if not bundle.has(s)]
+            if missing:
+                how = " and ".join(
+                    f"`dynvocab train-router --bundle {bundle_path}`" if s == "router"
+                    else f"`dynvocab build-index --stages {s} --out {bundle_path}`" for s in missing
+                )
+                raise DynvocabError(
+                    f"strategy '{name}' needs bundle stage(s) {', '.join(missing)}, which {bundle_path} lacks "
+                    f"(it has: {', '.join(bundle.stages) or 'none'}); add them with {how}"
+                )
+
+
 def parse_strategies(text: str) -> list[str]:
     """Split ``a,b,c`` and check each name."""
     names = [s.strip() for s in text.split(",") if s.strip()]
