@@ -134,11 +134,12 @@ def test_an_old_full_dimension_index_is_refused_in_one_line(tmp_path):
         load_hnsw(load_bundle(path), synthetic_head(2000, 32))
 
 
-def test_without_sample_queries_the_projection_is_the_rows_principal_axes():
+def test_without_sample_queries_the_maps_are_the_identity_at_full_rank_and_principal_axes_below():
     head = synthetic_head(500, 16)
-    index = hnsw.build_index(hnsw.HnswConfig(ef_construction=50, rank=16), head, None)
-    assert torch.equal(index.row_map, index.query_map)
-    assert torch.allclose(index.row_map.T @ index.row_map, torch.eye(16), atol=1e-5)
+    index = hnsw.build_index(hnsw.HnswConfig(ef_construction=50), head, None)  # rank 0: the full hidden size
+    assert index.params.rank == 16 and torch.equal(index.row_map, torch.eye(16)) and torch.equal(index.query_map, torch.eye(16))
+    row_map, query_map = hnsw.fit_projection(head, 4)
+    assert torch.equal(row_map, query_map) and torch.allclose(row_map.T @ row_map, torch.eye(4), atol=1e-5)
 
 
 def test_hidden_states_are_the_same_in_padded_batches(tiny_dirs):  # noqa: F811

@@ -27,7 +27,7 @@ class HnswConfig:
     m: int = 32
     ef_construction: int = 200
     ef_search: int = 256
-    rank: int = 128  # projected dimension the graph is built on (capped at the hidden size)
+    rank: int = 0  # dimension of the projection the graph is built on (0 or ≥ d: the full hidden size)
     candidates: int = 64  # rows the graph proposes for the exact re-rank
     seed: int = 100
     num_threads: int = -1  # hnswlib threads for building (-1: all cores)
@@ -67,13 +67,16 @@ def fit_projection(
     With the preconditioner, queries ``q S^{-1/2}`` are near-isotropic, so the rank-r map that best keeps the
     inner products with the rows ``W S^{1/2}`` is their top-r right singular vectors ``U_r`` (uncentred PCA):
     ``row_map = S^{1/2} U_r``, ``query_map = S^{-1/2} U_r``. Without sample queries ``S = I``.
-    ``rank`` is capped at d; at ``rank = d`` inner products are kept exactly.
+    At ``rank`` 0 or ≥ d no direction is dropped and the maps are the preconditioner itself (any rotation
+    ``U`` keeps every inner product, so none is fitted).
     """
     d = head.shape[1]
     if fit_queries is not None and fit_queries.numel():
         root, inv_root = fit_preconditioner(fit_queries, shrinkage)
     else:
-        root = inv_root = torch.eye(d)
+        root, inv_root = torch.eye(d), torch.eye(d)
+    if rank <= 0 or rank >= d:
+        return root, inv_root
     gram = torch.zeros(d, d, dtype=torch.float64)
     for rows in head.detach().split(16384):
         a = rows.float().cpu() @ root  # [chunk, d]
