@@ -46,7 +46,8 @@ def test_inspect_json(bundle):
     info = json.loads(result.output.strip().splitlines()[-1])
     assert set(info["stages"]) == {"freq", "clusters", "hnsw", "graph", "draft_hnsw"}
     assert info["stages"]["graph"]["config"] == {"min_count": 5, "tau": 1e-4, "max_out_degree": 64}
-    assert info["stages"]["hnsw"]["bytes"] > 0
+    assert info["stages"]["hnsw"]["bytes"] > 0 and info["stages"]["hnsw"]["info"]["recall@10"] >= 0.95
+    assert "index" not in info["stages"]["hnsw"]["tensors"] and "row_map" in info["stages"]["hnsw"]["tensors"]
     assert set(info["stages"]["freq"]["coverage"]) == {"4096", "8192", "16384", "32768"}
     assert info["fingerprint"]["target"]["head_rows"] == info["stages"]["freq"]["tensors"]["counts"]["shape"][0]
 
@@ -54,7 +55,7 @@ def test_inspect_json(bundle):
 def test_inspect_human(bundle):
     result = run("inspect", bundle)
     assert result.exit_code == 0, result.output
-    assert "coverage" in result.output and "hnsw" in result.output
+    assert "coverage" in result.output and "hnsw" in result.output and "recall@10" in result.output
 
 
 def test_export_sglang_and_eagle3(bundle, tmp_path):

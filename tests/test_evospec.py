@@ -149,14 +149,18 @@ def test_async_retrieval_gives_the_synchronous_result_once_flushed(tables):
 
 
 def bundle_for(tmp_path, pair, tables, stages=("freq", "hnsw", "graph")):
-    from dynvocab.artifacts.hnsw import index_to_tensor
+    from dataclasses import replace
+
+    from dynvocab.artifacts.hnsw import graph_tensors
 
     target, _ = pair
     ranking, index, params, graph = tables
+    links, layout = graph_tensors(index.index)
     made = {
         "freq": Stage("freq", FreqTable(torch.ones(VOCAB, dtype=torch.long), ranking, torch.tensor([95])).to_tensors(), {}),
         "hnsw": Stage(
-            "hnsw", {"index": index_to_tensor(index.index), "query_map": index.query_map}, {}, {"index": params.as_dict()}
+            "hnsw", {**links, "row_map": index.row_map, "query_map": index.query_map}, {},
+            {"index": replace(params, layout=layout).as_dict()},
         ),
         "graph": Stage("graph", graph.to_tensors(), {}),
     }

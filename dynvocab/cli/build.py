@@ -70,6 +70,8 @@ def build_index(
     hnsw_m: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: graph degree M (default {HnswConfig.m}).")] = None,
     ef_construction: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: ef at construction (default {HnswConfig.ef_construction}).")] = None,
     ef_search: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: ef at search time (default {HnswConfig.ef_search}).")] = None,
+    hnsw_rank: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: dimensions of the projection the graph is built on (default {HnswConfig.rank}).")] = None,
+    hnsw_candidates: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: rows the graph proposes for the exact re-rank (default {HnswConfig.candidates}).")] = None,
     hnsw_threads: Annotated[
         Optional[int],
         typer.Option(
@@ -92,7 +94,15 @@ def build_index(
         stages=parse_stages(stages) if stages is not None else STAGES,
         corpus=_override(base.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
         clusters=_override(base.clusters, num_clusters=num_clusters),
-        hnsw=_override(base.hnsw, m=hnsw_m, ef_construction=ef_construction, ef_search=ef_search, num_threads=hnsw_threads),
+        hnsw=_override(
+            base.hnsw,
+            m=hnsw_m,
+            ef_construction=ef_construction,
+            ef_search=ef_search,
+            rank=hnsw_rank,
+            candidates=hnsw_candidates,
+            num_threads=hnsw_threads,
+        ),
         device=device,
     )
     with RichReporter(err_console) as reporter:
@@ -168,13 +178,14 @@ def inspect(
             f"· tokenizer {fp['tokenizer_sha256'][:12]}", highlight=False,
         )
     table = Table(title="stages")
-    for col in ("stage", "size", "tensors", "built"):
+    for col in ("stage", "size", "recall", "tensors", "built"):
         table.add_column(col)
     for name, st in info["stages"].items():
         tensors = "\n".join(f"{t} {v['dtype']} {tuple(v['shape'])}" for t, v in st["tensors"].items())
         built = f"{st['info'].get('built_at', '?')}\nin {st['info'].get('seconds', '?')} s"
         sha = f"\nsha256 {st['sha256'][:12]}" if st["sha256"] else "\nno checksum"
-        table.add_row(name, f"{st['bytes'] / 1e6:.1f} MB{sha}", tensors, built)
+        recall = "\n".join(f"{k} {v:.3f}" for k, v in st["info"].items() if k.startswith("recall@")) or "–"
+        table.add_row(name, f"{st['bytes'] / 1e6:.1f} MB{sha}", recall, tensors, built)
     console.print(table)
     for name, st in info["stages"].items():
         skip = ("built_at", "seconds", "corpus", "index", "coverage")

@@ -167,10 +167,11 @@ def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> Hyb
 
         if ctx.bundle.has("graph"):
             graph = GraphTable.from_bundle(ctx.bundle)
-        if ctx.bundle.has("hnsw"):
-            hnsw = load_hnsw(ctx.bundle)[0]
-        if ctx.bundle.has("draft_hnsw") and cfg.searches_per_step(ctx.device):
-            draft_hnsw = load_hnsw(ctx.bundle, "draft_hnsw")[0]
+        if ctx.bundle.has("hnsw") and ctx.target is not None:
+            hnsw = load_hnsw(ctx.bundle, ctx.target.weight)[0]
+        if ctx.bundle.has("draft_hnsw") and ctx.draft is not None and cfg.searches_per_step(ctx.device):
+            draft_head = ctx.draft.model.get_output_embeddings().weight  # every row, as indexed
+            draft_hnsw = load_hnsw(ctx.bundle, draft_head, "draft_hnsw")[0]
     return HybridPolicy(
         cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw, draft_hnsw=draft_hnsw
     )

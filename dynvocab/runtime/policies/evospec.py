@@ -212,11 +212,12 @@ def _serve(retriever: Retriever, inbox, outbox, stop: threading.Event) -> None:
             outbox.put((event, None, 0.0))
 
 
-def _bundle_tables(bundle) -> tuple:
-    """(freq ranking [V], MipsIndex, HnswParams, GraphTable) of a bundle; each is loaded once per bundle object."""
+def _bundle_tables(bundle, head: torch.Tensor) -> tuple:
+    """(freq ranking [V], MipsIndex, HnswParams, GraphTable) of a bundle, the index re-ranking with the target's
+    ``head`` [V, d]; each is loaded once per bundle object."""
     from dynvocab.artifacts import FreqTable, GraphTable, load_hnsw
 
-    index, params = load_hnsw(bundle)
+    index, params = load_hnsw(bundle, head)
     return FreqTable.from_bundle(bundle).ranking, index, params, GraphTable.from_bundle(bundle)
 
 
@@ -275,13 +276,10 @@ class EvoSpecPolicy(VocabPolicy):
             )
         if cfg.static_size < 1 or cfg.dynamic_size < 1:
             raise DynvocabError("evospec needs a static size and a dynamic size of at least 1")
-        ranking, index, params, graph = _bundle_tables(bundle)
         target = getattr(ctx, "target", None)
-        if target is not None and target.weight.shape[1] != params.dim - 1:
-            raise DynvocabError(
-                f"the bundle's HNSW index has dimension {params.dim - 1} but the target's hidden size is "
-                f"{target.weight.shape[1]}; rebuild stage hnsw for this target"
-            )
+        if target is None:
+            raise DynvocabError("strategy 'evospec' needs the target model: its LM head re-ranks the HNSW candidates")
+        ranking, index, _, graph = _bundle_tables(bundle, target.weight)  # a head of another shape is refused
         ranking = ranking[ranking < ctx.vocab_size][: cfg.static_size]
         eos = ctx.eos
         core = torch.cat([ranking, eos[~torch.isin(eos, ranking)]])  # EOS stays draftable so drafts can end
