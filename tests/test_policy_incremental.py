@@ -103,3 +103,28 @@ def test_an_unchanged_window_returns_the_same_tensor():
     before = policy.active_ids(0)
     policy.observe(CycleReport(2, [6], [], 1, [6, 5], logits, torch.zeros(2, DIM)))  # only ids already in the window
     assert policy.active_ids(0) is before
+
+
+def test_dynaspec_ranges_match_the_host_merge():
+    from dynvocab.artifacts import ClusterTable
+    from dynvocab.artifacts.router import RouterMLP, RouterTable
+    from dynvocab.runtime.head import merge_ranges
+    from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+
+    g = torch.Generator().manual_seed(5)
+    m = 24
+    assign = torch.randint(m // 2, (VOCAB,), generator=g) * 2  # odd clusters are empty: picked, they touch both sides
+    clusters = ClusterTable(assign, torch.randn(m, DIM))
+    router = RouterTable.from_module(RouterMLP(DIM, DIM, 16, m), {"hidden_dim": DIM, "embed_dim": DIM, "width": 16, "num_clusters": m})
+    policy = DynaSpecPolicy(DynaSpecConfig(k_max=8), clusters, router, torch.randn(VOCAB, DIM), VOCAB, torch.tensor([5]))
+    sizes = torch.bincount(assign, minlength=m)
+    ends = sizes.cumsum(0)
+    starts = ends - sizes
+    for _ in range(200):
+        scores = torch.randn(m, generator=g)
+        k = int(torch.randint(1, m + 1, (1,), generator=g))
+        ranges, eos = policy.select(scores, k)
+        chosen = scores.topk(k).indices.tolist()
+        want = merge_ranges([int(starts[c]) for c in chosen], [int(ends[c]) for c in chosen])
+        assert (ranges.starts, ranges.ends) == want
+        assert eos.tolist() == ([] if int(assign[5]) in chosen else [5])
