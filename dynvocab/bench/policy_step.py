@@ -43,12 +43,13 @@ HEAD_ROWS = 3072
 
 
 @torch.inference_mode()
-def eagle_step_ms(dtype: torch.dtype, context: int = 128, repeats: int = 10, warmup: int = 2, seed: int = 0) -> dict:
+def eagle_step_ms(dtype: torch.dtype, context: int = 128, repeats: int = 10, warmup: int = 2, seed: int = 0,
+                  target: dict = DEMO_TARGET) -> dict:
     """Median ms of one EAGLE-1 draft step's body (fc + one decoder layer) and of its 3k-row head (M = 1)."""
     from transformers import DynamicCache, Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
-    cfg = Qwen2Config(**DEMO_TARGET, num_hidden_layers=1)
+    cfg = Qwen2Config(**target, num_hidden_layers=1)
     torch.manual_seed(seed)
     d = cfg.hidden_size
     layer = Qwen2DecoderLayer(cfg, layer_idx=0).to(dtype).eval()
@@ -115,7 +116,8 @@ class _Tables:
             torch.randint(vocab, (vocab * fanout,), generator=g, dtype=torch.int32),
             torch.full((vocab * fanout,), 1.0 / fanout),
         )
-        self.hnsw = build_index(HnswConfig(m=8, ef_construction=32, ef_search=64), torch.randn(4096, dim, generator=g))
+        rows = torch.randn(min(4096, vocab), dim, generator=g)  # [n, d] a small index: retrieval's cost, not its recall
+        self.hnsw = build_index(HnswConfig(m=8, ef_construction=32, ef_search=64), rows)
         self.draft_hnsw = self.hnsw
         m = 1024
         assign = torch.randint(m, (vocab,), generator=g)
@@ -141,7 +143,8 @@ def _policy(name: str, t: _Tables):
     if name == "dynaspec":
         return DynaSpecPolicy(DynaSpecConfig(), t.clusters, t.router, t.embedding, t.vocab, t.eos)
     if name == "evospec":
-        core = torch.cat([t.ranking[: EvoSpecConfig.static_size], t.eos])
+        ranking = t.ranking[: EvoSpecConfig.static_size]
+        core = torch.cat([ranking, t.eos[~torch.isin(t.eos, ranking)]])  # as EvoSpecPolicy.from_context builds it
         return EvoSpecPolicy(EvoSpecConfig(), core, t.hnsw, t.graph, t.vocab)
     raise ValueError(f"unknown policy {name!r}; known: {POLICIES}")
 
@@ -220,20 +223,21 @@ def policy_step_bench(
     gamma: int = 6,
     seed: int = 0,
     threads: int | None = None,
+    target: dict = DEMO_TARGET,
 ) -> dict:
     """Each policy's own ms per draft step and its head's ms per step, beside an EAGLE-1 step with a 3k-row head,
-    per dtype. Returns ``{"tables", "cycles", "gamma", "threads", "dtypes": {dtype: {"eagle": {...},
+    per dtype (``target``: other shapes, e.g. tiny ones for tests). Returns ``{"tables", "cycles", "gamma", "threads", "dtypes": {dtype: {"eagle": {...},
     "policies": {name: {"policy_ms", "active_ms", "observe_ms", "head_ms", "share_of_eagle_step"}}}}}``."""
     with cpu_threads(threads):
-        tables = _Tables(bundle, DEMO_TARGET["vocab_size"], DEMO_TARGET["hidden_size"], torch.float32, seed)
+        tables = _Tables(bundle, target["vocab_size"], target["hidden_size"], torch.float32, seed)
         script = scripted_cycles(tables, warmup_cycles + cycles, gamma, seed)
         prompt = torch.cat([tables.ranking[:200], tables.eos])
-        out = {"tables": "bundle" if bundle is not None else "synthetic", "cycles": cycles, "gamma": gamma,
+        out = {"tables": "bundle" if bundle is not None else "synthetic", "target": target, "cycles": cycles, "gamma": gamma,
                "threads": torch.get_num_threads(), "dtypes": {}}
         for name in dtypes:
             dt = resolve_dtype(name)
-            eagle = eagle_step_ms(dt, seed=seed)
-            weight = torch.randn(tables.vocab, DEMO_TARGET["hidden_size"]).to(dt)  # [V, d] the head an EAGLE-1 draft reads
+            eagle = eagle_step_ms(dt, seed=seed, target=target)
+            weight = torch.randn(tables.vocab, target["hidden_size"]).to(dt)  # [V, d] the head an EAGLE-1 draft reads
             rows = {}
             for p in policies:
                 policy = _policy(p, tables)
@@ -260,8 +264,9 @@ def render_policy_table(result: dict):
     """A rich table: per dtype and policy, ms per draft step and the share of a 3k-row EAGLE-1 step."""
     from rich.table import Table
 
+    shape = result["target"]
     table = Table(
-        title=f"policy time per draft step · demo target shapes (d 1,536, V 151,936) · {result['tables']} tables · "
+        title=f"policy time per draft step · d {shape['hidden_size']:,}, V {shape['vocab_size']:,} · {result['tables']} tables · "
               f"γ={result['gamma']} · {result['cycles']} cycles · {result['threads']} threads",
         title_justify="left",
     )

@@ -113,6 +113,14 @@ def bench(
     kernels: Annotated[
         bool, typer.Option("--kernels", help="Instead: microbenchmark the draft-head paths (full, 32k, gathered, packed).")
     ] = False,
+    policy_steps: Annotated[
+        bool,
+        typer.Option(
+            "--policy-steps",
+            help="Instead: time each dynamic policy's own work per draft step against an EAGLE-1 step with a 3k-row "
+            "head at the demo target's shapes (bfloat16 and float32; the --bundle's tables, else synthetic ones).",
+        ),
+    ] = False,
 ) -> None:
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
     from dynvocab.cli.bench_run import BenchRequest, run_command
@@ -123,6 +131,9 @@ def bench(
     set_threads(threads)
     if kernels:
         _kernel_bench(device, dtype, json_path, threads)
+        return
+    if policy_steps:
+        _policy_step_bench(bundle, dtype, json_path, threads)
         return
     options = strategy_options(
         token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, step_neighbours, k_max,
@@ -147,6 +158,21 @@ def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None,
     with console.status("timing draft-head paths…"):
         result = run_kernel_bench(device=device, dtype=dtype or "float32", threads=threads)
     Console().print(render_kernel_table(result))
+    if json_path is not None:
+        write_json_atomic(json_path, result)
+        console.print(f"wrote {json_path}")
+
+
+def _policy_step_bench(bundle: str | None, dtype: str | None, json_path: Path | None, threads: int | None) -> None:
+    from dynvocab.artifacts.bundle import load_bundle
+    from dynvocab.bench.policy_step import policy_step_bench, render_policy_table
+
+    console = Console(stderr=True)
+    opened = load_bundle(bundle) if bundle else None
+    dtypes = (dtype,) if dtype else ("bfloat16", "float32")
+    with console.status("timing policy steps…"):
+        result = policy_step_bench(opened, dtypes=dtypes, threads=threads)
+    Console().print(render_policy_table(result))
     if json_path is not None:
         write_json_atomic(json_path, result)
         console.print(f"wrote {json_path}")
