@@ -237,11 +237,12 @@ def policy_step_bench(
         for name in dtypes:
             dt = resolve_dtype(name)
             eagle = eagle_step_ms(dt, seed=seed, target=target)
-            weight = torch.randn(tables.vocab, target["hidden_size"]).to(dt)  # [V, d] the head an EAGLE-1 draft reads
+            # [V, d] the head an EAGLE-1 draft reads (with a bundle: the width of the draft its tables were built for)
+            weight = torch.randn(tables.vocab, tables.draft_dim).to(dt)
             rows = {}
             for p in policies:
                 policy = _policy(p, tables)
-                head = DraftHead(weight) if tables.draft_dim == weight.shape[1] else None
+                head = DraftHead(weight)
                 run_policy(policy, script[:warmup_cycles], head, prompt)
                 r = run_policy(policy, script[warmup_cycles:], head)
                 if hasattr(policy, "close"):
@@ -252,7 +253,7 @@ def policy_step_bench(
                     "policy_ms": policy_ms,
                     "active_ms": 1e3 * r["active_s"] / steps,
                     "observe_ms": 1e3 * r["observe_s"] / steps,
-                    "head_ms": 1e3 * r["head_s"] / steps if head is not None else None,
+                    "head_ms": 1e3 * r["head_s"] / steps,
                     "mean_active": sum(len(s) for s in r["sets"]) / steps,
                     "share_of_eagle_step": policy_ms / eagle["step_ms"],
                 }
