@@ -38,7 +38,8 @@ DEMO_TARGET = {  # Qwen2.5-Coder-1.5B: the demo target, whose head an EAGLE-1 dr
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 32768,
 }
-POLICIES = ("microspec", "hybrid", "dynaspec", "evospec")
+# "hybrid-nosearch": the hybrid without its per-step draft-head HNSW search (its default on GPUs)
+POLICIES = ("microspec", "hybrid", "hybrid-nosearch", "dynaspec", "evospec")
 HEAD_ROWS = 3072
 
 
@@ -137,9 +138,10 @@ def _policy(name: str, t: _Tables):
 
     if name == "microspec":
         return MicroSpecPolicy(MicroSpecConfig(), t.vocab, "cpu", pinned=t.eos)
-    if name == "hybrid":
+    if name in ("hybrid", "hybrid-nosearch"):
+        search = name == "hybrid"
         return HybridPolicy(HybridConfig(), t.vocab, "cpu", t.ranking, pinned=t.eos, graph=t.graph, hnsw=t.hnsw,
-                            draft_hnsw=t.draft_hnsw)
+                            draft_hnsw=t.draft_hnsw if search else None)
     if name == "dynaspec":
         return DynaSpecPolicy(DynaSpecConfig(), t.clusters, t.router, t.embedding, t.vocab, t.eos)
     if name == "evospec":
