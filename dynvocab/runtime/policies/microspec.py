@@ -73,8 +73,8 @@ class MicroSpecPolicy(VocabPolicy):
 
     def _push(self, tokens: torch.Tensor) -> None:
         """Push stream entries and remember which ids' counts changed (the pushed and the evicted ones)."""
-        evicted = self.state.push(tokens)
-        self._touched += [evicted.long(), tokens.reshape(-1).to(evicted.device)]
+        evicted = self.state.push(tokens).long().clamp(min=0)  # an empty slot (-1) reads as id 0: a harmless recheck
+        self._touched += [evicted, tokens.reshape(-1).to(evicted.device)]
 
     def _wanted(self, ids) -> torch.Tensor:
         """Whether each of ``ids`` (a LongTensor, or ``slice(None)`` for all V) belongs to the active set now."""
@@ -91,7 +91,6 @@ class MicroSpecPolicy(VocabPolicy):
         if not touched:
             return
         touched = torch.unique(torch.cat(touched))  # [t] ascending, a few dozen ids
-        touched = touched[touched >= 0]  # -1: an evicted slot that was empty
         changed = touched[self._wanted(touched) != self.member[touched]]  # [c]
         if changed.numel() == 0:
             return  # the same set: the same tensor, so the packed head copies nothing
