@@ -115,8 +115,10 @@ def test_dynaspec_ranges_match_the_host_merge():
     m = 24
     assign = torch.randint(m // 2, (VOCAB,), generator=g) * 2  # odd clusters are empty: picked, they touch both sides
     clusters = ClusterTable(assign, torch.randn(m, DIM))
-    router = RouterTable.from_module(RouterMLP(DIM, DIM, 16, m), {"hidden_dim": DIM, "embed_dim": DIM, "width": 16, "num_clusters": m})
-    policy = DynaSpecPolicy(DynaSpecConfig(k_max=8), clusters, router, torch.randn(VOCAB, DIM), VOCAB, torch.tensor([5]))
+    config = {"hidden_dim": DIM, "embed_dim": DIM, "width": 16, "num_clusters": m}
+    router = RouterTable.from_module(RouterMLP(DIM, DIM, 16, m), config)
+    embedding = torch.randn(VOCAB, DIM)
+    policy = DynaSpecPolicy(DynaSpecConfig(k_max=8), clusters, router, embedding, VOCAB, torch.tensor([5]))
     sizes = torch.bincount(assign, minlength=m)
     ends = sizes.cumsum(0)
     starts = ends - sizes

@@ -187,7 +187,7 @@ def run_policy(policy, script: list[dict], head: DraftHead | None = None, prompt
     sets, active_s, observe_s, head_s, steps = [], 0.0, 0.0, 0.0, 0
     for cyc in script:
         tops = []
-        for j, token in enumerate(cyc["draft_tokens"]):
+        for j in range(len(cyc["draft_tokens"])):
             fed = cyc["draft_tokens"][j - 1] if j else cyc["emitted"][0]
             hidden = cyc["draft_hidden"][j]  # [1, d]
             t0 = time.perf_counter()
@@ -228,14 +228,15 @@ def policy_step_bench(
     target: dict = DEMO_TARGET,
 ) -> dict:
     """Each policy's own ms per draft step and its head's ms per step, beside an EAGLE-1 step with a 3k-row head,
-    per dtype (``target``: other shapes, e.g. tiny ones for tests). Returns ``{"tables", "cycles", "gamma", "threads", "dtypes": {dtype: {"eagle": {...},
-    "policies": {name: {"policy_ms", "active_ms", "observe_ms", "head_ms", "share_of_eagle_step"}}}}}``."""
+    per dtype (``target``: other shapes, e.g. tiny ones for tests). Returns ``{"tables", "target", "cycles",
+    "gamma", "threads", "dtypes": {dtype: {"eagle": {"body_ms", "head_ms", "step_ms"}, "policies": {name:
+    {"policy_ms", "active_ms", "observe_ms", "head_ms", "mean_active", "share_of_eagle_step"}}}}}``."""
     with cpu_threads(threads):
         tables = _Tables(bundle, target["vocab_size"], target["hidden_size"], torch.float32, seed)
         script = scripted_cycles(tables, warmup_cycles + cycles, gamma, seed)
         prompt = torch.cat([tables.ranking[:200], tables.eos])
-        out = {"tables": "bundle" if bundle is not None else "synthetic", "target": target, "cycles": cycles, "gamma": gamma,
-               "threads": torch.get_num_threads(), "dtypes": {}}
+        out = {"tables": "bundle" if bundle is not None else "synthetic", "target": target, "cycles": cycles,
+               "gamma": gamma, "threads": torch.get_num_threads(), "dtypes": {}}
         for name in dtypes:
             dt = resolve_dtype(name)
             eagle = eagle_step_ms(dt, seed=seed, target=target)
@@ -269,7 +270,8 @@ def render_policy_table(result: dict):
 
     shape = result["target"]
     table = Table(
-        title=f"policy time per draft step · d {shape['hidden_size']:,}, V {shape['vocab_size']:,} · {result['tables']} tables · "
+        title=f"policy time per draft step · d {shape['hidden_size']:,}, V {shape['vocab_size']:,} · "
+              f"{result['tables']} tables · "
               f"γ={result['gamma']} · {result['cycles']} cycles · {result['threads']} threads",
         title_justify="left",
     )
