@@ -278,3 +278,14 @@ def test_accepted_per_cycle_from_cache_lengths():
     passes = [(0, 8), (7, 4), (11, 1)]
     assert accepted_per_cycle(passes, prompt_len=5, new_tokens=8) == [(3, 2), (3, 3), (0, 0)]
     assert accepted_per_cycle([(-1, 3)], 5, 1) is None
+
+
+def test_summary_reports_policy_and_head_time_per_draft_step():
+    rows = [_row("a", "code", "hybrid", 10, 5.0, 4, head=1.0), _row("b", "chat", "hybrid", 10, 5.0, 5, head=0.5)]
+    for r, (steps, policy) in zip(rows, [(20, 0.02), (10, 0.01)]):
+        r["metrics"].update(draft_steps=steps, policy_s=policy)
+    s = summarize_bench(rows, ("hybrid",))["hybrid"]["all"]
+    assert s["draft_steps"] == 30
+    assert s["policy_ms_per_step"] == pytest.approx(1.0) and s["head_ms_per_step"] == pytest.approx(50.0)
+    ar = summarize_bench([_row("a", "code", "ar", 10, 5.0, 10)], ("ar",))["ar"]["all"]
+    assert ar["policy_ms_per_step"] is None and ar["head_ms_per_step"] is None  # no draft steps

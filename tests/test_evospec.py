@@ -123,6 +123,9 @@ def test_the_dynamic_segment_respects_its_budget_over_many_events(tables):
         _, dyn = policy.active_ids(0)
         assert dyn.numel() <= 16 and dyn.unique().numel() == dyn.numel()
         assert not torch.isin(dyn, policy.core).any()
+        expected = policy.in_core.copy()  # the bitmap, updated only where ids left or entered, is core ∪ dynamic
+        expected[dyn.numpy()] = True
+        assert (policy.in_active == expected).all()
     assert policy.stats.oov_events > 10 and policy.cache.stats.evicted > 0
     s = policy.summary()
     assert s["oov_events"] == policy.stats.oov_events and s["dynamic_size"] <= 16

@@ -127,3 +127,20 @@ def test_batched_rejects_batch_mismatch():
     h, weight, idx = batched_operands(4, 8, 64, torch.float32, "cpu")
     with pytest.raises(ValueError):
         batched_gathered_logits(h[:3], weight, idx)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_range_head_fused_matches_one_matmul_per_range(device):
+    from dynvocab.runtime.head import RangeHead, RowRanges, merge_ranges
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(VOCAB, 32, generator=g).to(device)  # [V, d]
+    order = torch.randperm(VOCAB, generator=g).to(device)  # [V] e.g. grouped by cluster
+    h = torch.randn(2, 32, generator=g).to(device)  # [M, d]
+    fused, loop = RangeHead(weight, fused=True), RangeHead(weight, fused=False)
+    for starts, ends in [([0, 40, 90], [10, 60, 91]), ([5], [VOCAB]), ([], [])]:
+        ranges = RowRanges(order, *merge_ranges(starts, ends))
+        (a, ids_a), (b, ids_b) = fused.logits(h, ranges), loop.logits(h, ranges)
+        assert torch.equal(ids_a, ids_b) and a.shape == (2, ranges.size)
+        torch.testing.assert_close(a, b, **REF_TOL[torch.float32])

@@ -16,6 +16,7 @@ CSV_COLUMNS = (
     "strategy", "task", "derived_from", "generations", "new_tokens", "tokens_per_s", "tokens_per_s_std",
     "speedup_vs_ar", "speedup_vs_full", "mean_accepted_length", "mean_accepted_length_std", "accept_by_position",
     "wall_s", "prefill_share", "draft_share", "verify_share", "head_share", "policy_share", "head_share_of_draft",
+    "draft_steps", "policy_ms_per_step", "head_ms_per_step",
     "mean_active_vocab", "max_active_vocab", "coverage", "target_mass", *(f"recall_at_{k}" for k in RECALL_KS),
     "matches_ar", "diverged_from_ar", "first_divergence",
     "tokens_per_s_seed_mean", "tokens_per_s_seed_std", "mean_accepted_length_seed_mean",
@@ -55,6 +56,13 @@ def _shares(s: dict) -> str:
     return " / ".join("–" if p is None else f"{100 * p:.0f}" for p in parts)
 
 
+def _per_step(s: dict) -> str:
+    policy, head = s.get("policy_ms_per_step"), s.get("head_ms_per_step")
+    if head is None:
+        return "–"
+    return f"{_fmt(policy, '{:.2f}')} / {head:.2f}"
+
+
 def _positions(values: list[float]) -> str:
     return " ".join(f"{v:.2f}" for v in values[:6]) + (" …" if len(values) > 6 else "") if values else "–"
 
@@ -88,8 +96,8 @@ def render_tables(results: dict) -> list[Table]:
     )
     coverage = cfg.get("coverage")
     table = Table(title=title, title_justify="left")
-    columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %", "vocab mean/max",
-               "cover", "=ar"]
+    columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %",
+               "policy/head ms/step", "vocab mean/max", "cover", "=ar"]
     if coverage:
         columns += ["mass", "R@1", "R@10", "R@256"]
     for col in columns:
@@ -106,6 +114,7 @@ def render_tables(results: dict) -> list[Table]:
             _pm(s["mean_accepted_length"], s.get("mean_accepted_length_std"), "{:.2f}"),
             _positions(s.get("accept_by_position") or []),
             "–" if oracle else _shares(s),
+            "–" if oracle else _per_step(s),
             "–" if oracle else _vocab(s),
             _fmt(s.get("coverage"), "{:.1%}"),
             _fmt(s.get("matches_ar"), "{:.0%}"),

@@ -79,6 +79,14 @@ def bench(
     kernels: Annotated[
         bool, typer.Option("--kernels", help="Instead: microbenchmark the draft-head paths (full, 32k, gathered, packed).")
     ] = False,
+    policy_steps: Annotated[
+        bool,
+        typer.Option(
+            "--policy-steps",
+            help="Instead: time each dynamic policy's own work per draft step against an EAGLE-1 step with a 3k-row "
+            "head at the demo target's shapes (bfloat16 and float32; the --bundle's tables, else synthetic ones).",
+        ),
+    ] = False,
 ) -> None:
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
     from dynvocab.cli.bench_run import BenchRequest, run_command
@@ -92,6 +100,9 @@ def bench(
         _kernel_bench(device, dtype, json_path, threads)
         return
     flags.check()
+    if policy_steps:
+        _policy_step_bench(flags.bundle, dtype, json_path, threads)
+        return
     request = BenchRequest(
         models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_step_dtype=draft_step_dtype),
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
@@ -111,6 +122,26 @@ def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None,
         result = run_kernel_bench(device=device, dtype=dtype or "float32", threads=threads)
     Console().print(render_kernel_table(result))
     if json_path is not None:
-        text = json.dumps(result, ensure_ascii=False, indent=1)
-        write_atomic(json_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        _write_json(json_path, result)
         console.print(f"wrote {json_path}")
+
+
+def _policy_step_bench(bundle: str | None, dtype: str | None, json_path: Path | None, threads: int | None) -> None:
+    from dynvocab.artifacts.bundle import load_bundle
+    from dynvocab.bench.policy_step import policy_step_bench, render_policy_table
+
+    console = Console(stderr=True)
+    opened = load_bundle(bundle) if bundle else None
+    dtypes = (dtype,) if dtype else ("bfloat16", "float32")
+    with console.status("timing policy steps…"):
+        result = policy_step_bench(opened, dtypes=dtypes, threads=threads)
+    Console().print(render_policy_table(result))
+    if json_path is not None:
+        _write_json(json_path, result)
+        console.print(f"wrote {json_path}")
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    """Write ``payload`` as JSON, whole or not at all."""
+    text = json.dumps(payload, ensure_ascii=False, indent=1)
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))

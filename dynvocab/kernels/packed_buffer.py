@@ -82,6 +82,7 @@ class SlotTable:
         self.slot_of = torch.full((vocab,), -1, dtype=torch.long, device=device)  # [V] token -> slot, -1 = absent
         self.ids = torch.full((capacity,), -1, dtype=torch.long, device=device)  # [cap] slot -> token, -1 = empty
         self.n = 0
+        self._inside = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V] scratch, all False between calls
 
     @property
     def capacity(self) -> int:
@@ -97,11 +98,13 @@ class SlotTable:
         """Make the live slots hold exactly the set ``ids`` [n'] (distinct; order free).
 
         Returns the copies to perform, ``(dst, src)``: slots [k] and the token (W row) [k] to copy into each.
+        Work is O(n + n'), not O(V): a persistent [V] scratch mask is set at ``ids`` and cleared again.
         """
-        inside = torch.zeros_like(self.slot_of, dtype=torch.bool)  # [V]
-        inside[ids] = True
+        self._inside[ids] = True
+        leaving = ~self._inside[self.active]  # [n] live slots whose token is not in ids
+        self._inside[ids] = False
         fresh = ids[self.slot_of[ids] < 0]  # [f] tokens that entered
-        return self._apply(~inside[self.active], fresh)
+        return self._apply(leaving, fresh)
 
     def assign(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Make slot ``i`` hold ``ids[i]`` (distinct), whatever was live before; returns the copies ``(dst, src)``."""

@@ -78,21 +78,25 @@ class WindowState:
         self._seen.zero_()
         self._pos = self.filled = 0
 
-    def push(self, tokens: torch.Tensor) -> None:
+    def push(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append stream entries ``tokens`` [n] (ids in ``[0, vocab)``, oldest first, duplicates allowed),
-        evicting the oldest (FIFO).
+        evicting the oldest (FIFO). Returns the evicted entries [n] (int32, -1 where the slot was empty): with
+        ``tokens`` they are the only ids whose count changed, so a caller can update its set from them alone.
 
         A push longer than the window keeps only its last ``window`` entries, exactly as appending one by one.
         """
         tokens = tokens.reshape(-1)[-self.window:]  # [n <= W]
         n = tokens.numel()
         if n == 0:
-            return
+            return self.ring[:0]
         tokens = tokens.to(self.ring.device).contiguous()
+        slots = torch.arange(self._pos, self._pos + n, device=self.ring.device) % self.window  # [n]
+        evicted = self.ring[slots]  # [n] a copy, read before the push overwrites the slots
         push = window_push if self._use_kernel else window_push_reference
         push(self.ring, self.counts, tokens, self._pos)
         self._pos = (self._pos + n) % self.window
         self.filled = min(self.window, self.filled + n)
+        return evicted
 
     def active_mask(self) -> torch.Tensor:
         """Bitmap [V] of the active set: tokens that occur in the window."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dynvocab.kernels._triton import triton_available
+from dynvocab.kernels.gathered_head import gathered_logits
 from dynvocab.kernels.packed_buffer import SlotTable, grown
 
 
@@ -37,6 +39,14 @@ class RowRanges:
         if not self.starts:
             return self.order[:0]
         return torch.cat([self.order[a:b] for a, b in zip(self.starts, self.ends)])
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Rows of ``W[order]`` the ranges cover, LongTensor [n] on ``order``'s device (built from the host's
+        ranges: a copy to the device, no read back)."""
+        spans = [torch.arange(a, b) for a, b in zip(self.starts, self.ends)]
+        idx = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
+        return idx.to(self.order.device, non_blocking=True)
 
     @functools.cached_property
     def size(self) -> int:
@@ -150,12 +160,25 @@ class PackedHead:
 
 
 class RangeHead:
-    """Logits over :class:`RowRanges` of one fixed order: ``W[order]`` is packed once, each range is a slice."""
+    """Logits over :class:`RowRanges` of one fixed order: ``W[order]`` is packed once, each range is a slice.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
+    On CUDA (``fused``) every range is computed in one launch of the fused gathered-rows kernel over the ranges'
+    row positions, reading the packed rows in place. Elsewhere each merged range is one matmul over a slice:
+    on a CPU (AMD EPYC, bf16, 1 thread, 17.6k rows in 119 ranges) that took 17 ms against 107 ms for one
+    ``index_select`` + matmul (the gathered copy costs far more than the calls it saves) and 8 ms for one
+    contiguous matmul of as many rows.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None,
+        fused: bool | None = None,
+    ):
+        """``fused``: one gathered-rows kernel launch per step (default: on CUDA when Triton is installed and the
+        head has no bias)."""
         self.weight = weight  # [V, d]
         self.bias = bias
         self.softcap = softcap
+        self.fused = weight.is_cuda and bias is None and triton_available() if fused is None else fused
         self.order: torch.Tensor | None = None
         self.rows = self.row_bias = None
         self.rows_copied = 0
@@ -167,11 +190,14 @@ class RangeHead:
             self.rows = self.weight.index_select(0, ranges.order)  # [N, d], once per order
             self.row_bias = None if self.bias is None else self.bias.index_select(0, ranges.order)
             self.rows_copied += ranges.order.numel()
-        parts = [
-            F.linear(hidden, self.rows[a:b], None if self.row_bias is None else self.row_bias[a:b])
-            for a, b in zip(ranges.starts, ranges.ends)
-        ]
-        logits = torch.cat(parts, dim=-1) if parts else hidden.new_empty(hidden.shape[0], 0)
+        if self.fused:
+            logits = gathered_logits(hidden.contiguous(), self.rows, ranges.positions)  # [m, n] float32, one launch
+        else:
+            parts = [
+                F.linear(hidden, self.rows[a:b], None if self.row_bias is None else self.row_bias[a:b])
+                for a, b in zip(ranges.starts, ranges.ends)
+            ]
+            logits = torch.cat(parts, dim=-1) if parts else hidden.new_empty(hidden.shape[0], 0)
         logits = logits.float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -69,7 +69,8 @@ def summarize(rows: list[dict]) -> dict:
     """Aggregate metric dicts of several generations: token-weighted rates, means and request-level std.
 
     Keys a row lacks or holds as None (the hf rows have no active vocabulary, …) are skipped; a figure no row has
-    is None. ``*_share`` are shares of the total wall time (``head_share_of_draft``: of the draft time).
+    is None. ``*_share`` are shares of the total wall time (``head_share_of_draft``: of the draft time);
+    ``policy_ms_per_step`` / ``head_ms_per_step`` divide the policy's and the head's time by the draft steps.
     """
     if not rows:
         return {}
@@ -96,6 +97,11 @@ def summarize(rows: list[dict]) -> dict:
         out[share] = None if out[key] is None or not wall else round(out[key] / wall, 4)
     draft = out["draft_s"]
     out["head_share_of_draft"] = round(out["head_s"] / draft, 4) if draft and out["head_s"] is not None else None
+    steps = _sum(r.get("draft_steps") for r in rows)
+    out["draft_steps"] = steps
+    for key in ("policy", "head"):  # ms per draft step: what a policy and the head cost one step (issue 15)
+        total = out[f"{key}_s"]
+        out[f"{key}_ms_per_step"] = round(1e3 * total / steps, 4) if steps and total is not None else None
     out["mean_active_vocab"] = _mean((r["mean_active_vocab"] for r in rows), 1)
     maxima = [r.get("max_active_vocab") for r in rows if r.get("max_active_vocab") is not None]
     out["max_active_vocab"] = max(maxima) if maxima else None

@@ -244,6 +244,7 @@ class EvoSpecPolicy(VocabPolicy):
         self.in_core[core.cpu().numpy()] = True
         self.in_active = self.in_core.copy()  # [V] the set the current cycle drafts from
         self.dynamic = torch.empty(0, dtype=torch.long, device=self.device)  # [n ≤ dynamic_size]
+        self._dynamic_np = np.empty(0, dtype=np.int64)  # the same ids on the host
         self.active = (self.core, self.dynamic)
         self.cache = ARCCache(cfg.dynamic_size, cfg.ghost_size, cfg.arc_p, cfg.min_residency, cfg.warmup_events)
         self.retriever = Retriever(index, graph, self.in_core, cfg)
@@ -334,9 +335,11 @@ class EvoSpecPolicy(VocabPolicy):
             self.stats.inserted += len(self.cache.admit(candidates, self.cfg.max_insert))
         if self.cache.version != self._version:
             self._version = self.cache.version
-            self.dynamic = torch.tensor(self.cache.resident(), dtype=torch.long, device=self.device)
-            self.in_active = self.in_core.copy()
-            self.in_active[self.dynamic.cpu().numpy()] = True
+            left = self._dynamic_np
+            self._dynamic_np = np.asarray(self.cache.resident(), dtype=np.int64)
+            self.dynamic = torch.from_numpy(self._dynamic_np).to(self.device)
+            self.in_active[left] = self.in_core[left]  # only the ids that change: no [V] copy per update
+            self.in_active[self._dynamic_np] = True
             self.active = (self.core, self.dynamic)
 
     def _start_worker(self) -> _Worker:

@@ -88,9 +88,17 @@ class HybridPolicy(MicroSpecPolicy):
             draft_hnsw.set_ef(cfg.step_ef)
         self._none = torch.empty(0, dtype=torch.long, device=device)
         self._views: dict[int, torch.Tensor] = {}
-        self.dyn_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
-        self.dyn = torch.empty(0, dtype=torch.long, device=device)
         self.misses = 0
+
+    @property
+    def dyn(self) -> torch.Tensor:
+        """The context ids outside the core, LongTensor [n], ascending (kept incrementally by MicroSpec)."""
+        return self.ids
+
+    @property
+    def dyn_mask(self) -> torch.Tensor:
+        """Bitmap [V] of ``dyn``."""
+        return self.member
 
     def core_size(self, step: int) -> int:
         """Core ids active at draft position ``step``."""
@@ -127,7 +135,7 @@ class HybridPolicy(MicroSpecPolicy):
             token = cycle.emitted[k]
             if not (self.dyn_mask[token] or self.core_rank[token] < self.core_size(k)):
                 self.misses += 1
-                self.state.push(self._neighbours(token, cycle, k))
+                self._push(self._neighbours(token, cycle, k))
         super().observe(cycle)
 
     def _neighbours(self, token: int, cycle: CycleReport, k: int) -> torch.Tensor:
@@ -149,7 +157,6 @@ class HybridPolicy(MicroSpecPolicy):
         found = found[(found < self.vocab_size) & (self.core_rank[found.clamp(max=self.vocab_size - 1)] >= self.core.numel())]
         return found[: cfg.max_insert]
 
-    def _refresh(self) -> None:
-        mask = self.state.active_mask() & (self.core_rank >= self.core.numel())
-        self.dyn_mask = mask
-        self.dyn = torch.nonzero(mask).flatten()
+    def _wanted(self, ids) -> torch.Tensor:
+        """In the window and outside the core (the core is its own segment)."""
+        return (self.state.counts[ids] > 0) & (self.core_rank[ids] >= self.core.numel())

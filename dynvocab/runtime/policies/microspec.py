@@ -4,6 +4,10 @@ The stream starts with the prompt tokens and the target's top-K_pre at every pro
 cycle it grows by the draft's tokens (with chain drafting also the draft's top alternatives per step) and the
 target's top-K_ver at the verified positions. The active set is the unique tokens of the last W_max entries.
 Defaults from the paper: K_pre = K_ver = 3, W_max = 3072.
+
+The set is kept incrementally: a push changes the window counts of the pushed and the evicted entries only, so
+after a cycle only those few dozen ids are checked and the sorted id list is merged, never rebuilt from a
+[V] mask; when nothing entered or left, ``active_ids`` keeps returning the same tensor and the head copies nothing.
 """
 
 from __future__ import annotations
@@ -38,14 +42,19 @@ class MicroSpecPolicy(VocabPolicy):
         self.draft_topk = cfg.draft_alternatives
         self.state = WindowState(vocab_size, cfg.window, device=device)
         self.pinned = torch.empty(0, dtype=torch.long, device=device) if pinned is None else pinned.to(device)
-        self.ids = self.pinned
+        self.is_pinned = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
+        self.is_pinned[self.pinned] = True
+        self.ids = self.pinned  # [n] the active set, ascending after the first refresh
+        self.member = self.is_pinned.clone()  # [V] whether each id is in self.ids
+        self._touched: list[torch.Tensor] = []  # ids whose window count changed since the last refresh
+        self._rebuilt = False
 
     def prefill(self, prompt_ids, target_logits, target_hidden) -> None:
         """S_init = prompt ⊕ ∪_i top-K_pre(z_i) (the last prompt position arrives with the first cycle)."""
-        self.state.push(prompt_ids[prompt_ids < self.vocab_size])
+        self._push(prompt_ids[prompt_ids < self.vocab_size])
         if target_logits is not None and target_logits.numel():
             top = target_logits[:, : self.vocab_size].topk(self.cfg.k_pre, dim=-1).indices  # [L-1, K_pre]
-            self.state.push(_unique_in_order(top.flatten()))
+            self._push(_unique_in_order(top.flatten()))
         self._refresh()
 
     def active_ids(self, step: int, hidden=None, token=None) -> torch.Tensor:
@@ -59,13 +68,35 @@ class MicroSpecPolicy(VocabPolicy):
         c_draft = _unique_in_order(torch.cat(drafted)) if cycle.draft_tokens else drafted[0]
         verified = cycle.target_logits[: cycle.accepted + 1, : self.vocab_size]  # [k+1, V] on the accepted path
         c_ver = _unique_in_order(verified.topk(self.cfg.k_ver, dim=-1).indices.flatten())
-        self.state.push(torch.cat([c_draft, c_ver]))
+        self._push(torch.cat([c_draft, c_ver]))
         self._refresh()
 
+    def _push(self, tokens: torch.Tensor) -> None:
+        """Push stream entries and remember which ids' counts changed (the pushed and the evicted ones)."""
+        evicted = self.state.push(tokens).long().clamp(min=0)  # an empty slot (-1) reads as id 0: a harmless recheck
+        self._touched += [evicted, tokens.reshape(-1).to(evicted.device)]
+
+    def _wanted(self, ids) -> torch.Tensor:
+        """Whether each of ``ids`` (a LongTensor, or ``slice(None)`` for all V) belongs to the active set now."""
+        return (self.state.counts[ids] > 0) | self.is_pinned[ids]
+
     def _refresh(self) -> None:
-        mask = self.state.active_mask().clone()
-        mask[self.pinned] = True
-        self.ids = torch.nonzero(mask).flatten()
+        """Bring ``ids`` and ``member`` up to date from the ids touched since the last refresh: O(touched + n)."""
+        touched, self._touched = self._touched, []
+        if not self._rebuilt:  # the first refresh: one pass over V, then only changes
+            self._rebuilt = True
+            self.member = self._wanted(slice(None)).clone()
+            self.ids = torch.nonzero(self.member).flatten()
+            return
+        if not touched:
+            return
+        touched = torch.unique(torch.cat(touched))  # [t] ascending, a few dozen ids
+        changed = touched[self._wanted(touched) != self.member[touched]]  # [c]
+        if changed.numel() == 0:
+            return  # the same set: the same tensor, so the packed head copies nothing
+        self.member[changed] = ~self.member[changed]
+        entered = changed[self.member[changed]]
+        self.ids = torch.sort(torch.cat([self.ids[self.member[self.ids]], entered])).values
 
 
 def _unique_in_order(ids: torch.Tensor) -> torch.Tensor:

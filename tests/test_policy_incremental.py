@@ -1,0 +1,132 @@
+"""The incremental active sets give exactly the sets (and head columns) of the rebuild-every-cycle code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynvocab.artifacts import GraphTable
+from dynvocab.runtime.head import DraftHead, active_segments
+from dynvocab.runtime.policies.base import CycleReport
+from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
+from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
+
+VOCAB, DIM, GAMMA = 600, 8, 4
+
+
+class RebuildMicroSpec(MicroSpecPolicy):
+    """The previous MicroSpec refresh: the whole [V] window mask, pinned ids set, ``nonzero``."""
+
+    def _refresh(self) -> None:
+        self._touched = []
+        mask = self.state.active_mask().clone()
+        mask[self.pinned] = True
+        self.member, self.ids = mask, torch.nonzero(mask).flatten()
+
+
+class RebuildHybrid(HybridPolicy):
+    """The previous hybrid refresh: window mask minus the core over all of V, ``nonzero``."""
+
+    def _refresh(self) -> None:
+        self._touched = []
+        mask = self.state.active_mask() & (self.core_rank >= self.core.numel())
+        self.member, self.ids = mask, torch.nonzero(mask).flatten()
+
+
+def graph(seed: int) -> GraphTable:
+    g = torch.Generator().manual_seed(seed)
+    fanout = 6
+    return GraphTable(
+        torch.arange(0, (VOCAB + 1) * fanout, fanout),
+        torch.randint(VOCAB, (VOCAB * fanout,), generator=g, dtype=torch.int32),
+        torch.full((VOCAB * fanout,), 1 / fanout),
+    )
+
+
+def script(seed: int, cycles: int = 60) -> list[CycleReport]:
+    """Cycles whose drafts mostly repeat a small pool (sets change a little) and sometimes jump (they change a lot)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for c in range(cycles):
+        pool = 40 if c % 17 else VOCAB
+        tokens = torch.randint(pool, (GAMMA + 1,), generator=g).tolist()
+        k = int(torch.randint(GAMMA + 1, (1,), generator=g))
+        logits = torch.randn(GAMMA + 1, VOCAB, generator=g)
+        tops = [torch.randint(VOCAB, (2,), generator=g) for _ in range(GAMMA)]
+        out.append(CycleReport(10 + c, tokens[:GAMMA], tops, k, tokens[: k + 1], logits, torch.randn(GAMMA + 1, DIM)))
+    return out
+
+
+def run(policy, cycles: list[CycleReport], head: DraftHead) -> list:
+    """Per draft step: the active segments' ids and the head's column ids."""
+    g = torch.Generator().manual_seed(1)
+    policy.prefill(torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), torch.randn(7, VOCAB, generator=g), None)
+    seen = []
+    for cyc in cycles:
+        for j in range(GAMMA):
+            active = policy.active_ids(j, torch.randn(1, DIM, generator=g), cyc.draft_tokens[j])
+            _, cols = head.logits(torch.randn(1, DIM, generator=g), active)
+            seen.append(([s.tolist() for s in active_segments(active)], cols.tolist()))
+        policy.observe(cyc)
+    return seen
+
+
+@pytest.mark.parametrize("window", [16, 64, 3072])
+def test_microspec_incremental_matches_the_rebuild(window):
+    cfg = MicroSpecConfig(k_pre=2, k_ver=2, window=window, draft_alternatives=2)
+    weight = torch.randn(VOCAB, DIM)
+    pinned = torch.tensor([599, 7])
+    new = run(MicroSpecPolicy(cfg, VOCAB, "cpu", pinned=pinned), script(0), DraftHead(weight))
+    old = run(RebuildMicroSpec(cfg, VOCAB, "cpu", pinned=pinned), script(0), DraftHead(weight))
+    assert new == old
+
+
+@pytest.mark.parametrize("pa_core", [False, True])
+def test_hybrid_incremental_matches_the_rebuild(pa_core):
+    cfg = HybridConfig(core_size=30, window=48, pa_core=pa_core, step_successors=3, successors=2, max_insert=6)
+    weight = torch.randn(VOCAB, DIM)
+    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))
+
+    def make(kind):
+        return kind(cfg, VOCAB, "cpu", ranking, pinned=torch.tensor([599]), graph=graph(3))
+
+    new_policy, old_policy = make(HybridPolicy), make(RebuildHybrid)
+    assert run(new_policy, script(4), DraftHead(weight)) == run(old_policy, script(4), DraftHead(weight))
+    assert new_policy.misses == old_policy.misses > 0
+
+
+def test_an_unchanged_window_returns_the_same_tensor():
+    policy = MicroSpecPolicy(MicroSpecConfig(k_pre=1, k_ver=1, window=50, draft_alternatives=0), VOCAB, "cpu")
+    policy.prefill(torch.tensor([5, 6]), None, None)
+    logits = torch.full((2, VOCAB), -1.0)
+    logits[:, 5] = 1.0
+    before = policy.active_ids(0)
+    policy.observe(CycleReport(2, [6], [], 1, [6, 5], logits, torch.zeros(2, DIM)))  # only ids already in the window
+    assert policy.active_ids(0) is before
+
+
+def test_dynaspec_ranges_match_the_host_merge():
+    from dynvocab.artifacts import ClusterTable
+    from dynvocab.artifacts.router import RouterMLP, RouterTable
+    from dynvocab.runtime.head import merge_ranges
+    from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+
+    g = torch.Generator().manual_seed(5)
+    m = 24
+    assign = torch.randint(m // 2, (VOCAB,), generator=g) * 2  # odd clusters are empty: picked, they touch both sides
+    clusters = ClusterTable(assign, torch.randn(m, DIM))
+    config = {"hidden_dim": DIM, "embed_dim": DIM, "width": 16, "num_clusters": m}
+    router = RouterTable.from_module(RouterMLP(DIM, DIM, 16, m), config)
+    embedding = torch.randn(VOCAB, DIM)
+    policy = DynaSpecPolicy(DynaSpecConfig(k_max=8), clusters, router, embedding, VOCAB, torch.tensor([5]))
+    sizes = torch.bincount(assign, minlength=m)
+    ends = sizes.cumsum(0)
+    starts = ends - sizes
+    for _ in range(200):
+        scores = torch.randn(m, generator=g)
+        k = int(torch.randint(1, m + 1, (1,), generator=g))
+        ranges, eos = policy.select(scores, k)
+        chosen = scores.topk(k).indices.tolist()
+        want = merge_ranges([int(starts[c]) for c in chosen], [int(ends[c]) for c in chosen])
+        assert (ranges.starts, ranges.ends) == want
+        assert eos.tolist() == ([] if int(assign[5]) in chosen else [5])
