@@ -6,7 +6,6 @@ import csv
 import json
 
 import pytest
-import torch
 from cli_helpers import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")

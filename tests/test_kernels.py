@@ -130,7 +130,7 @@ def test_batched_rejects_batch_mismatch():
 
 
 @needs_triton
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_range_head_fused_matches_one_matmul_per_range(device):
     from dynvocab.runtime.head import RangeHead, RowRanges, merge_ranges
 
