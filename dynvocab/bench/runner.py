@@ -276,6 +276,7 @@ def run_bench(
             "device": session.device,
             "dtype": session.dtype,
             "draft_step_dtype": session.draft_step_dtype,
+            "draft_kind": session.draft_kind,
             "prepacked": session.prepacked,
             "coverage": cfg.coverage,
             "recall_ks": list(cfg.recall_ks) if cfg.coverage else [],

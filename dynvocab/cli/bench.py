@@ -113,6 +113,14 @@ def bench(
     kernels: Annotated[
         bool, typer.Option("--kernels", help="Instead: microbenchmark the draft-head paths (full, 32k, gathered, packed).")
     ] = False,
+    eagle_step: Annotated[
+        bool,
+        typer.Option(
+            "--eagle-step",
+            help="Instead: time one EAGLE draft step at real shapes with random weights (demo target, Llama-3-8B "
+            "EAGLE-1, Llama-3.1-8B EAGLE-3): full head vs 32k vs 3k rows.",
+        ),
+    ] = False,
 ) -> None:
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
     from dynvocab.cli.bench_run import BenchRequest, run_command
@@ -123,6 +131,9 @@ def bench(
     set_threads(threads)
     if kernels:
         _kernel_bench(device, dtype, json_path, threads)
+        return
+    if eagle_step:
+        _eagle_step_bench(device, dtype, json_path)
         return
     options = strategy_options(
         token_map, fr_size, pa_k_max, k_pre, k_ver, window, core_size, hybrid_window, step_neighbours, k_max,
@@ -149,6 +160,23 @@ def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None,
     Console().print(render_kernel_table(result))
     if json_path is not None:
         write_json_atomic(json_path, result)
+        console.print(f"wrote {json_path}")
+
+
+def _eagle_step_bench(device: str | None, dtype: str | None, json_path: Path | None) -> None:
+    from dynvocab.bench.eagle_step import EAGLE_SHAPES, eagle_step_bench, render_eagle_step_table
+    from dynvocab.models import default_device, default_dtype
+
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    console = Console(stderr=True)
+    results = []
+    for shape in EAGLE_SHAPES:
+        with console.status(f"timing an EAGLE draft step at {shape} shapes…"):
+            results.append(eagle_step_bench(shape, device=device, dtype=dtype))
+    Console().print(render_eagle_step_table(results))
+    if json_path is not None:
+        write_json_atomic(json_path, {"eagle_step": results})
         console.print(f"wrote {json_path}")
 
 

@@ -78,6 +78,7 @@ class Session:
         self.draft_step_dtype = None
         self.match = None
         self.make_head = None  # () -> a fresh draft head for one generation
+        self.draft_kind = None if draft_spec is None else "model"  # or an EAGLE kind: eagle, eagle3
         eagle = None if draft_spec is None else eagle_checkpoint(draft_spec)
         if eagle is not None:
             say(f"loading EAGLE head {cfg.draft}")
@@ -121,6 +122,7 @@ class Session:
         model = load_eagle(folder, embeddings, self.device, parse_dtype(self.dtype))
         tap = None if eagle_cfg.kind == EAGLE1 else LayerTap(target_model, eagle_cfg.target_layers(config.num_hidden_layers))
         self.draft = EagleDraft(model, self.target, tap)
+        self.draft_kind = eagle_cfg.kind
         self.draft_step_dtype = self.dtype
         self.draft_head_weight, self.draft_head_bias = self.draft.weight, self.draft.bias
         if eagle_cfg.kind == EAGLE1:  # the target's own head: its rows are target ids
