@@ -91,3 +91,36 @@ def test_online_align_is_refused(tiny_dirs, heads):
     result = run("generate", PROMPT, "--target", tiny_dirs["target"], "--draft", heads["eagle"], "--no-chat-template",
                  "--quiet", "--strategy", "evospec", "--online-align")
     assert_one_line_error(result, "EAGLE", "--online-align")
+
+
+def test_bench_reports_the_eagle_head(tiny_dirs, heads, token_map, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": i, "task": "code", "prompt": p})
+                                 for i, p in (("a", "w1 w2 w3"), ("b", "w4 w5 w4 w5"))))
+    out = tmp_path / "bench.json"
+    result = run("bench", "--prompts", prompts, "--strategies", "ar,full,fr", "--max-new-tokens", 8, "--json", out,
+                 "--token-map", token_map, "--target", tiny_dirs["target"], "--draft", heads["eagle3"],
+                 "--no-chat-template", "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    assert "EAGLE-3 head draft" in result.output
+    data = json.loads(out.read_text())
+    assert data["config"]["draft_kind"] == "eagle3"
+    assert data["summary"]["fr"]["all"]["matches_ar"] == 1.0
+    assert 0.0 < data["summary"]["full"]["all"]["head_share_of_draft"] < 1.0
+    assert data["oracle"]["all"]["tokens_per_s"] > 0
+
+
+def test_eagle_step_bench_shapes():
+    from dynvocab.bench import eagle_step
+
+    eagle_step.EAGLE_SHAPES["tiny-eagle3"] = dict(kind="eagle3", draft_vocab_size=4000, hidden_size=64,
+                                                   intermediate_size=128, num_attention_heads=4,
+                                                   num_key_value_heads=2, vocab_size=9000)
+    try:
+        r = eagle_step.eagle_step_bench("tiny-eagle3", active=(32768, 3072), repeats=2, warmup=1)
+    finally:
+        del eagle_step.EAGLE_SHAPES["tiny-eagle3"]
+    assert r["head_rows"] == 4000 and set(r["step_ms"]) == {"full", "3072"}  # 32k > the draft vocabulary
+    fc, q, kv, o, mlp, norms = 3 * 64 * 64, 2 * 64 * 64, 2 * (2 * 64 * 32), 64 * 64, 3 * 64 * 128, 4 * 64
+    assert r["layer_params"] == fc + q + kv + o + mlp + norms  # 2d-wide q/k/v, 16-wide heads, 2 kv heads
+    assert r["ratio"]["full"] == 1.0 and r["body_ms"] > 0
