@@ -348,15 +348,17 @@ class EagleModel(nn.Module):
         features: torch.Tensor,  # [b, n, f]: target features (f = feature_size) or own features (f = d)
         position_ids: torch.Tensor,  # [b, n]
         past_key_values=None,
+        attention_mask: torch.Tensor | None = None,  # [b, past + n] 1 = attend, 0 = padding (training batches)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(feature [b, n, d], head input [b, n, d]) for token ``input_ids`` paired with the feature of the
-        position before it."""
+        position before it. Features as wide as the head's hidden size are its own (EAGLE-3 skips ``fc`` for
+        them); EAGLE-1 always applies ``fc``."""
         from transformers.masking_utils import create_causal_mask
 
         embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # [b, n, d]
         features = features.to(self.fc.weight.dtype)
         mask = create_causal_mask(
-            config=self.layer_config, inputs_embeds=embeds, attention_mask=None,
+            config=self.layer_config, inputs_embeds=embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, position_ids=position_ids,
         )
         rope = self.rotary_emb(embeds, position_ids=position_ids)
