@@ -33,7 +33,8 @@ def eagle3(target_model, seed: int = 0) -> EagleModel:
             if "norm" not in name:
                 p.normal_(0, 0.2)
         model.embed_tokens.weight.copy_(target_model.model.embed_tokens.weight)
-        model.set_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB].sort().values)
+        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB]
+        model.set_draft_vocab(ids.sort().values)
     return model
 
 

@@ -49,7 +49,8 @@ def _random_head(shape: dict, dev: torch.device, dt: torch.dtype, seed: int):
                 p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
         model.to(dt)
         if cfg.kind == EAGLE1:  # the target's head [V, d]
-            weight = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=dev) * cfg.hidden_size**-0.5).to(dt)
+            weight = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=dev)
+            weight = (weight * cfg.hidden_size**-0.5).to(dt)
             table = weight
         else:  # the head's own lm_head [Vd, d]; the embedding rows are never read at these timings' scale
             weight = model.lm_head.weight.detach()
@@ -105,7 +106,8 @@ def eagle_step_bench(
             name: time_ms(lambda rows=rows: F.linear(body(), rows), dev, repeats, warmup, flush)
             for name, rows in heads.items()
         }
-        layer_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("embed_tokens", "lm_head")))
+        heads_and_tables = ("embed_tokens", "lm_head")
+        layer_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(heads_and_tables))
         return {
             "shape": shape,
             "dims": EAGLE_SHAPES[shape],
@@ -127,7 +129,9 @@ def render_eagle_step_table(results: list[dict]) -> Table:
     """One row per shape: layer time, full / 32k / 3k step times and their ratios to the full step."""
     table = Table(title=f"one EAGLE draft step ({results[0]['dtype']} on {results[0]['device']}, "
                         f"{results[0]['threads']} threads)")
-    for col in ("shape", "layer params", "head rows", "layer ms", "full ms", "head share", "32k ms (×full)", "3k ms (×full)"):
+    columns = ("shape", "layer params", "head rows", "layer ms", "full ms", "head share", "32k ms (×full)",
+               "3k ms (×full)")
+    for col in columns:
         table.add_column(col, justify="left" if col == "shape" else "right")
     for r in results:
         cells = []

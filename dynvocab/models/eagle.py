@@ -24,7 +24,8 @@ take the hidden states entering layers ``(2, L // 2, L - 3)`` (vLLM ``get_eagle3
 With explicit ``eagle_aux_hidden_state_layer_ids`` SGLang captures the OUTPUT of each listed layer (it adds 1:
 "for the ith layer, it takes the output of the (i-1)th layer"), vLLM the INPUT. We follow SGLang (and SpecForge,
 which trains with it): explicit id i means the hidden state entering layer i + 1; id L - 1 is the last layer's
-output before the final norm. :meth:`EagleConfig.target_layers` resolves them to "entering" indices, :class:`LayerTap` taps them.
+output before the final norm. :meth:`EagleConfig.target_layers` resolves them to "entering" indices;
+:class:`LayerTap` taps them.
 
 Weight names may carry a ``model.`` prefix; ``embed_tokens`` may be absent (the target's embeddings are used).
 """
@@ -143,12 +144,14 @@ class EagleConfig:
     def from_json(cls, data: dict, kind: str) -> "EagleConfig":
         """Read a checkpoint's ``config.json`` (EAGLE repo or speculators form) as a head of ``kind``."""
         layer = data.get("transformer_layer_config", data)  # speculators nests the layer's config
-        arch = "qwen2" if layer.get("model_type") == "qwen2" or "Qwen2" in "".join(layer.get("architectures") or []) else "llama"
+        qwen2 = layer.get("model_type") == "qwen2" or "Qwen2" in "".join(layer.get("architectures") or [])
+        rope = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        aux = data.get("eagle_aux_hidden_state_layer_ids") or layer.get("eagle_aux_hidden_state_layer_ids")
         try:
             heads = int(layer["num_attention_heads"])
             cfg = cls(
                 kind=kind,
-                arch="llama" if kind == EAGLE3 else arch,
+                arch="qwen2" if qwen2 and kind == EAGLE1 else "llama",
                 hidden_size=int(layer["hidden_size"]),
                 intermediate_size=int(layer["intermediate_size"]),
                 num_attention_heads=heads,
@@ -159,15 +162,17 @@ class EagleConfig:
                 draft_vocab_size=data.get("draft_vocab_size") or layer.get("draft_vocab_size"),
                 fc_bias=data.get("bias", layer.get("bias")),
                 rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+                rope_theta=float(rope),
                 rope_scaling=layer.get("rope_scaling"),
                 max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
                 hidden_act=layer.get("hidden_act", "silu"),
-                aux_layer_ids=_ids(data.get("eagle_aux_hidden_state_layer_ids") or layer.get("eagle_aux_hidden_state_layer_ids")),
+                aux_layer_ids=_ids(aux),
                 norm_before_residual=bool(data.get("norm_before_residual", "speculators_model_type" in data)),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise DynvocabError(f"the EAGLE config.json lacks or garbles field {exc}; it is not a checkpoint we can read") from None
+            raise DynvocabError(
+                f"the EAGLE config.json lacks or garbles field {exc}; it is not a checkpoint we can read"
+            ) from None
         return cfg
 
     def to_json(self, layout: str, target_name: str | None = None) -> dict:
@@ -192,7 +197,9 @@ class EagleConfig:
             layer["head_dim"] = self.head_dim
         if layout == "eagle":
             if self.kind != EAGLE1:
-                raise DynvocabError("layout 'eagle' holds EAGLE-1/2 heads; write an EAGLE-3 head as eagle3 or speculators")
+                raise DynvocabError(
+                    "layout 'eagle' holds EAGLE-1/2 heads; write an EAGLE-3 head as eagle3 or speculators"
+                )
             return {**layer, "bias": self.has_fc_bias}
         if self.kind != EAGLE3:
             raise DynvocabError(f"layout '{layout}' holds EAGLE-3 heads; write an EAGLE-1/2 head as eagle")
@@ -476,9 +483,14 @@ def _check_draft_vocab(model: EagleModel) -> None:
     targets = model.draft_to_target()
     vocab = model.t2d.numel()
     if int(targets.min()) < 0 or int(targets.max()) >= vocab:
-        raise DynvocabError(f"the EAGLE-3 d2t maps draft ids outside the target's {vocab} ids; it is not an offset table")
-    if targets.unique().numel() != targets.numel() or int(model.t2d.sum()) != targets.numel() or not bool(model.t2d[targets].all()):
-        raise DynvocabError("the EAGLE-3 d2t and t2d disagree (d2t must hold offsets: target = draft id + d2t[draft id])")
+        raise DynvocabError(
+            f"the EAGLE-3 d2t maps draft ids outside the target's {vocab} ids; it is not an offset table"
+        )
+    distinct = targets.unique().numel() == targets.numel()
+    if not distinct or int(model.t2d.sum()) != targets.numel() or not bool(model.t2d[targets].all()):
+        raise DynvocabError(
+            "the EAGLE-3 d2t and t2d disagree (d2t must hold offsets: target = draft id + d2t[draft id])"
+        )
 
 
 def load_eagle(
@@ -517,13 +529,14 @@ def load_eagle(
     unexpected = set(state) - set(model.state_dict())
     if missing or unexpected:
         first = sorted(missing or unexpected)[0]
-        raise DynvocabError(
-            f"{folder} does not match the EAGLE {cfg.kind} layout: {'missing' if missing else 'unexpected'} weight '{first}'"
-        )
+        what = "missing" if missing else "unexpected"
+        raise DynvocabError(f"{folder} does not match the EAGLE {cfg.kind} layout: {what} weight '{first}'")
     for name, tensor in state.items():
         want = model.state_dict()[name].shape
         if tuple(tensor.shape) != tuple(want):
-            raise DynvocabError(f"{folder}: weight '{name}' has shape {tuple(tensor.shape)}, the config says {tuple(want)}")
+            raise DynvocabError(
+                f"{folder}: weight '{name}' has shape {tuple(tensor.shape)}, the config says {tuple(want)}"
+            )
     model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     model.rotary_emb = _rotary(cfg.arch, model.layer_config).to(device)
@@ -613,13 +626,16 @@ def config_like(layer_config, kind: str = EAGLE1, **overrides) -> EagleConfig:
     """An :class:`EagleConfig` shaped like a target's decoder layer (``layer_config``: its transformers config):
     a new head for that target, e.g. to train or to initialise from its last layer."""
     rope = getattr(layer_config, "rope_parameters", None) or {}
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
+    scaling = None
+    if rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    theta = float(rope.get("rope_theta", getattr(layer_config, "rope_theta", 10000.0)))
     arch = "qwen2" if layer_config.model_type == "qwen2" and kind == EAGLE1 else "llama"
     cfg = EagleConfig(
         kind=kind, arch=arch, hidden_size=layer_config.hidden_size, intermediate_size=layer_config.intermediate_size,
         num_attention_heads=layer_config.num_attention_heads, num_key_value_heads=layer_config.num_key_value_heads,
         vocab_size=layer_config.vocab_size, head_dim=getattr(layer_config, "head_dim", None),
-        rms_norm_eps=layer_config.rms_norm_eps, rope_theta=float(rope.get("rope_theta", getattr(layer_config, "rope_theta", 10000.0))),
+        rms_norm_eps=layer_config.rms_norm_eps, rope_theta=theta,
         rope_scaling=scaling, max_position_embeddings=layer_config.max_position_embeddings,
         hidden_act=layer_config.hidden_act,
     )
