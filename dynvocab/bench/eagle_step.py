@@ -16,11 +16,14 @@ draft step on) after ``context`` cached positions; the cache is cropped back aft
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.nn.functional as F
 from rich.table import Table
 
-from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
+from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, synchronize
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
@@ -58,6 +61,24 @@ def _random_head(shape: dict, dev: torch.device, dt: torch.dtype, seed: int):
     model.embed_tokens = torch.nn.Embedding.from_pretrained(table, freeze=True)
     model.rotary_emb = type(model.rotary_emb)(model.layer_config).to(dev)
     return model.eval(), weight
+
+
+def interleaved_ms(fns: dict, device: torch.device, repeats: int, warmup: int, flush: CacheFlusher) -> dict:
+    """Median milliseconds of each of ``fns`` when they take turns, one call each per round (a shared machine's
+    load then weighs on all of them alike, so their ratios hold); ``flush`` runs before every call."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            flush()
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 @torch.inference_mode()
@@ -100,12 +121,10 @@ def eagle_step_bench(
         heads = {"full": weight}
         for k in (k for k in active if k < vocab):
             heads[str(k)] = weight[torch.randperm(vocab, device=dev)[:k]].contiguous()  # [k, d] packed rows
-        flush = CacheFlusher(dev)
-        body_ms = time_ms(body, dev, repeats, warmup, flush)
-        step_ms = {
-            name: time_ms(lambda rows=rows: F.linear(body(), rows), dev, repeats, warmup, flush)
-            for name, rows in heads.items()
-        }
+        fns = {"body": body, **{name: (lambda rows=rows: F.linear(body(), rows)) for name, rows in heads.items()}}
+        times = interleaved_ms(fns, dev, repeats, warmup, CacheFlusher(dev))
+        body_ms = times.pop("body")
+        step_ms = times
         heads_and_tables = ("embed_tokens", "lm_head")
         layer_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(heads_and_tables))
         return {
