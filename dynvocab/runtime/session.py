@@ -82,7 +82,7 @@ class Session:
         eagle = None if draft_spec is None else eagle_checkpoint(draft_spec)
         if eagle is not None:
             say(f"loading EAGLE head {cfg.draft}")
-            self._load_eagle(eagle, target_model)
+            self._load_eagle(eagle, target_model, cfg.draft_step_dtype)
             draft_spec = None  # no draft model (and no draft fingerprint for a bundle)
         if draft_spec is not None:
             say(f"loading draft {cfg.draft}")
@@ -110,8 +110,9 @@ class Session:
             draft_fp = None if draft_spec is None else ModelFingerprint.of_model(draft_tokenizer, draft_model, cfg.draft)
             self.bundle.check_models(target_fp, draft_fp)
 
-    def _load_eagle(self, folder, target_model) -> None:
-        """Load an EAGLE head for the target (refused in one line if it was built for another) as the draft."""
+    def _load_eagle(self, folder, target_model, step_dtype: str | None) -> None:
+        """Load an EAGLE head for the target (refused in one line if it was built for another) as the draft; its
+        linears get the draft's prepared copies, and its LM head a copy in the step dtype."""
         from dynvocab.models.eagle import EAGLE1, LayerTap, check_target, load_eagle, read_config
         from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
 
@@ -121,10 +122,16 @@ class Session:
         check_target(eagle_cfg, config.hidden_size, embeddings.shape[0], config.num_hidden_layers)
         model = load_eagle(folder, embeddings, self.device, parse_dtype(self.dtype))
         tap = None if eagle_cfg.kind == EAGLE1 else LayerTap(target_model, eagle_cfg.target_layers(config.num_hidden_layers))
+        self.draft_step_dtype = self._prepare_draft_steps(model, step_dtype)
         self.draft = EagleDraft(model, self.target, tap)
         self.draft_kind = eagle_cfg.kind
-        self.draft_step_dtype = self.dtype
-        self.draft_head_weight, self.draft_head_bias = self.draft.weight, self.draft.bias
+        weight = self.draft.weight  # [rows, d]: the target's head (EAGLE-1) or the head's lm_head (EAGLE-3)
+        if self.draft_step_dtype != self.dtype:
+            lm_head = getattr(model, "lm_head", None)
+            row_weight = getattr(lm_head, "row_weight", None)
+            weight = row_weight if row_weight is not None else weight.to(parse_dtype(self.draft_step_dtype))
+        bias = self.draft.bias
+        self.draft_head_weight, self.draft_head_bias = weight, None if bias is None else bias.to(weight.dtype)
         if eagle_cfg.kind == EAGLE1:  # the target's own head: its rows are target ids
             self.make_head = lambda: DraftHead(self.draft_head_weight, self.draft_head_bias, self.draft.softcap)
         else:
