@@ -18,7 +18,7 @@ import torch
 
 from dynvocab.kernels.packed_buffer import grown
 from dynvocab.models.eagle import EAGLE1, EagleModel, LayerTap
-from dynvocab.runtime.head import DraftHead, RowRanges, active_segments
+from dynvocab.runtime.head import DraftHead, active_segments
 from dynvocab.runtime.lm import CausalLM
 
 
@@ -180,4 +180,4 @@ class MappedHead:
         return logits, self.row_token
 
 
-__all__ = ["EagleDraft", "MappedHead", "RowRanges"]
+__all__ = ["EagleDraft", "MappedHead"]
