@@ -132,6 +132,8 @@ def hf_generate(session, row: str, prompt_ids: list[int], decode: DecodeConfig, 
     draft = session.draft.model if session.draft is not None else None
     if row == "hf-assisted" and draft is None:
         raise DynvocabError("hf-assisted needs a draft model; pass --draft")
+    if row == "hf-assisted" and session.draft_kind != "model":
+        raise DynvocabError("hf-assisted needs a draft model; transformers cannot assist with an EAGLE head")
     eos = sorted(session.eos_ids)
     sampling = decode.temperature > 0
     cfg = GenerationConfig(

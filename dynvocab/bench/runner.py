@@ -70,6 +70,12 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
     note when ``skip`` (``--quick``). Returns the config to run and the notes."""
     keep, notes = [], []
     for name in cfg.strategies:
+        if name == "hf-assisted" and session.draft_kind not in (None, "model"):
+            msg = "hf-assisted needs a draft model; transformers cannot assist with an EAGLE head"
+            if not skip:
+                raise DynvocabError(msg)
+            notes.append(f"skipped {name}: {msg}")
+            continue
         if name in ("ar", *HF_ROWS) or session.draft is None:
             keep.append(name)
             continue
@@ -282,6 +288,7 @@ def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -
             "device": session.device,
             "dtype": session.dtype,
             "draft_step_dtype": session.draft_step_dtype,
+            "draft_kind": session.draft_kind,
             "prepacked": session.prepacked,
             "coverage": cfg.coverage,
             "recall_ks": list(cfg.recall_ks) if cfg.coverage else [],

@@ -87,6 +87,14 @@ def bench(
             "head at the demo target's shapes (bfloat16 and float32; the --bundle's tables, else synthetic ones).",
         ),
     ] = False,
+    eagle_step: Annotated[
+        bool,
+        typer.Option(
+            "--eagle-step",
+            help="Instead: time one EAGLE draft step at real shapes with random weights (demo target, Llama-3-8B "
+            "EAGLE-1, Llama-3.1-8B EAGLE-3): full head vs 32k vs 3k rows.",
+        ),
+    ] = False,
 ) -> None:
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
     from dynvocab.cli.bench_run import BenchRequest, run_command
@@ -102,6 +110,9 @@ def bench(
     flags.check()
     if policy_steps:
         _policy_step_bench(flags.bundle, dtype, json_path, threads)
+        return
+    if eagle_step:
+        _eagle_step_bench(device, dtype, json_path)
         return
     request = BenchRequest(
         models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_step_dtype=draft_step_dtype),
@@ -145,3 +156,21 @@ def _write_json(path: Path, payload: dict) -> None:
     """Write ``payload`` as JSON, whole or not at all."""
     text = json.dumps(payload, ensure_ascii=False, indent=1)
     write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _eagle_step_bench(device: str | None, dtype: str | None, json_path: Path | None) -> None:
+    from dynvocab.bench.eagle_step import EAGLE_SHAPES, eagle_step_bench, render_eagle_step_table
+    from dynvocab.models import default_device, default_dtype
+
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    console = Console(stderr=True)
+    results = []
+    for shape in EAGLE_SHAPES:
+        with console.status(f"timing an EAGLE draft step at {shape} shapes…"):
+            results.append(eagle_step_bench(shape, device=device, dtype=dtype))
+    Console().print(render_eagle_step_table(results))
+    if json_path is not None:
+        _write_json(json_path, {"eagle_step": results})
+        console.print(f"wrote {json_path}")
+

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.eagle_draft import EagleDraft
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
@@ -148,6 +149,8 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
     if name == "dynaspec":
         return DynaSpecPolicy.from_context(opts.dynaspec, ctx)
     if name == "evospec":
+        if opts.evospec.online_align and ctx.draft is not None and isinstance(ctx.draft, EagleDraft):
+            raise DynvocabError("--online-align adapts a draft model's q/v projections, not an EAGLE head; drop it")
         return EvoSpecPolicy.from_context(opts.evospec, ctx)
     ranking = frequency_ranking(opts, ctx, name)
     eos = ctx.eos
@@ -157,6 +160,27 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
         missing = eos[~torch.isin(eos, ranking)]
         return FrequencyPolicy(torch.cat([ranking, missing]), device=ctx.device)  # EOS stays draftable
     return PositionAwareFrequencyPolicy(ranking, opts.pa_k_max, always=eos, device=ctx.device)
+
+
+def _draft_head_index(ctx: PolicyContext, target_index):
+    """The HNSW index over the draft head's rows for per-step search: the target's ``hnsw`` for a draft that
+    predicts through the target's own head (an EAGLE-1 head), the bundle's ``draft_hnsw`` for a draft model whose
+    head it was built over, else None (an EAGLE-3 head's own ``lm_head`` has no index)."""
+    from dynvocab.artifacts import HnswParams, load_hnsw
+    from dynvocab.runtime.lm import CausalLM
+
+    draft_weight = getattr(ctx.draft, "weight", None)
+    if draft_weight is None:
+        return None
+    if draft_weight is getattr(ctx.target, "weight", None):
+        return target_index
+    if not isinstance(ctx.draft, CausalLM) or not ctx.bundle.has("draft_hnsw"):
+        return None
+    head = ctx.draft.model.get_output_embeddings().weight  # [V, d] every row, as indexed
+    params = HnswParams.from_dict(ctx.bundle.info("draft_hnsw")["index"], f"bundle {ctx.bundle.path} (stage draft_hnsw)")
+    if (params.num_elements, params.hidden) != tuple(head.shape):
+        return None
+    return load_hnsw(ctx.bundle, head, "draft_hnsw")[0]
 
 
 def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> HybridPolicy:
@@ -169,9 +193,8 @@ def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> Hyb
             graph = GraphTable.from_bundle(ctx.bundle)
         if ctx.bundle.has("hnsw") and ctx.target is not None:
             hnsw = load_hnsw(ctx.bundle, ctx.target.weight)[0]
-        if ctx.bundle.has("draft_hnsw") and ctx.draft is not None and cfg.searches_per_step(ctx.device):
-            draft_head = ctx.draft.model.get_output_embeddings().weight  # every row, as indexed
-            draft_hnsw = load_hnsw(ctx.bundle, draft_head, "draft_hnsw")[0]
+        if ctx.draft is not None and cfg.searches_per_step(ctx.device):
+            draft_hnsw = _draft_head_index(ctx, hnsw)
     return HybridPolicy(
         cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw, draft_hnsw=draft_hnsw
     )

@@ -1,0 +1,161 @@
+"""One EAGLE draft step at real shapes with random weights: the head over the full vocabulary vs 32k vs 3k rows.
+
+An EAGLE step is one decoder layer plus the LM head, so the head is most of it: for an EAGLE-1 head on
+Llama-3-8B, 525M head parameters against ~250M in the layer (MicroSpec reports −51.6% draft latency with a small
+active set). Shapes:
+
+- ``demo-eagle1``: an EAGLE-1 head for the demo target (Qwen2.5-Coder-1.5B: d 1,536, V 151,936, a Qwen2 layer);
+- ``llama3-8b-eagle1``: EAGLE-1 for Llama-3-8B (d 4,096, V 128,256, ~250M layer parameters);
+- ``llama3.1-8b-eagle3``: EAGLE-3 for Llama-3.1-8B, the same layer with 2d-wide q/k/v and a 32,000-id draft
+  vocabulary (its head is a smaller share, so the three points sit closer).
+
+The model is built on the meta device and materialised with random weights (nothing is downloaded); the
+embedding shares the head's memory. The step decodes one token (its own feature fed back, as from the second
+draft step on) after ``context`` cached positions; the cache is cropped back after each step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from rich.table import Table
+
+from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, synchronize
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
+EAGLE_SHAPES = {
+    "demo-eagle1": dict(kind="eagle", arch="qwen2", hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                        num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=32768),
+    "llama3-8b-eagle1": dict(kind="eagle", **LLAMA3_8B),
+    "llama3.1-8b-eagle3": dict(kind="eagle3", draft_vocab_size=32000, **LLAMA3_8B),
+}
+
+
+def _random_head(shape: dict, dev: torch.device, dt: torch.dtype, seed: int):
+    from dynvocab.models.eagle import EAGLE1, EagleConfig, EagleModel
+
+    cfg = EagleConfig(**shape)
+    with torch.device("meta"):
+        model = EagleModel(cfg)
+    model.embed_tokens = None  # set below to the head's memory: an [V, d] table of its own would only cost RAM
+    model.to_empty(device=dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
+        model.to(dt)
+        if cfg.kind == EAGLE1:  # the target's head [V, d]
+            weight = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=dev)
+            weight = (weight * cfg.hidden_size**-0.5).to(dt)
+            table = weight
+        else:  # the head's own lm_head [Vd, d]; the embedding rows are never read at these timings' scale
+            weight = model.lm_head.weight.detach()
+            table = weight.new_zeros(1, cfg.hidden_size).expand(cfg.vocab_size, -1)
+    model.embed_tokens = torch.nn.Embedding.from_pretrained(table, freeze=True)
+    model.rotary_emb = type(model.rotary_emb)(model.layer_config).to(dev)
+    return model.eval(), weight
+
+
+def interleaved_ms(fns: dict, device: torch.device, repeats: int, warmup: int, flush: CacheFlusher) -> dict:
+    """Median milliseconds of each of ``fns`` when they take turns, one call each per round (a shared machine's
+    load then weighs on all of them alike, so their ratios hold); ``flush`` runs before every call."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            flush()
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@torch.inference_mode()
+def eagle_step_bench(
+    shape: str = "demo-eagle1",
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    context: int = 128,
+    active: tuple[int, ...] = (32768, 3072),
+    repeats: int = 10,
+    warmup: int = 2,
+    seed: int = 0,
+    threads: int | None = None,
+) -> dict:
+    """Median times of one EAGLE draft step (M = 1) at ``shape`` (:data:`EAGLE_SHAPES`): the layer alone
+    (``body_ms``) and the whole step with the head over ``full`` and over a contiguous K-row buffer for each K in
+    ``active`` (FR-Spec's slice or a packed dynamic set: the same matmul). Returns ``shape``, ``dims``, ``device``,
+    ``dtype``, ``context``, ``repeats``, ``threads``, ``layer_params``, ``head_rows``, ``body_ms``, ``step_ms``
+    and ``ratio`` (step / full step) per head, and ``head_share`` (of the full step)."""
+    if shape not in EAGLE_SHAPES:
+        raise ValueError(f"unknown EAGLE shape {shape!r}; known: {sorted(EAGLE_SHAPES)}")
+    dev, dt = torch.device(device), resolve_dtype(dtype)
+    with cpu_threads(threads):
+        model, weight = _random_head(EAGLE_SHAPES[shape], dev, dt, seed)
+        cfg = model.config
+        vocab = weight.shape[0]
+        cache = model.new_cache()
+        ids = torch.randint(cfg.vocab_size, (1, context), device=dev)
+        feats = torch.randn(1, context, cfg.feature_size, device=dev, dtype=dt)
+        model(ids, feats, torch.arange(context, device=dev)[None], cache)  # [1, context] cached positions
+        token = torch.randint(cfg.vocab_size, (1, 1), device=dev)
+        own = torch.randn(1, 1, cfg.hidden_size if cfg.kind == "eagle3" else cfg.feature_size, device=dev, dtype=dt)
+        position = torch.tensor([[context]], device=dev)
+
+        def body() -> torch.Tensor:
+            head_in = model(token, own, position, cache)[1][0]  # [1, d]
+            cache.crop(-1)  # every timed step sees the same cache length
+            return head_in
+
+        heads = {"full": weight}
+        for k in (k for k in active if k < vocab):
+            heads[str(k)] = weight[torch.randperm(vocab, device=dev)[:k]].contiguous()  # [k, d] packed rows
+        fns = {"body": body, **{name: (lambda rows=rows: F.linear(body(), rows)) for name, rows in heads.items()}}
+        times = interleaved_ms(fns, dev, repeats, warmup, CacheFlusher(dev))
+        body_ms = times.pop("body")
+        step_ms = times
+        heads_and_tables = ("embed_tokens", "lm_head")
+        layer_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(heads_and_tables))
+        return {
+            "shape": shape,
+            "dims": EAGLE_SHAPES[shape],
+            "device": str(dev),
+            "dtype": str(dt).removeprefix("torch."),
+            "context": context,
+            "repeats": repeats,
+            "threads": torch.get_num_threads(),
+            "layer_params": layer_params,
+            "head_rows": vocab,
+            "body_ms": body_ms,
+            "step_ms": step_ms,
+            "ratio": {name: t / step_ms["full"] for name, t in step_ms.items()},
+            "head_share": max(0.0, 1.0 - body_ms / step_ms["full"]),
+        }
+
+
+def render_eagle_step_table(results: list[dict]) -> Table:
+    """One row per shape: layer time, full / 32k / 3k step times and their ratios to the full step."""
+    table = Table(title=f"one EAGLE draft step ({results[0]['dtype']} on {results[0]['device']}, "
+                        f"{results[0]['threads']} threads)")
+    columns = ("shape", "layer params", "head rows", "layer ms", "full ms", "head share", "32k ms (×full)",
+               "3k ms (×full)")
+    for col in columns:
+        table.add_column(col, justify="left" if col == "shape" else "right")
+    for r in results:
+        cells = []
+        for k in ("32768", "3072"):
+            cells.append("–" if k not in r["step_ms"] else f"{r['step_ms'][k]:.2f} ({r['ratio'][k]:.2f}×)")
+        table.add_row(r["shape"], f"{r['layer_params'] / 1e6:.0f}M", f"{r['head_rows']:,}", f"{r['body_ms']:.2f}",
+                      f"{r['step_ms']['full']:.2f}", f"{100 * r['head_share']:.0f}%", *cells)
+    return table

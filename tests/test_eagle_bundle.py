@@ -1,0 +1,68 @@
+"""Bundle-backed strategies with EAGLE heads on tiny local models: evospec and the hybrid (with its per-step
+search) equal ``ar``; dynaspec's router, trained on a draft model's hidden states, refuses a head of another
+width in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, run
+from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
+
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, init_from_target, save_eagle
+
+PROMPT = "def model(x):\n    return x + 1\nThe draft token head"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tiny_dirs, corpus_jsonl):  # noqa: F811
+    out = tmp_path_factory.mktemp("eagle_bundle") / "b.safetensors"
+    result = run("build-index", "--target", tiny_dirs[0], "--draft", tiny_dirs[1], "--corpus", corpus_jsonl,
+                 "--out", out, "--num-clusters", 8, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    result = run("train-router", "--bundle", out, "--draft", tiny_dirs[1], "--target", tiny_dirs[0], "--corpus",
+                 corpus_jsonl, "--max-docs", 40, "--max-tokens", 24, "--epochs", 2, "--hidden", 32, "--k-max", 3,
+                 "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_dirs, tmp_path_factory):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_dirs[0], dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("eagle_heads")
+    eagle1 = init_from_target(EagleModel(config_like(target.config, EAGLE1)).eval(), target)
+    torch.manual_seed(0)
+    eagle3 = EagleModel(config_like(target.config, EAGLE3, draft_vocab_size=200, aux_layer_ids=(0, 1, 1))).eval()
+    with torch.no_grad():
+        for name, p in eagle3.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+        eagle3.set_draft_vocab(torch.randperm(target.config.vocab_size)[:200].sort().values)
+    return {"eagle": save_eagle(eagle1, root / "eagle"), "eagle3": save_eagle(eagle3, root / "eagle3")}
+
+
+def generate(tiny_dirs, head, bundle, strategy):  # noqa: F811
+    result = run("generate", PROMPT, "--target", tiny_dirs[0], "--draft", head, "--bundle", bundle,
+                 "--no-chat-template", "--quiet", "--dtype", "float32", "--strategy", strategy,
+                 "--max-new-tokens", 16, "--json")
+    return result
+
+
+@pytest.mark.parametrize("kind", [EAGLE1, EAGLE3])
+def test_bundle_strategies_equal_ar(tiny_dirs, heads, bundle, kind):  # noqa: F811
+    ar = generate(tiny_dirs, heads[kind], bundle, "ar")
+    assert ar.exit_code == 0, ar.output
+    want = json.loads(ar.output.strip().splitlines()[-1])["token_ids"]
+    for strategy in ("fr", "evospec", "hybrid"):
+        result = generate(tiny_dirs, heads[kind], bundle, strategy)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output.strip().splitlines()[-1])["token_ids"] == want, (kind, strategy)
+
+
+def test_dynaspec_refuses_a_router_of_another_width(tiny_dirs, heads, bundle):  # noqa: F811
+    assert_one_line_error(generate(tiny_dirs, heads[EAGLE1], bundle, "dynaspec"), "hidden size 16", "32")
