@@ -11,6 +11,7 @@ deleted once the head is written.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import time
@@ -119,6 +120,10 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
     device = cfg.device or default_device()
     spec = resolve_model(target)
     tokenizer = load_tokenizer(spec)
+    documents = _encode(cfg, tokenizer)
+    first = next(documents, None)  # refuse an empty corpus before the target is loaded
+    if first is None:
+        raise DynvocabError("the corpus gave no documents (of 2 tokens or more); check --corpus and --max-docs")
     target_fp = fingerprint(spec, tokenizer)
     if kind == EAGLE3:
         vocab.check_size(cfg.draft_vocab, target_fp.head_rows)
@@ -131,7 +136,7 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
     manifest = feats.open_manifest(work / "features", target_fp, settings)
     start = time.perf_counter()
     if not manifest.get("complete"):
-        feats.extract(model, _encode(cfg, tokenizer), work / "features", manifest, cfg.features, cfg.corpus.max_docs, entering, reporter)
+        feats.extract(model, itertools.chain([first], documents), work / "features", manifest, cfg.features, cfg.corpus.max_docs, entering, reporter)
     features = feats.load_features(work / "features")
     extract_s = time.perf_counter() - start
     reader = feats.FeatureReader(features)
@@ -246,6 +251,8 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
         state = _resume(ckpt, head, opt, sched, state)
         reporter.log(f"resuming training at step {state['step']:,} of {total:,}")
     steps = o.steps_for(kind)
+    if heldout and not state["heldout"]:  # the starting point, for the report's before/after
+        state["heldout"].append({"step": 0, **evaluate(head, reader, heldout, target_head, draft_ids, steps)})
     with reporter.task("training (documents)", total=total) as advance:
         advance(state["step"])
         running = None
