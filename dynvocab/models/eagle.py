@@ -320,6 +320,10 @@ class EagleModel(nn.Module):
         """:data:`EAGLE1` or :data:`EAGLE3`."""
         return self.config.kind
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embeddings (the target's, shared, when the checkpoint has none)."""
+        return self.embed_tokens
+
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
         """EAGLE-3: make draft row i stand for target id ``target_ids[i]`` (sorted, distinct) — fills ``d2t``
         (offsets) and ``t2d``."""
@@ -418,6 +422,25 @@ def detect_kind(folder: str | Path) -> str | None:
     if any(n.startswith("layers.0.") for n in names):
         return EAGLE1
     return None
+
+
+def eagle_checkpoint(spec) -> Path | None:
+    """The local folder of an EAGLE checkpoint named by a :class:`~dynvocab.models.loading.ModelSpec` (a folder or
+    a hub id; a hub checkpoint is fetched), or None when it is not one (a draft model)."""
+    if spec.gguf_file is not None:
+        return None
+    if spec.is_local:
+        return Path(spec.path) if detect_kind(spec.path) else None
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+
+        data = json.loads(Path(hf_hub_download(spec.path, "config.json")).read_text())
+        if data.get("num_hidden_layers", data.get("transformer_layer_config", {}).get("num_hidden_layers")) != 1:
+            return None  # EAGLE heads are one layer; anything else is a draft model
+        folder = Path(snapshot_download(spec.path, allow_patterns=["config.json", *WEIGHT_FILES]))
+    except Exception:  # not reachable or not a hub model: the draft-model loader reports it in one line
+        return None
+    return folder if detect_kind(folder) else None
 
 
 def read_config(folder: str | Path) -> EagleConfig:
@@ -631,6 +654,7 @@ __all__ = [
     "check_target",
     "config_like",
     "detect_kind",
+    "eagle_checkpoint",
     "init_from_target",
     "load_eagle",
     "read_config",

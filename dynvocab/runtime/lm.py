@@ -73,6 +73,9 @@ class CausalLM:
             self.cache.crop(-remove)
             self.length = length
 
+    def observe(self, start: int, hidden, rows) -> None:
+        """A draft model reads no target features (see :class:`~dynvocab.runtime.draft.Draft`)."""
+
     def finish(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply the model's final logit soft-capping, if it has one."""
         if self.softcap:

@@ -6,7 +6,9 @@ rejection sampling), both KV caches roll back to the accepted prefix, and the po
 ``gamma = 0`` with no draft is plain autoregressive decoding by the target.
 
 Cache invariant: before a cycle the target's cache holds every committed token but the last one; the draft's
-cache holds some prefix of the committed tokens and catches up at its first draft step.
+cache holds some prefix of the committed tokens and catches up at its first draft step. The draft is either kind
+behind :class:`~dynvocab.runtime.draft.Draft` (a draft model, an EAGLE head): after each target pass the loop
+hands it the committed rows (``observe``), which an EAGLE head reads its features from and a draft model ignores.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from dynvocab.runtime.draft import Draft
 from dynvocab.runtime.head import DraftHead, active_contains, active_size
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.metrics import Metrics
@@ -101,7 +104,7 @@ def speculative_generate(
     prompt_ids: list[int],
     cfg: DecodeConfig,
     eos_ids: set[int],
-    draft: CausalLM | None = None,
+    draft: Draft | None = None,
     head: DraftHead | None = None,
     policy: VocabPolicy | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
@@ -126,15 +129,16 @@ def speculative_generate(
     prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     target.reset()
     prefix_hidden = target.step(prompt[:-1]) if prompt.numel() > 1 else None  # [L-1, d]
+    if speculative:
+        draft.reset()
+        draft.observe(0, prefix_hidden, None)
     if policy is not None:
         prefill_logits = None
         if policy.prefill_logits and prefix_hidden is not None:
             prefill_logits = target.logits(prefix_hidden)
         policy.prefill(prompt, prefill_logits, prefix_hidden)
-    if speculative:
-        draft.reset()
-        if prompt.numel() > 1:
-            draft.step(prompt[:-1])
+    if speculative and prompt.numel() > 1:
+        draft.step(prompt[:-1])
     m.prefill_s = clock() - start
 
     branch = sampling.greedy and cfg.branch_below > 0  # tree leaves: greedy verification only
@@ -199,6 +203,7 @@ def speculative_generate(
         target.rollback(n + verdict.chain_accepted, keep=kept)
         if speculative:
             draft.rollback(min(draft.length, n + verdict.chain_accepted))
+            draft.observe(n - 1, hidden, verdict.rows)  # the committed rows: root, accepted path
         m.verify_s += clock() - t_verify
         m.leaves += len(leaves)
         m.leaf_hits += verdict.leaf_row is not None

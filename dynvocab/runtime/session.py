@@ -17,6 +17,7 @@ from dynvocab.models import (
     resolve_model,
     tokenizer_fingerprint,
 )
+from dynvocab.models.eagle import eagle_checkpoint
 from dynvocab.models.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from dynvocab.models.vocab import end_token_ids
 from dynvocab.runtime.head import DraftHead
@@ -76,6 +77,12 @@ class Session:
         self.draft = None
         self.draft_step_dtype = None
         self.match = None
+        self.make_head = None  # () -> a fresh draft head for one generation
+        eagle = None if draft_spec is None else eagle_checkpoint(draft_spec)
+        if eagle is not None:
+            say(f"loading EAGLE head {cfg.draft}")
+            self._load_eagle(eagle, target_model)
+            draft_spec = None  # no draft model (and no draft fingerprint for a bundle)
         if draft_spec is not None:
             say(f"loading draft {cfg.draft}")
             draft_tokenizer = load_tokenizer(draft_spec)
@@ -91,6 +98,7 @@ class Session:
                 self.draft_head_bias = None if head.row_bias is None else head.row_bias[:rows]
             else:
                 self.draft_head_weight, self.draft_head_bias = self.draft.weight, self.draft.bias
+            self.make_head = lambda: DraftHead(self.draft_head_weight, self.draft_head_bias, self.draft.softcap)
         self.bundle = None
         if bundle is not None:
             from dynvocab.artifacts import ModelFingerprint, load_bundle
@@ -100,6 +108,26 @@ class Session:
             target_fp = ModelFingerprint.of_model(self.tokenizer, target_model, cfg.target)
             draft_fp = None if draft_spec is None else ModelFingerprint.of_model(draft_tokenizer, draft_model, cfg.draft)
             self.bundle.check_models(target_fp, draft_fp)
+
+    def _load_eagle(self, folder, target_model) -> None:
+        """Load an EAGLE head for the target (refused in one line if it was built for another) as the draft."""
+        from dynvocab.models.eagle import EAGLE1, LayerTap, check_target, load_eagle, read_config
+        from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
+
+        config = target_model.config.get_text_config()
+        embeddings = target_model.get_input_embeddings().weight.detach()  # [V, d]
+        eagle_cfg = read_config(folder)
+        check_target(eagle_cfg, config.hidden_size, embeddings.shape[0], config.num_hidden_layers)
+        model = load_eagle(folder, embeddings, self.device, parse_dtype(self.dtype))
+        tap = None if eagle_cfg.kind == EAGLE1 else LayerTap(target_model, eagle_cfg.target_layers(config.num_hidden_layers))
+        self.draft = EagleDraft(model, self.target, tap)
+        self.draft_step_dtype = self.dtype
+        self.draft_head_weight, self.draft_head_bias = self.draft.weight, self.draft.bias
+        if eagle_cfg.kind == EAGLE1:  # the target's own head: its rows are target ids
+            self.make_head = lambda: DraftHead(self.draft_head_weight, self.draft_head_bias, self.draft.softcap)
+        else:
+            row_token = model.draft_to_target()
+            self.make_head = lambda: MappedHead(self.draft_head_weight, row_token, self.target.vocab_size)
 
     def _wants_prepack(self, wanted: bool | None) -> bool:
         supported = prepack_supported(self.device, self.dtype)
@@ -152,7 +180,7 @@ class Session:
         policy = make_policy(strategy, options, self.policy_context())
         if wrap_policy is not None:
             policy = wrap_policy(policy)
-        head = DraftHead(self.draft_head_weight, self.draft_head_bias, self.draft.softcap)
+        head = self.make_head()
         try:
             return speculative_generate(
                 self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens

@@ -1,0 +1,183 @@
+"""An EAGLE head as a draft (the :class:`~dynvocab.runtime.draft.Draft` interface) and the head over its own
+draft vocabulary (EAGLE-3).
+
+The head's cache position ``t - 1`` pairs token ``x_t`` with the feature of position ``t - 1`` (cnets1.py /
+cnets.py: the input ids are shifted one left of the features): the target's feature when the target has run that
+position — after a verification pass, the loop hands the committed rows over through :meth:`EagleDraft.observe`
+— else the head's own output at ``t - 1``, the step before. Token ``x_0`` has no feature before it and takes no
+cache slot. Entries computed from the head's own features are dropped at rollback, so after a verification the
+accepted tokens are fed again with the target's features (as EAGLE does), in one batched step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from dynvocab.kernels.packed_buffer import grown
+from dynvocab.models.eagle import EAGLE1, EagleModel, LayerTap
+from dynvocab.runtime.head import DraftHead, RowRanges, active_segments
+from dynvocab.runtime.lm import CausalLM
+
+
+class EagleDraft:
+    """An EAGLE-1/2 or EAGLE-3 head drafting for ``target``.
+
+    ``weight`` [rows, d] / ``bias``: the head's LM head — EAGLE-1: the target's own (its rows are target ids);
+    EAGLE-3: the head's ``lm_head`` over its draft vocabulary (see :class:`MappedHead`). ``tap`` keeps the
+    target's hidden states entering EAGLE-3's three layers (None for EAGLE-1, which reads the final hidden state).
+    """
+
+    def __init__(self, model: EagleModel, target: CausalLM, tap: LayerTap | None = None):
+        self.model = model
+        self.target = target
+        self.tap = tap
+        self.kind = model.kind
+        self.device = target.device
+        self.dtype = model.fc.weight.dtype
+        if self.kind == EAGLE1:
+            self.weight, self.bias, self.softcap = target.weight, target.bias, target.softcap
+        else:
+            self.weight, self.bias, self.softcap = model.lm_head.weight.detach(), None, None
+        self.features = target.weight.new_empty(0, model.config.feature_size)  # [cap, f] by target position
+        self.n_features = 0  # positions [0, n_features) hold the target's features
+        self.own: torch.Tensor | None = None  # [1, d] the head's last output feature
+        self.own_at = -1  # the token position whose pair produced ``own``
+        self.cache = None
+        self.length = 0  # tokens consumed
+        self.trusted = 0  # tokens consumed whose cache entries came from the target's features
+
+    @property
+    def vocab_size(self) -> int:
+        """Target ids a policy may name (the target's head rows)."""
+        return self.target.vocab_size
+
+    def reset(self) -> None:
+        """Forget the sequence and the target's features."""
+        self.cache = self.model.new_cache()
+        self.length = self.trusted = self.n_features = 0
+        self.own, self.own_at = None, -1
+
+    @torch.inference_mode()
+    def observe(self, start: int, hidden: torch.Tensor | None, rows: Sequence[int] | None) -> None:
+        """Keep the target's features of positions ``start, start + 1, …`` from the rows ``rows`` of its last
+        pass (EAGLE-1: the final hidden states ``hidden`` [pass, d]; EAGLE-3: the tapped layer inputs)."""
+        if hidden is None:
+            return
+        feats = self.tap.features() if self.tap is not None else hidden  # [pass, f]
+        if rows is not None:
+            feats = feats[torch.as_tensor(list(rows), dtype=torch.long, device=feats.device)]
+        end = start + feats.shape[0]
+        if end > self.features.shape[0]:
+            self.features = grown(self.features, max(end, 2 * self.features.shape[0]))
+        self.features[start:end] = feats
+        self.n_features = end
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Consume tokens ``ids`` [n] at positions ``length, …``; returns the head inputs [n', d] (n' = n, or
+        n - 1 when ``x_0`` is among them and others follow)."""
+        if self.cache is None:
+            self.reset()
+        t = self.length
+        if t == 0:
+            if ids.numel() == 1:  # only x_0: nothing precedes it; draft from a zero feature, cache nothing
+                return self._orphan(ids)
+            ids, t = ids[1:], 1
+            self.length = self.trusted = 1
+        outs = []
+        while ids.numel():
+            from_target = t - 1 < self.n_features
+            n = min(ids.numel(), self.n_features - (t - 1)) if from_target else 1
+            outs.append(self._run(ids[:n], t, from_target))
+            ids, t = ids[n:], t + n
+        return torch.cat(outs)
+
+    def _feature(self, t: int, n: int, from_target: bool) -> torch.Tensor:
+        """The features [n, f] paired with tokens at positions ``t, …, t + n - 1``."""
+        if from_target:
+            return self.features[t - 1 : t - 1 + n]
+        if self.own is not None and self.own_at == t - 1:
+            return self.own
+        return self.features.new_zeros(1, self.model.config.feature_size)  # no feature known (a one-token prompt)
+
+    def _run(self, ids: torch.Tensor, t: int, from_target: bool) -> torch.Tensor:
+        n = ids.numel()
+        positions = torch.arange(t - 1, t - 1 + n, device=ids.device)[None]  # [1, n]
+        feats = self._feature(t, n, from_target)[None]  # [1, n, f]
+        out, head_in = self.model(ids.view(1, -1), feats, positions, self.cache)  # [1, n, d] each
+        self.own, self.own_at = out[0, -1:], t + n - 1
+        self.length = t + n
+        if from_target and self.trusted == t:
+            self.trusted = t + n
+        return head_in[0]
+
+    def _orphan(self, ids: torch.Tensor) -> torch.Tensor:
+        feats = self.features.new_zeros(1, 1, self.model.config.feature_size)
+        out, head_in = self.model(ids.view(1, 1), feats, torch.zeros(1, 1, dtype=torch.long, device=ids.device))
+        self.own, self.own_at = out[0], 0
+        self.length = self.trusted = 1
+        return head_in[0]
+
+    @torch.inference_mode()
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` tokens, but none whose entry came from the head's own features: those are
+        fed again with the target's (``length`` then says how many were kept)."""
+        keep = min(length, self.trusted)
+        remove = max(self.length - 1, 0) - max(keep - 1, 0)  # cache entries: one per token after x_0
+        if remove > 0:
+            self.cache.crop(-remove)
+        self.length = self.trusted = keep
+
+
+class MappedHead:
+    """A draft head over its own vocabulary (EAGLE-3's ``lm_head``): row i stands for target id ``row_token[i]``.
+
+    Active sets arrive in target ids, as every policy names them; ids outside the draft vocabulary are dropped
+    (an active set with none inside falls back to the whole draft vocabulary). ``None`` is the whole draft
+    vocabulary. Columns come back as target ids. The mapped rows of a set are remembered by its memory (as
+    :class:`~dynvocab.runtime.head.PackedHead` recognises a set or a prefix of a ranking), so the packed rows
+    behind an unchanged set are reused as they are for a draft model.
+    """
+
+    def __init__(self, weight: torch.Tensor, row_token: torch.Tensor, vocab_size: int, softcap: float | None = None):
+        self.weight = weight  # [Vd, d]
+        self.row_token = row_token  # [Vd] target ids
+        self.row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=weight.device)  # [V] -> row or -1
+        self.row_of[row_token] = torch.arange(row_token.numel(), device=weight.device)
+        self.inner = DraftHead(weight, None, softcap)
+        self._memo: OrderedDict = OrderedDict()
+
+    @property
+    def rows_copied(self) -> int:
+        """Rows gathered into packed buffers so far."""
+        return self.inner.rows_copied
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The draft rows of target ids ``ids`` [n] that the draft vocabulary has, in order: [n']."""
+        key = (ids.data_ptr(), ids.numel())  # a set is never changed in place (the packed head trusts it too)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit[1]
+        rows = self.row_of[ids]
+        rows = rows[rows >= 0]
+        self._memo[key] = (ids, rows)  # holding ``ids`` keeps its memory from being reused under the same key
+        if len(self._memo) > 16:
+            self._memo.popitem(last=False)
+        return rows
+
+    def logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [m, n] over the active set's draft rows for hidden states [m, d], and their target ids [n]."""
+        if active is not None:
+            parts = [self.rows(ids) for ids in active_segments(active)]
+            parts = [p for p in parts if p.numel()]
+            if parts:
+                logits, rows = self.inner.logits(hidden, parts[0] if len(parts) == 1 else parts)
+                return logits, self.row_token[rows]
+        logits, _ = self.inner.logits(hidden, None)
+        return logits, self.row_token
+
+
+__all__ = ["EagleDraft", "MappedHead", "RowRanges"]

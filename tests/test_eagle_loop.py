@@ -1,0 +1,149 @@
+"""EAGLE-1 and EAGLE-3 heads drafting in the one loop on tiny random targets: lossless at temperature 0 with every
+policy (and tree leaves), exact sampling, caches that roll back to what a fresh pass computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_qwen2
+from test_loop import VOCAB, make_policy
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like, init_from_target
+from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
+from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
+from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
+
+LAYERS = 6  # EAGLE-3's default taps (2, L//2, L-3) need a few layers
+DRAFT_VOCAB = 60
+
+
+def eagle1(target_model) -> EagleModel:
+    model = EagleModel(config_like(target_model.config, EAGLE1)).eval()
+    return init_from_target(model, target_model)
+
+
+def eagle3(target_model, seed: int = 0) -> EagleModel:
+    torch.manual_seed(seed)
+    model = EagleModel(config_like(target_model.config, EAGLE3, draft_vocab_size=DRAFT_VOCAB)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+        model.embed_tokens.weight.copy_(target_model.model.embed_tokens.weight)
+        model.set_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB].sort().values)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_qwen2(layers=LAYERS, seed=0)
+
+
+@pytest.fixture(scope="module", params=[EAGLE1, EAGLE3])
+def setup(request, target_model):
+    """(target CausalLM, EagleDraft, head factory) for one kind."""
+    target = CausalLM(target_model)
+    if request.param == EAGLE1:
+        draft = EagleDraft(eagle1(target_model), target)
+        yield target, draft, lambda: DraftHead(draft.weight, draft.bias)
+        return
+    model = eagle3(target_model)
+    tap = LayerTap(target_model, model.config.target_layers(LAYERS))
+    draft = EagleDraft(model, target, tap)
+    yield target, draft, lambda: MappedHead(draft.weight, model.draft_to_target(), VOCAB)
+    tap.remove()
+
+
+@pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random", "microspec", "hybrid"])
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_is_lossless(setup, kind, seed):
+    target, draft, head = setup
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+    cfg = DecodeConfig(gamma=1 + seed % 5, max_new_tokens=30, branch_below=0.8 if seed % 2 else 0.0)
+    ar = speculative_generate(target, prompt, cfg, set())
+    spec = speculative_generate(target, prompt, cfg, set(), draft, head(), make_policy(kind, seed))
+    assert spec.token_ids == ar.token_ids
+    assert spec.metrics.new_tokens == len(ar.token_ids)
+
+
+def test_the_draft_is_sometimes_right(target_model):
+    """An EAGLE-1 head initialised from the target's last layer is often right on a tiny target, so the lossless
+    tests above cross accepted and rejected drafts."""
+    target = CausalLM(target_model)
+    draft = EagleDraft(eagle1(target_model), target)
+    g = speculative_generate(target, [3, 1, 4, 1, 5], DecodeConfig(gamma=4, max_new_tokens=40), set(), draft,
+                             DraftHead(draft.weight), FullPolicy())
+    assert g.metrics.mean_accepted_length > 1.0, g.cycle_lengths
+    assert any(n < 5 for n in g.cycle_lengths), g.cycle_lengths
+
+
+def test_cache_rolls_back_to_a_fresh_pass(setup):
+    """After a generation the head's cache holds only entries computed from the target's features, and its next
+    step equals a fresh pass over the whole sequence with the target's features."""
+    target, draft, head = setup
+    prompt = [7, 8, 9, 10]
+    g = speculative_generate(target, prompt, DecodeConfig(gamma=4, max_new_tokens=25), set(), draft, head(),
+                             make_policy("random", 3))
+    seq = prompt + g.token_ids
+    assert draft.length <= len(seq) - 1 and draft.trusted == draft.length
+    cached = draft.step(torch.tensor(seq[draft.length:]))[-1]
+    with torch.no_grad():
+        out = target.model(torch.tensor([seq[:-1]]), output_hidden_states=True)
+    if draft.kind == EAGLE1:
+        feats = out.hidden_states[-1][0]  # the final normed hidden states
+    else:
+        feats = draft.tap.features()  # the pass above ran through the tap
+    ids = torch.tensor([seq[1:]])
+    fresh = draft.model(ids, feats[None], torch.arange(len(seq) - 1)[None])[1][0, -1]
+    torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_mapped_head_names_target_ids(target_model):
+    model = eagle3(target_model, seed=2)
+    row_token = model.draft_to_target()
+    head = MappedHead(model.lm_head.weight.detach(), row_token, VOCAB)
+    h = torch.randn(1, model.config.hidden_size)
+    full, cols = head.logits(h, None)
+    assert torch.equal(cols, row_token) and full.shape == (1, DRAFT_VOCAB)
+    active = torch.arange(0, VOCAB, 2)  # target ids, some outside the draft vocabulary
+    logits, ids = head.logits(h, active)
+    inside = active[model.t2d[active]]
+    assert sorted(ids.tolist()) == inside.tolist()
+    by_id = dict(zip(cols.tolist(), full[0].tolist()))
+    assert all(abs(by_id[i] - v) < 1e-4 for i, v in zip(ids.tolist(), logits[0].tolist()))
+
+
+@pytest.mark.parametrize("kind", [EAGLE1, EAGLE3])
+def test_sampling_follows_the_target_distribution(target_model, kind):
+    """First sampled token over many seeds, with an EAGLE draft over a subset, vs the target's p (chi-square)."""
+    target = CausalLM(target_model)
+    if kind == EAGLE1:
+        draft = EagleDraft(eagle1(target_model), target)
+        make_head = lambda: DraftHead(draft.weight)  # noqa: E731
+    else:
+        model = eagle3(target_model)
+        draft = EagleDraft(model, target, LayerTap(target_model, model.config.target_layers(LAYERS)))
+        make_head = lambda: MappedHead(draft.weight, model.draft_to_target(), VOCAB)  # noqa: E731
+    prompt = [5, 9, 13]
+    cfg_s = SamplingConfig(temperature=1.5)
+    with torch.no_grad():
+        p = probs_from_logits(target_model(torch.tensor([prompt])).logits[0, -1].float(), cfg_s)
+    draws = 400
+    counts = torch.zeros(VOCAB)
+    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:50]
+    for seed in range(draws):
+        cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5, seed=seed)
+        g = speculative_generate(target, prompt, cfg, set(), draft, make_head(), FrequencyPolicy(ranking))
+        counts[g.token_ids[0]] += 1
+    order = p.argsort(descending=True)
+    big = order[p[order] * draws >= 5]
+    rest = ~torch.isin(torch.arange(VOCAB), big)
+    observed = torch.cat([counts[big], counts[rest].sum(0, keepdim=True)])
+    expected = torch.cat([p[big], p[rest].sum(0, keepdim=True)]) * draws
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    dof = observed.numel() - 1
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
