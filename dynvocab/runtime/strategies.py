@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.eagle_draft import EagleDraft
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
@@ -118,6 +119,8 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
     if name == "dynaspec":
         return DynaSpecPolicy.from_context(opts.dynaspec, ctx)
     if name == "evospec":
+        if opts.evospec.online_align and ctx.draft is not None and isinstance(ctx.draft, EagleDraft):
+            raise DynvocabError("--online-align adapts a draft model's q/v projections, not an EAGLE head; drop it")
         return EvoSpecPolicy.from_context(opts.evospec, ctx)
     ranking = frequency_ranking(opts, ctx, name)
     eos = ctx.eos
@@ -127,6 +130,22 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
         missing = eos[~torch.isin(eos, ranking)]
         return FrequencyPolicy(torch.cat([ranking, missing]))  # EOS stays draftable so drafts can end
     return PositionAwareFrequencyPolicy(ranking, opts.pa_k_max, always=eos)
+
+
+def _draft_head_index(ctx: PolicyContext, target_index):
+    """The HNSW index over the draft head's rows for per-step search: the bundle's ``draft_hnsw``, or the target's
+    ``hnsw`` for a draft that predicts through the target's own head (an EAGLE-1 head); None when the index is
+    not as wide as the draft's hidden state (an EAGLE-3 head's own ``lm_head`` has no index)."""
+    from dynvocab.artifacts import load_hnsw
+
+    draft_weight = getattr(ctx.draft, "weight", None)
+    if draft_weight is not None and draft_weight is getattr(ctx.target, "weight", None):
+        index = target_index
+    else:
+        index = load_hnsw(ctx.bundle, "draft_hnsw")[0] if ctx.bundle.has("draft_hnsw") else None
+    if index is None or (draft_weight is not None and index.params.dim != draft_weight.shape[1] + 1):
+        return None
+    return index
 
 
 def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> HybridPolicy:
@@ -139,8 +158,8 @@ def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> Hyb
             graph = GraphTable.from_bundle(ctx.bundle)
         if ctx.bundle.has("hnsw"):
             hnsw = load_hnsw(ctx.bundle)[0]
-        if ctx.bundle.has("draft_hnsw") and cfg.searches_per_step(ctx.device):
-            draft_hnsw = load_hnsw(ctx.bundle, "draft_hnsw")[0]
+        if cfg.searches_per_step(ctx.device):
+            draft_hnsw = _draft_head_index(ctx, hnsw)
     return HybridPolicy(
         cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw, draft_hnsw=draft_hnsw
     )

@@ -1,0 +1,93 @@
+"""EAGLE checkpoints in the published layouts, written with random weights and loaded the way users load them
+(``--draft DIR``): every strategy equals ``ar``; heads built for another target are refused in one line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, run
+
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, init_from_target, save_eagle
+
+PROMPT = "w1 w2 w3 w4 w5 w1 w2"
+STRATEGIES = ("full", "fr", "fr-pa", "microspec", "hybrid")
+
+
+def random_eagle3(target, cfg, seed=0) -> EagleModel:
+    torch.manual_seed(seed)
+    model = EagleModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+        model.set_draft_vocab(torch.arange(0, 96, 2))  # every other target id: EOS (95) is outside
+    return model
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_dirs, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"], dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("eagle")
+    eagle1 = init_from_target(EagleModel(config_like(target.config, EAGLE1)).eval(), target)
+    with torch.no_grad():
+        eagle1.fc.weight.add_(0.05 * torch.randn_like(eagle1.fc.weight))
+    cfg3 = config_like(target.config, EAGLE3, draft_vocab_size=48, aux_layer_ids=(0, 0, 1))
+    eagle3 = random_eagle3(target, cfg3)
+    dirs = {
+        "eagle": save_eagle(eagle1, root / "eagle"),
+        "eagle3": save_eagle(eagle3, root / "eagle3", embeddings=True),
+        "speculators": save_eagle(eagle3, root / "speculators", layout="speculators", target_name="tiny"),
+        "wide": save_eagle(EagleModel(replace(eagle1.config, hidden_size=48, num_attention_heads=4)), root / "wide"),
+        "vocab": save_eagle(EagleModel(replace(eagle1.config, vocab_size=100)), root / "vocab"),
+    }
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def token_map(tmp_path_factory):
+    path = tmp_path_factory.mktemp("maps") / "freq.pt"
+    torch.save(list(range(0, 96, 3)), path)
+    return path
+
+
+def generate(tiny_dirs, draft, strategy, *extra):
+    result = run(
+        "generate", PROMPT, "--target", tiny_dirs["target"], "--draft", draft, "--no-chat-template", "--quiet",
+        "--dtype", "float32", "--strategy", strategy, "--max-new-tokens", 16, "--json", *extra,
+    )
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", ["eagle", "eagle3", "speculators"])
+def test_every_strategy_equals_ar(tiny_dirs, heads, token_map, layout):
+    ar = generate(tiny_dirs, heads[layout], "ar")["token_ids"]
+    for strategy in STRATEGIES:
+        extra = ["--token-map", token_map] if strategy in ("fr", "fr-pa", "hybrid") else []
+        out = generate(tiny_dirs, heads[layout], strategy, *extra)
+        assert out["token_ids"] == ar, (layout, strategy)
+        assert out["metrics"]["cycles"] > 0
+
+
+def test_sampling_runs_with_an_eagle3_head(tiny_dirs, heads):
+    a = generate(tiny_dirs, heads["eagle3"], "full", "--temperature", "0.8", "--seed", "3")
+    b = generate(tiny_dirs, heads["eagle3"], "full", "--temperature", "0.8", "--seed", "3")
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) > 0
+
+
+@pytest.mark.parametrize("name,words", [("wide", ["hidden size 48", "32"]), ("vocab", ["100 ids", "96"])])
+def test_heads_for_another_target_are_refused(tiny_dirs, heads, name, words):
+    result = run("generate", PROMPT, "--target", tiny_dirs["target"], "--draft", heads[name], "--no-chat-template",
+                 "--quiet", "--dtype", "float32", "--strategy", "full")
+    assert_one_line_error(result, *words)
+
+
+def test_online_align_is_refused(tiny_dirs, heads):
+    result = run("generate", PROMPT, "--target", tiny_dirs["target"], "--draft", heads["eagle"], "--no-chat-template",
+                 "--quiet", "--strategy", "evospec", "--online-align")
+    assert_one_line_error(result, "EAGLE", "--online-align")
