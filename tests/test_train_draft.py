@@ -279,3 +279,38 @@ def test_draft_vocab_matches_speculators():
     assert info["source"] == "training documents" and 0 < info["coverage"] < 1
     with pytest.raises(DynvocabError, match="--draft-vocab"):
         vocab.from_counts(counts, [7], 501)
+
+
+# ---- the output as a draft ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, corpus_txt, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("trained")
+    torch.set_num_threads(1)
+    out = {}
+    for name, arch, layout in (("eagle3", "eagle3", "eagle"), ("speculators", "eagle3", "speculators"), ("eagle1", "eagle1", "eagle")):
+        cfg = TrainDraftConfig(**{**small_config(corpus_txt, arch, epochs=1).__dict__, "layout": layout})
+        out[name] = trainer.train_draft(str(target_dir), root / name, cfg).path
+    return out
+
+
+@pytest.mark.parametrize("name", ["eagle3", "speculators", "eagle1"])
+def test_trained_head_drafts_losslessly(target_dir, trained, tmp_path, name):
+    token_map = tmp_path / "map.pt"
+    torch.save(list(range(0, 200, 2)), token_map)
+
+    def generate(strategy, *extra):
+        result = run("generate", "Def fast draft(x): return the model", "--target", target_dir, "--draft", trained[name],
+                     "--no-chat-template", "--quiet", "--dtype", "float32", "--strategy", strategy,
+                     "--max-new-tokens", 16, "--json", "--threads", 1, *extra)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output.strip().splitlines()[-1])
+
+    ar = generate("ar")["token_ids"]
+    assert len(ar) == 16
+    for strategy in ("full", "fr", "microspec", "hybrid"):
+        extra = ["--token-map", token_map] if strategy in ("fr", "hybrid") else []
+        out = generate(strategy, *extra)
+        assert out["token_ids"] == ar, (name, strategy)
+        assert out["metrics"]["cycles"] > 0
