@@ -68,7 +68,7 @@ class TrainDraftConfig:
     arch: str = "eagle3"
     draft_vocab: int = 32768  # EAGLE-3 only: lm_head rows (FR-Spec's and the export's K)
     bundle: str | None = None  # a bundle whose freq stage gives the draft vocabulary (else: counted from the data)
-    corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(max_docs=320))
+    corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(max_docs=128))  # ~30k tokens: see docs/train-draft.md
     features: feats.FeatureConfig = field(default_factory=feats.FeatureConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     layout: str = "eagle"  # eagle: the EAGLE repo layout of its kind; speculators: vllm-project/speculators (EAGLE-3)
