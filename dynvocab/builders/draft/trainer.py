@@ -98,9 +98,11 @@ def check_config(cfg: TrainDraftConfig) -> None:
         )
     check_sources(cfg.corpus)
     o = cfg.optim
-    for flag, value, low in (("--epochs", o.epochs, 1), ("--max-tokens", cfg.features.max_tokens, 2), ("--lr", o.lr, 1e-12)):
+    for flag, value, low in (("--epochs", o.epochs, 1), ("--max-tokens", cfg.features.max_tokens, 2)):
         if value < low:
-            raise DynvocabError(f"{flag} must be positive, got {value}")
+            raise DynvocabError(f"{flag} must be at least {low}, got {value}")
+    if not o.lr > 0:
+        raise DynvocabError(f"--lr must be positive, got {o.lr}")
 
 
 def _encode(cfg: TrainDraftConfig, tokenizer):
