@@ -43,6 +43,7 @@ def train_draft(
 ) -> None:
     """Train an EAGLE-1 or EAGLE-3 draft head for a target on the training split; `--draft OUT` loads it."""
     from dynvocab.builders.draft import train_draft as run
+    from dynvocab.builders.draft.trainer import check_config
 
     check_dtype_device(device, None)
     set_threads(threads)
@@ -56,6 +57,7 @@ def train_draft(
         layout=fmt,
         device=device,
     )
+    check_config(cfg)  # refusals before the progress display starts
     with RichReporter(err_console) as reporter:
         report = run(target, out, cfg, reporter)
     info = report.info
