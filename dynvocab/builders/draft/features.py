@@ -65,7 +65,8 @@ def shard_path(folder: Path, index: int) -> Path:
     return folder / f"shard-{index:05d}.safetensors"
 
 
-def _settings(cfg: FeatureConfig, corpus: dict, kind: str, entering: tuple[int, ...] | None) -> dict:
+def settings_of(cfg: FeatureConfig, corpus: dict, kind: str, entering: tuple[int, ...] | None) -> dict:
+    """What the features depend on, as the manifest records it."""
     return {"features": asdict(cfg), "corpus": corpus, "kind": kind, "entering_layers": list(entering or ())}
 
 

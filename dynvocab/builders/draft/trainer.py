@@ -134,7 +134,7 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
     layers = len(getattr(model, model.base_model_prefix).layers)
     head_cfg = _head_config(model, kind, cfg, layers)
     entering = head_cfg.target_layers(layers) if kind == EAGLE3 else None
-    settings = feats._settings(cfg.features, cfg.corpus.describe(), kind, entering)
+    settings = feats.settings_of(cfg.features, cfg.corpus.describe(), kind, entering)
     manifest = feats.open_manifest(work / "features", target_fp, settings)
     start = time.perf_counter()
     if not manifest.get("complete"):
