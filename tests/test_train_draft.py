@@ -287,11 +287,13 @@ def test_draft_vocab_matches_speculators():
 @pytest.fixture(scope="module")
 def trained(target_dir, corpus_txt, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trained")
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
     for name, arch, layout in (("eagle3", "eagle3", "eagle"), ("speculators", "eagle3", "speculators"), ("eagle1", "eagle1", "eagle")):
         cfg = TrainDraftConfig(**{**small_config(corpus_txt, arch, epochs=1).__dict__, "layout": layout})
         out[name] = trainer.train_draft(str(target_dir), root / name, cfg).path
+    torch.set_num_threads(before)
     return out
 
 

@@ -54,14 +54,17 @@ class FeatureSet:
 
     @property
     def docs(self) -> int:
+        """Documents in the cache."""
         return int(self.manifest["docs"])
 
     @property
     def tokens(self) -> int:
+        """Tokens (positions) in the cache."""
         return int(self.manifest["tokens"])
 
 
 def shard_path(folder: Path, index: int) -> Path:
+    """The file of shard ``index`` (documents ``[index·shard_docs, (index+1)·shard_docs)``)."""
     return folder / f"shard-{index:05d}.safetensors"
 
 
