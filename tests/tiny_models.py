@@ -48,13 +48,13 @@ def make_tokenizer(folder: Path, vocab_size: int = 300):
     return fast
 
 
-def make_model(folder: Path, tokenizer, hidden: int, seed: int, rows: int) -> Path:
-    """A random Qwen2ForCausalLM with ``rows`` head rows (padded past the tokenizer), saved to ``folder``."""
+def make_model(folder: Path, tokenizer, hidden: int, seed: int, rows: int, layers: int = 2) -> Path:
+    """A random Qwen2ForCausalLM with ``rows`` head rows (padded past the tokenizer) and ``layers`` layers, saved to ``folder``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=rows, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        vocab_size=rows, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, contextmanager
 from typing import Callable, Iterator, Protocol
 
-Advance = Callable[[int], None]  # advance(n): n more units of the current task are done
+Advance = Callable[..., None]  # advance(n, description=None): n more units done; a new description (live figures)
 
 
 class Reporter(Protocol):
@@ -25,7 +25,7 @@ class SilentReporter:
 
     @contextmanager
     def task(self, description: str, total: int | None = None) -> Iterator[Advance]:
-        yield lambda n=1: None
+        yield lambda n=1, description=None: None
 
     def log(self, message: str) -> None:
         pass

@@ -54,6 +54,7 @@ app.command("build-index")(_build.build_index)
 app.command("inspect")(_build.inspect)
 app.command("export")(_build.export)
 app.command("train-router")(__import__("dynvocab.cli.router", fromlist=["train_router"]).train_router)
+app.command("train-draft")(__import__("dynvocab.cli.train_draft", fromlist=["train_draft"]).train_draft)
 
 
 def main() -> None:

@@ -10,7 +10,9 @@ from typing import Annotated, Iterator, List, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+)
 from rich.table import Table
 
 from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS
@@ -28,7 +30,7 @@ class RichReporter:
     def __init__(self, console: Console):
         self.progress = Progress(
             SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=console, transient=True,
+            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
         )
 
     def __enter__(self) -> "RichReporter":
@@ -42,7 +44,7 @@ class RichReporter:
     def task(self, description: str, total: int | None = None) -> Iterator:
         task_id = self.progress.add_task(description, total=total)
         try:
-            yield lambda n=1: self.progress.advance(task_id, n)
+            yield lambda n=1, description=None: self.progress.update(task_id, advance=n, description=description)
         finally:
             self.progress.remove_task(task_id)
 

@@ -1,0 +1,12 @@
+"""``train-draft``: an EAGLE draft head for a target, built offline in two resumable phases.
+
+- :mod:`.features`: the target's features over the training documents, cached in shards (phase 1).
+- :mod:`.vocab`: EAGLE-3's draft vocabulary (``d2t`` offsets / ``t2d``) from a bundle or the training data.
+- :mod:`.init`: an EAGLE-3 head started from its target where the shapes allow.
+- :mod:`.recipe`: the EAGLE-1 and EAGLE-3 losses and the training-time-test unroll (phase 2).
+- :mod:`.trainer`: the two phases, checkpoints, held-out agreement, the output folder.
+"""
+
+from dynvocab.builders.draft.trainer import OptimConfig, TrainDraftConfig, TrainDraftReport, train_draft
+
+__all__ = ["OptimConfig", "TrainDraftConfig", "TrainDraftReport", "train_draft"]

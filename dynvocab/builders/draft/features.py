@@ -1,0 +1,244 @@
+"""Phase 1 of ``train-draft``: the target's features over the training documents, computed once, cached in shards.
+
+Each shard holds ``shard_docs`` consecutive documents and is written whole (``dynvocab.files.write_atomic``), so a
+run killed at any moment leaves finished shards and no half-written one; a rerun skips the finished shards. The
+manifest records the target's fingerprint and the settings the features depend on; features of another target or
+other settings are refused rather than mixed.
+
+Per document of tokens x_0..x_{T-1} a shard keeps, at every position s:
+
+- ``last`` [T, d]: the target's final *normed* hidden state f_s (what its LM head multiplies; EAGLE-1's feature and
+  the teacher of both recipes),
+- ``aux`` [T, 3d] (EAGLE-3 only): the hidden states *entering* target layers ``EagleConfig.target_layers(L)``
+  (default (2, L//2, L-3)), concatenated low to high, exactly as :class:`dynvocab.models.eagle.LayerTap` taps
+  them at run time,
+- ``argmax`` [T]: the target's greedy next token after position s (held-out agreement, EAGLE-3's loss mask).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from dynvocab.artifacts import ModelFingerprint
+from dynvocab.builders.progress import Reporter
+from dynvocab.errors import DynvocabError
+from dynvocab.files import write_atomic
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """What the cached features are made of (any change means other features)."""
+
+    max_tokens: int = 256  # tokens per document (ShareGPT: chat-template encoded)
+    shard_docs: int = 16  # documents per shard: the unit of resumption
+    dtype: str = "float32"  # the target's dtype for the pass (CPU bf16 prefill is ~5x slower than float32)
+    store_dtype: str = "bfloat16"  # features on disk (half the bytes; training upcasts)
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """The finished feature cache: its folder, manifest and shard files."""
+
+    folder: Path
+    manifest: dict
+    shards: list[Path]
+
+    @property
+    def docs(self) -> int:
+        """Documents in the cache."""
+        return int(self.manifest["docs"])
+
+    @property
+    def tokens(self) -> int:
+        """Tokens (positions) in the cache."""
+        return int(self.manifest["tokens"])
+
+
+def shard_path(folder: Path, index: int) -> Path:
+    """The file of shard ``index`` (documents ``[index·shard_docs, (index+1)·shard_docs)``)."""
+    return folder / f"shard-{index:05d}.safetensors"
+
+
+def settings_of(cfg: FeatureConfig, corpus: dict, kind: str, entering: tuple[int, ...] | None) -> dict:
+    """What the features depend on, as the manifest records it."""
+    return {"features": asdict(cfg), "corpus": corpus, "kind": kind, "entering_layers": list(entering or ())}
+
+
+def open_manifest(folder: Path, fingerprint: ModelFingerprint, settings: dict) -> dict:
+    """The manifest of ``folder`` (created when absent); refuses features of another target or other settings."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / MANIFEST
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diffs = ModelFingerprint.from_dict(old["target"]).differences(fingerprint)
+        if diffs:
+            raise DynvocabError(
+                f"{folder} holds features of another target ({diffs[0]}); write to another --out or delete it"
+            )
+        if old["settings"] != settings:
+            changed = sorted(k for k in settings if old["settings"].get(k) != settings[k])
+            raise DynvocabError(
+                f"{folder} holds features made with other settings ({', '.join(changed)}); "
+                "rerun with the same options, write to another --out, or delete that folder"
+            )
+        return old
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "target": fingerprint.as_dict(),
+        "settings": settings,
+        "complete": False,
+    }
+    write_atomic(path, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+    return manifest
+
+
+@torch.inference_mode()
+def document_features(model, ids: list[int], entering: tuple[int, ...] | None, tap) -> dict[str, torch.Tensor]:
+    """One document through the target: ``last`` [T, d], ``argmax`` [T] and (EAGLE-3) ``aux`` [T, 3d]."""
+    body = getattr(model, model.base_model_prefix)
+    head = model.get_output_embeddings()
+    x = torch.tensor(ids, dtype=torch.long, device=head.weight.device).view(1, -1)  # [1, T]
+    last = body(input_ids=x).last_hidden_state[0]  # [T, d]
+    argmax = torch.cat([head(c).argmax(-1) for c in last.split(64)])  # [T]; chunks bound the [c, V] logits
+    out = {"last": last, "argmax": argmax.to(torch.int32)}
+    if entering:
+        out["aux"] = tap.features()  # [T, 3d]
+    return out
+
+
+def extract(
+    model,
+    documents: Iterator[list[int]],
+    folder: Path,
+    manifest: dict,
+    cfg: FeatureConfig,
+    max_docs: int,
+    entering: tuple[int, ...] | None,
+    reporter: Reporter,
+) -> FeatureSet:
+    """Fill ``folder`` with the shards not yet written, then mark the manifest complete.
+
+    ``documents`` yields token-id lists in a fixed order (at most ``max_docs``); shard i holds documents
+    ``[i·shard_docs, (i+1)·shard_docs)``. Documents of finished shards are read but not run through the target.
+    """
+    from dynvocab.models.eagle import LayerTap
+
+    store = getattr(torch, cfg.store_dtype)
+    tap = LayerTap(model, entering) if entering else None
+    shards, tokens, docs, ran, started = [], 0, 0, 0, time.perf_counter()
+    try:
+        with reporter.task("target features (documents)", total=max_docs) as advance:
+            batch: list[list[int]] = []
+            for ids in documents:
+                batch.append(ids)
+                if len(batch) == cfg.shard_docs:
+                    t, r = _shard(model, batch, len(shards), docs, folder, store, entering, tap)
+                    shards.append(shard_path(folder, len(shards)))
+                    tokens, docs, ran = tokens + t, docs + len(batch), ran + r
+                    advance(len(batch), description=_rate("target features", ran, started))
+                    batch = []
+            if batch:
+                t, r = _shard(model, batch, len(shards), docs, folder, store, entering, tap)
+                shards.append(shard_path(folder, len(shards)))
+                tokens, docs, ran = tokens + t, docs + len(batch), ran + r
+                advance(len(batch))
+    finally:
+        if tap is not None:
+            tap.remove()
+    if docs == 0:
+        raise DynvocabError("the corpus gave no documents; check --corpus and --max-docs")
+    seconds = time.perf_counter() - started
+    manifest = {**manifest, "complete": True, "docs": docs, "tokens": tokens, "shards": len(shards)}
+    if ran:
+        manifest["extract"] = {"tokens": ran, "seconds": round(seconds, 2), "tokens_per_s": round(ran / seconds, 1)}
+    write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+    reporter.log(f"features: {docs:,} documents · {tokens:,} tokens · {len(shards)} shards in {folder}")
+    return FeatureSet(folder, manifest, shards)
+
+
+def _rate(label: str, tokens: int, started: float) -> str:
+    seconds = time.perf_counter() - started
+    return f"{label} · {tokens / seconds:,.0f} tok/s" if tokens and seconds > 0 else label
+
+
+def _shard(model, batch, index, first_doc, folder, store, entering, tap) -> tuple[int, int]:
+    """Write shard ``index`` unless it exists; returns (tokens in it, tokens computed now)."""
+    path = shard_path(folder, index)
+    tokens = sum(map(len, batch))
+    if path.is_file():
+        return tokens, 0
+    parts = [document_features(model, ids, entering, tap) for ids in batch]
+    tensors = {
+        "ids": torch.tensor([i for ids in batch for i in ids], dtype=torch.int32),  # [N]
+        "offsets": torch.tensor([0, *torch.tensor([len(b) for b in batch]).cumsum(0).tolist()], dtype=torch.int64),  # [D+1]
+        "doc": torch.arange(first_doc, first_doc + len(batch), dtype=torch.int64),  # [D]
+        "argmax": torch.cat([p["argmax"] for p in parts]).cpu(),  # [N]
+        "last": torch.cat([p["last"] for p in parts]).to("cpu", store),  # [N, d]
+    }
+    if entering:
+        tensors["aux"] = torch.cat([p["aux"] for p in parts]).to("cpu", store)  # [N, 3d]
+    write_shard(path, tensors)
+    return tokens, tokens
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one shard whole (a temp file renamed into place)."""
+    from safetensors.torch import save_file
+
+    write_atomic(path, lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, str(p)))
+
+
+def load_features(folder: Path) -> FeatureSet:
+    """A finished feature cache (refuses an unfinished one: shards are only read once all are written)."""
+    path = folder / MANIFEST
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    if not manifest.get("complete"):
+        raise DynvocabError(f"{folder} has no finished feature cache; run train-draft to (re)build it")
+    shards = [shard_path(folder, i) for i in range(manifest["shards"])]
+    missing = [s.name for s in shards if not s.is_file()]
+    if missing:
+        raise DynvocabError(f"{folder} lacks feature shard {missing[0]}; rerun train-draft to rebuild it")
+    return FeatureSet(folder, manifest, shards)
+
+
+class FeatureReader:
+    """Reads one document's features at a time from the shards (memory-mapped slices, nothing else loaded)."""
+
+    def __init__(self, features: FeatureSet):
+        from safetensors import safe_open
+
+        self.files = [safe_open(str(p), framework="pt") for p in features.shards]
+        self.index: list[tuple[int, int, int, int]] = []  # (shard, start, end, doc) per document
+        for s, f in enumerate(self.files):
+            offsets, doc = f.get_tensor("offsets").tolist(), f.get_tensor("doc").tolist()
+            self.index += [(s, offsets[k], offsets[k + 1], doc[k]) for k in range(len(doc))]
+        self.has_aux = "aux" in self.files[0].keys() if self.files else False
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def doc_id(self, k: int) -> int:
+        """The corpus position of document ``k``."""
+        return self.index[k][3]
+
+    def read(self, k: int) -> dict[str, torch.Tensor]:
+        """Document ``k``: ``ids`` [T] long, ``argmax`` [T] long, ``last`` [T, d] float32, ``aux`` [T, 3d] float32."""
+        s, a, b, _ = self.index[k]
+        f = self.files[s]
+        out = {
+            "ids": f.get_slice("ids")[a:b].long(),
+            "argmax": f.get_slice("argmax")[a:b].long(),
+            "last": f.get_slice("last")[a:b].float(),
+        }
+        if self.has_aux:
+            out["aux"] = f.get_slice("aux")[a:b].float()
+        return out

@@ -1,0 +1,55 @@
+"""Start an EAGLE-3 head from its target where the shapes allow (EAGLE-1: :func:`dynvocab.models.eagle.init_from_target`).
+
+The EAGLE-3 layer's q/k/v read ``cat(input_layernorm(embedding), hidden_norm(h))`` (2d wide), so the target's
+last-layer q/k/v fill the hidden half and the embedding half keeps its random start; o_proj, the MLP and the
+norms are copied as they are; ``norm`` is the target's final norm; ``lm_head`` is the target's head rows of the
+draft vocabulary; ``fc`` passes the highest tapped layer through ([0 | 0 | I]). Only tensors whose shapes match
+are copied, so a target of another family still gets a runnable head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynvocab.models.eagle import EAGLE3, EagleModel
+
+
+@torch.no_grad()
+def init_eagle3_from_target(head: EagleModel, target_model, draft_ids: torch.Tensor) -> list[str]:
+    """Copy what fits from ``target_model`` into ``head`` (draft row i = target id ``draft_ids[i]``); returns the
+    names of the tensors copied."""
+    assert head.kind == EAGLE3
+    body = getattr(target_model, target_model.base_model_prefix)
+    last = {k: v.float() for k, v in body.layers[-1].state_dict().items()}
+    own = head.midlayer.state_dict()
+    d = head.config.hidden_size
+    copied = []
+    for name, tensor in own.items():
+        src = last.get(name)
+        if src is None and name == "hidden_norm.weight":
+            src = last.get("input_layernorm.weight")
+        if src is None:
+            continue
+        if tensor.shape == src.shape:
+            tensor.copy_(src)
+            copied.append(f"midlayer.{name}")
+        elif tensor.dim() == 2 and tensor.shape == (src.shape[0], 2 * src.shape[1]) and src.shape[1] == d:
+            tensor[:, d:].copy_(src)  # q/k/v: the hidden half of the 2d-wide input
+            copied.append(f"midlayer.{name}[:, d:]")
+    norm = body.norm.weight
+    if head.norm.weight.shape == norm.shape:
+        head.norm.weight.copy_(norm.float())
+        copied.append("norm.weight")
+    weight = target_model.get_output_embeddings().weight  # [V, d]
+    if weight.shape[1] == d:
+        head.lm_head.weight.copy_(weight[draft_ids.to(weight.device)].float())
+        copied.append("lm_head.weight")
+    embed = body.embed_tokens.weight
+    if head.embed_tokens.weight.shape == embed.shape:
+        head.embed_tokens.weight.copy_(embed.float())
+        copied.append("embed_tokens.weight")
+    if head.config.target_hidden == d:
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * d :].copy_(torch.eye(d))
+        copied.append("fc.weight (identity on the highest layer)")
+    return copied

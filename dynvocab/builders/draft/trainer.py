@@ -1,0 +1,356 @@
+"""``train-draft``: build an EAGLE head for a target offline — features (phase 1), then training (phase 2).
+
+Both phases resume. Phase 1 writes feature shards whole (see :mod:`.features`); phase 2 writes a checkpoint
+(weights, optimizer, scheduler, step) whole every ``checkpoint_every`` steps and at the end of each epoch. Batch
+order and noise depend only on the seed, the epoch and the step, so a run killed and rerun ends with the same
+weights as one that never stopped. The output folder is the head in a published layout (written by
+:func:`dynvocab.models.eagle.save_eagle`) plus ``training.json``; the work files sit under ``OUT/work/`` and may be
+deleted once the head is written.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dynvocab.builders.corpus import CorpusConfig, check_sources
+from dynvocab.builders.draft import features as feats
+from dynvocab.builders.draft import recipe, vocab
+from dynvocab.builders.draft.init import init_eagle3_from_target
+from dynvocab.builders.models import end_token_ids, fingerprint
+from dynvocab.builders.progress import Reporter, SilentReporter
+from dynvocab.errors import DynvocabError
+from dynvocab.files import write_atomic
+from dynvocab.models import default_device, load_model, load_tokenizer, resolve_model
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, init_from_target, save_eagle
+
+ARCHS = {"eagle1": EAGLE1, "eagle3": EAGLE3}
+FORMATS = ("eagle", "speculators")
+EVAL_NAMES = ("sharegpt-eval", "sharegpt:eval", "sharegpt_eval", "sharegpt:test", "eval")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """How the head is trained. Defaults are sized for the 45-minute CPU budget (docs/train-draft.md)."""
+
+    epochs: int = 1
+    lr: float = 3e-4  # AdamW peak; linear warm-up then cosine decay to 10%
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5  # EAGLE main.py: grad_clip 0.5
+    ttt_steps: int | None = None  # chained steps per document; None: 1 for EAGLE-1 (paper), 3 for EAGLE-3
+    feature_noise: float | None = None  # uniform noise width on input features; None: 0.2 EAGLE-1, 0 EAGLE-3
+    holdout_every: int = 10  # every n-th training document is held out for the agreement report
+    eval_docs: int = 24  # held-out documents scored at each evaluation
+    eval_every: int = 100  # steps between held-out evaluations (and the progress bar's agreement)
+    checkpoint_every: int = 25  # steps between checkpoints
+    seed: int = 0
+
+    def steps_for(self, kind: str) -> int:
+        return self.ttt_steps if self.ttt_steps is not None else (1 if kind == EAGLE1 else 3)
+
+    def noise_for(self, kind: str) -> float:
+        return self.feature_noise if self.feature_noise is not None else (0.2 if kind == EAGLE1 else 0.0)
+
+
+@dataclass(frozen=True)
+class TrainDraftConfig:
+    """Everything ``train-draft`` needs besides the target and the output folder."""
+
+    arch: str = "eagle3"
+    draft_vocab: int = 32768  # EAGLE-3 only: lm_head rows (FR-Spec's and the export's K)
+    bundle: str | None = None  # a bundle whose freq stage gives the draft vocabulary (else: counted from the data)
+    corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(max_docs=128))  # ~30k tokens: see docs/train-draft.md
+    features: feats.FeatureConfig = field(default_factory=feats.FeatureConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    layout: str = "eagle"  # eagle: the EAGLE repo layout of its kind; speculators: vllm-project/speculators (EAGLE-3)
+    device: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainDraftReport:
+    """What ``train-draft`` did (also written as ``OUT/training.json``)."""
+
+    path: Path
+    info: dict
+
+
+def check_config(cfg: TrainDraftConfig) -> None:
+    """One-line refusals before any model is loaded: unknown arch/format, the evaluation split, empty corpus."""
+    if cfg.arch not in ARCHS:
+        raise DynvocabError(f"unknown --arch '{cfg.arch}'; use eagle3 or eagle1")
+    if cfg.layout not in FORMATS:
+        raise DynvocabError(f"unknown --format '{cfg.layout}'; use eagle or speculators")
+    if cfg.layout == "speculators" and cfg.arch != "eagle3":
+        raise DynvocabError("--format speculators holds EAGLE-3 heads; use --arch eagle3 or --format eagle")
+    evals = [s for s in cfg.corpus.sources if s.lower() in EVAL_NAMES]
+    if evals:
+        raise DynvocabError(
+            f"corpus '{evals[0]}' is the ShareGPT evaluation split, reserved for bench; train on sharegpt (its training split)"
+        )
+    check_sources(cfg.corpus)
+    o = cfg.optim
+    for flag, value, low in (("--epochs", o.epochs, 1), ("--max-tokens", cfg.features.max_tokens, 2)):
+        if value < low:
+            raise DynvocabError(f"{flag} must be at least {low}, got {value}")
+    if not o.lr > 0:
+        raise DynvocabError(f"--lr must be positive, got {o.lr}")
+
+
+def _encode(cfg: TrainDraftConfig, tokenizer):
+    from dynvocab.builders.router import encode_documents  # ShareGPT chat-template encoding, training split only
+
+    return encode_documents(cfg.corpus, tokenizer, cfg.features.max_tokens)
+
+
+def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraftConfig(), reporter: Reporter = SilentReporter()) -> TrainDraftReport:
+    """Build an EAGLE head of ``cfg.arch`` for ``target`` into ``out`` (resuming whatever a previous run left)."""
+    t0 = time.perf_counter()
+    check_config(cfg)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DynvocabError(f"--out {out} is a file; pass a folder")
+    kind = ARCHS[cfg.arch]
+    device = cfg.device or default_device()
+    spec = resolve_model(target)
+    tokenizer = load_tokenizer(spec)
+    documents = _encode(cfg, tokenizer)
+    first = next(documents, None)  # refuse an empty corpus before the target is loaded
+    if first is None:
+        raise DynvocabError("the corpus gave no documents (of 2 tokens or more); check --corpus and --max-docs")
+    target_fp = fingerprint(spec, tokenizer)
+    if kind == EAGLE3:
+        vocab.check_size(cfg.draft_vocab, target_fp.head_rows)
+    work = out / "work"
+    model = load_model(spec, device, cfg.features.dtype)
+    layers = len(getattr(model, model.base_model_prefix).layers)
+    head_cfg = _head_config(model, kind, cfg, layers)
+    entering = head_cfg.target_layers(layers) if kind == EAGLE3 else None
+    settings = feats.settings_of(cfg.features, cfg.corpus.describe(), kind, entering)
+    manifest = feats.open_manifest(work / "features", target_fp, settings)
+    start = time.perf_counter()
+    if not manifest.get("complete"):
+        feats.extract(model, itertools.chain([first], documents), work / "features", manifest, cfg.features, cfg.corpus.max_docs, entering, reporter)
+    features = feats.load_features(work / "features")
+    extract_s = time.perf_counter() - start
+    reader = feats.FeatureReader(features)
+
+    draft_ids, vocab_info = (None, {})
+    if kind == EAGLE3:
+        draft_ids, vocab_info = _draft_vocab(cfg, reader, spec, tokenizer, target_fp)
+    head = _build_head(model, head_cfg, draft_ids)
+    weight = model.get_output_embeddings().weight.detach().float()  # [V, d] the target's LM head
+    target_head = weight if kind == EAGLE1 else weight[draft_ids].clone()  # EAGLE-1 [V, d]; EAGLE-3 [K, d]
+    del model
+    gc.collect()
+
+    start = time.perf_counter()
+    history = _train(head, reader, target_head, draft_ids, cfg, work, settings, reporter)
+    train_s = time.perf_counter() - start
+    info = {
+        "arch": cfg.arch,
+        "layout": cfg.layout,
+        "target": target_fp.as_dict(),
+        "config": _describe(cfg),
+        "data": {"docs": features.docs, "tokens": features.tokens, "shards": len(features.shards),
+                 "train_docs": history["train_docs"], "heldout_docs": history["heldout_docs"],
+                 "extract": features.manifest.get("extract", {})},
+        "draft_vocab": vocab_info,
+        "target_layers": list(entering or ()),
+        "steps": history["step"],
+        "train_tokens": history["train_tokens"],
+        "losses": history["losses"],
+        "heldout": history["heldout"],
+        "seconds": {"features": round(extract_s, 1), "training": round(train_s, 1), "total": round(time.perf_counter() - t0, 1)},
+        "peak_memory_mb": _peak_memory_mb(device),
+        "device": device,
+    }
+    layout = "speculators" if cfg.layout == "speculators" else None
+    save_eagle(head, out, layout=layout, embeddings=False, target_name=spec.source)
+    write_atomic(out / "training.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+    return TrainDraftReport(out, info)
+
+
+def _describe(cfg: TrainDraftConfig) -> dict:
+    out = asdict(cfg)
+    out["corpus"] = cfg.corpus.describe()
+    return out
+
+
+def _peak_memory_mb(device: str) -> float:
+    """Peak resident memory of this process (CPU: ru_maxrss; CUDA: the allocator's peak)."""
+    if device.startswith("cuda"):
+        return round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def _head_config(model, kind: str, cfg: TrainDraftConfig, layers: int):
+    """A head shaped like the target's decoder layer; EAGLE-3 reads the default layers (2, L//2, L-3) when the
+    target has at least 4 layers, else the explicit ids (0, L//2 - 1, L - 1) resolved the SGLang way."""
+    layer_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if kind == EAGLE1:
+        return config_like(layer_cfg, EAGLE1)
+    aux = None if layers >= 4 else (0, max(0, layers // 2 - 1), layers - 1)
+    return config_like(
+        layer_cfg, EAGLE3, draft_vocab_size=cfg.draft_vocab, target_hidden_size=layer_cfg.hidden_size, aux_layer_ids=aux
+    )
+
+
+def _draft_vocab(cfg, reader, spec, tokenizer, target_fp) -> tuple[torch.Tensor, dict]:
+    if cfg.bundle is not None:
+        return vocab.from_bundle(cfg.bundle, cfg.draft_vocab, target_fp)
+    counts = np.zeros(target_fp.head_rows, dtype=np.int64)
+    for k in range(len(reader)):
+        if not _held_out(reader.doc_id(k), cfg.optim.holdout_every):
+            np.add.at(counts, reader.read(k)["ids"].numpy(), 1)
+    return vocab.from_counts(counts, end_token_ids(spec, tokenizer), cfg.draft_vocab)
+
+
+def _build_head(model, head_cfg, draft_ids) -> EagleModel:
+    """A head initialised from the target where the shapes allow (its last layer, embeddings, norm, head rows)."""
+    torch.manual_seed(0)
+    head = EagleModel(head_cfg).float()
+    if head_cfg.kind == EAGLE1:
+        init_from_target(head, model)
+    else:
+        head.set_draft_vocab(draft_ids)
+        init_eagle3_from_target(head, model, draft_ids)
+    head.embed_tokens.weight.requires_grad_(False)  # the target's embeddings, frozen (EAGLE: requires_grad False)
+    return head.to(next(model.parameters()).device)
+
+
+def _held_out(doc_id: int, every: int) -> bool:
+    return doc_id % every == every - 1
+
+
+# ---- phase 2 ----------------------------------------------------------------------------------------------
+
+
+def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Path, settings: dict, reporter) -> dict:
+    o, kind = cfg.optim, head.kind
+    train = [k for k in range(len(reader)) if not _held_out(reader.doc_id(k), o.holdout_every)]
+    heldout = [k for k in range(len(reader)) if _held_out(reader.doc_id(k), o.holdout_every)][: o.eval_docs]
+    if not train:
+        raise DynvocabError("no training documents after holding out every "
+                            f"{o.holdout_every}th; raise --max-docs")
+    total = o.epochs * len(train)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, o.warmup_steps, total))
+    state = {"step": 0, "train_tokens": 0, "losses": [], "heldout": [], "settings": _train_settings(cfg, settings)}
+    ckpt = work / "checkpoint.pt"
+    if ckpt.is_file():
+        state = _resume(ckpt, head, opt, sched, state)
+        reporter.log(f"resuming training at step {state['step']:,} of {total:,}")
+    steps = o.steps_for(kind)
+    if heldout and not state["heldout"]:  # the starting point, for the report's before/after
+        state["heldout"].append({"step": 0, **evaluate(head, reader, heldout, target_head, draft_ids, steps)})
+    with reporter.task("training (documents)", total=total) as advance:
+        advance(state["step"])
+        running = None
+        while state["step"] < total:
+            step = state["step"]
+            epoch, k = divmod(step, len(train))
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(o.seed * 1000 + epoch))
+            doc = reader.read(train[int(order[k])])
+            if doc["ids"].numel() < 2:
+                state["step"] += 1
+                continue
+            gen = torch.Generator().manual_seed(o.seed * 1_000_003 + step)
+            head.train()
+            results = recipe.unroll(head, doc, steps, target_head, draft_ids, o.noise_for(kind), gen)
+            loss = recipe.weighted_loss(results)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+            opt.step()
+            sched.step()
+            value = loss.item()
+            running = value if running is None else 0.95 * running + 0.05 * value
+            state["step"] += 1
+            state["train_tokens"] += doc["ids"].numel()
+            state["losses"].append(round(value, 5))
+            done = state["step"]
+            if heldout and (done % o.eval_every == 0 or done == total):
+                state["heldout"].append({"step": done, **evaluate(head, reader, heldout, target_head, draft_ids, steps)})
+            advance(1, description=_bar(running, state["heldout"]))
+            if done % o.checkpoint_every == 0 or done == total or done % len(train) == 0:
+                _checkpoint(ckpt, head, opt, sched, state)
+    head.eval()
+    return {**state, "train_docs": len(train), "heldout_docs": len(heldout)}
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _bar(running: float | None, heldout: list[dict]) -> str:
+    text = "training"
+    if running is not None:
+        text += f" · loss {running:.3f}"
+    if heldout:
+        text += f" · held-out top-1 {heldout[-1]['top1'][0]:.1%}"
+    return text
+
+
+def _train_settings(cfg: TrainDraftConfig, feature_settings: dict) -> dict:
+    return {"optim": asdict(cfg.optim), "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle,
+            "features": feature_settings}
+
+
+def _checkpoint(path: Path, head, opt, sched, state: dict) -> None:
+    """Weights, optimizer, scheduler and progress, written whole."""
+    weights = {k: v for k, v in head.state_dict().items() if k != "embed_tokens.weight" and "rotary_emb" not in k}
+    blob = {"head": weights, "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state}
+    write_atomic(path, lambda p: torch.save(blob, p))
+
+
+def _resume(path: Path, head, opt, sched, fresh: dict) -> dict:
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise DynvocabError(f"cannot read the checkpoint {path} ({type(exc).__name__}); delete it to start training over") from exc
+    if blob["state"]["settings"] != fresh["settings"]:
+        raise DynvocabError(
+            f"{path} was written with other training settings; rerun with the same options or delete it to start over"
+        )
+    head.load_state_dict(blob["head"], strict=False)
+    opt.load_state_dict(blob["opt"])
+    sched.load_state_dict(blob["sched"])
+    return blob["state"]
+
+
+@torch.no_grad()
+def evaluate(head, reader, docs: list[int], target_head, draft_ids, steps: int) -> dict:
+    """Held-out loss and top-1 agreement with the target's argmax at each chained step, and the acceptance length
+    they imply if steps were independent: 1 + Σ_k Π_{i<k} top1_i (an estimate, not a measured MAL)."""
+    head.eval()
+    agree, count, loss = [0] * steps, [0] * steps, 0.0
+    for k in docs:
+        doc = reader.read(k)
+        if doc["ids"].numel() < 2:
+            continue
+        results = recipe.unroll(head, doc, steps, target_head, draft_ids)
+        loss += float(recipe.weighted_loss(results))
+        for i, r in enumerate(results):
+            agree[i] += r.agree
+            count[i] += r.positions
+    top1 = [a / c if c else 0.0 for a, c in zip(agree, count)]
+    chain, est = 1.0, 1.0
+    for a in top1:
+        chain *= a
+        est += chain
+    return {"loss": round(loss / max(1, len(docs)), 5), "top1": [round(a, 5) for a in top1], "est_accept_len": round(est, 4)}

@@ -1,0 +1,76 @@
+"""``dynvocab train-draft``: build an EAGLE draft head for a target (features, then training; both resumable)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from dynvocab.builders.draft import OptimConfig, TrainDraftConfig
+from dynvocab.cli.build import RichReporter
+from dynvocab.cli.common import Device, Target, Threads, check_dtype_device, err_console, one_line_errors, set_threads
+
+_DEFAULTS = TrainDraftConfig()
+
+
+def _override(cfg, **values):
+    """The frozen config ``cfg`` with the options the user gave (None = keep the default)."""
+    return replace(cfg, **{k: v for k, v in values.items() if v is not None})
+
+
+@one_line_errors
+def train_draft(
+    out: Annotated[Path, typer.Option("--out", help="Folder of the head (config.json, model.safetensors, training.json); rerun to resume.")],
+    target: Target = "demo:target",
+    corpus: Annotated[
+        Optional[List[str]],
+        typer.Option(help="sharegpt (training split, chat-template encoded), slimpajama, or .txt/.jsonl/.json/.parquet files; repeatable."),
+    ] = None,
+    arch: Annotated[str, typer.Option(help="eagle3 (own lm_head over a draft vocabulary, three target layers) or eagle1 (the target's head).")] = _DEFAULTS.arch,
+    draft_vocab: Annotated[Optional[int], typer.Option(help=f"EAGLE-3: draft vocabulary size K (default {_DEFAULTS.draft_vocab:,}).")] = None,
+    bundle: Annotated[Optional[str], typer.Option("--bundle", help="EAGLE-3: take the draft vocabulary from this bundle's freq stage (default: count the training data).")] = None,
+    max_docs: Annotated[Optional[int], typer.Option(help=f"Documents to compute features for (default {_DEFAULTS.corpus.max_docs}).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help=f"Tokens per document (default {_DEFAULTS.features.max_tokens}).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help=f"Training epochs (default {OptimConfig.epochs}).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help=f"AdamW peak learning rate (default {OptimConfig.lr:g}).")] = None,
+    ttt_steps: Annotated[Optional[int], typer.Option(min=1, help="Chained training-time-test steps per document (default: 1 for eagle1, 3 for eagle3).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the batch order and the feature noise.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="eagle: the EAGLE repo layout of its kind (SGLang loads it); speculators: the vllm-project/speculators form (EAGLE-3).")] = _DEFAULTS.layout,
+    device: Device = None,
+    threads: Threads = None,
+) -> None:
+    """Train an EAGLE-1 or EAGLE-3 draft head for a target on the training split; `--draft OUT` loads it."""
+    from dynvocab.builders.draft import train_draft as run
+    from dynvocab.builders.draft.trainer import check_config
+
+    check_dtype_device(device, None)
+    set_threads(threads)
+    cfg = TrainDraftConfig(
+        arch=arch,
+        draft_vocab=draft_vocab if draft_vocab is not None else _DEFAULTS.draft_vocab,
+        bundle=bundle,
+        corpus=_override(_DEFAULTS.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
+        features=_override(_DEFAULTS.features, max_tokens=max_tokens),
+        optim=_override(_DEFAULTS.optim, epochs=epochs, lr=lr, ttt_steps=ttt_steps, seed=seed),
+        layout=fmt,
+        device=device,
+    )
+    check_config(cfg)  # refusals before the progress display starts
+    with RichReporter(err_console) as reporter:
+        report = run(target, out, cfg, reporter)
+    info = report.info
+    held = info["heldout"][-1] if info["heldout"] else None
+    agree = (
+        f" · held-out top-1 {held['top1'][0]:.1%} (steps {', '.join(f'{a:.0%}' for a in held['top1'])}; "
+        f"est. acceptance length {held['est_accept_len']:.2f})" if held else ""
+    )
+    extract = info["data"]["extract"]
+    rate = f" at {extract['tokens_per_s']:,.0f} tok/s" if extract else " (cached)"
+    err_console.print(
+        f"wrote {report.path} · {info['arch']} · {info['data']['tokens']:,} feature tokens{rate} · "
+        f"{info['steps']:,} steps · features {info['seconds']['features']:.0f} s · training {info['seconds']['training']:.0f} s · "
+        f"peak memory {info['peak_memory_mb'] / 1024:.1f} GiB{agree}",
+        highlight=False, soft_wrap=True,
+    )

@@ -1,0 +1,318 @@
+"""train-draft: an EAGLE head trained end to end on a tiny target, resumed after interruptions, refusals, the
+training-time-test attention, the draft vocabulary as speculators builds it, the output loaded back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, run
+from tiny_models import make_model, make_tokenizer, sentences
+
+from dynvocab.builders.corpus import CorpusConfig
+from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, features, recipe, trainer, vocab
+from dynvocab.builders.draft.features import FeatureConfig
+from dynvocab.errors import DynvocabError
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, load_eagle
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine are ~30x slower with 2 threads (spin-waiting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    """A tiny random 4-layer Qwen2 target (EAGLE-3 reads layers 2, 2, 1 entering) with a real BPE tokenizer."""
+    root = tmp_path_factory.mktemp("draft_target")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    return make_model(root / "target", tokenizer, hidden=32, seed=0, rows=len(tokenizer) + 20, layers=4)
+
+
+@pytest.fixture(scope="module")
+def corpus_txt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("draft_corpus") / "docs.txt"
+    path.write_text("\n".join(sentences(60, seed=5)) + "\n")
+    return path
+
+
+def small_config(corpus: Path, arch: str = "eagle3", **optim) -> TrainDraftConfig:
+    return TrainDraftConfig(
+        arch=arch, draft_vocab=96, corpus=CorpusConfig(sources=(str(corpus),), max_docs=30),
+        features=FeatureConfig(max_tokens=24, shard_docs=4),
+        optim=OptimConfig(**{"epochs": 2, "lr": 3e-3, "warmup_steps": 2, "eval_every": 20, "checkpoint_every": 5, **optim}),
+        device="cpu",
+    )
+
+
+def target_embeddings(target_dir: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_dir).get_input_embeddings().weight.detach()
+
+
+def head_weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_cli_eagle3_end_to_end(target_dir, corpus_txt, tmp_path):
+    out = tmp_path / "head"
+    result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", out, "--arch", "eagle3",
+                 "--draft-vocab", 96, "--max-docs", 30, "--max-tokens", 24, "--epochs", 1, "--lr", 3e-3,
+                 "--device", "cpu", "--threads", 1)
+    assert result.exit_code == 0, result.output
+    assert "held-out top-1" in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 96
+    weights = head_weights(out)
+    d2t = weights["d2t"]
+    kept = torch.arange(96) + d2t
+    assert torch.all(kept[1:] > kept[:-1])  # ascending target ids: d2t holds offsets, not ids
+    assert torch.equal(weights["t2d"].nonzero().flatten(), kept)
+    info = json.loads((out / "training.json").read_text())
+    assert info["data"]["docs"] == 30 and info["data"]["tokens"] > 0 and info["steps"] == info["data"]["train_docs"]
+    assert info["target"]["hidden_size"] == 32 and len(info["target"]["tokenizer_sha256"]) == 64
+    assert info["target_layers"] == [2, 2, 1]
+    assert info["peak_memory_mb"] > 0 and 0.0 <= info["heldout"][-1]["top1"][0] <= 1.0
+    head = load_eagle(out, embeddings=target_embeddings(target_dir))
+    assert head.kind == EAGLE3 and head.config.draft_vocab == 96
+
+
+def test_speculators_format_and_eagle1(target_dir, corpus_txt, tmp_path):
+    out = tmp_path / "spec"
+    result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", out, "--format", "speculators",
+                 "--draft-vocab", 96, "--max-docs", 12, "--max-tokens", 16, "--device", "cpu", "--threads", 1)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert any(k.startswith("layers.0.") for k in head_weights(out))
+    out1 = tmp_path / "e1"
+    result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", out1, "--arch", "eagle1",
+                 "--max-docs", 12, "--max-tokens", 16, "--device", "cpu", "--threads", 1)
+    assert result.exit_code == 0, result.output
+    head = load_eagle(out1, embeddings=target_embeddings(target_dir))
+    assert head.kind == EAGLE1 and "fc.bias" in head_weights(out1)
+
+
+def test_training_lowers_heldout_loss(target_dir, corpus_txt, tmp_path):
+    report = trainer.train_draft(str(target_dir), tmp_path / "h", small_config(corpus_txt, epochs=3))
+    first, last = report.info["heldout"][0], report.info["heldout"][-1]
+    assert first["step"] == 0 and last["step"] == report.info["steps"]
+    assert last["loss"] < first["loss"], report.info["heldout"]  # soft CE: bounded below by the teacher's entropy
+    assert last["top1"][0] >= first["top1"][0] + 0.05, report.info["heldout"]
+
+
+@pytest.mark.parametrize("arch", ["eagle3", "eagle1"])
+def test_resume_after_interruptions_equals_one_run(target_dir, corpus_txt, tmp_path, monkeypatch, arch):
+    cfg = small_config(corpus_txt, arch)
+    whole = trainer.train_draft(str(target_dir), tmp_path / "whole", cfg)
+
+    out = tmp_path / "resumed"
+    real_write, real_unroll = features.write_shard, recipe.unroll
+    written = []
+
+    def crash_on_third_shard(path, tensors):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(path)
+        real_write(path, tensors)
+
+    monkeypatch.setattr(features, "write_shard", crash_on_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_draft(str(target_dir), out, cfg)
+    shards = sorted((out / "work" / "features").glob("shard-*"))
+    assert [p.name for p in shards] == ["shard-00000.safetensors", "shard-00001.safetensors"]  # nothing half-written
+    assert not list((out / "work" / "features").glob(".*"))
+    monkeypatch.setattr(features, "write_shard", real_write)
+
+    calls = []
+
+    def crash_mid_training(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 20:
+            raise RuntimeError("power cut")
+        return real_unroll(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "unroll", crash_mid_training)
+    with pytest.raises(RuntimeError, match="power cut"):
+        trainer.train_draft(str(target_dir), out, cfg)
+    assert (out / "work" / "checkpoint.pt").is_file() and not (out / "config.json").exists()
+    monkeypatch.setattr(recipe, "unroll", real_unroll)
+
+    resumed = trainer.train_draft(str(target_dir), out, cfg)
+    assert resumed.info["steps"] == whole.info["steps"]
+    assert resumed.info["losses"] == whole.info["losses"]
+    a, b = head_weights(tmp_path / "whole"), head_weights(out)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_refuses_empty_corpus_and_eval_split(target_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    result = run("train-draft", "--target", target_dir, "--corpus", empty, "--out", tmp_path / "a", "--device", "cpu")
+    assert_one_line_error(result, "no documents")
+    result = run("train-draft", "--target", target_dir, "--corpus", "sharegpt-eval", "--out", tmp_path / "b")
+    assert_one_line_error(result, "evaluation split")
+    result = run("train-draft", "--target", target_dir, "--arch", "eagle2", "--out", tmp_path / "c")
+    assert_one_line_error(result, "--arch")
+
+
+def test_refuses_features_of_other_settings(target_dir, corpus_txt, tmp_path):
+    out = tmp_path / "h"
+    trainer.train_draft(str(target_dir), out, small_config(corpus_txt, epochs=1))
+    cfg = small_config(corpus_txt, epochs=1)
+    other = TrainDraftConfig(**{**cfg.__dict__, "features": FeatureConfig(max_tokens=20, shard_docs=4)})
+    with pytest.raises(DynvocabError, match="other settings"):
+        trainer.train_draft(str(target_dir), out, other)
+
+
+# ---- the unroll -------------------------------------------------------------------------------------------
+
+
+def tiny_head(kind: str) -> tuple[EagleModel, dict]:
+    from transformers import LlamaConfig
+
+    layer = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=40,
+                        num_hidden_layers=4, max_position_embeddings=64)
+    extra = {"draft_vocab_size": 40, "target_hidden_size": 16} if kind == EAGLE3 else {}
+    torch.manual_seed(0)
+    model = EagleModel(config_like(layer, kind, **extra)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    T = 9
+    doc = {"ids": torch.randint(0, 40, (T,)), "argmax": torch.randint(0, 40, (T,)), "last": torch.randn(T, 16)}
+    if kind == EAGLE3:
+        doc["aux"] = torch.randn(T, 48)
+    return model, doc
+
+
+@pytest.mark.parametrize("kind", [EAGLE1, EAGLE3])
+def test_step0_is_the_models_forward(kind):
+    model, doc = tiny_head(kind)
+    from transformers import DynamicCache
+
+    n = doc["ids"].numel() - 1
+    feats = (doc["last"] if kind == EAGLE1 else doc["aux"])[:n][None]
+    ids, pos = doc["ids"][1:][None], torch.arange(n)[None]
+    want = model(ids, feats, pos)
+    got = recipe.forward_step(model, ids, feats, pos, DynamicCache(config=model.layer_config), recipe.attention_mask(n, 0, "cpu"))
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("kind", [EAGLE1, EAGLE3])
+def test_unroll_never_sees_the_future(kind):
+    """Step i at index t may read tokens up to x_{t+1+i} and features up to f_t, nothing later."""
+    model, doc = tiny_head(kind)
+    steps, t = 3, 3
+    outs = []
+
+    def capture(*args, **kwargs):
+        out = real(*args, **kwargs)
+        outs[-1].append(out[0][0, t].clone())
+        return out
+
+    real = recipe.forward_step
+    for variant in range(2):
+        d = {k: v.clone() for k, v in doc.items()}
+        if variant:
+            d["last"][t + 1 :] += 5.0
+            if "aux" in d:
+                d["aux"][t + 1 :] += 5.0
+        outs.append([])
+        recipe.forward_step = capture
+        try:
+            recipe.unroll(model, d, steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
+        finally:
+            recipe.forward_step = real
+    for i in range(steps):
+        torch.testing.assert_close(outs[0][i], outs[1][i])
+    changed = {k: v.clone() for k, v in doc.items()}
+    changed["ids"][t + 1 + steps] = (changed["ids"][t + 1 + steps] + 1) % 40  # a token no step at t reads
+    outs.append([])
+    recipe.forward_step = capture
+    try:
+        recipe.unroll(model, changed, steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
+    finally:
+        recipe.forward_step = real
+    for i in range(steps):
+        torch.testing.assert_close(outs[0][i], outs[2][i])
+
+
+def test_attention_mask_shape():
+    mask = recipe.attention_mask(3, 2, "cpu")[0, 0]
+    assert mask.tolist() == [
+        [True, False, False, True, False, False, True, False, False],
+        [True, True, False, False, True, False, False, True, False],
+        [True, True, True, False, False, True, False, False, True],
+    ]
+
+
+# ---- the draft vocabulary ----------------------------------------------------------------------------------
+
+
+def speculators_reference(counts: dict[int, int], size: int) -> list[int]:
+    """vllm-project/speculators train/vocab_mapping.py, build_vocab_mappings_from_distribution: kept ids."""
+    order = sorted(counts, key=lambda tid: (-counts[tid], tid))[:size]
+    return sorted(order)
+
+
+def test_draft_vocab_matches_speculators():
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 1000, 500).astype(np.int64)
+    counts[7] = 10_000  # the end token is frequent anyway, so the forced-in end token changes nothing
+    kept, info = vocab.from_counts(counts, [7], 64)
+    ref = speculators_reference({i: int(c) for i, c in enumerate(counts) if c > 0}, 64)
+    assert kept.tolist() == ref
+    assert info["source"] == "training documents" and 0 < info["coverage"] < 1
+    with pytest.raises(DynvocabError, match="--draft-vocab"):
+        vocab.from_counts(counts, [7], 501)
+
+
+# ---- the output as a draft ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, corpus_txt, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("trained")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    for name, arch, layout in (("eagle3", "eagle3", "eagle"), ("speculators", "eagle3", "speculators"), ("eagle1", "eagle1", "eagle")):
+        cfg = TrainDraftConfig(**{**small_config(corpus_txt, arch, epochs=1).__dict__, "layout": layout})
+        out[name] = trainer.train_draft(str(target_dir), root / name, cfg).path
+    torch.set_num_threads(before)
+    return out
+
+
+@pytest.mark.parametrize("name", ["eagle3", "speculators", "eagle1"])
+def test_trained_head_drafts_losslessly(target_dir, trained, tmp_path, name):
+    token_map = tmp_path / "map.pt"
+    torch.save(list(range(0, 200, 2)), token_map)
+
+    def generate(strategy, *extra):
+        result = run("generate", "Def fast draft(x): return the model", "--target", target_dir, "--draft", trained[name],
+                     "--no-chat-template", "--quiet", "--dtype", "float32", "--strategy", strategy,
+                     "--max-new-tokens", 16, "--json", "--threads", 1, *extra)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output.strip().splitlines()[-1])
+
+    ar = generate("ar")["token_ids"]
+    assert len(ar) == 16
+    for strategy in ("full", "fr", "microspec", "hybrid"):
+        extra = ["--token-map", token_map] if strategy in ("fr", "hybrid") else []
+        out = generate(strategy, *extra)
+        assert out["token_ids"] == ar, (name, strategy)
+        assert out["metrics"]["cycles"] > 0
