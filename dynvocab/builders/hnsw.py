@@ -26,9 +26,9 @@ class HnswConfig:
 
     m: int = 32
     ef_construction: int = 200
-    ef_search: int = 256
+    ef_search: int = 512
     rank: int = 0  # dimension of the projection the graph is built on (0 or ≥ d: the full hidden size)
-    candidates: int = 64  # rows the graph proposes for the exact re-rank
+    candidates: int = 64  # rank < d only: rows the graph proposes for the exact re-rank
     seed: int = 100
     num_threads: int = -1  # hnswlib threads for building (-1: all cores; 1: the same graph on every build)
     batch_rows: int = 4096  # rows added per call (progress granularity)

@@ -213,7 +213,7 @@ def _serve(retriever: Retriever, inbox, outbox, stop: threading.Event) -> None:
 
 
 def _bundle_tables(bundle, head: torch.Tensor) -> tuple:
-    """(freq ranking [V], MipsIndex, HnswParams, GraphTable) of a bundle, the index re-ranking with the target's
+    """(freq ranking [V], MipsIndex, HnswParams, GraphTable) of a bundle, the index searching the target's
     ``head`` [V, d]; each is loaded once per bundle object."""
     from dynvocab.artifacts import FreqTable, GraphTable, load_hnsw
 
@@ -279,7 +279,7 @@ class EvoSpecPolicy(VocabPolicy):
             raise DynvocabError("evospec needs a static size and a dynamic size of at least 1")
         target = getattr(ctx, "target", None)
         if target is None:
-            raise DynvocabError("strategy 'evospec' needs the target model: its LM head re-ranks the HNSW candidates")
+            raise DynvocabError("strategy 'evospec' needs the target model: the HNSW vectors are rebuilt from its LM head")
         ranking, index, _, graph = _bundle_tables(bundle, target.weight)  # a head of another shape is refused
         ranking = ranking[ranking < ctx.vocab_size][: cfg.static_size]
         eos = ctx.eos
