@@ -66,3 +66,9 @@ def test_bundle_strategies_equal_ar(tiny_dirs, heads, bundle, kind):  # noqa: F8
 
 def test_dynaspec_refuses_a_router_of_another_width(tiny_dirs, heads, bundle):  # noqa: F811
     assert_one_line_error(generate(tiny_dirs, heads[EAGLE1], bundle, "dynaspec"), "hidden size 16", "32")
+
+
+def test_online_align_is_refused(tiny_dirs, heads, bundle):  # noqa: F811
+    result = run("generate", PROMPT, "--target", tiny_dirs[0], "--draft", heads[EAGLE1], "--bundle", bundle,
+                 "--no-chat-template", "--quiet", "--strategy", "evospec", "--online-align")
+    assert_one_line_error(result, "EAGLE", "--online-align")

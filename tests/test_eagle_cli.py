@@ -87,12 +87,6 @@ def test_heads_for_another_target_are_refused(tiny_dirs, heads, name, words):
     assert_one_line_error(result, *words)
 
 
-def test_online_align_is_refused(tiny_dirs, heads):
-    result = run("generate", PROMPT, "--target", tiny_dirs["target"], "--draft", heads["eagle"], "--no-chat-template",
-                 "--quiet", "--strategy", "evospec", "--online-align")
-    assert_one_line_error(result, "EAGLE", "--online-align")
-
-
 def test_bench_reports_the_eagle_head(tiny_dirs, heads, token_map, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": i, "task": "code", "prompt": p})
