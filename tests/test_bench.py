@@ -228,10 +228,23 @@ def test_recorder_scores_on_path_positions():
     assert set(EXTRA_KEYS) <= set(m)
 
 
+def _dummy_report(gamma: int = 2, vocab: int = 16, dim: int = 4) -> CycleReport:
+    """A well-formed cycle report: one of ``gamma`` drafts accepted, then a correction."""
+    return CycleReport(
+        position=3,
+        draft_tokens=list(range(gamma)),
+        draft_top=[],
+        accepted=1,
+        emitted=[0, 5],
+        target_logits=torch.zeros(gamma + 1, vocab),
+        target_hidden=torch.zeros(gamma + 1, dim),
+    )
+
+
 def test_recorder_without_coverage_only_sizes():
     rec = PolicyRecorder(_Steps([torch.arange(5), torch.arange(3)]), 100)
     rec.active_ids(0), rec.active_ids(1)
-    rec.observe(CycleReport.make_dummy(gamma=2, vocab=100))
+    rec.observe(_dummy_report(gamma=2, vocab=100))
     m = rec.metrics()
     assert m["max_active_vocab"] == 5 and m["target_mass"] is None and rec.mass == []
 

@@ -23,19 +23,6 @@ class CycleReport:
     target_logits: torch.Tensor  # [γ+1, V] float32
     target_hidden: torch.Tensor  # [γ+1, d_target]
 
-    @classmethod
-    def make_dummy(cls, gamma: int = 2, vocab: int = 16, dim: int = 4) -> "CycleReport":
-        """A well-formed report for tests."""
-        return cls(
-            position=3,
-            draft_tokens=list(range(gamma)),
-            draft_top=[],
-            accepted=1,
-            emitted=[0, 5],
-            target_logits=torch.zeros(gamma + 1, vocab),
-            target_hidden=torch.zeros(gamma + 1, dim),
-        )
-
 
 class VocabPolicy:
     """Chooses the draft's active vocabulary before each draft step and learns from each cycle.
@@ -63,3 +50,10 @@ class VocabPolicy:
 
     def observe(self, cycle: CycleReport) -> None:
         """Update state after a verified cycle."""
+
+
+def close_policy(policy) -> None:
+    """Run ``policy.close()`` if it has one: policies that adapt the shared draft (EvoSpec's LoRA) undo it there."""
+    close = getattr(policy, "close", None)
+    if close is not None:
+        close()
