@@ -22,6 +22,7 @@ from dynvocab.kernels import (  # noqa: E402
 )
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(), reason="CPU launches need TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="no GPU")),
@@ -93,9 +94,10 @@ def test_gathered_logits_rejects_bad_operands():
         gathered_logits(h, weight, idx.view(1, -1))
 
 
-def test_auto_uses_reference_on_cpu():
-    h, weight, idx = operands(3, 50, 96, torch.float32, "cpu")
-    assert torch.equal(gathered_logits_auto(h, weight, idx), gathered_logits_reference(h, weight, idx))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_auto_matches_truth_on_every_device(device):
+    h, weight, idx = operands(3, 50, 96, torch.float32, device)
+    torch.testing.assert_close(gathered_logits_auto(h, weight, idx).cpu(), truth(h, weight, idx).cpu(), **TRUTH_TOL)
 
 
 def batched_operands(b, n, d, dtype, device, seed=0):
