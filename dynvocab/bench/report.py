@@ -16,7 +16,7 @@ CSV_COLUMNS = (
     "strategy", "task", "derived_from", "generations", "new_tokens", "tokens_per_s", "tokens_per_s_std",
     "speedup_vs_ar", "speedup_vs_full", "mean_accepted_length", "mean_accepted_length_std", "accept_by_position",
     "wall_s", "prefill_share", "draft_share", "verify_share", "head_share", "policy_share", "head_share_of_draft",
-    "mean_active_vocab", "max_active_vocab", "coverage", "target_mass", *(f"recall_at_{k}" for k in RECALL_KS),
+    "mean_active_vocab", "max_active_vocab", "active_hit_rate", "coverage", "leaves", "leaf_hits", "target_mass", *(f"recall_at_{k}" for k in RECALL_KS),
     "matches_ar", "diverged_from_ar", "first_divergence",
     "tokens_per_s_seed_mean", "tokens_per_s_seed_std", "mean_accepted_length_seed_mean",
     "mean_accepted_length_seed_std",
@@ -89,7 +89,7 @@ def render_tables(results: dict) -> list[Table]:
     coverage = cfg.get("coverage")
     table = Table(title=title, title_justify="left")
     columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %", "vocab mean/max",
-               "cover", "=ar"]
+               "hit", "leaf hits", "=ar"]
     if coverage:
         columns += ["mass", "R@1", "R@10", "R@256"]
     for col in columns:
@@ -107,7 +107,8 @@ def render_tables(results: dict) -> list[Table]:
             _positions(s.get("accept_by_position") or []),
             "–" if oracle else _shares(s),
             "–" if oracle else _vocab(s),
-            _fmt(s.get("coverage"), "{:.1%}"),
+            _fmt(s.get("active_hit_rate", s.get("coverage")), "{:.1%}"),
+            _leaves(s),
             _fmt(s.get("matches_ar"), "{:.0%}"),
         ]
         if coverage:
@@ -232,3 +233,8 @@ def write_plot(path: Path, results: dict) -> None:
     figure.tight_layout()
     write_atomic(path, lambda tmp: figure.savefig(tmp, dpi=110, format=(Path(path).suffix.lstrip(".") or "png")))
     plt.close(figure)
+
+
+def _leaves(s: dict) -> str:
+    """Accepted tree leaves of those verified ("–" without leaves); accept-by-position counts chain tokens only."""
+    return f"{s['leaf_hits']}/{s['leaves']}" if s.get("leaves") else "–"

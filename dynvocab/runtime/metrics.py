@@ -21,7 +21,11 @@ class Metrics:
     head_s: float = 0.0
     policy_s: float = 0.0  # in the vocabulary policy: choosing active sets (inside draft_s), observing cycles
     mean_active_vocab: float | None = None
-    coverage: float | None = None
+    # Share of the emitted tokens (on the accepted path, within a draft step) that lay inside that step's active
+    # set. Not bench's --coverage (target probability mass); JSON also carries it as ``coverage``, its old name.
+    active_hit_rate: float | None = None
+    # Per chain position j: the share of cycles drafting j whose chain token j was accepted. An accepted tree leaf
+    # is not a chain token; it counts in ``leaf_hits`` only.
     accept_by_position: list[float] = field(default_factory=list)
     draft_steps: int = 0
     head_rows_copied: int = 0
@@ -35,6 +39,7 @@ class Metrics:
             if isinstance(value, float):
                 out[key] = round(value, 5)
         out["accept_by_position"] = [round(v, 4) for v in self.accept_by_position]
+        out["coverage"] = out["active_hit_rate"]  # the old name, kept for readers of earlier JSON
         return out
 
 
@@ -99,7 +104,8 @@ def summarize(rows: list[dict]) -> dict:
     out["mean_active_vocab"] = _mean((r["mean_active_vocab"] for r in rows), 1)
     maxima = [r.get("max_active_vocab") for r in rows if r.get("max_active_vocab") is not None]
     out["max_active_vocab"] = max(maxima) if maxima else None
-    out["coverage"] = _mean((r["coverage"] for r in rows), 4)
+    out["active_hit_rate"] = _mean((r.get("active_hit_rate", r.get("coverage")) for r in rows), 4)
+    out["coverage"] = out["active_hit_rate"]  # the old name, kept for readers of earlier JSON
     out["leaves"] = sum(r.get("leaves") or 0 for r in rows)
     out["leaf_hits"] = sum(r.get("leaf_hits") or 0 for r in rows)
     for key in COVERAGE_KEYS:

@@ -18,10 +18,11 @@ class CycleReport:
     position: int  # sequence length before the cycle (prompt + tokens emitted so far)
     draft_tokens: list[int]  # [γ] drafted ids
     draft_top: list[torch.Tensor]  # γ × [k] the draft's top alternatives per step (empty when not asked)
-    accepted: int  # draft tokens accepted
+    accepted: int  # tokens accepted on the path, an accepted tree leaf included (then ``leaf`` is set)
     emitted: list[int]  # tokens appended this cycle (accepted + correction/bonus, after EOS/length cuts)
     target_logits: torch.Tensor  # [γ+1, V] float32
     target_hidden: torch.Tensor  # [γ+1, d_target]
+    leaf: bool = False  # the last of the ``accepted`` tokens is a tree leaf, not a chain token (see runtime.tree)
 
 
 class VocabPolicy:
