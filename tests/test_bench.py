@@ -13,7 +13,8 @@ from dynvocab.bench import runner as bench
 from dynvocab.bench.runner import BenchConfig, PolicyRecorder, oracle_summary, run_bench, summarize_bench
 from dynvocab.bench.hf_baselines import accepted_per_cycle
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.metrics import EXTRA_KEYS, Metrics
+from dynvocab.bench.summary import EXTRA_KEYS
+from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.bench.tasks import (
     MAX_CHARS,

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.table import Table
 
 from dynvocab.files import write_atomic
-from dynvocab.runtime.metrics import RECALL_KS
+from dynvocab.bench.summary import RECALL_KS
 
 ORACLE = "oracle"
 CSV_COLUMNS = (

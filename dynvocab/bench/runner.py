@@ -23,9 +23,10 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.head import active_segments, active_size
 from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.metrics import EXTRA_KEYS, RECALL_KS, summarize
+from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, summarize
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy, close_policy
-from dynvocab.runtime.prompts import PromptRow, encode_prompt
+from dynvocab.bench.prompts import PromptRow
+from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.session import Session
 from dynvocab.runtime.strategies import StrategyOptions, make_policy, parse_strategies
 from dynvocab.bench.tasks import HISTORY_CHARS, BenchItem, as_item
