@@ -13,7 +13,8 @@ from dynvocab.bench import runner as bench
 from dynvocab.bench.runner import BenchConfig, PolicyRecorder, oracle_summary, run_bench, summarize_bench
 from dynvocab.bench.hf_baselines import accepted_per_cycle
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.metrics import EXTRA_KEYS, Metrics
+from dynvocab.bench.summary import EXTRA_KEYS
+from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.bench.tasks import (
     MAX_CHARS,
@@ -221,10 +222,23 @@ def test_recorder_scores_on_path_positions():
     assert set(EXTRA_KEYS) <= set(m)
 
 
+def _dummy_report(gamma: int = 2, vocab: int = 16, dim: int = 4) -> CycleReport:
+    """A well-formed cycle report: one of ``gamma`` drafts accepted, then a correction."""
+    return CycleReport(
+        position=3,
+        draft_tokens=list(range(gamma)),
+        draft_top=[],
+        accepted=1,
+        emitted=[0, 5],
+        target_logits=torch.zeros(gamma + 1, vocab),
+        target_hidden=torch.zeros(gamma + 1, dim),
+    )
+
+
 def test_recorder_without_coverage_only_sizes():
     rec = PolicyRecorder(_Steps([torch.arange(5), torch.arange(3)]), 100)
     rec.active_ids(0), rec.active_ids(1)
-    rec.observe(CycleReport.make_dummy(gamma=2, vocab=100))
+    rec.observe(_dummy_report(gamma=2, vocab=100))
     m = rec.metrics()
     assert m["max_active_vocab"] == 5 and m["target_mass"] is None and rec.mass == []
 

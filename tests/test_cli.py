@@ -36,7 +36,7 @@ def test_generate_json_matches_ar(tiny_dirs, token_map):
         assert set(payload) == {"text", "token_ids", "strategy", "metrics"}
         assert payload["strategy"] == strategy
         for key in ("new_tokens", "cycles", "mean_accepted_length", "tokens_per_s", "draft_s", "verify_s", "head_s",
-                    "mean_active_vocab", "coverage", "accept_by_position"):
+                    "mean_active_vocab", "active_hit_rate", "coverage", "leaf_hits", "accept_by_position"):
             assert key in payload["metrics"]
         outs[strategy] = payload["token_ids"]
     assert outs["full"] == outs["ar"] == outs["fr"] == outs["fr-pa"]

@@ -63,8 +63,12 @@ def test_prefix_views_of_a_ranking_do_not_copy(weight):
 def test_softcap_applies(weight):
     head = PackedHead(weight, softcap=2.0)
     h = torch.randn(1, 16) * 10
-    logits, _ = head.logits(h, torch.arange(10))
+    cols = torch.arange(10)
+    logits, _ = head.logits(h, cols)
+    raw = h @ weight[cols].T  # [1, 10] uncapped
     assert logits.abs().max() <= 2.0
+    torch.testing.assert_close(logits, torch.tanh(raw / 2.0) * 2.0)  # capped, not clipped or zeroed
+    assert logits.abs().max() > 1.5  # large raw logits come out near the cap
 
 
 def test_draft_head_segments_concatenate_and_keep_their_own_buffers(weight):

@@ -11,7 +11,7 @@ from dynvocab.kernels import (
     gathered_logits_auto,
     gathered_logits_reference,
 )
-from triton_modes import KERNEL_DEVICES, needs_triton
+from triton_modes import KERNEL_DEVICES, needs_cuda, needs_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Against the float64 truth the kernels only add float32 summation error; the references round to the dtype.
@@ -80,9 +80,10 @@ def test_gathered_logits_rejects_bad_operands():
         gathered_logits(h, weight, idx.view(1, -1))
 
 
-def test_auto_uses_reference_on_cpu():
-    h, weight, idx = operands(3, 50, 96, torch.float32, "cpu")
-    assert torch.equal(gathered_logits_auto(h, weight, idx), gathered_logits_reference(h, weight, idx))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_auto_matches_truth_on_every_device(device):
+    h, weight, idx = operands(3, 50, 96, torch.float32, device)
+    torch.testing.assert_close(gathered_logits_auto(h, weight, idx).cpu(), truth(h, weight, idx).cpu(), **TRUTH_TOL)
 
 
 def batched_operands(b, n, d, dtype, device, seed=0):

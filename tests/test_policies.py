@@ -93,9 +93,16 @@ def test_microspec_adds_draft_alternatives_and_only_verified_positions():
 
 @pytest.mark.parametrize("window", [4, 3072])
 def test_microspec_window_bounds_the_active_set(window):
-    policy = MicroSpecPolicy(MicroSpecConfig(window=window), 5000, "cpu")
-    policy.prefill(torch.arange(4000), torch.randn(3999, 5000), None)
-    assert policy.active_ids(0).numel() <= window
+    cfg = MicroSpecConfig(window=window)
+    prompt = torch.arange(4000)
+    logits = torch.randn(3999, 5000, generator=torch.Generator().manual_seed(0))
+    policy = MicroSpecPolicy(cfg, 5000, "cpu")
+    policy.prefill(prompt, logits, None)
+    top = list(dict.fromkeys(logits.topk(cfg.k_pre, dim=-1).indices.flatten().tolist()))  # unique, in order
+    stream = prompt.tolist() + top
+    active = policy.active_ids(0).tolist()
+    assert len(active) <= window
+    assert set(active) == set(stream[-window:])  # exactly the last `window` entries, none dropped
 
 
 def test_hybrid_segments_are_disjoint_and_the_core_shrinks_with_position():

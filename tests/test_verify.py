@@ -94,3 +94,44 @@ def test_all_accepted_takes_bonus_from_last_position():
     step = DraftStep(1, torch.tensor([1, 2]), torch.tensor([1.0, 0.0]))
     k, nxt = verify_sampling([step], p_logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
     assert (k, nxt) == (1, 3)
+
+
+def _chi2(freq: torch.Tensor, p: torch.Tensor, n: int) -> float:
+    return float(((freq - p) ** 2 / p).sum() * n)
+
+
+def test_rejection_sampling_follows_the_target_at_every_position_of_a_long_draft():
+    """γ = 3 on a 5-token vocabulary: every emitted position follows the target, and a 2% shift would show.
+
+    The target is context-free (row j of ``p_logits`` at position j), so the token emitted at position j, given
+    that the cycle reached j, must follow softmax(row j). Each draft step samples from its own q, one of which
+    misses target tokens entirely, so both the accept test and the residual ``norm(max(0, p − q))`` are used.
+    """
+    vocab, gamma, draws = 5, 3, 20000
+    gen = torch.Generator().manual_seed(7)
+    cfg = SamplingConfig(temperature=1.0)
+    p_logits = torch.randn(gamma + 1, vocab, generator=gen)  # [γ+1, V]
+    p = torch.softmax(p_logits, dim=-1)  # [γ+1, V]
+    qs = torch.softmax(torch.randn(gamma, vocab, generator=gen) * 1.5, dim=-1)  # [γ, V]
+    supports = [torch.arange(vocab), torch.tensor([0, 2, 4]), torch.arange(vocab)]
+    qs = [qs[j, s] / qs[j, s].sum() for j, s in enumerate(supports)]
+    counts = torch.zeros(gamma + 1, vocab)
+    drafted = torch.stack(
+        [supports[j][torch.multinomial(qs[j], draws, replacement=True, generator=gen)] for j in range(gamma)], dim=1
+    ).tolist()  # [draws, γ]
+    for tokens in drafted:
+        steps = [DraftStep(x, supports[j], qs[j]) for j, x in enumerate(tokens)]
+        k, nxt = verify_sampling(steps, p_logits, cfg, gen)
+        for j in range(k):
+            counts[j, steps[j].token] += 1
+        counts[k, nxt] += 1
+    crit = 18.47  # chi-square, 4 degrees of freedom, 99.9% quantile
+    for j in range(gamma + 1):
+        n = int(counts[j].sum())
+        freq = counts[j] / n
+        assert _chi2(freq, p[j], n) < crit, (j, n, freq, p[j])
+        if j == 0:  # every cycle reaches position 0: enough draws to see a 2% shift of any token
+            for t in range(vocab):
+                shifted = p[j] * (1 - 0.02 / (1 - p[j, t]))
+                shifted[t] = p[j, t] + 0.02
+                assert _chi2(freq, shifted, n) > crit, (t, freq, shifted)

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.table import Table
 
 from dynvocab.files import write_atomic
-from dynvocab.runtime.metrics import RECALL_KS
+from dynvocab.bench.summary import RECALL_KS
 
 ORACLE = "oracle"
 CSV_COLUMNS = (
@@ -17,7 +17,8 @@ CSV_COLUMNS = (
     "speedup_vs_ar", "speedup_vs_full", "mean_accepted_length", "mean_accepted_length_std", "accept_by_position",
     "wall_s", "prefill_share", "draft_share", "verify_share", "head_share", "policy_share", "head_share_of_draft",
     "draft_steps", "policy_ms_per_step", "head_ms_per_step",
-    "mean_active_vocab", "max_active_vocab", "coverage", "target_mass", *(f"recall_at_{k}" for k in RECALL_KS),
+    "mean_active_vocab", "max_active_vocab", "active_hit_rate", "coverage", "leaves", "leaf_hits", "target_mass",
+    *(f"recall_at_{k}" for k in RECALL_KS),
     "matches_ar", "diverged_from_ar", "first_divergence",
     "tokens_per_s_seed_mean", "tokens_per_s_seed_std", "mean_accepted_length_seed_mean",
     "mean_accepted_length_seed_std",
@@ -102,7 +103,7 @@ def render_tables(results: dict) -> list[Table]:
     coverage = cfg.get("coverage")
     table = Table(title=title, title_justify="left")
     columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %",
-               "policy/head ms/step", "vocab mean/max", "cover", "=ar"]
+               "policy/head ms/step", "vocab mean/max", "hit", "leaf hits", "=ar"]
     if coverage:
         columns += ["mass", "R@1", "R@10", "R@256"]
     for col in columns:
@@ -121,7 +122,8 @@ def render_tables(results: dict) -> list[Table]:
             "–" if oracle else _shares(s),
             "–" if oracle else _per_step(s),
             "–" if oracle else _vocab(s),
-            _fmt(s.get("coverage"), "{:.1%}"),
+            _fmt(s.get("active_hit_rate", s.get("coverage")), "{:.1%}"),
+            _leaves(s),
             _fmt(s.get("matches_ar"), "{:.0%}"),
         ]
         if coverage:
@@ -246,3 +248,8 @@ def write_plot(path: Path, results: dict) -> None:
     figure.tight_layout()
     write_atomic(path, lambda tmp: figure.savefig(tmp, dpi=110, format=(Path(path).suffix.lstrip(".") or "png")))
     plt.close(figure)
+
+
+def _leaves(s: dict) -> str:
+    """Accepted tree leaves of those verified ("–" without leaves); accept-by-position counts chain tokens only."""
+    return f"{s['leaf_hits']}/{s['leaves']}" if s.get("leaves") else "–"

@@ -23,9 +23,10 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.head import active_segments, active_size
 from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.metrics import EXTRA_KEYS, RECALL_KS, summarize
-from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.runtime.prompts import PromptRow, encode_prompt
+from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, summarize
+from dynvocab.runtime.policies.base import CycleReport, VocabPolicy, close_policy
+from dynvocab.bench.prompts import PromptRow
+from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.session import Session
 from dynvocab.runtime.strategies import StrategyOptions, make_policy, parse_strategies
 from dynvocab.bench.tasks import HISTORY_CHARS, BenchItem, as_item
@@ -81,19 +82,13 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
             continue
         try:
             policy = make_policy(name, cfg.options, session.policy_context())
-            _close(policy)
+            close_policy(policy)
             keep.append(name)
         except DynvocabError as exc:
             if not skip:
                 raise
             notes.append(f"skipped {name}: {exc}")
     return replace(cfg, strategies=tuple(keep)), notes
-
-
-def _close(policy) -> None:
-    close = getattr(policy, "close", None)
-    if close is not None:
-        close()  # policies that adapt the shared draft (EvoSpec's LoRA) undo it here
 
 
 class PolicyRecorder:
@@ -148,7 +143,7 @@ class PolicyRecorder:
         self.inner.observe(cycle)
 
     def close(self) -> None:
-        _close(self.inner)
+        close_policy(self.inner)
 
     @torch.inference_mode()
     def score(self, cycle: CycleReport) -> None:

@@ -23,7 +23,7 @@ from typing import Iterator
 
 from dynvocab.data.sharegpt import is_eval_position
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.prompts import PromptRow, load_prompts
+from dynvocab.bench.prompts import PromptRow, load_prompts
 
 TASKS = ("code", "chat", "multiturn", "topic-switch")
 MAX_CHARS = 1500  # a user turn longer than this is cut (and marked with " …")

@@ -2,7 +2,12 @@
 
 Importing this package never imports Triton: the ``*_triton.py`` kernel modules load on the first launch (so
 ``TRITON_INTERPRET`` may be set any time before it), and the ``*_auto`` functions use the torch references on
-CPU. Their timings live in :mod:`dynvocab.bench.microbench`. Public entry points:
+CPU. Their timings live in :mod:`dynvocab.bench.microbench`.
+
+What the runtime calls: ``SlotTable`` / ``grown`` (the draft head's slot bookkeeping, :mod:`dynvocab.runtime.head`)
+and ``WindowState`` (MicroSpec). The gathered-head kernels, ``PackedBuffer`` and ``gather_rows_auto`` are not on
+the decode path today: only the bench package (microbenchmarks, draft-step timing) and the tests call them; they
+stay here, beside their references, as the GPU head the runtime may adopt. Public entry points:
 
 - ``gathered_logits_auto(h, weight, idx)``: logits [M, n] over rows ``idx`` of the LM head, fused on CUDA.
 - ``batched_gathered_logits_auto(h, weight, idx)``: per-sequence active sets, ``idx`` [B, n] padded with -1.

@@ -21,6 +21,13 @@ from dynvocab.kernels.gathered_head import gathered_logits
 from dynvocab.kernels.packed_buffer import SlotTable, grown
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Final-logit soft-capping ``tanh(x / cap) * cap`` (Gemma-style); ``cap`` None or 0 leaves logits as they are."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 @dataclass(frozen=True, eq=False)
 class RowRanges:
     """An active set given as ranges of a fixed id order: ``order[starts[i]:ends[i]]`` for every i.
@@ -122,10 +129,6 @@ class PackedHead:
         """Make the packed rows hold exactly the set ``ids`` [n] (order free), copying only changed rows."""
         self._copy(*self.slots.update(ids))
 
-    def contains(self, token: int) -> bool:
-        """Whether ``token`` is in the currently packed set."""
-        return bool(self.slot_of[token] >= 0)
-
     def logits(self, hidden: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [m, n] over the active set for hidden states [m, d], and the token id of each column [n].
 
@@ -153,10 +156,7 @@ class PackedHead:
         return self._finish(F.linear(hidden, self.rows[:n], bias)), self.slots.ids[:n]
 
     def _finish(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return soft_cap(logits.float(), self.softcap)
 
 
 class RangeHead:
@@ -198,10 +198,7 @@ class RangeHead:
                 for a, b in zip(ranges.starts, ranges.ends)
             ]
             logits = torch.cat(parts, dim=-1) if parts else hidden.new_empty(hidden.shape[0], 0)
-        logits = logits.float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits, ranges.ids
+        return soft_cap(logits.float(), self.softcap), ranges.ids
 
 
 class DraftHead:

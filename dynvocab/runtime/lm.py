@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dynvocab.runtime.head import soft_cap
+
 from dynvocab.runtime.tree import DraftTree
 
 
@@ -78,9 +80,7 @@ class CausalLM:
 
     def finish(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply the model's final logit soft-capping, if it has one."""
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return soft_cap(logits, self.softcap)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -211,7 +211,7 @@ def speculative_generate(
         drafted = tree.chain
         for j in range(len(drafted)):
             drafted_at[j] += 1
-            accepted_at[j] += j < k
+            accepted_at[j] += j < verdict.chain_accepted  # an accepted leaf counts in leaf_hits, not here
         # Coverage: accepted tokens were drafted from the active set; the correction at position k < γ is
         # covered when it was inside the active set of draft step k. A bonus after full acceptance had no step.
         in_steps = min(k + 1, len(drafted), len(emitted))
@@ -228,7 +228,7 @@ def speculative_generate(
             rows = slice(0, len(drafted) + 1)  # the chain's rows; an accepted leaf's row replaces its sibling's
             if verdict.leaf_row is not None:
                 rows = verdict.rows + list(range(k + 1, len(drafted) + 1))
-            report = CycleReport(n, verdict.path + drafted[k:], tops, k, emitted, logits[rows], hidden[rows])
+            report = CycleReport(n, verdict.path + drafted[k:], tops, k, emitted, logits[rows], hidden[rows], leaf=verdict.leaf_row is not None)
             policy.observe(report)
             m.policy_s += clock() - t_policy
         if on_tokens is not None:
@@ -241,6 +241,6 @@ def speculative_generate(
     m.accept_by_position = [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)]
     if speculative:
         m.mean_active_vocab = active_total / m.draft_steps if m.draft_steps else None
-        m.coverage = covered / counted if counted else None
+        m.active_hit_rate = covered / counted if counted else None
         m.head_rows_copied = head.rows_copied
     return Generation(out, m, stopped, lengths)

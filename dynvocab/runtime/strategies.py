@@ -93,11 +93,9 @@ def parse_strategies(text: str) -> list[str]:
 
 
 def check_strategy(name: str) -> None:
-    """Refuse unknown strategies and those this version does not ship yet."""
+    """Refuse unknown strategies."""
     if name not in ALL_STRATEGIES:
         raise DynvocabError(f"unknown strategy '{name}'; use one of {', '.join(AVAILABLE)}")
-    if name not in AVAILABLE:
-        raise DynvocabError(f"strategy '{name}' is not available in this version; use one of {', '.join(AVAILABLE)}")
 
 
 def frequency_ranking(opts: StrategyOptions, ctx: PolicyContext, name: str) -> torch.Tensor:

@@ -18,23 +18,11 @@ class CycleReport:
     position: int  # sequence length before the cycle (prompt + tokens emitted so far)
     draft_tokens: list[int]  # [γ] drafted ids
     draft_top: list[torch.Tensor]  # γ × [k] the draft's top alternatives per step (empty when not asked)
-    accepted: int  # draft tokens accepted
+    accepted: int  # tokens accepted on the path, an accepted tree leaf included (then ``leaf`` is set)
     emitted: list[int]  # tokens appended this cycle (accepted + correction/bonus, after EOS/length cuts)
     target_logits: torch.Tensor  # [γ+1, V] float32
     target_hidden: torch.Tensor  # [γ+1, d_target]
-
-    @classmethod
-    def make_dummy(cls, gamma: int = 2, vocab: int = 16, dim: int = 4) -> "CycleReport":
-        """A well-formed report for tests."""
-        return cls(
-            position=3,
-            draft_tokens=list(range(gamma)),
-            draft_top=[],
-            accepted=1,
-            emitted=[0, 5],
-            target_logits=torch.zeros(gamma + 1, vocab),
-            target_hidden=torch.zeros(gamma + 1, dim),
-        )
+    leaf: bool = False  # the last of the ``accepted`` tokens is a tree leaf, not a chain token (see runtime.tree)
 
 
 class VocabPolicy:
@@ -63,3 +51,10 @@ class VocabPolicy:
 
     def observe(self, cycle: CycleReport) -> None:
         """Update state after a verified cycle."""
+
+
+def close_policy(policy) -> None:
+    """Run ``policy.close()`` if it has one: policies that adapt the shared draft (EvoSpec's LoRA) undo it there."""
+    close = getattr(policy, "close", None)
+    if close is not None:
+        close()
