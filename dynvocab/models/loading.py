@@ -20,6 +20,11 @@ class ModelSpec:
     path: str
     gguf_file: str | None = None
 
+    @property
+    def is_local(self) -> bool:
+        """True when the model is read from this machine rather than from a hub."""
+        return Path(self.path).exists()
+
 
 def resolve_model(source: str) -> ModelSpec:
     """Turn a ``--target``/``--draft`` argument into a :class:`ModelSpec` (builds the demo cache if needed)."""
