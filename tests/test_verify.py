@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -96,42 +98,103 @@ def test_all_accepted_takes_bonus_from_last_position():
     assert (k, nxt) == (1, 3)
 
 
-def _chi2(freq: torch.Tensor, p: torch.Tensor, n: int) -> float:
-    return float(((freq - p) ** 2 / p).sum() * n)
+# Chains of γ = 4 drafted tokens on an 8-token vocabulary: the emitted sequence must follow the target exactly.
+VOCAB, GAMMA, BOS = 8, 4, 8  # row BOS of the tables is the distribution of the first token
+CHAIN_DRAWS = 15_000  # the tables below need 14,341 for the power check (``detects_shift``)
+SHIFT = 0.02  # the smallest absolute change of one cell's probability the test must detect
+# Chi-square critical values at α = 1e-4 and the non-centrality a shift needs for power 0.99 there, both from
+# scipy (not a dependency): chi2.ppf(1 - 1e-4, df) and the λ with ncx2.sf(critical, df, λ) = 0.99.
+CRITICAL = {7: 29.88, 56: 104.13, 63: 113.50}
+LAMBDA_FOR_POWER = {7: 53.5, 63: 99.7}
 
 
-def test_rejection_sampling_follows_the_target_at_every_position_of_a_long_draft():
-    """γ = 3 on a 5-token vocabulary: every emitted position follows the target, and a 2% shift would show.
+def chain_tables(seed: int = 3):
+    """Target rows p(y | previous token) [9, V], and the draft's rows on their supports (some cut to 5 tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.softmax(torch.randn(VOCAB + 1, VOCAB, generator=gen) * 1.2, dim=-1)  # [9, V]
+    draft = torch.softmax(target.log() + 1.5 * torch.randn(VOCAB + 1, VOCAB, generator=gen), dim=-1)  # partly wrong
+    rows = []
+    for prev in range(VOCAB + 1):
+        if prev % 3 == 0:  # full vocabulary (support None)
+            rows.append((None, draft[prev]))
+        else:  # an active set of 5 tokens: q = 0 on the other 3, whose mass only the residual can emit
+            support = torch.randperm(VOCAB, generator=gen)[:5]
+            q = draft[prev, support]
+            rows.append((support, q / q.sum()))
+    return target, rows
 
-    The target is context-free (row j of ``p_logits`` at position j), so the token emitted at position j, given
-    that the cycle reached j, must follow softmax(row j). Each draft step samples from its own q, one of which
-    misses target tokens entirely, so both the accept test and the residual ``norm(max(0, p − q))`` are used.
-    """
-    vocab, gamma, draws = 5, 3, 20000
-    gen = torch.Generator().manual_seed(7)
+
+def sample_chain(target, rows, n_tokens: int, gen: torch.Generator, rng: random.Random,
+                 bonus: torch.Tensor | None = None) -> list[int]:
+    """Draft γ tokens from the draft rows (``rng``: faster than torch on 8 tokens), verify them against the target
+    rows (``gen``); repeat until ``n_tokens`` are emitted. ``bonus`` [V, V] counts (last drafted, bonus token) of
+    every cycle that accepted all γ."""
     cfg = SamplingConfig(temperature=1.0)
-    p_logits = torch.randn(gamma + 1, vocab, generator=gen)  # [γ+1, V]
-    p = torch.softmax(p_logits, dim=-1)  # [γ+1, V]
-    qs = torch.softmax(torch.randn(gamma, vocab, generator=gen) * 1.5, dim=-1)  # [γ, V]
-    supports = [torch.arange(vocab), torch.tensor([0, 2, 4]), torch.arange(vocab)]
-    qs = [qs[j, s] / qs[j, s].sum() for j, s in enumerate(supports)]
-    counts = torch.zeros(gamma + 1, vocab)
-    drafted = torch.stack(
-        [supports[j][torch.multinomial(qs[j], draws, replacement=True, generator=gen)] for j in range(gamma)], dim=1
-    ).tolist()  # [draws, γ]
-    for tokens in drafted:
-        steps = [DraftStep(x, supports[j], qs[j]) for j, x in enumerate(tokens)]
-        k, nxt = verify_sampling(steps, p_logits, cfg, gen)
-        for j in range(k):
-            counts[j, steps[j].token] += 1
-        counts[k, nxt] += 1
-    crit = 18.47  # chi-square, 4 degrees of freedom, 99.9% quantile
-    for j in range(gamma + 1):
-        n = int(counts[j].sum())
-        freq = counts[j] / n
-        assert _chi2(freq, p[j], n) < crit, (j, n, freq, p[j])
-        if j == 0:  # every cycle reaches position 0: enough draws to see a 2% shift of any token
-            for t in range(vocab):
-                shifted = p[j] * (1 - 0.02 / (1 - p[j, t]))
-                shifted[t] = p[j, t] + 0.02
-                assert _chi2(freq, shifted, n) > crit, (t, freq, shifted)
+    emitted: list[int] = []
+    while len(emitted) < n_tokens:
+        prev = emitted[-1] if emitted else BOS
+        steps, contexts = [], [prev]
+        for _ in range(GAMMA):
+            support, q = rows[contexts[-1]]
+            ids = range(VOCAB) if support is None else support.tolist()
+            token = rng.choices(ids, weights=q.tolist())[0]
+            steps.append(DraftStep(token, support, q))
+            contexts.append(token)
+        target_logits = target[contexts].log()  # [γ+1, V]: row j conditions on the token before position j
+        k, nxt = verify_sampling(steps, target_logits, cfg, gen)
+        if bonus is not None and k == GAMMA:
+            bonus[steps[-1].token, nxt] += 1
+        emitted += [s.token for s in steps[:k]] + [nxt]
+    return emitted[:n_tokens]
+
+
+def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's statistic of ``counts`` against the probabilities ``expected`` (same shape, all > 0)."""
+    draws = float(counts.sum())
+    return float(((counts - draws * expected) ** 2 / (draws * expected)).sum())
+
+
+def detects_shift(expected: torch.Tensor, df: int) -> bool:
+    """Power check: moving SHIFT of mass between the two likeliest cells (the hardest shift to see) gives
+    non-centrality λ = N·SHIFT²·(1/p₁ + 1/p₂); λ ≥ LAMBDA_FOR_POWER[df] means it is caught with probability 0.99."""
+    top = expected.flatten().topk(2).values
+    return CHAIN_DRAWS * SHIFT**2 * float(1 / top[0] + 1 / top[1]) >= LAMBDA_FOR_POWER[df]
+
+
+def test_rejection_sampling_chains_follow_the_target_joint_distribution(one_thread):
+    """γ = 4 with a partly wrong draft on partial active sets: accept chains, residual resamples and bonus tokens
+    together must emit (x₁, x₂) with probability p(x₁)·p(x₂ | x₁), x₄ with the target's 4-step marginal, and
+    (x₅, x₆) (bonus tokens land at x₅) with p(x₅)·p(x₆ | x₅)."""
+    target, rows = chain_tables()
+    gen, rng = torch.Generator().manual_seed(11), random.Random(11)
+    pairs = torch.zeros(VOCAB, VOCAB)
+    fourth = torch.zeros(VOCAB)
+    late_pairs = torch.zeros(VOCAB, VOCAB)  # (x₅, x₆): x₅ is the bonus token whenever the first cycle accepts all γ
+    bonus = torch.zeros(VOCAB, VOCAB)  # (x_γ, bonus) over every fully accepted cycle
+    for _ in range(CHAIN_DRAWS):
+        x1, x2, _, x4, x5, x6 = sample_chain(target, rows, 6, gen, rng, bonus)
+        pairs[x1, x2] += 1
+        fourth[x4] += 1
+        late_pairs[x5, x6] += 1
+    first = target[BOS]  # [V]
+    step = target[:VOCAB]  # [V, V] p(next | previous)
+    fourth_marginal = first @ torch.linalg.matrix_power(step, 3)  # [V]
+    fifth_marginal = fourth_marginal @ step  # [V]
+    checks = {
+        "first": (pairs.sum(1), first, 7),
+        "pair": (pairs, first[:, None] * step, 63),  # p(x₁)·p(x₂ | x₁)
+        "fourth": (fourth, fourth_marginal, 7),
+        "late pair": (late_pairs, fifth_marginal[:, None] * step, 63),  # p(x₅)·p(x₆ | x₅)
+    }
+    for name, (counts, expected, df) in checks.items():
+        assert detects_shift(expected, df), name
+        stat = chi_square(counts, expected)
+        assert stat < CRITICAL[df], f"{name}: chi-square {stat:.1f} >= {CRITICAL[df]} (df {df})"
+    # The bonus after a fully accepted chain is drawn from the row after the last drafted token: p(· | x_γ).
+    # Few cycles accept all γ here (about 6%, some 2,700 draws over 8 rows), so this conditional check is not sized
+    # for a 2% shift; it catches a bonus drawn from the wrong row, which the unconditioned checks above dilute.
+    seen = bonus.sum(1) > 0  # [V] rows with at least one bonus
+    expected = bonus.sum(1, keepdim=True) * step  # [V, V] counts the target's rows predict
+    stat = float(((bonus - expected)[seen] ** 2 / expected[seen]).sum())
+    df = 7 * int(seen.sum())
+    assert df == 56 and stat < CRITICAL[df], f"bonus: chi-square {stat:.1f} >= {CRITICAL[df]} (df {df})"
