@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class Metrics:
-    """What one generation measured; field names are the JSON contract in DESIGN.md."""
+    """What one generation measured; field names are the JSON contract (README, "JSON output")."""
 
     new_tokens: int = 0
     cycles: int = 0
