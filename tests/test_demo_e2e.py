@@ -14,7 +14,7 @@ from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 
-pytestmark = requires_packages(*DEMO_PAIR)
+pytestmark = [pytest.mark.demo, requires_packages(*DEMO_PAIR)]
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",

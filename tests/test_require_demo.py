@@ -66,3 +66,12 @@ def test_skipped_demo_test_fails_when_required(tmp_path):
     assert "FAILED test_sample.py::test_demo_skips_itself" in run.stdout
     assert "DYNVOCAB_REQUIRE_DEMO=1 requires it to run: demo packages absent" in run.stdout
     assert "DYNVOCAB_REQUIRE_DEMO=1 requires it to run: model files absent" in run.stdout
+
+
+@pytest.mark.parametrize("module", ["test_demo_e2e", "test_demo_bundle_e2e"])
+def test_the_demo_end_to_end_modules_carry_the_demo_mark(module):
+    """The hook only sees ``demo``-marked tests: the end-to-end modules must carry the mark (not only a skip)."""
+    import importlib
+
+    marks = importlib.import_module(module).pytestmark
+    assert "demo" in [m.name for m in (marks if isinstance(marks, list) else [marks])]
