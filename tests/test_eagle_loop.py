@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_qwen2
-from test_loop import VOCAB, make_policy
+from test_loop import VOCAB, make_policy, pooled_chi_square
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like, init_from_target
 from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
 from dynvocab.runtime.head import DraftHead
@@ -140,11 +140,5 @@ def test_sampling_follows_the_target_distribution(target_model, kind):
         cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5, seed=seed)
         g = speculative_generate(target, prompt, cfg, set(), draft, make_head(), FrequencyPolicy(ranking))
         counts[g.token_ids[0]] += 1
-    order = p.argsort(descending=True)
-    big = order[p[order] * draws >= 5]
-    rest = ~torch.isin(torch.arange(VOCAB), big)
-    observed = torch.cat([counts[big], counts[rest].sum(0, keepdim=True)])
-    expected = torch.cat([p[big], p[rest].sum(0, keepdim=True)]) * draws
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    dof = observed.numel() - 1
+    chi2, dof = pooled_chi_square(counts, p, draws)
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)

@@ -146,6 +146,17 @@ def test_max_new_tokens_and_eos_stop_cleanly(pair):
         assert short.token_ids == ar.token_ids[:5]
 
 
+def pooled_chi_square(counts: torch.Tensor, p: torch.Tensor, draws: int) -> tuple[float, int]:
+    """Pearson's chi-square of ``counts`` [V] against ``draws`` × ``p`` [V], the tail pooled into one bin so every
+    expected count is >= 5: (statistic, degrees of freedom)."""
+    order = p.argsort(descending=True)
+    big = order[p[order] * draws >= 5]
+    rest = ~torch.isin(torch.arange(p.numel()), big)
+    observed = torch.cat([counts[big], counts[rest].sum(0, keepdim=True)])
+    expected = torch.cat([p[big], p[rest].sum(0, keepdim=True)]) * draws
+    return float(((observed - expected) ** 2 / expected).sum()), observed.numel() - 1
+
+
 def test_sampling_follows_the_target_distribution(pair):
     """First sampled token over many seeds, with q restricted to a subset, vs the target's p (chi-square)."""
     target, draft = pair
@@ -160,14 +171,7 @@ def test_sampling_follows_the_target_distribution(pair):
         cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5, seed=seed)
         g = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), FrequencyPolicy(ranking))
         counts[g.token_ids[0]] += 1
-    # Pool the tail into one bin so every expected count is >= 5.
-    order = p.argsort(descending=True)
-    big = order[p[order] * draws >= 5]
-    rest = ~torch.isin(torch.arange(VOCAB), big)
-    observed = torch.cat([counts[big], counts[rest].sum(0, keepdim=True)])
-    expected = torch.cat([p[big], p[rest].sum(0, keepdim=True)]) * draws
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    dof = observed.numel() - 1
+    chi2, dof = pooled_chi_square(counts, p, draws)
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
 
 

@@ -10,18 +10,11 @@ import torch
 from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 
 
-def _rss_now() -> int:
+def _status_bytes(field: str) -> int:
+    """A byte count from ``/proc/self/status`` (``VmRSS``: resident now, ``VmHWM``: its peak); 0 where absent."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _rss_peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -65,7 +58,7 @@ def update_peak_memory(
         baseline = torch.cuda.memory_allocated()
     else:
         _reset_rss_peak()
-        baseline = _rss_now()
+        baseline = _status_bytes("VmRSS")
     aligner = Aligner(lm, cfg, trainable)
     try:
         big = replace(cfg, buffer_size=samples + 1)  # fill the buffer without triggering the update
@@ -85,7 +78,7 @@ def update_peak_memory(
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = _rss_peak()
+            peak = _status_bytes("VmHWM")
     finally:
         aligner.close()
     return {

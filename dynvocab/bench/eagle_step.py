@@ -16,14 +16,12 @@ draft step on) after ``context`` cached positions; the cache is cropped back aft
 
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from rich.table import Table
 
-from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, synchronize
+from dynvocab.bench.timing import CacheFlusher, cpu_threads, interleaved_ms, resolve_dtype
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
@@ -61,24 +59,6 @@ def _random_head(shape: dict, dev: torch.device, dt: torch.dtype, seed: int):
     model.embed_tokens = torch.nn.Embedding.from_pretrained(table, freeze=True)
     model.rotary_emb = type(model.rotary_emb)(model.layer_config).to(dev)
     return model.eval(), weight
-
-
-def interleaved_ms(fns: dict, device: torch.device, repeats: int, warmup: int, flush: CacheFlusher) -> dict:
-    """Median milliseconds of each of ``fns`` when they take turns, one call each per round (a shared machine's
-    load then weighs on all of them alike, so their ratios hold); ``flush`` runs before every call."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(max(1, repeats)):
-        for name, fn in fns.items():
-            flush()
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 @torch.inference_mode()

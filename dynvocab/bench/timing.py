@@ -85,6 +85,24 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     return statistics.median(times)
 
 
+def interleaved_ms(fns: dict, device: torch.device, repeats: int, warmup: int, flush: CacheFlusher) -> dict:
+    """Median milliseconds of each of ``fns`` when they take turns, one call each per round (a shared machine's
+    load then weighs on all of them alike, so their ratios hold); ``flush`` runs before every call."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(max(1, repeats)):
+        for name, fn in fns.items():
+            flush()
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def copy_bandwidth_gbps(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
     """GB/s of a large device-to-device tensor copy (bytes read + bytes written per second)."""
     if nbytes is None:
