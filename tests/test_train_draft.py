@@ -177,6 +177,39 @@ def test_refuses_features_of_other_settings(target_dir, corpus_txt, tmp_path):
         trainer.train_draft(str(target_dir), out, other)
 
 
+def test_heads_share_one_feature_cache(target_dir, corpus_txt, tmp_path, monkeypatch):
+    """An EAGLE-3 cache serves an EAGLE-1 head and a smaller budget without running the target, and grows for a
+    larger one (its shorter last shard recomputed); each head equals the one trained on its own features."""
+    shared = str(tmp_path / "features")
+    small = lambda arch, docs: TrainDraftConfig(**{**small_config(corpus_txt, arch, epochs=1).__dict__, "features_dir": shared,
+                                                   "corpus": CorpusConfig(sources=(str(corpus_txt),), max_docs=docs)})
+    trainer.train_draft(str(target_dir), tmp_path / "e3-10", small("eagle3", 10))
+    assert json.loads((tmp_path / "features" / "manifest.json").read_text())["docs"] == 10
+
+    def no_target_pass(*args, **kwargs):
+        raise AssertionError("the target ran although the cache held the documents")
+
+    real = features.document_features
+    monkeypatch.setattr(features, "document_features", no_target_pass)
+    e1 = trainer.train_draft(str(target_dir), tmp_path / "e1-6", small("eagle1", 6))
+    assert e1.info["data"]["docs"] == 6 and e1.info["data"]["extract"] == {}
+    monkeypatch.setattr(features, "document_features", real)
+    grown = trainer.train_draft(str(target_dir), tmp_path / "e3-14", small("eagle3", 14))
+    assert grown.info["data"]["docs"] == 14 and grown.info["data"]["extract"]["tokens"] > 0
+    for arch, docs, out in (("eagle1", 6, "e1-6"), ("eagle3", 14, "e3-14")):
+        own = TrainDraftConfig(**{**small(arch, docs).__dict__, "features_dir": None})
+        alone = trainer.train_draft(str(target_dir), tmp_path / f"alone-{out}", own)
+        a, b = head_weights(tmp_path / out), head_weights(tmp_path / f"alone-{out}")
+        assert alone.info["data"]["tokens"] == json.loads((tmp_path / out / "training.json").read_text())["data"]["tokens"]
+        for name in a:
+            assert torch.equal(a[name], b[name]), (out, name)
+
+    e1_cache = str(tmp_path / "e1-features")
+    trainer.train_draft(str(target_dir), tmp_path / "e1", TrainDraftConfig(**{**small("eagle1", 6).__dict__, "features_dir": e1_cache}))
+    with pytest.raises(DynvocabError, match="entering_layers"):
+        trainer.train_draft(str(target_dir), tmp_path / "e3", TrainDraftConfig(**{**small("eagle3", 6).__dict__, "features_dir": e1_cache}))
+
+
 # ---- the unroll -------------------------------------------------------------------------------------------
 
 

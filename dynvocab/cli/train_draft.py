@@ -37,6 +37,10 @@ def train_draft(
     lr: Annotated[Optional[float], typer.Option(help=f"AdamW peak learning rate (default {OptimConfig.lr:g}).")] = None,
     ttt_steps: Annotated[Optional[int], typer.Option(min=1, help="Chained training-time-test steps per document (default: 1 for eagle1, 3 for eagle3).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the batch order and the feature noise.")] = None,
+    features: Annotated[
+        Optional[Path],
+        typer.Option("--features", help="Feature cache folder (default OUT/work/features). Heads may share one: fewer --max-docs read its first documents, more extend it, an eagle3 cache serves eagle1."),
+    ] = None,
     fmt: Annotated[str, typer.Option("--format", help="eagle: the EAGLE repo layout of its kind (SGLang loads it); speculators: the vllm-project/speculators form (EAGLE-3).")] = _DEFAULTS.layout,
     device: Device = None,
     threads: Threads = None,
@@ -56,6 +60,7 @@ def train_draft(
         optim=_override(_DEFAULTS.optim, epochs=epochs, lr=lr, ttt_steps=ttt_steps, seed=seed),
         layout=fmt,
         device=device,
+        features_dir=str(features) if features else None,
     )
     check_config(cfg)  # refusals before the progress display starts
     with RichReporter(err_console) as reporter:

@@ -3,7 +3,9 @@
 Each shard holds ``shard_docs`` consecutive documents and is written whole (``dynvocab.files.write_atomic``), so a
 run killed at any moment leaves finished shards and no half-written one; a rerun skips the finished shards. The
 manifest records the target's fingerprint and the settings the features depend on; features of another target or
-other settings are refused rather than mixed.
+other settings are refused rather than mixed. One cache can serve several heads (``train-draft --features DIR``):
+a run of fewer documents reads the cache's first documents, a run of more extends it, and a cache with EAGLE-3's
+layer taps serves EAGLE-1 too.
 
 Per document of tokens x_0..x_{T-1} a shard keeps, at every position s:
 
@@ -17,6 +19,7 @@ Per document of tokens x_0..x_{T-1} a shard keeps, at every position s:
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +34,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -46,21 +49,13 @@ class FeatureConfig:
 
 @dataclass(frozen=True)
 class FeatureSet:
-    """The finished feature cache: its folder, manifest and shard files."""
+    """The first ``docs`` documents of a feature cache: its folder, manifest and the shard files holding them."""
 
     folder: Path
     manifest: dict
     shards: list[Path]
-
-    @property
-    def docs(self) -> int:
-        """Documents in the cache."""
-        return int(self.manifest["docs"])
-
-    @property
-    def tokens(self) -> int:
-        """Tokens (positions) in the cache."""
-        return int(self.manifest["tokens"])
+    docs: int
+    tokens: int
 
 
 def shard_path(folder: Path, index: int) -> Path:
@@ -68,37 +63,47 @@ def shard_path(folder: Path, index: int) -> Path:
     return folder / f"shard-{index:05d}.safetensors"
 
 
-def settings_of(cfg: FeatureConfig, corpus: dict, kind: str, entering: tuple[int, ...] | None) -> dict:
-    """What the features depend on, as the manifest records it."""
-    return {"features": asdict(cfg), "corpus": corpus, "kind": kind, "entering_layers": list(entering or ())}
+def settings_of(cfg: FeatureConfig, corpus: dict, entering: tuple[int, ...] | None) -> dict:
+    """What the features depend on, as the manifest records it. The corpus's document limit is not part of it: a
+    cache grows when a run asks for more documents and serves its first documents to a run that asks for fewer."""
+    corpus = {k: v for k, v in corpus.items() if k != "max_docs"}
+    return {"features": asdict(cfg), "corpus": corpus, "entering_layers": list(entering or ())}
 
 
 def open_manifest(folder: Path, fingerprint: ModelFingerprint, settings: dict) -> dict:
-    """The manifest of ``folder`` (created when absent); refuses features of another target or other settings."""
+    """The manifest of ``folder`` (created when absent). A cache serves a run when the target, the feature settings
+    and the corpus match and, for EAGLE-3, it holds the same layer taps (an EAGLE-3 cache also serves EAGLE-1, whose
+    feature is the final hidden state every cache keeps); anything else is refused rather than mixed."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / MANIFEST
     if path.is_file():
         old = json.loads(path.read_text())
+        if old.get("format_version") != FORMAT_VERSION:
+            raise DynvocabError(f"{folder} holds features in an older format; delete that folder to rebuild them")
         diffs = ModelFingerprint.from_dict(old["target"]).differences(fingerprint)
         if diffs:
             raise DynvocabError(
-                f"{folder} holds features of another target ({diffs[0]}); write to another --out or delete it"
+                f"{folder} holds features of another target ({diffs[0]}); use another --out/--features or delete it"
             )
-        if old["settings"] != settings:
-            changed = sorted(k for k in settings if old["settings"].get(k) != settings[k])
+        have, want = old["settings"], settings
+        changed = sorted(k for k in ("features", "corpus") if have[k] != want[k])
+        if want["entering_layers"] and have["entering_layers"] != want["entering_layers"]:
+            changed.append("entering_layers (EAGLE-3 layer taps)")
+        if changed:
             raise DynvocabError(
                 f"{folder} holds features made with other settings ({', '.join(changed)}); "
-                "rerun with the same options, write to another --out, or delete that folder"
+                "rerun with the same options, use another --out/--features, or delete that folder"
             )
         return old
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "target": fingerprint.as_dict(),
-        "settings": settings,
-        "complete": False,
-    }
+    manifest = {"format_version": FORMAT_VERSION, "target": fingerprint.as_dict(), "settings": settings,
+                "docs": 0, "exhausted": False}
     write_atomic(path, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
     return manifest
+
+
+def needs_extraction(manifest: dict, max_docs: int) -> bool:
+    """Whether the cache lacks documents a run of ``max_docs`` documents reads."""
+    return manifest["docs"] < max_docs and not manifest["exhausted"]
 
 
 @torch.inference_mode()
@@ -122,34 +127,32 @@ def extract(
     manifest: dict,
     cfg: FeatureConfig,
     max_docs: int,
-    entering: tuple[int, ...] | None,
     reporter: Reporter,
-) -> FeatureSet:
-    """Fill ``folder`` with the shards not yet written, then mark the manifest complete.
+) -> dict:
+    """Fill ``folder`` with the shards of the first ``max_docs`` documents not yet written; returns the manifest.
 
-    ``documents`` yields token-id lists in a fixed order (at most ``max_docs``); shard i holds documents
-    ``[i·shard_docs, (i+1)·shard_docs)``. Documents of finished shards are read but not run through the target.
+    ``documents`` yields token-id lists in a fixed order; shard i holds documents ``[i·shard_docs,
+    (i+1)·shard_docs)``. Documents of finished shards are read but not run through the target. The layer taps are
+    the cache's own (``manifest["settings"]["entering_layers"]``), so every shard of a cache holds the same tensors.
     """
     from dynvocab.models.eagle import LayerTap
 
+    entering = tuple(manifest["settings"]["entering_layers"]) or None
     store = getattr(torch, cfg.store_dtype)
     tap = LayerTap(model, entering) if entering else None
-    shards, tokens, docs, ran, started = [], 0, 0, 0, time.perf_counter()
+    shards, docs, ran, started = 0, 0, 0, time.perf_counter()
     try:
         with reporter.task("target features (documents)", total=max_docs) as advance:
             batch: list[list[int]] = []
-            for ids in documents:
+            for ids in itertools.islice(documents, max_docs):
                 batch.append(ids)
                 if len(batch) == cfg.shard_docs:
-                    t, r = _shard(model, batch, len(shards), docs, folder, store, entering, tap)
-                    shards.append(shard_path(folder, len(shards)))
-                    tokens, docs, ran = tokens + t, docs + len(batch), ran + r
-                    advance(len(batch), description=_rate("target features", ran, started))
-                    batch = []
+                    ran += _shard(model, batch, shards, docs, folder, store, entering, tap)
+                    shards, docs, batch = shards + 1, docs + len(batch), []
+                    advance(cfg.shard_docs, description=_rate("target features", ran, started))
             if batch:
-                t, r = _shard(model, batch, len(shards), docs, folder, store, entering, tap)
-                shards.append(shard_path(folder, len(shards)))
-                tokens, docs, ran = tokens + t, docs + len(batch), ran + r
+                ran += _shard(model, batch, shards, docs, folder, store, entering, tap)
+                docs += len(batch)
                 advance(len(batch))
     finally:
         if tap is not None:
@@ -157,12 +160,11 @@ def extract(
     if docs == 0:
         raise DynvocabError("the corpus gave no documents; check --corpus and --max-docs")
     seconds = time.perf_counter() - started
-    manifest = {**manifest, "complete": True, "docs": docs, "tokens": tokens, "shards": len(shards)}
+    manifest = {**manifest, "docs": max(docs, manifest["docs"]), "exhausted": docs < max_docs}
     if ran:
         manifest["extract"] = {"tokens": ran, "seconds": round(seconds, 2), "tokens_per_s": round(ran / seconds, 1)}
     write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
-    reporter.log(f"features: {docs:,} documents · {tokens:,} tokens · {len(shards)} shards in {folder}")
-    return FeatureSet(folder, manifest, shards)
+    return manifest
 
 
 def _rate(label: str, tokens: int, started: float) -> str:
@@ -170,12 +172,22 @@ def _rate(label: str, tokens: int, started: float) -> str:
     return f"{label} · {tokens / seconds:,.0f} tok/s" if tokens and seconds > 0 else label
 
 
-def _shard(model, batch, index, first_doc, folder, store, entering, tap) -> tuple[int, int]:
-    """Write shard ``index`` unless it exists; returns (tokens in it, tokens computed now)."""
+def _shard_docs(path: Path) -> int:
+    """Documents in a finished shard file (0 when there is none)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return 0
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("doc").get_shape()[0]
+
+
+def _shard(model, batch, index, first_doc, folder, store, entering, tap) -> int:
+    """Write shard ``index`` unless a shard of the same documents exists (a shorter last shard left by a run of
+    fewer documents is recomputed); returns the tokens computed now."""
     path = shard_path(folder, index)
-    tokens = sum(map(len, batch))
-    if path.is_file():
-        return tokens, 0
+    if _shard_docs(path) == len(batch):
+        return 0
     parts = [document_features(model, ids, entering, tap) for ids in batch]
     tensors = {
         "ids": torch.tensor([i for ids in batch for i in ids], dtype=torch.int32),  # [N]
@@ -187,7 +199,7 @@ def _shard(model, batch, index, first_doc, folder, store, entering, tap) -> tupl
     if entering:
         tensors["aux"] = torch.cat([p["aux"] for p in parts]).to("cpu", store)  # [N, 3d]
     write_shard(path, tensors)
-    return tokens, tokens
+    return sum(map(len, batch))
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -197,23 +209,33 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     write_atomic(path, lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, str(p)))
 
 
-def load_features(folder: Path) -> FeatureSet:
-    """A finished feature cache (refuses an unfinished one: shards are only read once all are written)."""
+def load_features(folder: Path, max_docs: int) -> FeatureSet:
+    """The first ``max_docs`` documents of a feature cache (refused unless the cache holds them all, or all the
+    corpus had: shards are only read once every one they need is written)."""
+    from safetensors import safe_open
+
     path = folder / MANIFEST
     manifest = json.loads(path.read_text()) if path.is_file() else {}
-    if not manifest.get("complete"):
+    if not manifest or needs_extraction(manifest, max_docs):
         raise DynvocabError(f"{folder} has no finished feature cache; run train-draft to (re)build it")
-    shards = [shard_path(folder, i) for i in range(manifest["shards"])]
+    docs = min(max_docs, manifest["docs"])
+    per = manifest["settings"]["features"]["shard_docs"]
+    shards = [shard_path(folder, i) for i in range(-(-docs // per))]
     missing = [s.name for s in shards if not s.is_file()]
     if missing:
         raise DynvocabError(f"{folder} lacks feature shard {missing[0]}; rerun train-draft to rebuild it")
-    return FeatureSet(folder, manifest, shards)
+    tokens = 0
+    for i, shard in enumerate(shards):
+        with safe_open(str(shard), framework="pt") as f:
+            tokens += int(f.get_tensor("offsets")[min(per, docs - i * per)])
+    return FeatureSet(folder, manifest, shards, docs, tokens)
 
 
 class FeatureReader:
-    """Reads one document's features at a time from the shards (memory-mapped slices, nothing else loaded)."""
+    """Reads one document's features at a time from the shards (memory-mapped slices, nothing else loaded);
+    ``aux``: whether to read the EAGLE-3 layer taps too."""
 
-    def __init__(self, features: FeatureSet):
+    def __init__(self, features: FeatureSet, aux: bool = True):
         from safetensors import safe_open
 
         self.files = [safe_open(str(p), framework="pt") for p in features.shards]
@@ -221,7 +243,8 @@ class FeatureReader:
         for s, f in enumerate(self.files):
             offsets, doc = f.get_tensor("offsets").tolist(), f.get_tensor("doc").tolist()
             self.index += [(s, offsets[k], offsets[k + 1], doc[k]) for k in range(len(doc))]
-        self.has_aux = "aux" in self.files[0].keys() if self.files else False
+        self.index = self.index[: features.docs]
+        self.has_aux = aux and bool(self.files) and "aux" in self.files[0].keys()
 
     def __len__(self) -> int:
         return len(self.index)

@@ -73,6 +73,7 @@ class TrainDraftConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     layout: str = "eagle"  # eagle: the EAGLE repo layout of its kind; speculators: vllm-project/speculators (EAGLE-3)
     device: str | None = None
+    features_dir: str | None = None  # the feature cache (default OUT/work/features); heads may share one
 
 
 @dataclass(frozen=True)
@@ -130,18 +131,23 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
     if kind == EAGLE3:
         vocab.check_size(cfg.draft_vocab, target_fp.head_rows)
     work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
     model = load_model(spec, device, cfg.features.dtype)
     layers = len(getattr(model, model.base_model_prefix).layers)
     head_cfg = _head_config(model, kind, cfg, layers)
     entering = head_cfg.target_layers(layers) if kind == EAGLE3 else None
-    settings = feats.settings_of(cfg.features, cfg.corpus.describe(), kind, entering)
-    manifest = feats.open_manifest(work / "features", target_fp, settings)
+    settings = feats.settings_of(cfg.features, cfg.corpus.describe(), entering)
+    folder = Path(cfg.features_dir) if cfg.features_dir else work / "features"
+    manifest = feats.open_manifest(folder, target_fp, settings)
     start = time.perf_counter()
-    if not manifest.get("complete"):
-        feats.extract(model, itertools.chain([first], documents), work / "features", manifest, cfg.features, cfg.corpus.max_docs, entering, reporter)
-    features = feats.load_features(work / "features")
+    extracted = feats.needs_extraction(manifest, cfg.corpus.max_docs)
+    if extracted:
+        all_docs = itertools.chain([first], documents)
+        feats.extract(model, all_docs, folder, manifest, cfg.features, cfg.corpus.max_docs, reporter)
+    features = feats.load_features(folder, cfg.corpus.max_docs)
+    reporter.log(f"features: {features.docs:,} documents · {features.tokens:,} tokens in {folder}")
     extract_s = time.perf_counter() - start
-    reader = feats.FeatureReader(features)
+    reader = feats.FeatureReader(features, aux=kind == EAGLE3)
 
     draft_ids, vocab_info = (None, {})
     if kind == EAGLE3:
@@ -162,7 +168,7 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
         "config": _describe(cfg),
         "data": {"docs": features.docs, "tokens": features.tokens, "shards": len(features.shards),
                  "train_docs": history["train_docs"], "heldout_docs": history["heldout_docs"],
-                 "extract": features.manifest.get("extract", {})},
+                 "extract": features.manifest.get("extract", {}) if extracted else {}, "features_dir": str(folder)},
         "draft_vocab": vocab_info,
         "target_layers": list(entering or ()),
         "steps": history["step"],
@@ -308,7 +314,7 @@ def _bar(running: float | None, heldout: list[dict]) -> str:
 
 def _train_settings(cfg: TrainDraftConfig, feature_settings: dict) -> dict:
     return {"optim": asdict(cfg.optim), "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle,
-            "features": feature_settings}
+            "max_docs": cfg.corpus.max_docs, "features": feature_settings}
 
 
 def _checkpoint(path: Path, head, opt, sched, state: dict) -> None:
