@@ -1,6 +1,6 @@
-"""Bundle-backed strategies with EAGLE heads on tiny local models: evospec and the hybrid (with its per-step
-search) equal ``ar``; dynaspec's router, trained on a draft model's hidden states, refuses a head of another
-width in one line."""
+"""Bundle-backed strategies with EAGLE heads on tiny local models: evospec and the hybrid equal ``ar``; the hybrid
+searches the draft head per step only for a draft model; dynaspec's router, trained on a draft model's hidden
+states, refuses a head of another width in one line."""
 
 from __future__ import annotations
 
@@ -72,3 +72,23 @@ def test_online_align_is_refused(tiny_dirs, heads, bundle):  # noqa: F811
     result = run("generate", PROMPT, "--target", tiny_dirs[0], "--draft", heads[EAGLE1], "--bundle", bundle,
                  "--no-chat-template", "--quiet", "--strategy", "evospec", "--online-align")
     assert_one_line_error(result, "EAGLE", "--online-align")
+
+
+def test_hybrid_searches_per_step_only_for_a_draft_model(tiny_dirs, heads, bundle):  # noqa: F811
+    """By default the hybrid's per-step candidates (draft-head HNSW search, graph successors) run for a draft model
+    and not for an EAGLE head, whose few-millisecond step they would dominate (docs/bench.md); asked for, an
+    EAGLE-1 head searches the target's index (its head is the target's)."""
+    from dynvocab.runtime.policies.hybrid import HybridConfig
+    from dynvocab.runtime.session import ModelConfig, Session
+    from dynvocab.runtime.strategies import StrategyOptions, make_policy
+
+    def hybrid(draft, cfg=HybridConfig()):
+        session = Session(ModelConfig(target=str(tiny_dirs[0]), draft=str(draft), device="cpu", dtype="float32"),
+                          bundle=str(bundle))
+        return make_policy("hybrid", StrategyOptions(hybrid=cfg), session.policy_context())
+
+    model, eagle = hybrid(tiny_dirs[1]), hybrid(heads[EAGLE1])
+    assert model.draft_hnsw is not None and (model.hcfg.step_neighbours, model.hcfg.step_successors) == (16, 8)
+    assert eagle.draft_hnsw is None and (eagle.hcfg.step_neighbours, eagle.hcfg.step_successors) == (0, 0)
+    asked = hybrid(heads[EAGLE1], HybridConfig(step_neighbours=4))
+    assert asked.draft_hnsw is asked.hnsw is not None and asked.hcfg.step_successors == 0

@@ -166,11 +166,20 @@ def set_threads(threads: int | None) -> None:
 CoreSize = Annotated[int, typer.Option(min=1, help="hybrid: size of the static core of most frequent tokens.")]
 HybridWindow = Annotated[int, typer.Option(min=1, help="hybrid: stream entries of its context window.")]
 StepNeighbours = Annotated[
-    int,
+    Optional[int],
     typer.Option(
         min=0,
         help="hybrid: per draft step, HNSW neighbours of the draft hidden state among the draft's head rows "
-        "(bundle stage draft_hnsw; 0 = off; CPU devices only: on a GPU it would cost a host sync per step).",
+        "(bundle stage draft_hnsw; 0 = off; CPU devices only: on a GPU it would cost a host sync per step). "
+        "Default: 16 for a draft model, 0 for an EAGLE head.",
+    ),
+]
+StepSuccessors = Annotated[
+    Optional[int],
+    typer.Option(
+        min=0,
+        help="hybrid: per draft step, graph successors of the token just fed (bundle stage graph; 0 = off). "
+        "Default: 8 for a draft model, 0 for an EAGLE head.",
     ),
 ]
 KMax = Annotated[int, typer.Option(min=1, help="dynaspec: clusters routed at draft steps 0 and 1 (k_max).")]
@@ -205,7 +214,8 @@ class StrategyFlags:
     window: int = MicroSpecConfig.window
     core_size: int = HybridConfig.core_size
     hybrid_window: int = HybridConfig.window
-    step_neighbours: int = HybridConfig.step_neighbours
+    step_neighbours: Optional[int] = HybridConfig.step_neighbours
+    step_successors: Optional[int] = HybridConfig.step_successors
     k_max: int = DynaSpecConfig.k_max
     online_align: bool = False
     bundle: Optional[str] = None
@@ -241,7 +251,7 @@ class StrategyFlags:
             microspec=MicroSpecConfig(k_pre=self.k_pre, k_ver=self.k_ver, window=self.window),
             hybrid=HybridConfig(
                 core_size=self.core_size, window=self.hybrid_window, k_pre=self.k_pre, k_ver=self.k_ver,
-                step_neighbours=self.step_neighbours,
+                step_neighbours=self.step_neighbours, step_successors=self.step_successors,
             ),
             dynaspec=DynaSpecConfig(k_max=self.k_max),
             evospec=EvoSpecConfig(online_align=self.online_align),
@@ -252,6 +262,7 @@ _FLAG_TYPES = {
     "gamma": Gamma, "stop_below": StopBelow, "branch_below": BranchBelow, "temperature": Temperature, "top_p": TopP,
     "seed": Seed, "token_map": TokenMap, "fr_size": FrSize, "pa_k_max": PaKMax, "k_pre": KPre, "k_ver": KVer,
     "window": Window, "core_size": CoreSize, "hybrid_window": HybridWindow, "step_neighbours": StepNeighbours,
+    "step_successors": StepSuccessors,
     "k_max": KMax, "online_align": OnlineAlign, "bundle": BundleOpt,
 }
 

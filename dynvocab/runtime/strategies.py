@@ -162,15 +162,12 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
 
 def _draft_head_index(ctx: PolicyContext, target_index):
     """The HNSW index over the draft head's rows for per-step search: the target's ``hnsw`` for a draft that
-    predicts through the target's own head (an EAGLE-1 head), the bundle's ``draft_hnsw`` for a draft model whose
-    head it was built over, else None (an EAGLE-3 head's own ``lm_head`` has no index)."""
+    predicts through the target's own head (an EAGLE-1 head, when asked: its default is no per-step search), the
+    bundle's ``draft_hnsw`` for the draft model it was built over, else None (an EAGLE-3 head's ``lm_head``)."""
     from dynvocab.artifacts import HnswParams, load_hnsw
     from dynvocab.runtime.lm import CausalLM
 
-    draft_weight = getattr(ctx.draft, "weight", None)
-    if draft_weight is None:
-        return None
-    if draft_weight is getattr(ctx.target, "weight", None):
+    if getattr(ctx.draft, "weight", None) is getattr(ctx.target, "weight", False):
         return target_index
     if not isinstance(ctx.draft, CausalLM) or not ctx.bundle.has("draft_hnsw"):
         return None
@@ -182,7 +179,11 @@ def _draft_head_index(ctx: PolicyContext, target_index):
 
 
 def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> HybridPolicy:
-    """The hybrid with the bundle's graph and HNSW indexes (target head, draft head) when it has them."""
+    """The hybrid with the bundle's graph and HNSW indexes (target head, draft head) when it has them, its
+    per-step candidates decided for the kind of draft (see :meth:`HybridConfig.for_draft`)."""
+    from dynvocab.runtime.lm import CausalLM
+
+    cfg = cfg.for_draft(eagle_head=ctx.draft is not None and not isinstance(ctx.draft, CausalLM))
     graph = hnsw = draft_hnsw = None
     if ctx.bundle is not None:
         from dynvocab.artifacts import GraphTable, load_hnsw

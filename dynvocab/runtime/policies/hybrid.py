@@ -9,7 +9,8 @@
   tokens, found without its full head: the top-``step_neighbours`` rows of an HNSW index over the draft's
   LM head for the draft hidden state (bundle stage ``draft_hnsw``) and the ``step_successors`` most likely
   graph successors of the token just fed (stage ``graph``). They catch content words that are neither frequent
-  nor in the context yet, the main cause of rejections with a small active set. On a GPU the index search
+  nor in the context yet, the main cause of rejections with a small active set. For a draft model only, by
+  default: an EAGLE head's step is a few milliseconds, which the per-step work would dominate. On a GPU the index search
   would need the hidden state on the host at every step (a sync costing more than the whole head there), so
   it runs on CPU devices only unless ``step_search_on_gpu`` is set.
 - **Neighbours on misses** (EvoSpec): when the target's token at the first rejected position was outside the
@@ -23,7 +24,7 @@ so the draft head keeps the core packed once and copies only the context rows th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,14 +47,26 @@ class HybridConfig:
     miss_topk: int = 10
     successors: int = 8
     max_insert: int = 32
-    step_neighbours: int = 16  # per draft step: draft-head HNSW neighbours of the hidden state (0: off)
+    step_neighbours: int | None = None  # per draft step: draft-head HNSW neighbours of the hidden state (0: off)
     step_ef: int = 512  # HNSW ef for those searches (demo: MAL 96.7% of full at 256, 98.9% at 512)
-    step_successors: int = 8  # per draft step: graph successors of the token just fed (0: off)
+    step_successors: int | None = None  # per draft step: graph successors of the token just fed (0: off)
     step_search_on_gpu: bool = False  # run the per-step HNSW search on CUDA devices too (a host sync per step)
 
+    def for_draft(self, eagle_head: bool) -> HybridConfig:
+        """This config with the per-step candidates left unset (None) decided for the kind of draft: 16 HNSW
+        neighbours and 8 graph successors for a draft model, none for an EAGLE head, whose step is a few
+        milliseconds and gained no MAL from them (docs/bench.md, trained heads on the demo target)."""
+        neighbours, successors = (0, 0) if eagle_head else (16, 8)
+        return replace(
+            self,
+            step_neighbours=neighbours if self.step_neighbours is None else self.step_neighbours,
+            step_successors=successors if self.step_successors is None else self.step_successors,
+        )
+
     def searches_per_step(self, device) -> bool:
-        """Whether the per-step draft-head search runs on ``device``."""
-        return self.step_neighbours > 0 and (torch.device(device).type == "cpu" or self.step_search_on_gpu)
+        """Whether the per-step draft-head search runs on ``device`` (unset neighbours count as a draft model's)."""
+        neighbours = self.for_draft(eagle_head=False).step_neighbours
+        return neighbours > 0 and (torch.device(device).type == "cpu" or self.step_search_on_gpu)
 
 
 class HybridPolicy(MicroSpecPolicy):
@@ -74,7 +87,7 @@ class HybridPolicy(MicroSpecPolicy):
     ):
         window_cfg = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives)
         super().__init__(window_cfg, vocab_size, device)
-        self.hcfg = cfg
+        self.hcfg = cfg = cfg.for_draft(eagle_head=False)  # no-op when the caller decided for its draft
         pinned = torch.empty(0, dtype=torch.long) if pinned is None else pinned
         core = _unique_in_order(torch.cat([pinned, ranking[: cfg.core_size]]).to(device))
         self.core = core  # [C] EOS first, then by frequency
