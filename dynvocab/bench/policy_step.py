@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
 from dynvocab.runtime.head import DraftHead
-from dynvocab.runtime.policies.base import CycleReport, close_policy
+from dynvocab.runtime.policies.base import CycleReport
 
 DEMO_TARGET = {  # Qwen2.5-Coder-1.5B: the demo target, whose head an EAGLE-1 draft shares
     "hidden_size": 1536,
@@ -248,7 +248,7 @@ def policy_step_bench(
                 head = DraftHead(weight)
                 run_policy(policy, script[:warmup_cycles], head, prompt)
                 r = run_policy(policy, script[warmup_cycles:], head)
-                close_policy(policy)
+                policy.close()
                 steps = max(1, r["steps"])
                 policy_ms = 1e3 * (r["active_s"] + r["observe_s"]) / steps
                 rows[p] = {

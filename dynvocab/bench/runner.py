@@ -24,7 +24,7 @@ from dynvocab.runtime.head import active_segments, active_size
 from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, summarize
-from dynvocab.runtime.policies.base import CycleReport, VocabPolicy, close_policy
+from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.bench.prompts import PromptRow
 from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.session import Session
@@ -82,7 +82,8 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
             continue
         try:
             policy = make_policy(name, cfg.options, session.policy_context())
-            close_policy(policy)
+            if policy is not None:
+                policy.close()
             keep.append(name)
         except DynvocabError as exc:
             if not skip:
@@ -143,7 +144,7 @@ class PolicyRecorder:
         self.inner.observe(cycle)
 
     def close(self) -> None:
-        close_policy(self.inner)
+        self.inner.close()
 
     @torch.inference_mode()
     def score(self, cycle: CycleReport) -> None:

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.runtime.head import soft_cap
-
 from dynvocab.runtime.tree import DraftTree
 
 

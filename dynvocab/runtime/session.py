@@ -23,7 +23,7 @@ from dynvocab.models.vocab import end_token_ids
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, Generation, speculative_generate
-from dynvocab.runtime.policies.base import VocabPolicy, close_policy
+from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 
@@ -212,4 +212,5 @@ class Session:
                 self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens
             )
         finally:
-            close_policy(policy)
+            if policy is not None:
+                policy.close()

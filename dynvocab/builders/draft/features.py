@@ -55,7 +55,6 @@ class FeatureSet:
     manifest: dict
     shards: list[Path]
     docs: int
-    tokens: int
 
 
 def shard_path(folder: Path, index: int) -> Path:
@@ -212,8 +211,6 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def load_features(folder: Path, max_docs: int) -> FeatureSet:
     """The first ``max_docs`` documents of a feature cache (refused unless the cache holds them all, or all the
     corpus had: shards are only read once every one they need is written)."""
-    from safetensors import safe_open
-
     path = folder / MANIFEST
     manifest = json.loads(path.read_text()) if path.is_file() else {}
     if not manifest or needs_extraction(manifest, max_docs):
@@ -224,11 +221,7 @@ def load_features(folder: Path, max_docs: int) -> FeatureSet:
     missing = [s.name for s in shards if not s.is_file()]
     if missing:
         raise DynvocabError(f"{folder} lacks feature shard {missing[0]}; rerun train-draft to rebuild it")
-    tokens = 0
-    for i, shard in enumerate(shards):
-        with safe_open(str(shard), framework="pt") as f:
-            tokens += int(f.get_tensor("offsets")[min(per, docs - i * per)])
-    return FeatureSet(folder, manifest, shards, docs, tokens)
+    return FeatureSet(folder, manifest, shards, docs)
 
 
 class FeatureReader:
@@ -248,6 +241,11 @@ class FeatureReader:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens (positions) in the documents read."""
+        return sum(end - start for _, start, end, _ in self.index)
 
     def doc_id(self, k: int) -> int:
         """The corpus position of document ``k``."""

@@ -145,9 +145,9 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
         all_docs = itertools.chain([first], documents)
         feats.extract(model, all_docs, folder, manifest, cfg.features, cfg.corpus.max_docs, reporter)
     features = feats.load_features(folder, cfg.corpus.max_docs)
-    reporter.log(f"features: {features.docs:,} documents · {features.tokens:,} tokens in {folder}")
-    extract_s = time.perf_counter() - start
     reader = feats.FeatureReader(features, aux=kind == EAGLE3)
+    reporter.log(f"features: {features.docs:,} documents · {reader.tokens:,} tokens in {folder}")
+    extract_s = time.perf_counter() - start
 
     draft_ids, vocab_info = (None, {})
     if kind == EAGLE3:
@@ -166,7 +166,7 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
         "layout": cfg.layout,
         "target": target_fp.as_dict(),
         "config": _describe(cfg),
-        "data": {"docs": features.docs, "tokens": features.tokens, "shards": len(features.shards),
+        "data": {"docs": features.docs, "tokens": reader.tokens, "shards": len(features.shards),
                  "train_docs": history["train_docs"], "heldout_docs": history["heldout_docs"],
                  "extract": features.manifest.get("extract", {}) if extracted else {}, "features_dir": str(folder)},
         "draft_vocab": vocab_info,

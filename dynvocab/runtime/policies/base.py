@@ -52,9 +52,5 @@ class VocabPolicy:
     def observe(self, cycle: CycleReport) -> None:
         """Update state after a verified cycle."""
 
-
-def close_policy(policy) -> None:
-    """Run ``policy.close()`` if it has one: policies that adapt the shared draft (EvoSpec's LoRA) undo it there."""
-    close = getattr(policy, "close", None)
-    if close is not None:
-        close()
+    def close(self) -> None:
+        """Undo what the policy changed outside itself (EvoSpec's LoRA on the shared draft); nothing by default."""
