@@ -12,7 +12,6 @@ from conftest import tiny_qwen2
 from dynvocab.errors import DynvocabError
 from dynvocab.bench.align_memory import update_peak_memory
 from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
-from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
@@ -152,7 +151,7 @@ def test_online_alignment_keeps_greedy_lossless_and_leaves_the_shared_draft_as_i
     decode = DecodeConfig(gamma=3, max_new_tokens=40, stop_below=0.0, branch_below=0.0)  # chains that miss
     ar = speculative_generate(target, prompt, decode, set())
     with EvoSpecPolicy(cfg, ranking[:88], index, random_graph(), VOCAB, draft=draft) as policy:
-        spec = speculative_generate(target, prompt, decode, set(), draft, DraftHead(draft.weight), policy)
+        spec = speculative_generate(target, prompt, decode, set(), draft, policy)
         assert policy.aligner.stats.updates > 0  # the adapter really changed the draft mid-generation
         assert "align" in policy.summary()
     assert spec.token_ids == ar.token_ids

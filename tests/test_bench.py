@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.bench import runner as bench
 from dynvocab.bench.runner import BenchConfig, PolicyRecorder, oracle_summary, run_bench, summarize_bench
 from dynvocab.bench.hf_baselines import accepted_per_cycle
@@ -203,7 +204,7 @@ class _Steps(VocabPolicy):
 
 def test_recorder_scores_on_path_positions():
     vocab = 8
-    sets = [torch.tensor([0, 1]), (torch.tensor([2]), torch.tensor([3, 4])), None]
+    sets = [ActiveSet.of(torch.tensor([0, 1])), ActiveSet.of(torch.tensor([2]), torch.tensor([3, 4])), ActiveSet.full(vocab)]
     inner = _Steps(sets)
     rec = PolicyRecorder(inner, vocab, coverage=True, ks=(1, 2))
     assert [rec.active_ids(j) is sets[j] for j in range(3)] == [True, True, True]  # the very same objects
@@ -236,7 +237,7 @@ def _dummy_report(gamma: int = 2, vocab: int = 16, dim: int = 4) -> CycleReport:
 
 
 def test_recorder_without_coverage_only_sizes():
-    rec = PolicyRecorder(_Steps([torch.arange(5), torch.arange(3)]), 100)
+    rec = PolicyRecorder(_Steps([ActiveSet.of(torch.arange(5)), ActiveSet.of(torch.arange(3))]), 100)
     rec.active_ids(0), rec.active_ids(1)
     rec.observe(_dummy_report(gamma=2, vocab=100))
     m = rec.metrics()

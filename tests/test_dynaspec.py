@@ -8,7 +8,7 @@ import torch
 from dynvocab.artifacts import ClusterTable
 from dynvocab.artifacts.router import RouterMLP, RouterTable
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.head import DraftHead, RowRanges, active_segments
+from dynvocab.runtime.active_set import RowRanges
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.dynaspec import NEEDS_BUNDLE, DynaSpecConfig, DynaSpecPolicy
@@ -19,7 +19,7 @@ VOCAB = 96
 
 def flat(active) -> torch.Tensor:
     """All ids of an active set, in segment order."""
-    return torch.cat(active_segments(active))
+    return active.ids()
 
 
 def fixed_router(scores: list[float], dim: int = 4) -> RouterTable:
@@ -58,8 +58,9 @@ def test_union_of_top_clusters_plus_eos():
 
     for step, clusters in ((0, [1, 3, 4]), (1, [1, 3, 4]), (2, [1]), (5, [1])):
         active = policy.active_ids(step, h, token=7)
-        assert isinstance(active[0], RowRanges) and active[0].order is policy.order  # packed once, sliced after
-        assert len(active[0].starts) <= len(clusters)
+        ranges = active.segments[0]
+        assert isinstance(ranges, RowRanges) and ranges.order is policy.order  # packed once, sliced after
+        assert len(ranges.starts) <= len(clusters)
         ids = flat(active)
         assert ids.dtype == torch.long
         assert ids.numel() == len(set(ids.tolist())), "ids must be distinct for the packed head"
@@ -68,7 +69,7 @@ def test_union_of_top_clusters_plus_eos():
     wide = DynaSpecPolicy(DynaSpecConfig(k_max=5), table, fixed_router(scores), torch.randn(20, 4), 18, eos)
     active = wide.active_ids(0, h, 3)
     assert sorted(flat(active).tolist()) == list(range(18))
-    assert len(active[0].starts) == 1  # all five clusters: adjacent ranges merge into one matmul and wide.calls == 1 and wide.router_s >= 0
+    assert len(active.segments[0].starts) == 1  # all five clusters: adjacent ranges merge into one matmul and wide.calls == 1 and wide.router_s >= 0
 
 
 def test_routing_depends_on_hidden_state_and_token():
@@ -116,7 +117,7 @@ def test_greedy_is_lossless(pair, seed, position_aware):
     prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
     decode = DecodeConfig(gamma=1 + seed % 5, max_new_tokens=24)
     ar = speculative_generate(target, prompt, decode, eos)
-    spec = speculative_generate(target, prompt, decode, eos, draft, DraftHead(draft.weight), policy)
+    spec = speculative_generate(target, prompt, decode, eos, draft, policy)
     assert spec.token_ids == ar.token_ids
     assert spec.metrics.mean_active_vocab < VOCAB  # the head really was restricted
     assert policy.calls == spec.metrics.draft_steps

@@ -10,7 +10,7 @@ from conftest import tiny_qwen2
 from test_loop import VOCAB, make_policy, pooled_chi_square
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like, init_from_target
 from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
-from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
@@ -45,28 +45,26 @@ def target_model():
 
 @pytest.fixture(scope="module", params=[EAGLE1, EAGLE3])
 def setup(request, target_model):
-    """(target CausalLM, EagleDraft, head factory) for one kind."""
+    """(target CausalLM, EagleDraft) for one kind."""
     target = CausalLM(target_model)
     if request.param == EAGLE1:
-        draft = EagleDraft(eagle1(target_model), target)
-        yield target, draft, lambda: DraftHead(draft.weight, draft.bias)
+        yield target, EagleDraft(eagle1(target_model), target)
         return
     model = eagle3(target_model)
     tap = LayerTap(target_model, model.config.target_layers(LAYERS))
-    draft = EagleDraft(model, target, tap)
-    yield target, draft, lambda: MappedHead(draft.weight, model.draft_to_target(), VOCAB)
+    yield target, EagleDraft(model, target, tap)
     tap.remove()
 
 
 @pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random", "microspec", "hybrid"])
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_is_lossless(setup, kind, seed):
-    target, draft, head = setup
+    target, draft = setup
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
     cfg = DecodeConfig(gamma=1 + seed % 5, max_new_tokens=30, branch_below=0.8 if seed % 2 else 0.0)
     ar = speculative_generate(target, prompt, cfg, set())
-    spec = speculative_generate(target, prompt, cfg, set(), draft, head(), make_policy(kind, seed))
+    spec = speculative_generate(target, prompt, cfg, set(), draft, make_policy(kind, seed))
     assert spec.token_ids == ar.token_ids
     assert spec.metrics.new_tokens == len(ar.token_ids)
 
@@ -77,7 +75,7 @@ def test_the_draft_is_sometimes_right(target_model):
     target = CausalLM(target_model)
     draft = EagleDraft(eagle1(target_model), target)
     g = speculative_generate(target, [3, 1, 4, 1, 5], DecodeConfig(gamma=4, max_new_tokens=40), set(), draft,
-                             DraftHead(draft.weight), FullPolicy())
+                             FullPolicy(draft.vocab_size))
     assert g.metrics.mean_accepted_length > 1.0, g.cycle_lengths
     assert any(n < 5 for n in g.cycle_lengths), g.cycle_lengths
 
@@ -85,10 +83,9 @@ def test_the_draft_is_sometimes_right(target_model):
 def test_cache_rolls_back_to_a_fresh_pass(setup):
     """After a generation the head's cache holds only entries computed from the target's features, and its next
     step equals a fresh pass over the whole sequence with the target's features."""
-    target, draft, head = setup
+    target, draft = setup
     prompt = [7, 8, 9, 10]
-    g = speculative_generate(target, prompt, DecodeConfig(gamma=4, max_new_tokens=25), set(), draft, head(),
-                             make_policy("random", 3))
+    g = speculative_generate(target, prompt, DecodeConfig(gamma=4, max_new_tokens=25), set(), draft, make_policy("random", 3))
     seq = prompt + g.token_ids
     assert draft.length <= len(seq) - 1 and draft.trusted == draft.length
     cached = draft.step(torch.tensor(seq[draft.length:]))[-1]
@@ -108,10 +105,10 @@ def test_mapped_head_names_target_ids(target_model):
     row_token = model.draft_to_target()
     head = MappedHead(model.lm_head.weight.detach(), row_token, VOCAB)
     h = torch.randn(1, model.config.hidden_size)
-    full, cols = head.logits(h, None)
+    full, cols = head.logits(h, ActiveSet.full(VOCAB))
     assert torch.equal(cols, row_token) and full.shape == (1, DRAFT_VOCAB)
     active = torch.arange(0, VOCAB, 2)  # target ids, some outside the draft vocabulary
-    logits, ids = head.logits(h, active)
+    logits, ids = head.logits(h, ActiveSet.of(active))
     inside = active[model.t2d[active]]
     assert sorted(ids.tolist()) == inside.tolist()
     by_id = dict(zip(cols.tolist(), full[0].tolist()))
@@ -124,11 +121,9 @@ def test_sampling_follows_the_target_distribution(target_model, kind):
     target = CausalLM(target_model)
     if kind == EAGLE1:
         draft = EagleDraft(eagle1(target_model), target)
-        make_head = lambda: DraftHead(draft.weight)  # noqa: E731
     else:
         model = eagle3(target_model)
         draft = EagleDraft(model, target, LayerTap(target_model, model.config.target_layers(LAYERS)))
-        make_head = lambda: MappedHead(draft.weight, model.draft_to_target(), VOCAB)  # noqa: E731
     prompt = [5, 9, 13]
     cfg_s = SamplingConfig(temperature=1.5)
     with torch.no_grad():
@@ -138,7 +133,7 @@ def test_sampling_follows_the_target_distribution(target_model, kind):
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:50]
     for seed in range(draws):
         cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5, seed=seed)
-        g = speculative_generate(target, prompt, cfg, set(), draft, make_head(), FrequencyPolicy(ranking))
+        g = speculative_generate(target, prompt, cfg, set(), draft, FrequencyPolicy(ranking))
         counts[g.token_ids[0]] += 1
     chi2, dof = pooled_chi_square(counts, p, draws)
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)

@@ -9,7 +9,6 @@ import torch
 from dynvocab.artifacts import FreqTable, GraphTable, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.builders import hnsw as hnsw_builder
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.base import CycleReport
@@ -95,19 +94,19 @@ def report(policy, emitted, logits=None, hidden=None, accepted=None, gamma=3):
 
 def test_an_oov_token_triggers_retrieval_and_joins_the_dynamic_segment(tables):
     policy = make_policy(tables, synchronous=True)
-    core, dyn = policy.active_ids(0)
+    core, dyn = policy.active_ids(0).segments
     assert core is policy.core and dyn.numel() == 0
     oov = int(tables[0][50])  # far outside the 30-id core
     logits = torch.zeros(4, VOCAB)
     logits[1, oov] = 5.0
     policy.observe(report(policy, [int(core[0]), oov], logits=logits))
     assert policy.stats.oov_events == 1
-    assert policy.active_ids(1)[1].numel() == 0  # updates wait for the next cycle
-    core2, dyn2 = policy.active_ids(0)
+    assert policy.active_ids(1).segments[1].numel() == 0  # updates wait for the next cycle
+    core2, dyn2 = policy.active_ids(0).segments
     assert core2 is core  # the static core is one tensor object for the whole generation
     assert oov in dyn2.tolist() and 0 < dyn2.numel() <= 6
     assert not torch.isin(dyn2, core).any()
-    assert policy.active_ids(0)[1] is dyn2  # unchanged: the same object, so the head copies nothing
+    assert policy.active_ids(0).segments[1] is dyn2  # unchanged: the same object, so the head copies nothing
     # The token is active now: emitting it again raises no event, and counts as a hit in the cache.
     policy.observe(report(policy, [oov]))
     assert policy.stats.oov_events == 1 and oov in policy.cache.t2
@@ -120,12 +119,12 @@ def test_the_dynamic_segment_respects_its_budget_over_many_events(tables):
         policy.active_ids(0)
         tok = int(torch.randint(0, VOCAB, (1,), generator=gen))
         policy.observe(report(policy, [tok], logits=torch.randn(4, VOCAB, generator=gen)))
-        _, dyn = policy.active_ids(0)
+        _, dyn = policy.active_ids(0).segments
         assert dyn.numel() <= 16 and dyn.unique().numel() == dyn.numel()
         assert not torch.isin(dyn, policy.core).any()
-        expected = policy.in_core.copy()  # the bitmap, updated only where ids left or entered, is core ∪ dynamic
+        expected = policy.in_core.copy()  # the active set is core ∪ dynamic
         expected[dyn.numpy()] = True
-        assert (policy.in_active == expected).all()
+        assert (policy.active_ids(0).mask(VOCAB).numpy() == expected).all()
     assert policy.stats.oov_events > 10 and policy.cache.stats.evicted > 0
     s = policy.summary()
     assert s["oov_events"] == policy.stats.oov_events and s["dynamic_size"] <= 16
@@ -143,7 +142,7 @@ def test_async_retrieval_gives_the_synchronous_result_once_flushed(tables):
                 p.observe(cycle)
             background.apply_ready(wait=True)
             sync.apply_ready()
-            assert torch.equal(sync.active_ids(1)[1], background.active_ids(1)[1])
+            assert torch.equal(sync.active_ids(1).segments[1], background.active_ids(1).segments[1])
         assert background._worker.thread.is_alive()
     finally:
         background.close()
@@ -177,7 +176,7 @@ def test_from_context_reads_the_bundle_and_keeps_eos_in_the_core(tmp_path, pair,
     bundle = bundle_for(tmp_path, pair, tables)
     ctx = PolicyContext(VOCAB, {95}, "cpu", bundle, draft, target)
     policy = EvoSpecPolicy.from_context(EvoSpecConfig(static_size=20, synchronous=True), ctx)
-    core, _ = policy.active_ids(0)
+    core, _ = policy.active_ids(0).segments
     assert torch.equal(core[:20], tables[0][:20]) and 95 in core.tolist()
     again = EvoSpecPolicy.from_context(EvoSpecConfig(static_size=20), ctx)
     assert again.retriever.index is policy.retriever.index  # loaded once per bundle
@@ -203,7 +202,7 @@ def test_greedy_is_lossless(pair, tables, synchronous, seed):
     eos = {int(torch.randint(0, VOCAB, (1,), generator=gen))} if seed % 2 else set()
     ar = speculative_generate(target, prompt, cfg, eos)
     with make_policy(tables, core_size=25 + 5 * seed, synchronous=synchronous) as policy:
-        spec = speculative_generate(target, prompt, cfg, eos, draft, DraftHead(draft.weight), policy)
+        spec = speculative_generate(target, prompt, cfg, eos, draft, policy)
     assert spec.token_ids == ar.token_ids
     assert policy.stats.oov_events > 0  # a 25–40-id core on a 96-id vocabulary misses often
     if synchronous:  # the last cycles' events were never due: no cycle followed them
@@ -219,9 +218,9 @@ def test_the_dynamic_buffer_raises_coverage_over_the_core_alone(pair, tables):
     cfg = DecodeConfig(gamma=3, max_new_tokens=60)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     core = tables[0][:30]
-    fr = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), FrequencyPolicy(core))
+    fr = speculative_generate(target, prompt, cfg, set(), draft, FrequencyPolicy(core))
     with make_policy(tables, core_size=30, synchronous=True, dynamic_size=32) as policy:
-        evo = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), policy)
+        evo = speculative_generate(target, prompt, cfg, set(), draft, policy)
     assert evo.token_ids == fr.token_ids
     assert evo.metrics.active_hit_rate > fr.metrics.active_hit_rate
     assert evo.metrics.mean_active_vocab > 30
@@ -233,7 +232,7 @@ def test_a_failing_retrieval_is_counted_and_costs_only_coverage(pair, tables):
     cfg = DecodeConfig(gamma=3, max_new_tokens=20)
     ar = speculative_generate(target, [2, 7, 1], cfg, set())
     with EvoSpecPolicy(EvoSpecConfig(static_size=30), ranking[:30], None, graph, VOCAB) as policy:  # no index
-        spec = speculative_generate(target, [2, 7, 1], cfg, set(), draft, DraftHead(draft.weight), policy)
+        spec = speculative_generate(target, [2, 7, 1], cfg, set(), draft, policy)
         policy.apply_ready(wait=True)
     assert spec.token_ids == ar.token_ids
     assert policy.stats.oov_events > 0 and policy.stats.failed == policy.stats.oov_events

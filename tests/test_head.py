@@ -20,10 +20,12 @@ def check(head, weight, hidden, ids):
     torch.testing.assert_close(logits, hidden @ weight[cols].T)
 
 
-def test_full_head_when_ids_none(weight):
-    head = PackedHead(weight)
+def test_full_head_over_the_full_set(weight):
+    from dynvocab.runtime.active_set import ActiveSet
+
+    head = DraftHead(weight)
     h = torch.randn(3, 16)
-    logits, cols = head.logits(h, None)
+    logits, cols = head.logits(h, ActiveSet.full(200))
     assert cols is None
     torch.testing.assert_close(logits, h @ weight.T)
 
@@ -72,24 +74,27 @@ def test_softcap_applies(weight):
 
 
 def test_draft_head_segments_concatenate_and_keep_their_own_buffers(weight):
-    from dynvocab.runtime.head import DraftHead, active_contains, active_size
+    from dynvocab.runtime.active_set import ActiveSet
 
     head = DraftHead(weight)
     h = torch.randn(1, 16)
     core = torch.arange(100, 160)
     for step, k in enumerate((60, 60, 20, 15)):
         window = torch.tensor([3, 5, 7 + step])
-        logits, cols = head.logits(h, (window, core[:k]))
+        logits, cols = head.logits(h, ActiveSet.of(window, core[:k]))
         assert cols.tolist() == window.tolist() + core[:k].tolist() or sorted(cols[:3].tolist()) == sorted(window.tolist())
         torch.testing.assert_close(logits, h @ weight[cols].T)
     assert head.segments[1].rows_copied == 60  # the core was packed once; its prefixes are slices
-    assert active_size((window, core[:15]), 200) == 18
-    assert active_contains((window, core[:15]), 114) and not active_contains((window, core[:15]), 115)
-    assert active_contains(None, 5)
+    active = ActiveSet.of(window, core[:15])
+    assert active.size == 18
+    assert active.contains(114) and not active.contains(115)
+    assert active.mask(200).nonzero().flatten().tolist() == sorted(window.tolist() + core[:15].tolist())
+    assert ActiveSet.full(200).contains(5) and not ActiveSet.full(200).contains(200)
+    assert ActiveSet.full(200).size == 200 and int(ActiveSet.full(200).mask(300).sum()) == 200
 
 
 def test_row_ranges_match_the_full_head_on_their_ids():
-    from dynvocab.runtime.head import RowRanges, active_contains, active_size, merge_ranges
+    from dynvocab.runtime.active_set import ActiveSet, RowRanges, merge_ranges
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(40, 8, generator=gen), torch.randn(40, generator=gen)
@@ -100,10 +105,11 @@ def test_row_ranges_match_the_full_head_on_their_ids():
     for starts, ends in (([10, 0, 30], [20, 5, 31]), ([5, 0], [10, 5]), ([], [])):
         ranges = RowRanges(order, *merge_ranges(starts, ends))
         extra = order[35:]
-        logits, ids = head.logits(hidden, (ranges, extra))
+        active = ActiveSet.of(ranges, extra)
+        logits, ids = head.logits(hidden, active)
         assert ids.tolist() == ranges.ids.tolist() + extra.tolist()
         torch.testing.assert_close(logits, full[:, ids])
-        assert active_size((ranges, extra), 40) == ranges.numel() + 5
-        assert active_contains((ranges, extra), int(order[35])) and not active_contains((ranges, extra), int(order[25]))
+        assert active.size == ranges.size + 5 and active.ids().tolist() == ids.tolist()
+        assert active.contains(int(order[35])) and not active.contains(int(order[25]))
     assert merge_ranges([5, 0], [10, 5]) == ((0,), (10,))
     assert head.rows_copied == 40 + 5  # the order packed once; the extra segment once

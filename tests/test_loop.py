@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_qwen2
-from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
@@ -31,7 +31,7 @@ class ChangingPolicy(VocabPolicy):
         self.sets = [torch.randperm(VOCAB, generator=self.gen)[: self.size] for _ in range(8)]
 
     def active_ids(self, step, hidden=None, token=None):
-        return self.sets[step]
+        return ActiveSet.of(self.sets[step])
 
     def observe(self, cycle):
         self._redraw()
@@ -51,7 +51,7 @@ def tiny_graph(seed: int):
 def make_policy(kind: str, seed: int) -> VocabPolicy:
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
     return {
-        "full": lambda: FullPolicy(),
+        "full": lambda: FullPolicy(VOCAB),
         "fr": lambda: FrequencyPolicy(ranking[:50]),
         "fr-pa": lambda: PositionAwareFrequencyPolicy(ranking, k_max=70),
         "random": lambda: ChangingPolicy(seed),
@@ -76,7 +76,7 @@ def test_greedy_is_lossless(pair, kind, seed):
     cfg = DecodeConfig(gamma=gamma, max_new_tokens=30)
     eos = {int(torch.randint(0, VOCAB, (1,), generator=gen))} if seed % 2 else set()
     ar = speculative_generate(target, prompt, cfg, eos)
-    spec = speculative_generate(target, prompt, cfg, eos, draft, DraftHead(draft.weight), make_policy(kind, seed))
+    spec = speculative_generate(target, prompt, cfg, eos, draft, make_policy(kind, seed), timing=True)
     assert spec.token_ids == ar.token_ids
     assert spec.metrics.cycles <= ar.metrics.cycles
     assert spec.metrics.new_tokens == len(ar.token_ids)
@@ -100,7 +100,7 @@ def test_greedy_is_lossless_with_per_step_retrieval(pair, seed):
     cfg = DecodeConfig(gamma=4, max_new_tokens=30)
     prompt = [5 + seed, 9, 2]
     ar = speculative_generate(target, prompt, cfg, set())
-    spec = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), policy)
+    spec = speculative_generate(target, prompt, cfg, set(), draft, policy)
     assert spec.token_ids == ar.token_ids
 
 
@@ -108,7 +108,7 @@ def test_draft_accepts_some_and_rejects_some(pair):
     """The tiny pair must exercise partial acceptance, or the lossless tests prove little."""
     target, draft = pair
     cfg = DecodeConfig(gamma=4, max_new_tokens=40)
-    g = speculative_generate(target, [3, 1, 4, 1, 5], cfg, set(), draft, DraftHead(draft.weight), FullPolicy())
+    g = speculative_generate(target, [3, 1, 4, 1, 5], cfg, set(), draft, FullPolicy(draft.vocab_size))
     assert any(0 < n < cfg.gamma + 1 for n in g.cycle_lengths), g.cycle_lengths
     assert 1.0 < g.metrics.mean_accepted_length < cfg.gamma + 1
 
@@ -117,7 +117,7 @@ def test_kv_cache_after_rollback_matches_a_fresh_prefill(pair):
     target, draft = pair
     cfg = DecodeConfig(gamma=4, max_new_tokens=25)
     prompt = [7, 8, 9, 10]
-    g = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), make_policy("random", 3))
+    g = speculative_generate(target, prompt, cfg, set(), draft, make_policy("random", 3))
     seq = prompt + g.token_ids
     assert target.length == len(seq) - 1
     assert draft.length <= len(seq) - 1
@@ -137,11 +137,11 @@ def test_max_new_tokens_and_eos_stop_cleanly(pair):
     first = ar.token_ids.index(stop)
     for gamma in (1, 3, 6):
         g = speculative_generate(
-            target, prompt, DecodeConfig(gamma=gamma, max_new_tokens=20), {stop}, draft, DraftHead(draft.weight), FullPolicy()
+            target, prompt, DecodeConfig(gamma=gamma, max_new_tokens=20), {stop}, draft, FullPolicy(draft.vocab_size)
         )
         assert g.token_ids == ar.token_ids[: first + 1] and g.stopped_by_eos
         short = speculative_generate(
-            target, prompt, DecodeConfig(gamma=gamma, max_new_tokens=5), set(), draft, DraftHead(draft.weight), FullPolicy()
+            target, prompt, DecodeConfig(gamma=gamma, max_new_tokens=5), set(), draft, FullPolicy(draft.vocab_size)
         )
         assert short.token_ids == ar.token_ids[:5]
 
@@ -169,7 +169,7 @@ def test_sampling_follows_the_target_distribution(pair):
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:30]
     for seed in range(draws):
         cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5, seed=seed)
-        g = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), FrequencyPolicy(ranking))
+        g = speculative_generate(target, prompt, cfg, set(), draft, FrequencyPolicy(ranking))
         counts[g.token_ids[0]] += 1
     chi2, dof = pooled_chi_square(counts, p, draws)
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
@@ -178,8 +178,8 @@ def test_sampling_follows_the_target_distribution(pair):
 def test_sampling_is_reproducible_with_a_seed(pair):
     target, draft = pair
     cfg = DecodeConfig(gamma=3, max_new_tokens=12, temperature=0.9, top_p=0.9, seed=11)
-    a = speculative_generate(target, [1, 2, 3], cfg, set(), draft, DraftHead(draft.weight), FullPolicy())
-    b = speculative_generate(target, [1, 2, 3], cfg, set(), draft, DraftHead(draft.weight), FullPolicy())
+    a = speculative_generate(target, [1, 2, 3], cfg, set(), draft, FullPolicy(draft.vocab_size))
+    b = speculative_generate(target, [1, 2, 3], cfg, set(), draft, FullPolicy(draft.vocab_size))
     assert a.token_ids == b.token_ids
 
 
@@ -193,5 +193,5 @@ def test_padded_vocabularies_are_matched_on_shared_ids():
     cfg = DecodeConfig(gamma=3, max_new_tokens=20)
     ar = speculative_generate(target, [1, 2], cfg, set())
     assert max(ar.token_ids) < VOCAB
-    g = speculative_generate(target, [1, 2], cfg, set(), draft, DraftHead(draft.weight), FullPolicy())
+    g = speculative_generate(target, [1, 2], cfg, set(), draft, FullPolicy(draft.vocab_size))
     assert g.token_ids == ar.token_ids

@@ -21,7 +21,7 @@ def test_fr_pa_prefixes_share_one_tensor_and_keep_eos():
     ranking = torch.arange(100, 200)
     policy = PositionAwareFrequencyPolicy(ranking, k_max=60, always=torch.tensor([5]))
     sets = [policy.active_ids(t) for t in range(4)]
-    assert [s.numel() for s in sets] == [60, 60, 20, 15]
+    assert [s.size for s in sets] == [60, 60, 20, 15]
     assert all(5 in s.tolist() for s in sets)
     assert all(s.data_ptr() == sets[0].data_ptr() for s in sets)
 
@@ -29,7 +29,7 @@ def test_fr_pa_prefixes_share_one_tensor_and_keep_eos():
 def test_fr_returns_the_same_object_each_step():
     policy = FrequencyPolicy(torch.arange(50), size=10)
     assert policy.active_ids(0) is policy.active_ids(3)
-    assert policy.active_ids(0).tolist() == list(range(10))
+    assert policy.active_ids(0).ids().tolist() == list(range(10))
 
 
 def test_unique_in_order():
@@ -67,7 +67,7 @@ def test_microspec_matches_the_obvious_stream_model():
     policy.prefill(prompt, prefill, None)
     model.extend(prompt.tolist())
     model.extend(_unique_in_order(prefill.topk(2, dim=-1).indices.flatten()).tolist())
-    assert policy.active_ids(0).tolist() == model.active([49])
+    assert policy.active_ids(0).ids().tolist() == model.active([49])
     for _ in range(20):
         draft = torch.randint(0, vocab, (3,), generator=gen).tolist()
         accepted = int(torch.randint(0, 4, (1,), generator=gen))
@@ -75,7 +75,7 @@ def test_microspec_matches_the_obvious_stream_model():
         policy.observe(cycle(draft, accepted, logits))
         model.extend(list(dict.fromkeys(draft)))
         model.extend(_unique_in_order(logits[: accepted + 1].topk(2, dim=-1).indices.flatten()).tolist())
-        assert policy.active_ids(0).tolist() == model.active([49])
+        assert policy.active_ids(0).ids().tolist() == model.active([49])
         assert policy.active_ids(0) is policy.active_ids(2)
 
 
@@ -86,7 +86,7 @@ def test_microspec_adds_draft_alternatives_and_only_verified_positions():
     logits = torch.full((3, vocab), -1.0)
     logits[0, 10] = logits[1, 11] = logits[2, 12] = 5.0
     policy.observe(cycle([20, 21], accepted=1, logits=logits, top=[torch.tensor([20, 30]), torch.tensor([21, 31])]))
-    active = set(policy.active_ids(0).tolist())
+    active = set(policy.active_ids(0).ids().tolist())
     assert {0, 20, 21, 30, 31, 10, 11} <= active
     assert 12 not in active  # position 2 lies past the first rejection: not verified
 
@@ -100,7 +100,7 @@ def test_microspec_window_bounds_the_active_set(window):
     policy.prefill(prompt, logits, None)
     top = list(dict.fromkeys(logits.topk(cfg.k_pre, dim=-1).indices.flatten().tolist()))  # unique, in order
     stream = prompt.tolist() + top
-    active = policy.active_ids(0).tolist()
+    active = policy.active_ids(0).ids().tolist()
     assert len(active) <= window
     assert set(active) == set(stream[-window:])  # exactly the last `window` entries, none dropped
 
@@ -115,13 +115,13 @@ def test_hybrid_segments_are_disjoint_and_the_core_shrinks_with_position():
     policy.prefill(torch.tensor([1, 2, 105, 150]), torch.randn(3, vocab), None)
     sizes = []
     for step in range(4):
-        dyn, core, extra = policy.active_ids(step)
+        dyn, core, extra = policy.active_ids(step).segments
         assert extra.numel() == 0  # no graph, no draft-head index: no per-step candidates
         assert not set(dyn.tolist()) & set(core.tolist())
         assert 7 in core.tolist() and {1, 2} <= set(dyn.tolist())
         sizes.append(core.numel())
     assert sizes == [61, 61, 20, 15]
-    assert policy.active_ids(3)[1] is policy.active_ids(3)[1]  # cached views: packed once, sliced after
+    assert policy.active_ids(3).segments[1] is policy.active_ids(3).segments[1]  # cached views: packed once, sliced after
 
 
 def test_hybrid_pushes_neighbours_of_a_missed_token():
@@ -143,7 +143,7 @@ def test_hybrid_pushes_neighbours_of_a_missed_token():
         position=1, draft_tokens=[12, 13], draft_top=[], accepted=0, emitted=[40],
         target_logits=logits, target_hidden=torch.zeros(3, 2)))
     assert policy.misses == 1
-    dyn = set(policy.active_ids(0)[0].tolist())
+    dyn = set(policy.active_ids(0).segments[0].tolist())
     assert {40, 30, 41, 42} <= dyn
 
 
@@ -165,7 +165,7 @@ def test_hybrid_step_candidates_find_the_draft_argmax_outside_the_active_set():
     for seed in range(20):
         hidden = torch.randn(1, dim, generator=torch.Generator().manual_seed(seed))
         best = int((hidden @ head.T).argmax())
-        dyn, core, extra = policy.active_ids(0, hidden, 10)
+        dyn, core, extra = policy.active_ids(0, hidden, 10).segments
         segments = [set(dyn.tolist()), set(core.tolist()), set(extra.tolist())]
         assert sum(map(len, segments)) == len(set.union(*segments))  # disjoint
         assert 250 in segments[2] and 20 not in segments[2]  # successors join unless already active
@@ -208,17 +208,18 @@ def test_ranking_policies_put_their_ids_on_the_context_device(name, tmp_path):
         ids = policy.active_ids(step)
         assert ids.device.type == "meta", (name, step, ids.device)
         logits, columns = head.logits(torch.empty(1, 8, device="meta"), ids)
-        assert logits.shape == (1, ids.numel()) and columns.device.type == "meta"
+        assert logits.shape == (1, ids.size) and columns.device.type == "meta"
 
 
 def test_the_draft_head_refuses_ids_on_another_device():
-    from dynvocab.runtime.head import DraftHead, RowRanges
+    from dynvocab.runtime.active_set import ActiveSet, RowRanges
+    from dynvocab.runtime.head import DraftHead
 
     head = DraftHead(torch.empty(96, 8, device="meta"))
     hidden = torch.empty(1, 8, device="meta")
     with pytest.raises(ValueError, match="active ids on cpu, the draft head on meta"):
-        head.logits(hidden, torch.arange(5))
+        head.logits(hidden, ActiveSet.of(torch.arange(5)))
     with pytest.raises(ValueError, match="active ids on cpu"):
-        head.logits(hidden, (torch.arange(5, device="meta"), torch.arange(5, 9)))
+        head.logits(hidden, ActiveSet.of(torch.arange(5, device="meta"), torch.arange(5, 9)))
     with pytest.raises(ValueError, match="active ids on cpu"):
-        head.logits(hidden, RowRanges(torch.arange(10), (0,), (4,)))
+        head.logits(hidden, ActiveSet.of(RowRanges(torch.arange(10), (0,), (4,))))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dynvocab.artifacts import GraphTable
-from dynvocab.runtime.head import DraftHead, active_segments
+from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
@@ -66,7 +66,7 @@ def run(policy, cycles: list[CycleReport], head: DraftHead) -> list:
         for j in range(GAMMA):
             active = policy.active_ids(j, torch.randn(1, DIM, generator=g), cyc.draft_tokens[j])
             _, cols = head.logits(torch.randn(1, DIM, generator=g), active)
-            seen.append(([s.tolist() for s in active_segments(active)], cols.tolist()))
+            seen.append(([s.tolist() for s in active.id_segments()], cols.tolist()))
         policy.observe(cyc)
     return seen
 
@@ -108,7 +108,7 @@ def test_an_unchanged_window_returns_the_same_tensor():
 def test_dynaspec_ranges_match_the_host_merge():
     from dynvocab.artifacts import ClusterTable
     from dynvocab.artifacts.router import RouterMLP, RouterTable
-    from dynvocab.runtime.head import merge_ranges
+    from dynvocab.runtime.active_set import merge_ranges
     from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 
     g = torch.Generator().manual_seed(5)

@@ -12,7 +12,6 @@ from torch import nn
 from conftest import tiny_qwen2
 from dynvocab.errors import DynvocabError
 from dynvocab.models.prepack import MAX_PACKED_ROWS, PrepackedLinear, prepack_linears, prepack_supported
-from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
@@ -77,8 +76,8 @@ def test_greedy_with_a_prepacked_target_is_the_target_own(tiny_pair, seed):
     want = speculative_generate(plain, prompt, cfg, set()).token_ids
     assert speculative_generate(packed, prompt, cfg, set()).token_ids == want
     ranking = torch.randperm(vocab, generator=gen)[:50]
-    for policy in (FullPolicy(), FrequencyPolicy(ranking), MicroSpecPolicy(MicroSpecConfig(window=24), vocab, "cpu")):
-        got = speculative_generate(packed, prompt, cfg, set(), drafter, DraftHead(drafter.weight), policy)
+    for policy in (FullPolicy(vocab), FrequencyPolicy(ranking), MicroSpecPolicy(MicroSpecConfig(window=24), vocab, "cpu")):
+        got = speculative_generate(packed, prompt, cfg, set(), drafter, policy)
         assert got.token_ids == want, policy.name
 
 

@@ -11,7 +11,6 @@ from dynvocab.artifacts import load_bundle
 from dynvocab.artifacts.router import RouterTable
 from dynvocab.errors import DynvocabError
 from dynvocab.models import load_model, load_tokenizer, resolve_model
-from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.dynaspec import NEEDS_BUNDLE, DynaSpecConfig, DynaSpecPolicy
@@ -73,7 +72,7 @@ def test_trained_router_is_lossless_in_the_loop(trained, tiny_dirs):  # noqa: F8
         policy = DynaSpecPolicy.from_context(DynaSpecConfig(k_max=3), ctx)
         decode = DecodeConfig(gamma=3, max_new_tokens=16)
         ar = speculative_generate(target, prompt, decode, eos)
-        spec = speculative_generate(target, prompt, decode, eos, draft, DraftHead(draft.weight), policy)
+        spec = speculative_generate(target, prompt, decode, eos, draft, policy)
         assert spec.token_ids == ar.token_ids
         assert spec.metrics.mean_active_vocab < draft.vocab_size
 

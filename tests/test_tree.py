@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
-from dynvocab.runtime.tree import DraftTree, verify_tree_greedy
+from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.verify import verify_tree_greedy
 
 VOCAB = 96
 
@@ -102,7 +102,7 @@ def test_leaves_and_early_stops_stay_lossless(pair, seed, stop_below, branch_bel
     prompt = torch.randint(0, VOCAB, (int(torch.randint(2, 12, (1,), generator=gen)),), generator=gen).tolist()
     cfg = DecodeConfig(gamma=5, max_new_tokens=30, stop_below=stop_below, branch_below=branch_below)
     ar = speculative_generate(target, prompt, cfg, set())
-    spec = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), FullPolicy())
+    spec = speculative_generate(target, prompt, cfg, set(), draft, FullPolicy(draft.vocab_size))
     assert spec.token_ids == ar.token_ids
     if branch_below >= 1.0:
         assert spec.metrics.leaves == spec.metrics.draft_steps  # a runner-up at every step
@@ -118,7 +118,7 @@ def test_leaves_are_hit_and_early_stops_shorten_drafts(pair):
 
         def run(**kw):
             cfg = DecodeConfig(gamma=5, max_new_tokens=30, **kw)
-            return speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), FullPolicy())
+            return speculative_generate(target, prompt, cfg, set(), draft, FullPolicy(draft.vocab_size))
 
         tree = run(stop_below=0.0, branch_below=1.0)
         chain = run(stop_below=0.0, branch_below=0.0)
@@ -133,7 +133,8 @@ def test_leaves_are_hit_and_early_stops_shorten_drafts(pair):
 class Recorder(FullPolicy):
     """The full vocabulary, keeping every cycle report."""
 
-    def __init__(self):
+    def __init__(self, vocab_size: int):
+        super().__init__(vocab_size)
         self.reports = []
 
     def observe(self, cycle):
@@ -145,9 +146,9 @@ def test_policies_see_the_accepted_path_rows_when_a_leaf_is_accepted(pair):
     hits = 0
     for seed in range(6):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-        policy = Recorder()
+        policy = Recorder(draft.vocab_size)
         cfg = DecodeConfig(gamma=4, max_new_tokens=30, stop_below=0.0, branch_below=1.0)
-        run = speculative_generate(target, prompt, cfg, set(), draft, DraftHead(draft.weight), policy)
+        run = speculative_generate(target, prompt, cfg, set(), draft, policy)
         hits += run.metrics.leaf_hits
         for report in policy.reports:
             k = report.accepted

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from dynvocab.runtime.tree import DraftTree, verify_tree_greedy
+from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.verify import verify_tree_greedy
 from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_sampling
 
 

@@ -186,7 +186,7 @@ def run_policy(policy, script: list[dict], head: DraftHead | None = None, prompt
         policy.prefill(prompt, logits, None)
     sets, active_s, observe_s, head_s, steps = [], 0.0, 0.0, 0.0, 0
     for cyc in script:
-        tops = []
+        tops, cycle_sets = [], []
         for j in range(len(cyc["draft_tokens"])):
             fed = cyc["draft_tokens"][j - 1] if j else cyc["emitted"][0]
             hidden = cyc["draft_hidden"][j]  # [1, d]
@@ -198,10 +198,11 @@ def run_policy(policy, script: list[dict], head: DraftHead | None = None, prompt
             head_s += time.perf_counter() - t1
             active_s += t1 - t0
             sets.append(_sorted_ids(ids))
+            cycle_sets.append(ids)
             tops.append(cyc["draft_top"][j])
             steps += 1
         report = CycleReport(cyc["position"], cyc["draft_tokens"], tops if policy.draft_topk else [],
-                             cyc["accepted"], cyc["emitted"], cyc["target_logits"], cyc["target_hidden"])
+                             cyc["accepted"], cyc["emitted"], cyc["target_logits"], cyc["target_hidden"], cycle_sets)
         t0 = time.perf_counter()
         policy.observe(report)
         observe_s += time.perf_counter() - t0
@@ -209,11 +210,7 @@ def run_policy(policy, script: list[dict], head: DraftHead | None = None, prompt
 
 
 def _sorted_ids(active) -> list[int]:
-    from dynvocab.runtime.head import active_segments
-
-    if active is None:
-        return []
-    return sorted(torch.cat(active_segments(active)).tolist())
+    return [] if active.is_full else sorted(active.ids().tolist())
 
 
 def policy_step_bench(

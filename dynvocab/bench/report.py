@@ -25,9 +25,6 @@ CSV_COLUMNS = (
 )
 
 
-DRAFT_KINDS = {"eagle": "EAGLE-1/2 head", "eagle3": "EAGLE-3 head"}
-
-
 def models_line(cfg: dict) -> str:
     """``float32 on cpu`` plus the draft's step dtype where it differs and whether the models were prepacked."""
     line = f"{cfg['dtype']} on {cfg['device']}"
@@ -35,8 +32,8 @@ def models_line(cfg: dict) -> str:
         line += f" (draft steps {cfg['draft_step_dtype']})"
     if cfg.get("prepacked"):
         line += " · prepacked"
-    if cfg.get("draft_kind") in DRAFT_KINDS:
-        line += f" · {DRAFT_KINDS[cfg['draft_kind']]} draft"
+    if cfg.get("draft") not in (None, "draft model"):
+        line += f" · {cfg['draft']} draft"
     return line
 
 

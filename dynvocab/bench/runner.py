@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.head import active_segments, active_size
 from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, summarize
@@ -71,8 +70,8 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
     note when ``skip`` (``--quick``). Returns the config to run and the notes."""
     keep, notes = [], []
     for name in cfg.strategies:
-        if name == "hf-assisted" and session.draft_kind not in (None, "model"):
-            msg = "hf-assisted needs a draft model; transformers cannot assist with an EAGLE head"
+        if name == "hf-assisted" and session.draft is not None and session.draft.hf_model is None:
+            msg = f"hf-assisted needs a draft model; transformers cannot assist with an {session.draft.label}"
             if not skip:
                 raise DynvocabError(msg)
             notes.append(f"skipped {name}: {msg}")
@@ -132,7 +131,7 @@ class PolicyRecorder:
         if step == 0:
             self._steps = []
         self._steps.append(ids)
-        self.sizes.append(active_size(ids, self.vocab_size))
+        self.sizes.append(ids.size)
         return ids
 
     def observe(self, cycle: CycleReport) -> None:
@@ -157,7 +156,7 @@ class PolicyRecorder:
             logits = logits / self.temperature
         p = torch.softmax(logits, dim=-1)  # [n, V_target]
         for j in range(n):
-            inside = active_mask(self._steps[j], self.vocab_size, p.shape[-1], p.device)  # [V_target] bool
+            inside = self._steps[j].mask(p.shape[-1], p.device)  # [V_target] bool
             self.mass.append(float(p[j][inside].sum()))
             for k in self.ks:
                 top = logits[j].topk(min(k, logits.shape[-1])).indices  # [k]
@@ -174,17 +173,6 @@ class PolicyRecorder:
             out["scored_positions"] = len(self.mass)
         out["analysis_s"] = round(self.analysis_s, 5) if self.coverage else None
         return out
-
-
-def active_mask(active, vocab: int, width: int, device) -> torch.Tensor:
-    """A bool mask [width] of an active set (None = the draft's ``vocab`` rows; a tuple = disjoint segments)."""
-    mask = torch.zeros(width, dtype=torch.bool, device=device)
-    if active is None:
-        mask[:vocab] = True
-    else:
-        for ids in active_segments(active):
-            mask[ids.to(device)] = True
-    return mask
 
 
 def generate_row(
@@ -284,7 +272,7 @@ def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -
             "device": session.device,
             "dtype": session.dtype,
             "draft_step_dtype": session.draft_step_dtype,
-            "draft_kind": session.draft_kind,
+            "draft": None if session.draft is None else session.draft.label,
             "prepacked": session.prepacked,
             "coverage": cfg.coverage,
             "recall_ks": list(cfg.recall_ks) if cfg.coverage else [],

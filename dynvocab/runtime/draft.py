@@ -11,23 +11,67 @@ from typing import Protocol, Sequence
 
 import torch
 
+from dynvocab.runtime.active_set import ActiveSet
+
 
 class Draft(Protocol):
-    """A proposer with a KV cache that rolls back. ``length``: committed and drafted tokens it has consumed."""
+    """A proposer with a KV cache that rolls back and a head it owns. ``length``: committed and drafted tokens it
+    has consumed. Whatever a policy, the loop or bench needs to know about a draft, the draft answers here."""
 
     length: int
     device: torch.device
-    softcap: float | None
 
     @property
     def vocab_size(self) -> int:
         """How many target ids a vocabulary policy may name (active sets are target ids)."""
 
+    @property
+    def hidden_size(self) -> int:
+        """Width of the hidden state ``step`` returns: what the head and the policies read."""
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The draft's input embeddings by token id, [V, d_e] (DynaSpec's router reads them)."""
+
+    @property
+    def shares_target_head(self) -> bool:
+        """Whether the head is the target's own LM head (EAGLE-1): its HNSW index is then the target's."""
+
+    @property
+    def index_rows(self) -> torch.Tensor | None:
+        """The head rows a bundle's ``draft_hnsw`` stage indexes, [V, d] (a draft model's head), or None."""
+
+    @property
+    def adaptable(self) -> torch.nn.Module | None:
+        """The transformers model whose attention projections online LoRA alignment may adapt; None where
+        alignment does not apply."""
+
+    @property
+    def searches_per_step(self) -> bool:
+        """Whether per-step candidate searches (the hybrid's) pay for this draft by default: a draft model's step
+        hides them, an EAGLE head's short step does not."""
+
+    @property
+    def hf_model(self) -> torch.nn.Module | None:
+        """The transformers model that transformers' own assisted generation can drive, or None."""
+
+    @property
+    def label(self) -> str:
+        """What the draft is, for people (reports, tables)."""
+
+    @property
+    def rows_copied(self) -> int:
+        """Head rows gathered into packed buffers since ``reset``."""
+
     def reset(self) -> None:
-        """Forget the sequence; the next ``step`` starts a new one."""
+        """Forget the sequence (and the head's packed rows); the next ``step`` starts a new one."""
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
-        """Consume tokens ``ids`` [n] (continuing at ``length``); returns the draft head's inputs [n, d]."""
+        """Consume tokens ``ids`` [n] (continuing at ``length``); returns the head's inputs [n', d]."""
+
+    def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's logits [m, n] (float32) over the ``active`` ids for head inputs ``hidden`` [m, d], and the
+        target id of each column [n] (None when the columns are all target ids in order)."""
 
     def rollback(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (a draft may keep fewer; ``length`` says how many

@@ -18,7 +18,8 @@ import torch
 
 from dynvocab.kernels.packed_buffer import grown
 from dynvocab.models.eagle import EAGLE1, EagleModel, LayerTap
-from dynvocab.runtime.head import DraftHead, active_segments
+from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 
 
@@ -28,9 +29,13 @@ class EagleDraft:
     ``weight`` [rows, d] / ``bias``: the head's LM head — EAGLE-1: the target's own (its rows are target ids);
     EAGLE-3: the head's ``lm_head`` over its draft vocabulary (see :class:`MappedHead`). ``tap`` keeps the
     target's hidden states entering EAGLE-3's three layers (None for EAGLE-1, which reads the final hidden state).
+    ``step_dtype``: the dtype of the head rows its steps multiply (a copy when it differs from the weights';
+    an ``lm_head`` prepared with a one-row copy, :mod:`dynvocab.models.prepack`, brings its own).
     """
 
-    def __init__(self, model: EagleModel, target: CausalLM, tap: LayerTap | None = None):
+    def __init__(
+        self, model: EagleModel, target: CausalLM, tap: LayerTap | None = None, step_dtype: torch.dtype | None = None
+    ):
         self.model = model
         self.target = target
         self.tap = tap
@@ -48,6 +53,71 @@ class EagleDraft:
         self.cache = None
         self.length = 0  # tokens consumed
         self.trusted = 0  # tokens consumed whose cache entries came from the target's features
+        self.step_weight, self.step_bias = self._step_rows(step_dtype)  # [rows, d], [rows] or None
+        self._head: DraftHead | MappedHead | None = None  # built at the first draft step after each reset
+
+    def _step_rows(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        row_weight = getattr(getattr(self.model, "lm_head", None), "row_weight", None)
+        if dtype is None or dtype == self.weight.dtype:
+            return self.weight, self.bias
+        weight = row_weight if self.kind != EAGLE1 and row_weight is not None else self.weight.to(dtype)
+        return weight, None if self.bias is None else self.bias.to(dtype)
+
+    def _new_head(self) -> "DraftHead | MappedHead":
+        if self.kind == EAGLE1:  # the target's own head: its rows are target ids
+            return DraftHead(self.step_weight, self.step_bias, self.softcap)
+        return MappedHead(self.step_weight, self.model.draft_to_target(), self.target.vocab_size)
+
+    def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [m, n] over ``active`` (target ids) for head inputs [m, d], and the target id of each column."""
+        if self._head is None:
+            self._head = self._new_head()
+        return self._head.logits(hidden, active)
+
+    @property
+    def rows_copied(self) -> int:
+        """Head rows gathered into packed buffers since the last reset."""
+        return 0 if self._head is None else self._head.rows_copied
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the head's input."""
+        return self.weight.shape[1]
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The head's token embeddings (the target's) [V, d]."""
+        return self.model.embed_tokens.weight.detach()
+
+    @property
+    def shares_target_head(self) -> bool:
+        """EAGLE-1 predicts through the target's own LM head; EAGLE-3 has an ``lm_head`` of its own."""
+        return self.kind == EAGLE1
+
+    @property
+    def index_rows(self) -> None:
+        """No bundle stage indexes an EAGLE head's rows (EAGLE-1's are the target's: ``hnsw``)."""
+        return None
+
+    @property
+    def adaptable(self) -> None:
+        """Online LoRA alignment adapts a draft model, not an EAGLE head."""
+        return None
+
+    @property
+    def searches_per_step(self) -> bool:
+        """An EAGLE step is short: a per-step search costs more than the rows it saves (docs/bench.md)."""
+        return False
+
+    @property
+    def hf_model(self) -> None:
+        """transformers' assisted generation cannot drive an EAGLE head."""
+        return None
+
+    @property
+    def label(self) -> str:
+        """For people: which EAGLE head."""
+        return "EAGLE-1 head" if self.kind == EAGLE1 else "EAGLE-3 head"
 
     @property
     def vocab_size(self) -> int:
@@ -59,6 +129,7 @@ class EagleDraft:
         self.cache = self.model.new_cache()
         self.length = self.trusted = self.n_features = 0
         self.own, self.own_at = None, -1
+        self._head = None
 
     @torch.inference_mode()
     def observe(self, start: int, hidden: torch.Tensor | None, rows: Sequence[int] | None) -> None:
@@ -168,15 +239,14 @@ class MappedHead:
             self._memo.popitem(last=False)
         return rows
 
-    def logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [m, n] over the active set's draft rows for hidden states [m, d], and their target ids [n]."""
-        if active is not None:
-            parts = [self.rows(ids) for ids in active_segments(active)]
-            parts = [p for p in parts if p.numel()]
-            if parts:
-                logits, rows = self.inner.logits(hidden, parts[0] if len(parts) == 1 else parts)
+        if not active.is_full:
+            parts = [self.rows(ids) for ids in active.id_segments()]
+            if any(p.numel() for p in parts):
+                logits, rows = self.inner.logits(hidden, ActiveSet.of(*parts))
                 return logits, self.row_token[rows]
-        logits, _ = self.inner.logits(hidden, None)
+        logits, _ = self.inner.logits(hidden, ActiveSet.full(self.weight.shape[0]))
         return logits, self.row_token
 
 

@@ -10,15 +10,13 @@ each step multiplies only the chosen ranges, so a set that changes completely be
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from dynvocab.kernels._triton import triton_available
 from dynvocab.kernels.gathered_head import gathered_logits
 from dynvocab.kernels.packed_buffer import SlotTable, grown
+from dynvocab.runtime.active_set import ActiveSet, RowRanges, Segment, segment_size
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -26,58 +24,6 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     if not cap:
         return logits
     return torch.tanh(logits / cap) * cap
-
-
-@dataclass(frozen=True, eq=False)
-class RowRanges:
-    """An active set given as ranges of a fixed id order: ``order[starts[i]:ends[i]]`` for every i.
-
-    ``order`` must be the same tensor at every step (the head packs ``W[order]`` once, keyed by it); the ranges
-    must not overlap. Sorted, adjacent ranges merged, they cost one matmul each.
-    """
-
-    order: torch.Tensor  # [N] token ids, e.g. grouped by cluster
-    starts: tuple[int, ...]
-    ends: tuple[int, ...]
-
-    @functools.cached_property
-    def ids(self) -> torch.Tensor:
-        """The token ids of the set, LongTensor [n], in range order."""
-        if not self.starts:
-            return self.order[:0]
-        return torch.cat([self.order[a:b] for a, b in zip(self.starts, self.ends)])
-
-    @functools.cached_property
-    def positions(self) -> torch.Tensor:
-        """Rows of ``W[order]`` the ranges cover, LongTensor [n] on ``order``'s device (built from the host's
-        ranges: a copy to the device, no read back)."""
-        spans = [torch.arange(a, b) for a, b in zip(self.starts, self.ends)]
-        idx = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
-        return idx.to(self.order.device, non_blocking=True)
-
-    @functools.cached_property
-    def size(self) -> int:
-        """Number of ids in the set."""
-        return sum(b - a for a, b in zip(self.starts, self.ends))
-
-    def numel(self) -> int:
-        """Number of ids in the set (as ``Tensor.numel``, so segments of either kind count alike)."""
-        return self.size
-
-
-def merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Sort non-overlapping ranges and merge those that touch: ``(starts, ends)``."""
-    out_s: list[int] = []
-    out_e: list[int] = []
-    for a, b in sorted(zip(starts, ends)):
-        if b <= a:
-            continue
-        if out_e and out_e[-1] == a:
-            out_e[-1] = b
-        else:
-            out_s.append(a)
-            out_e.append(b)
-    return tuple(out_s), tuple(out_e)
 
 
 class PackedHead:
@@ -129,13 +75,8 @@ class PackedHead:
         """Make the packed rows hold exactly the set ``ids`` [n] (order free), copying only changed rows."""
         self._copy(*self.slots.update(ids))
 
-    def logits(self, hidden: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [m, n] over the active set for hidden states [m, d], and the token id of each column [n].
-
-        ``ids=None`` means the full vocabulary (column j is token j).
-        """
-        if ids is None:
-            return self._finish(F.linear(hidden, self.weight, self.bias)), None
+    def logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [m, n] over the ids ``ids`` [n] for hidden states [m, d], and the token id of each column [n]."""
         ordered = self._ordered
         if ids is self._last:
             n = ids.numel()  # the same active set as the previous step
@@ -202,8 +143,8 @@ class RangeHead:
 
 
 class DraftHead:
-    """The draft head over an active set given as None (full), one id tensor, or disjoint segments (id tensors
-    or :class:`RowRanges`).
+    """The draft head over an :class:`~dynvocab.runtime.active_set.ActiveSet`: the full vocabulary, or its
+    disjoint segments (id tensors or :class:`RowRanges`).
 
     Each segment position has its own packed rows (:class:`PackedHead`, or :class:`RangeHead` for
     :class:`RowRanges`), so a policy can combine a set that changes every
@@ -222,47 +163,27 @@ class DraftHead:
         """Rows gathered into packed buffers so far (all segments)."""
         return sum(p.rows_copied for p in self.segments)
 
-    def _logits(self, i: int, hidden: torch.Tensor, ids):
-        if ids is not None:
-            ids_device = ids.order.device if isinstance(ids, RowRanges) else ids.device
-            if ids_device != self.weight.device:  # a policy that ignored PolicyContext.device
-                raise ValueError(f"active ids on {ids_device}, the draft head on {self.weight.device}")
-        kind = RangeHead if isinstance(ids, RowRanges) else PackedHead
+    def _logits(self, i: int, hidden: torch.Tensor, segment: Segment):
+        if segment.device != self.weight.device:  # a policy that ignored PolicyContext.device
+            raise ValueError(f"active ids on {segment.device}, the draft head on {self.weight.device}")
+        kind = RangeHead if isinstance(segment, RowRanges) else PackedHead
         while len(self.segments) <= i:
             self.segments.append(kind(self.weight, self.bias, self.softcap))
         if not isinstance(self.segments[i], kind):  # a policy that changed the kind of a segment
             self.segments[i] = kind(self.weight, self.bias, self.softcap)
-        return self.segments[i].logits(hidden, ids)
+        return self.segments[i].logits(hidden, segment)
 
-    def logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [m, n] and the token id of each column [n] (None = the full vocabulary, column j is id j).
 
         ``hidden`` is cast to the head's dtype (a draft may keep a bfloat16 copy of its head for its steps).
         """
         hidden = hidden.to(self.weight.dtype)
-        if active is None or isinstance(active, (torch.Tensor, RowRanges)):
-            return self._logits(0, hidden, active)
-        parts = [self._logits(i, hidden, ids) for i, ids in enumerate(active) if ids.numel()]
+        if active.is_full:
+            return soft_cap(F.linear(hidden, self.weight, self.bias).float(), self.softcap), None
+        parts = [self._logits(i, hidden, seg) for i, seg in enumerate(active.segments) if segment_size(seg)]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            raise ValueError("the active set is empty: a policy must leave the draft at least one id")
         return torch.cat([p[0] for p in parts], dim=-1), torch.cat([p[1] for p in parts])
-
-
-def active_segments(active) -> list[torch.Tensor]:
-    """The id tensors of an active set that is not None: one per segment (:class:`RowRanges` expanded)."""
-    parts = [active] if isinstance(active, (torch.Tensor, RowRanges)) else list(active)
-    return [p.ids if isinstance(p, RowRanges) else p for p in parts]
-
-
-def active_size(active, vocab: int) -> int:
-    """Number of ids in an active set (None = the full vocabulary)."""
-    if active is None:
-        return vocab
-    if isinstance(active, (torch.Tensor, RowRanges)):
-        return active.numel()
-    return sum(ids.numel() for ids in active)
-
-
-def active_contains(active, token: int) -> bool:
-    """Whether ``token`` is in an active set."""
-    if active is None:
-        return True
-    return any(bool((ids == token).any()) for ids in active_segments(active))

@@ -1,11 +1,14 @@
-"""A causal LM split into its body (with a KV cache we can roll back) and its output head."""
+"""A causal LM split into its body (with a KV cache we can roll back) and its output head: the target, and a draft
+model behind the :class:`~dynvocab.runtime.draft.Draft` interface (the draft owns a head over active sets)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from dynvocab.runtime.head import soft_cap
+from dynvocab.models.prepack import PrepackedLinear
+from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.head import DraftHead, soft_cap
 from dynvocab.runtime.tree import DraftTree
 
 
@@ -13,7 +16,9 @@ class CausalLM:
     """Wraps a transformers causal LM: ``step`` runs the body over new tokens, ``logits`` applies the head.
 
     Splitting body and head lets the draft compute logits over a subset of rows and lets the target
-    return hidden states without ``output_hidden_states`` (which would keep every layer's activations).
+    return hidden states without ``output_hidden_states`` (which would keep every layer's activations). As a
+    draft, ``head_logits`` runs its own :class:`~dynvocab.runtime.head.DraftHead` over the head's rows — the
+    one-row copy in the step dtype when the head was prepared with one (:mod:`dynvocab.models.prepack`).
     """
 
     def __init__(self, model, vocab_rows: int | None = None):
@@ -29,6 +34,7 @@ class CausalLM:
         self.dtype = self.weight.dtype
         self.cache = None
         self.length = 0
+        self._head: DraftHead | None = None  # built at the first draft step after each reset
 
     @property
     def vocab_size(self) -> int:
@@ -43,6 +49,7 @@ class CausalLM:
         if hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()
         self.length = 0
+        self._head = None
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
@@ -76,6 +83,65 @@ class CausalLM:
 
     def observe(self, start: int, hidden, rows) -> None:
         """A draft model reads no target features (see :class:`~dynvocab.runtime.draft.Draft`)."""
+
+    def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits [m, n] over ``active`` for hidden states [m, d] and the id of each column (None: all)."""
+        if self._head is None:
+            self._head = DraftHead(*self._step_rows(), self.softcap)
+        return self._head.logits(hidden, active)
+
+    def _step_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's rows for draft steps: the prepared one-row copy if there is one, else the head itself."""
+        head = self.model.get_output_embeddings()
+        rows = self.vocab_size
+        if isinstance(head, PrepackedLinear) and head.row_weight is not None:
+            return head.row_weight[:rows], None if head.row_bias is None else head.row_bias[:rows]
+        return self.weight, self.bias
+
+    @property
+    def rows_copied(self) -> int:
+        """Head rows gathered into packed buffers since the last reset."""
+        return 0 if self._head is None else self._head.rows_copied
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the final hidden state (the head's input)."""
+        return self.weight.shape[1]
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The input embeddings [V, d_e]."""
+        return self.model.get_input_embeddings().weight.detach()
+
+    @property
+    def shares_target_head(self) -> bool:
+        """A draft model has a head of its own."""
+        return False
+
+    @property
+    def index_rows(self) -> torch.Tensor:
+        """Every row of the output head, [V_padded, d] (what a bundle's ``draft_hnsw`` indexes)."""
+        return self.model.get_output_embeddings().weight.detach()
+
+    @property
+    def adaptable(self) -> torch.nn.Module:
+        """The transformers model itself (LoRA alignment adapts its attention projections)."""
+        return self.model
+
+    @property
+    def searches_per_step(self) -> bool:
+        """A draft model's step is long enough to hide per-step candidate searches."""
+        return True
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        """The transformers model (transformers' assisted generation can drive it)."""
+        return self.model
+
+    @property
+    def label(self) -> str:
+        """For people: a draft model."""
+        return "draft model"
 
     def finish(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply the model's final logit soft-capping, if it has one."""

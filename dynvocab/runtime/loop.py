@@ -1,8 +1,11 @@
 """The speculative decoding loop: the one loop every strategy, `generate` and `bench` run.
 
-Each cycle: the policy names the active ids, the draft proposes γ tokens computing logits only over them,
-the target scores γ+1 positions over its full vocabulary in one pass, tokens are accepted (greedy or exact
-rejection sampling), both KV caches roll back to the accepted prefix, and the policy observes the cycle.
+Each cycle: for each of up to γ draft steps the draft runs its body over the new token, the policy names the
+active ids (an :class:`~dynvocab.runtime.active_set.ActiveSet`), and the draft's own head computes logits only
+over them; the target scores the draft in one pass over its full vocabulary, :func:`~dynvocab.runtime.verify.verify`
+accepts tokens (greedy or exact rejection sampling), both KV caches roll back to the accepted prefix, and the
+policy observes the cycle. The loop only decodes: counters go to a :class:`~dynvocab.runtime.metrics.Tally`, and
+section times are opt-in and read once per cycle (:mod:`dynvocab.runtime.timing`).
 ``gamma = 0`` with no draft is plain autoregressive decoding by the target.
 
 Cache invariant: before a cycle the target's cache holds every committed token but the last one; the draft's
@@ -19,13 +22,15 @@ from typing import Callable
 
 import torch
 
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.draft import Draft
-from dynvocab.runtime.head import DraftHead, active_contains, active_size
 from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.metrics import Metrics
+from dynvocab.runtime.metrics import Metrics, Tally
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.runtime.tree import DraftTree, TreeVerdict, verify_tree_greedy
-from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_sampling
+from dynvocab.runtime.policies.full import FullPolicy
+from dynvocab.runtime.timing import SectionTimer
+from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify
 
 
 DEFAULT_GAMMA = 6  # the longest draft: EvoSpec's speculation horizon
@@ -67,18 +72,6 @@ class Generation:
     cycle_lengths: list[int] = field(default_factory=list)
 
 
-class _Clock:
-    """Wall-clock timer that waits for the GPU before reading, so each section is charged its own work."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
 def _draft_choice(
     row: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator, ranked: bool
 ) -> tuple[int, int | None, float, torch.Tensor | None]:
@@ -105,27 +98,30 @@ def speculative_generate(
     cfg: DecodeConfig,
     eos_ids: set[int],
     draft: Draft | None = None,
-    head: DraftHead | None = None,
     policy: VocabPolicy | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    timing: bool = False,
 ) -> Generation:
     """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``; returns exactly the target's output.
 
-    With ``draft=None`` (or ``cfg.gamma == 0``) this is autoregressive decoding by the target alone.
+    With ``draft=None`` (or ``cfg.gamma == 0``) this is autoregressive decoding by the target alone; a draft with
+    no ``policy`` drafts over its full vocabulary. ``timing`` fills the sections of :class:`Metrics` (prefill,
+    draft, head, policy, verify); wall time and tokens/s are measured either way.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids is empty")
     device = target.device
-    clock = _Clock(device)
     sampling = cfg.sampling
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     speculative = draft is not None and cfg.gamma > 0
-    m = Metrics()
-    accepted_at = [0] * (cfg.gamma if speculative else 0)
-    drafted_at = [0] * (cfg.gamma if speculative else 0)
-    active_total = covered = counted = 0
+    if speculative and policy is None:
+        policy = FullPolicy(draft.vocab_size)
+    timer = SectionTimer(device, timing)
+    tally = Tally(cfg.gamma if speculative else 0)
+    m = tally.m
 
-    start = clock()
+    start = time.perf_counter()
+    t0 = timer.mark()
     prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     target.reset()
     prefix_hidden = target.step(prompt[:-1]) if prompt.numel() > 1 else None  # [L-1, d]
@@ -139,7 +135,7 @@ def speculative_generate(
         policy.prefill(prompt, prefill_logits, prefix_hidden)
     if speculative and prompt.numel() > 1:
         draft.step(prompt[:-1])
-    m.prefill_s = clock() - start
+    timer.add("prefill_s", t0)
 
     branch = sampling.greedy and cfg.branch_below > 0  # tree leaves: greedy verification only
     ranked = branch or cfg.stop_below > 0
@@ -151,47 +147,42 @@ def speculative_generate(
         n = len(tokens)
         gamma = min(cfg.gamma, cfg.max_new_tokens - len(out) - 1) if speculative else 0
 
-        t_draft = clock()
+        t_draft = timer.mark()
         steps: list[DraftStep] = []
-        actives: list = []  # the active set of each draft step
+        sets: list[ActiveSet] = []  # the active set of each draft step
         tops: list[torch.Tensor] = []
         leaves: dict[int, int] = {}
         feed = torch.tensor(tokens[draft.length:] if gamma else [], dtype=torch.long, device=device)
         for j in range(gamma):
             hidden = draft.step(feed)[-1:]  # [1, d]
-            t_policy = clock()
-            ids = policy.active_ids(j, hidden, int(feed[-1])) if policy is not None else None
-            t_head = clock()
-            m.policy_s += t_head - t_policy
-            logits, cols = head.logits(hidden, ids)  # [1, n_active], [n_active] or None
-            m.head_s += clock() - t_head
-            actives.append(ids)
-            active_total += active_size(ids, head.weight.shape[0])
+            t_policy = timer.mark()
+            active = policy.active_ids(j, hidden, int(feed[-1]))
+            t_head = timer.mark()
+            logits, cols = draft.head_logits(hidden, active)  # [1, n_active], [n_active] or None
+            timer.add("policy_s", t_policy, t_head)
+            timer.add("head_s", t_head)
+            sets.append(active)
+            tally.step(active.size)
             row = logits[0]
             col, runner_up, confidence, q = _draft_choice(row, sampling, generator, ranked)
             token = col if cols is None else int(cols[col])
             steps.append(DraftStep(token, cols, q))
             if branch and runner_up is not None and confidence < cfg.branch_below:
                 leaves[j] = runner_up if cols is None else int(cols[runner_up])
-            if policy is not None and policy.draft_topk:
+            if policy.draft_topk:
                 top = row.topk(min(policy.draft_topk, row.numel())).indices
                 tops.append(top if cols is None else cols[top])
             if confidence < cfg.stop_below:
                 break
             feed = torch.tensor([token], dtype=torch.long, device=device)
-        m.draft_s += clock() - t_draft
-        m.draft_steps += len(steps)
+        timer.add("draft_s", t_draft)
 
-        t_verify = clock()
+        t_verify = timer.mark()
         tree = DraftTree([s.token for s in steps], leaves)
         pass_ids = torch.tensor(tree.inputs(tokens[-1]), dtype=torch.long, device=device)
         hidden = target.step(pass_ids, tree if leaves else None)  # [1 + drafted + leaves, d]
         logits = target.logits(hidden)  # [1 + drafted + leaves, V]
-        if sampling.greedy:
-            verdict = verify_tree_greedy(tree, logits)
-        else:
-            k, nxt = verify_sampling(steps, logits, sampling, generator)
-            verdict = TreeVerdict(tree.chain[:k], nxt, k)
+        verdict = verify(tree, steps, logits, sampling, generator)
         k = len(verdict.path)
         emitted = verdict.path + [verdict.next_token]
         emitted = emitted[: cfg.max_new_tokens - len(out)]
@@ -204,43 +195,26 @@ def speculative_generate(
         if speculative:
             draft.rollback(min(draft.length, n + verdict.chain_accepted))
             draft.observe(n - 1, hidden, verdict.rows)  # the committed rows: root, accepted path
-        m.verify_s += clock() - t_verify
-        m.leaves += len(leaves)
-        m.leaf_hits += verdict.leaf_row is not None
+        timer.add("verify_s", t_verify)
 
         drafted = tree.chain
-        for j in range(len(drafted)):
-            drafted_at[j] += 1
-            accepted_at[j] += j < verdict.chain_accepted  # an accepted leaf counts in leaf_hits, not here
-        # Coverage: accepted tokens were drafted from the active set; the correction at position k < γ is
-        # covered when it was inside the active set of draft step k. A bonus after full acceptance had no step.
-        in_steps = min(k + 1, len(drafted), len(emitted))
-        counted += in_steps
-        covered += min(k, in_steps)
-        if k < in_steps:
-            covered += active_contains(actives[k], emitted[k])
-        m.cycles += 1
+        tally.cycle(len(drafted), verdict.chain_accepted, k, emitted, sets, len(leaves), verdict.leaf_row is not None)
         lengths.append(len(emitted))
         tokens.extend(emitted)
         out.extend(emitted)
         if policy is not None:
-            t_policy = clock()
+            t_policy = timer.mark()
             rows = slice(0, len(drafted) + 1)  # the chain's rows; an accepted leaf's row replaces its sibling's
             if verdict.leaf_row is not None:
                 rows = verdict.rows + list(range(k + 1, len(drafted) + 1))
-            report = CycleReport(n, verdict.path + drafted[k:], tops, k, emitted, logits[rows], hidden[rows], leaf=verdict.leaf_row is not None)
-            policy.observe(report)
-            m.policy_s += clock() - t_policy
+            policy.observe(CycleReport(
+                n, verdict.path + drafted[k:], tops, k, emitted, logits[rows], hidden[rows], sets,
+                leaf=verdict.leaf_row is not None,
+            ))
+            timer.add("policy_s", t_policy)
+        timer.flush(m)
         if on_tokens is not None:
             on_tokens(emitted)
 
-    m.wall_s = clock() - start
-    m.new_tokens = len(out)
-    m.mean_accepted_length = m.new_tokens / m.cycles if m.cycles else 0.0
-    m.tokens_per_s = m.new_tokens / m.wall_s if m.wall_s > 0 else 0.0
-    m.accept_by_position = [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)]
-    if speculative:
-        m.mean_active_vocab = active_total / m.draft_steps if m.draft_steps else None
-        m.active_hit_rate = covered / counted if counted else None
-        m.head_rows_copied = head.rows_copied
-    return Generation(out, m, stopped, lengths)
+    metrics = tally.finish(time.perf_counter() - start, speculative, draft.rows_copied if speculative else 0)
+    return Generation(out, metrics, stopped, lengths)

@@ -40,3 +40,57 @@ class Metrics:
         out["accept_by_position"] = [round(v, 4) for v in self.accept_by_position]
         out["coverage"] = out["active_hit_rate"]  # the old name, kept for readers of earlier JSON
         return out
+
+
+class Tally:
+    """The loop's counters for one generation, turned into :class:`Metrics` by :meth:`finish`.
+
+    Fed once per draft step (the active set's size, a host int) and once per cycle (host ints the verification
+    already read), so counting never waits on a device.
+    """
+
+    def __init__(self, gamma: int):
+        self.m = Metrics()
+        self.drafted_at = [0] * gamma
+        self.accepted_at = [0] * gamma
+        self.active_total = 0
+        self.covered = self.counted = 0
+
+    def step(self, active_size: int) -> None:
+        """One draft step over an active set of ``active_size`` ids."""
+        self.m.draft_steps += 1
+        self.active_total += active_size
+
+    def cycle(self, drafted: int, chain_accepted: int, path: int, emitted: list[int], sets: list, leaves: int,
+              leaf_hit: bool) -> None:
+        """One verified cycle: ``drafted`` chain tokens of which ``chain_accepted`` were accepted, ``path`` tokens
+        accepted in all (an accepted leaf included), ``emitted`` tokens, the draft steps' active ``sets``.
+
+        Hit rate: accepted tokens were drafted from the active set; the correction at position k < γ is a hit
+        when it was inside the active set of draft step k. A bonus after full acceptance had no step.
+        """
+        for j in range(drafted):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < chain_accepted  # an accepted leaf counts in leaf_hits, not here
+        in_steps = min(path + 1, drafted, len(emitted))
+        self.counted += in_steps
+        self.covered += min(path, in_steps)
+        if path < in_steps:
+            self.covered += sets[path].contains(emitted[path])
+        self.m.cycles += 1
+        self.m.new_tokens += len(emitted)
+        self.m.leaves += leaves
+        self.m.leaf_hits += leaf_hit
+
+    def finish(self, wall_s: float, speculative: bool, rows_copied: int = 0) -> Metrics:
+        """The generation's metrics after ``wall_s`` seconds."""
+        m = self.m
+        m.wall_s = wall_s
+        m.mean_accepted_length = m.new_tokens / m.cycles if m.cycles else 0.0
+        m.tokens_per_s = m.new_tokens / wall_s if wall_s > 0 else 0.0
+        m.accept_by_position = [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        if speculative:
+            m.mean_active_vocab = self.active_total / m.draft_steps if m.draft_steps else None
+            m.active_hit_rate = self.covered / self.counted if self.counted else None
+            m.head_rows_copied = rows_copied
+        return m

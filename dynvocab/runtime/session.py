@@ -18,9 +18,9 @@ from dynvocab.models import (
     tokenizer_fingerprint,
 )
 from dynvocab.models.eagle import eagle_checkpoint
-from dynvocab.models.prepack import PrepackedLinear, prepack_linears, prepack_supported
+from dynvocab.models.prepack import prepack_linears, prepack_supported
 from dynvocab.models.vocab import end_token_ids
-from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.draft import Draft
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, Generation, speculative_generate
 from dynvocab.runtime.policies.base import VocabPolicy
@@ -75,11 +75,9 @@ class Session:
         self.target = CausalLM(target_model)
         self.context_length: int | None = getattr(target_model.config, "max_position_embeddings", None)
         self.eos_ids = eos_token_ids(self.tokenizer, target_model)
-        self.draft = None
+        self.draft: Draft | None = None
         self.draft_step_dtype = None
         self.match = None
-        self.make_head = None  # () -> a fresh draft head for one generation
-        self.draft_kind = None if draft_spec is None else "model"  # or an EAGLE kind: eagle, eagle3
         eagle = None if draft_spec is None else eagle_checkpoint(draft_spec)
         if eagle is not None:
             say(f"loading EAGLE head {cfg.draft}")
@@ -94,13 +92,6 @@ class Session:
             self.match = match_vocabularies(self.tokenizer, draft_tokenizer, rows_t, rows_d)
             self.draft_step_dtype = self._prepare_draft_steps(draft_model, cfg.draft_step_dtype)
             self.draft = CausalLM(draft_model, vocab_rows=self.match.shared)
-            head, rows = draft_model.get_output_embeddings(), self.draft.vocab_size
-            if isinstance(head, PrepackedLinear) and head.row_weight is not None:  # our head reads the step copy
-                self.draft_head_weight = head.row_weight[:rows]
-                self.draft_head_bias = None if head.row_bias is None else head.row_bias[:rows]
-            else:
-                self.draft_head_weight, self.draft_head_bias = self.draft.weight, self.draft.bias
-            self.make_head = lambda: DraftHead(self.draft_head_weight, self.draft_head_bias, self.draft.softcap)
         self.bundle = None
         if bundle is not None:
             from dynvocab.artifacts import ModelFingerprint, load_bundle
@@ -113,9 +104,9 @@ class Session:
 
     def _load_eagle(self, folder, target_model, step_dtype: str | None) -> None:
         """Load an EAGLE head for the target (refused in one line if it was built for another) as the draft; its
-        linears get the draft's prepared copies, and its LM head a copy in the step dtype."""
+        linears get the draft's prepared copies, and its LM head rows the step dtype."""
         from dynvocab.models.eagle import EAGLE1, LayerTap, check_target, load_eagle, read_config
-        from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
+        from dynvocab.runtime.eagle_draft import EagleDraft
 
         config = target_model.config.get_text_config()
         embeddings = target_model.get_input_embeddings().weight.detach()  # [V, d]
@@ -124,20 +115,7 @@ class Session:
         model = load_eagle(folder, embeddings, self.device, parse_dtype(self.dtype))
         tap = None if eagle_cfg.kind == EAGLE1 else LayerTap(target_model, eagle_cfg.target_layers(config.num_hidden_layers))
         self.draft_step_dtype = self._prepare_draft_steps(model, step_dtype)
-        self.draft = EagleDraft(model, self.target, tap)
-        self.draft_kind = eagle_cfg.kind
-        weight = self.draft.weight  # [rows, d]: the target's head (EAGLE-1) or the head's lm_head (EAGLE-3)
-        if self.draft_step_dtype != self.dtype:
-            lm_head = getattr(model, "lm_head", None)
-            row_weight = getattr(lm_head, "row_weight", None)
-            weight = row_weight if row_weight is not None else weight.to(parse_dtype(self.draft_step_dtype))
-        bias = self.draft.bias
-        self.draft_head_weight, self.draft_head_bias = weight, None if bias is None else bias.to(weight.dtype)
-        if eagle_cfg.kind == EAGLE1:  # the target's own head: its rows are target ids
-            self.make_head = lambda: DraftHead(self.draft_head_weight, self.draft_head_bias, self.draft.softcap)
-        else:
-            row_token = model.draft_to_target()
-            self.make_head = lambda: MappedHead(self.draft_head_weight, row_token, self.target.vocab_size)
+        self.draft = EagleDraft(model, self.target, tap, parse_dtype(self.draft_step_dtype))
 
     def _wants_prepack(self, wanted: bool | None) -> bool:
         supported = prepack_supported(self.device, self.dtype)
@@ -191,25 +169,28 @@ class Session:
         options: StrategyOptions = StrategyOptions(),
         on_tokens: Callable[[list[int]], None] | None = None,
         wrap_policy: Callable[[VocabPolicy], VocabPolicy] | None = None,
+        timing: bool = False,
     ) -> Generation:
         """Run ``strategy`` on ``prompt_ids``; the output is the target's own (greedy: token for token).
 
         ``wrap_policy`` may wrap the strategy's policy (bench records active sets this way); the wrapper's
-        ``close()``, if any, runs after the generation, as the policy's own does.
+        ``close()``, if any, runs after the generation, as the policy's own does. ``timing``: measure the loop's
+        sections too (bench does; see :func:`~dynvocab.runtime.loop.speculative_generate`).
         """
         if not prompt_ids:
             raise DynvocabError("the prompt is empty; pass some text")
         if strategy == "ar":
-            return speculative_generate(self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens)
+            return speculative_generate(
+                self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens, timing=timing
+            )
         if self.draft is None:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
         policy = make_policy(strategy, options, self.policy_context())
         if wrap_policy is not None:
             policy = wrap_policy(policy)
-        head = self.make_head()
         try:
             return speculative_generate(
-                self.target, prompt_ids, decode, self.eos_ids, self.draft, head, policy, on_tokens=on_tokens
+                self.target, prompt_ids, decode, self.eos_ids, self.draft, policy, on_tokens=on_tokens, timing=timing
             )
         finally:
             if policy is not None:

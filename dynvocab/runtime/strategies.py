@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.eagle_draft import EagleDraft
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
@@ -141,13 +140,13 @@ def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPo
     if name == "ar":
         return None
     if name == "full":
-        return FullPolicy()
+        return FullPolicy(ctx.vocab_size)
     if name == "microspec":
         return MicroSpecPolicy(opts.microspec, ctx.vocab_size, ctx.device, pinned=ctx.eos)
     if name == "dynaspec":
         return DynaSpecPolicy.from_context(opts.dynaspec, ctx)
     if name == "evospec":
-        if opts.evospec.online_align and ctx.draft is not None and isinstance(ctx.draft, EagleDraft):
+        if opts.evospec.online_align and ctx.draft is not None and ctx.draft.adaptable is None:
             raise DynvocabError("--online-align adapts a draft model's q/v projections, not an EAGLE head; drop it")
         return EvoSpecPolicy.from_context(opts.evospec, ctx)
     ranking = frequency_ranking(opts, ctx, name)
@@ -165,13 +164,12 @@ def _draft_head_index(ctx: PolicyContext, target_index):
     predicts through the target's own head (an EAGLE-1 head, when asked: its default is no per-step search), the
     bundle's ``draft_hnsw`` for the draft model it was built over, else None (an EAGLE-3 head's ``lm_head``)."""
     from dynvocab.artifacts import HnswParams, load_hnsw
-    from dynvocab.runtime.lm import CausalLM
 
-    if getattr(ctx.draft, "weight", None) is getattr(ctx.target, "weight", False):
+    if ctx.draft.shares_target_head:
         return target_index
-    if not isinstance(ctx.draft, CausalLM) or not ctx.bundle.has("draft_hnsw"):
+    head = ctx.draft.index_rows  # [V, d] every row, as indexed
+    if head is None or not ctx.bundle.has("draft_hnsw"):
         return None
-    head = ctx.draft.model.get_output_embeddings().weight  # [V, d] every row, as indexed
     params = HnswParams.from_dict(ctx.bundle.info("draft_hnsw")["index"], f"bundle {ctx.bundle.path} (stage draft_hnsw)")
     if (params.num_elements, params.hidden) != tuple(head.shape):
         return None
@@ -181,9 +179,7 @@ def _draft_head_index(ctx: PolicyContext, target_index):
 def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> HybridPolicy:
     """The hybrid with the bundle's graph and HNSW indexes (target head, draft head) when it has them, its
     per-step candidates decided for the kind of draft (see :meth:`HybridConfig.for_draft`)."""
-    from dynvocab.runtime.lm import CausalLM
-
-    cfg = cfg.for_draft(eagle_head=ctx.draft is not None and not isinstance(ctx.draft, CausalLM))
+    cfg = cfg.for_draft(searches_per_step=ctx.draft is None or ctx.draft.searches_per_step)
     graph = hnsw = draft_hnsw = None
     if ctx.bundle is not None:
         from dynvocab.artifacts import GraphTable, load_hnsw

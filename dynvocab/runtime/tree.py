@@ -5,7 +5,7 @@ runner-up ``s_j`` joins as a leaf: a sibling of ``d_j`` with the same parent ``d
 the root (the last committed token), the chain and the leaves in one pass; tree attention (a 4-D mask) lets each
 leaf see only the prefix, the root and its own ancestors, at the position of the chain token it replaces.
 
-Greedy verification walks the chain as usual; where it stops at depth j and the target's token there is the
+Greedy verification (:func:`dynvocab.runtime.verify.verify_tree_greedy`) walks the chain as usual; where it stops at depth j and the target's token there is the
 leaf ``s_j``, the leaf is accepted and the target's token after it (from the leaf's own row) is emitted too. So
 the output is still exactly the target's greedy output, one token longer whenever a runner-up was right
 (SpecInfer, Miao et al. 2024; EAGLE-2 and MicroSpec verify wider trees in the same way).
@@ -60,33 +60,3 @@ class DraftTree:
         mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=device)
         mask[0, 0, :, past:].masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask
-
-
-@dataclass(frozen=True)
-class TreeVerdict:
-    """What greedy verification of a tree kept: the accepted path, the next token and where they came from."""
-
-    path: list[int]  # accepted draft tokens: a chain prefix, possibly ending in a leaf
-    next_token: int  # the target's token after the path (correction or bonus)
-    chain_accepted: int  # chain tokens in ``path``
-    leaf_row: int | None = None  # the accepted leaf's row in the pass, or None
-
-    @property
-    def rows(self) -> list[int]:
-        """Logit rows along the path: row i predicts ``path[i]``; the last one predicts ``next_token``."""
-        rows = list(range(self.chain_accepted + 1))
-        return rows if self.leaf_row is None else rows + [self.leaf_row]
-
-
-def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerdict:
-    """Accept the longest chain prefix matching the target's argmax, then the leaf at the stopping depth if it
-    matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs`."""
-    choice = target_logits.argmax(dim=-1).tolist()
-    k = 0
-    while k < len(tree.chain) and tree.chain[k] == choice[k]:
-        k += 1
-    leaf = tree.leaves.get(k) if k < len(tree.chain) else None
-    if leaf is not None and leaf == choice[k]:
-        row = tree.leaf_row(k)
-        return TreeVerdict(tree.chain[:k] + [leaf], choice[row], k, row)
-    return TreeVerdict(tree.chain[:k], choice[k], k)

@@ -1,4 +1,5 @@
-"""Verification of a drafted chain against the target by exact rejection sampling (greedy: :mod:`.tree`).
+"""Verification of a draft against the target: :func:`verify` for greedy decoding (a draft tree, :mod:`.tree`)
+and exact rejection sampling (a chain), one :class:`Verdict` either way.
 
 Notation follows Leviathan et al. (2023): ``p`` is the target distribution, ``q`` the draft's. The draft's
 ``q`` is only supported on its active vocabulary; tokens outside it have q = 0, so the residual
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from dynvocab.runtime.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -82,3 +85,45 @@ def _dense_q(step: DraftStep, vocab: int, device) -> torch.Tensor:
         keep = step.support < vocab
         q[step.support[keep]] = step.q[keep]
     return q
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification kept: the accepted path, the next token and where they came from (greedy or sampling)."""
+
+    path: list[int]  # accepted draft tokens: a chain prefix, possibly ending in a leaf
+    next_token: int  # the target's token after the path (correction or bonus)
+    chain_accepted: int  # chain tokens in ``path``
+    leaf_row: int | None = None  # the accepted leaf's row in the pass, or None
+
+    @property
+    def rows(self) -> list[int]:
+        """Logit rows along the path: row i predicts ``path[i]``; the last one predicts ``next_token``."""
+        rows = list(range(self.chain_accepted + 1))
+        return rows if self.leaf_row is None else rows + [self.leaf_row]
+
+
+def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
+    """Accept the longest chain prefix matching the target's argmax, then the leaf at the stopping depth if it
+    matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs`."""
+    choice = target_logits.argmax(dim=-1).tolist()
+    k = 0
+    while k < len(tree.chain) and tree.chain[k] == choice[k]:
+        k += 1
+    leaf = tree.leaves.get(k) if k < len(tree.chain) else None
+    if leaf is not None and leaf == choice[k]:
+        row = tree.leaf_row(k)
+        return Verdict(tree.chain[:k] + [leaf], choice[row], k, row)
+    return Verdict(tree.chain[:k], choice[k], k)
+
+
+def verify(
+    tree: DraftTree, steps: list[DraftStep], target_logits: torch.Tensor, cfg: SamplingConfig,
+    generator: torch.Generator,
+) -> Verdict:
+    """Verify one cycle's draft against ``target_logits`` [1 + chain + leaves, V] of one target pass: greedy walks
+    the tree (:func:`verify_tree_greedy`), sampling runs exact rejection sampling over the chain's ``steps``."""
+    if cfg.greedy:
+        return verify_tree_greedy(tree, target_logits)
+    k, token = verify_sampling(steps, target_logits, cfg, generator)
+    return Verdict(tree.chain[:k], token, k)

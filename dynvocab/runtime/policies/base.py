@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvocab.runtime.active_set import ActiveSet
+
 
 @dataclass(frozen=True)
 class CycleReport:
@@ -22,6 +24,7 @@ class CycleReport:
     emitted: list[int]  # tokens appended this cycle (accepted + correction/bonus, after EOS/length cuts)
     target_logits: torch.Tensor  # [γ+1, V] float32
     target_hidden: torch.Tensor  # [γ+1, d_target]
+    active_sets: tuple[ActiveSet, ...] | list[ActiveSet] = ()  # the active set of each draft step
     leaf: bool = False  # the last of the ``accepted`` tokens is a tree leaf, not a chain token (see runtime.tree)
 
 
@@ -40,12 +43,12 @@ class VocabPolicy:
     def prefill(self, prompt_ids: torch.Tensor, target_logits: torch.Tensor | None, target_hidden) -> None:
         """See the prompt [L] (and, if asked for, target logits [L-1, V] and hidden states [L-1, d])."""
 
-    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None):
+    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> ActiveSet:
         """Token ids the draft may propose at draft position ``step`` (0-based).
 
         ``hidden`` [1, d] is the draft's final hidden state at this step (before its head) and ``token`` the
         last token fed to the draft; context-routed policies (DynaSpec) use them, others ignore them.
-        Returns None (full vocabulary), a LongTensor [n], or a tuple of disjoint LongTensors (segments).
+        Returns an :class:`~dynvocab.runtime.active_set.ActiveSet`: the full vocabulary or disjoint segments.
         """
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ import torch
 from dynvocab.artifacts import ClusterTable
 from dynvocab.artifacts.router import DEFAULT_K_MAX, STAGE, RouterTable, clusters_checksum
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.head import RowRanges
+from dynvocab.runtime.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.frequency import pa_budget
 
@@ -133,13 +133,14 @@ class DynaSpecPolicy(VocabPolicy):
         half = len(flat) // 2
         return tuple(flat[:half]), tuple(flat[half:])
 
-    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None):
+    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> ActiveSet:
         """The active set at draft step ``step`` for the draft's ``hidden`` [1, d] and last fed ``token``:
-        (routed clusters as :class:`~dynvocab.runtime.head.RowRanges`, EOS ids outside them)."""
+        two segments, the routed clusters (:class:`~dynvocab.runtime.active_set.RowRanges`) and the EOS ids
+        outside them."""
         if hidden is None or token is None:
             raise ValueError("dynaspec routes on the draft hidden state and token; the loop must pass both")
         start = time.perf_counter()
-        ids = self.select(self.scores(hidden, token), self.cfg.budget(step))
+        active = ActiveSet.of(*self.select(self.scores(hidden, token), self.cfg.budget(step)))
         self.router_s += time.perf_counter() - start
         self.calls += 1
-        return ids
+        return active

@@ -40,6 +40,7 @@ import torch
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 from dynvocab.runtime.policies.arc import ARCCache
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
 REQUIRED_STAGES = ("freq", "hnsw", "graph")
@@ -242,10 +243,9 @@ class EvoSpecPolicy(VocabPolicy):
         self.core = core.to(self.device)  # [K] the same object at every step
         self.in_core = np.zeros(vocab_size, dtype=bool)
         self.in_core[core.cpu().numpy()] = True
-        self.in_active = self.in_core.copy()  # [V] the set the current cycle drafts from
         self.dynamic = torch.empty(0, dtype=torch.long, device=self.device)  # [n ≤ dynamic_size]
         self._dynamic_np = np.empty(0, dtype=np.int64)  # the same ids on the host
-        self.active = (self.core, self.dynamic)
+        self.active = ActiveSet.of(self.core, self.dynamic)
         self.cache = ARCCache(cfg.dynamic_size, cfg.ghost_size, cfg.arc_p, cfg.min_residency, cfg.warmup_events)
         self.retriever = Retriever(index, graph, self.in_core, cfg)
         self.stats = EvoSpecStats()
@@ -291,8 +291,9 @@ class EvoSpecPolicy(VocabPolicy):
         """Remember the prompt (the context of alignment samples); the dynamic buffer starts empty."""
         self.tokens = prompt_ids.tolist()
 
-    def active_ids(self, step: int, hidden=None, token=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(core, dynamic)``; at step 0 the cache first takes every retrieval that has finished."""
+    def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
+        """Two segments, the core and the dynamic ids; at step 0 the cache first takes every retrieval that has
+        finished."""
         if step == 0:
             self.apply_ready()
         return self.active
@@ -304,7 +305,7 @@ class EvoSpecPolicy(VocabPolicy):
         for j, tok in enumerate(cycle.emitted):
             if tok >= self.vocab_size:
                 continue  # a target-only id: no draft row can ever propose it
-            if self.in_active[tok]:
+            if self.active.contains(tok):
                 if self.cfg.hit_on_use and not self.in_core[tok]:
                     self.cache.touch(tok)
                 continue
@@ -335,12 +336,9 @@ class EvoSpecPolicy(VocabPolicy):
             self.stats.inserted += len(self.cache.admit(candidates, self.cfg.max_insert))
         if self.cache.version != self._version:
             self._version = self.cache.version
-            left = self._dynamic_np
             self._dynamic_np = np.asarray(self.cache.resident(), dtype=np.int64)
             self.dynamic = torch.from_numpy(self._dynamic_np).to(self.device)
-            self.in_active[left] = self.in_core[left]  # only the ids that change: no [V] copy per update
-            self.in_active[self._dynamic_np] = True
-            self.active = (self.core, self.dynamic)
+            self.active = ActiveSet.of(self.core, self.dynamic)
 
     def _start_worker(self) -> _Worker:
         if self._worker is None:
@@ -356,7 +354,7 @@ class EvoSpecPolicy(VocabPolicy):
         if k >= len(cycle.draft_tokens) or k >= len(cycle.emitted):
             return  # everything accepted (no mismatch), or the correction was cut by EOS/length
         x = cycle.emitted[k]
-        if x < self.vocab_size and self.in_active[x]:
+        if x < self.vocab_size and self.active.contains(x):
             self.aligner.add(self.tokens[: cycle.position], cycle.emitted[: k + 1], cycle.target_logits[: k + 1])
 
     # -- reporting and tear-down ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import VocabPolicy
 
 
@@ -15,10 +16,11 @@ class FrequencyPolicy(VocabPolicy):
     def __init__(self, ranking: torch.Tensor, size: int | None = None, device: torch.device | str = "cpu"):
         self.ranking = ranking.to(device)  # [K] token ids, most frequent first, on the draft head's device
         self.ids = self.ranking[: size or ranking.numel()]
+        self.active = ActiveSet.of(self.ids)
 
-    def active_ids(self, step: int, hidden=None, token=None) -> torch.Tensor:
+    def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
         """The same top-K set at every step."""
-        return self.ids
+        return self.active
 
 
 def pa_budget(k_max: int, step: int, divisor: int = 1) -> int:
@@ -50,11 +52,11 @@ class PositionAwareFrequencyPolicy(VocabPolicy):
             ranking = torch.cat([always, rest])
         self.ranking = ranking.to(device)  # [K'] on the draft head's device
         self.k_max = k_max
-        self._views: dict[int, torch.Tensor] = {}
+        self._views: dict[int, ActiveSet] = {}
 
-    def active_ids(self, step: int, hidden=None, token=None) -> torch.Tensor:
+    def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
         """A prefix of the ranking; prefixes are views of one tensor, so the packed head slices, not copies."""
         k = pa_budget(self.k_max, step)
         if k not in self._views:
-            self._views[k] = self.ranking[:k]
+            self._views[k] = ActiveSet.of(self.ranking[:k])
         return self._views[k]

@@ -1,5 +1,6 @@
 """The full draft head: speculative decoding without vocabulary pruning."""
 
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import VocabPolicy
 
 
@@ -8,6 +9,9 @@ class FullPolicy(VocabPolicy):
 
     name = "full"
 
-    def active_ids(self, step: int, hidden=None, token=None):
+    def __init__(self, vocab_size: int):
+        self.all = ActiveSet.full(vocab_size)
+
+    def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
         """Always the full vocabulary."""
-        return None
+        return self.all

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dynvocab.artifacts import mips_search
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.frequency import pa_budget
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
@@ -52,11 +53,12 @@ class HybridConfig:
     step_successors: int | None = None  # per draft step: graph successors of the token just fed (0: off)
     step_search_on_gpu: bool = False  # run the per-step HNSW search on CUDA devices too (a host sync per step)
 
-    def for_draft(self, eagle_head: bool) -> HybridConfig:
-        """This config with the per-step candidates left unset (None) decided for the kind of draft: 16 HNSW
-        neighbours and 8 graph successors for a draft model, none for an EAGLE head, whose step is a few
-        milliseconds and gained no MAL from them (docs/bench.md, trained heads on the demo target)."""
-        neighbours, successors = (0, 0) if eagle_head else (16, 8)
+    def for_draft(self, searches_per_step: bool) -> HybridConfig:
+        """This config with the per-step candidates left unset (None) decided for the draft
+        (:attr:`~dynvocab.runtime.draft.Draft.searches_per_step`): 16 HNSW neighbours and 8 graph successors for a
+        draft model, none for an EAGLE head, whose step is a few milliseconds and gained no MAL from them
+        (docs/bench.md, trained heads on the demo target)."""
+        neighbours, successors = (16, 8) if searches_per_step else (0, 0)
         return replace(
             self,
             step_neighbours=neighbours if self.step_neighbours is None else self.step_neighbours,
@@ -65,7 +67,7 @@ class HybridConfig:
 
     def searches_per_step(self, device) -> bool:
         """Whether the per-step draft-head search runs on ``device`` (unset neighbours count as a draft model's)."""
-        neighbours = self.for_draft(eagle_head=False).step_neighbours
+        neighbours = self.for_draft(searches_per_step=True).step_neighbours
         return neighbours > 0 and (torch.device(device).type == "cpu" or self.step_search_on_gpu)
 
 
@@ -87,7 +89,7 @@ class HybridPolicy(MicroSpecPolicy):
     ):
         window_cfg = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives)
         super().__init__(window_cfg, vocab_size, device)
-        self.hcfg = cfg = cfg.for_draft(eagle_head=False)  # no-op when the caller decided for its draft
+        self.hcfg = cfg = cfg.for_draft(searches_per_step=True)  # no-op when the caller decided for its draft
         pinned = torch.empty(0, dtype=torch.long) if pinned is None else pinned
         core = _unique_in_order(torch.cat([pinned, ranking[: cfg.core_size]]).to(device))
         self.core = core  # [C] EOS first, then by frequency
@@ -103,28 +105,19 @@ class HybridPolicy(MicroSpecPolicy):
         self._views: dict[int, torch.Tensor] = {}
         self.misses = 0
 
-    @property
-    def dyn(self) -> torch.Tensor:
-        """The context ids outside the core, LongTensor [n], ascending (kept incrementally by MicroSpec)."""
-        return self.ids
-
-    @property
-    def dyn_mask(self) -> torch.Tensor:
-        """Bitmap [V] of ``dyn``."""
-        return self.member
-
     def core_size(self, step: int) -> int:
         """Core ids active at draft position ``step``."""
         if not self.hcfg.pa_core:
             return self.core.numel()
         return max(self.min_core, min(self.core.numel(), pa_budget(self.core.numel(), step)))
 
-    def active_ids(self, step: int, hidden=None, token=None):
-        """(context \\ core, core prefix for this position, per-step candidates): three disjoint segments."""
+    def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
+        """Three disjoint segments: the context ids outside the core (``ids``, kept incrementally by MicroSpec),
+        the core prefix for this position, the per-step candidates."""
         k = self.core_size(step)
         if k not in self._views:
             self._views[k] = self.core[:k]
-        return self.dyn, self._views[k], self.step_candidates(k, hidden, token)
+        return ActiveSet.of(self.ids, self._views[k], self.step_candidates(k, hidden, token))
 
     def step_candidates(self, core_size: int, hidden=None, token=None) -> torch.Tensor:
         """Draft-head neighbours of ``hidden`` [1, d] and graph successors of ``token`` that are not already
@@ -139,14 +132,15 @@ class HybridPolicy(MicroSpecPolicy):
             return self._none
         ids = torch.unique(torch.cat(parts).to(self.core.device))
         ids = ids[ids < self.vocab_size]
-        return ids[~self.dyn_mask[ids] & (self.core_rank[ids] >= core_size)]
+        return ids[~self.member[ids] & (self.core_rank[ids] >= core_size)]
 
     def observe(self, cycle: CycleReport) -> None:
-        """Handle a miss at the first rejected position, then extend the stream as MicroSpec does."""
+        """Handle a miss (the target's token at the first rejected position was outside that step's active set),
+        then extend the stream as MicroSpec does."""
         k = cycle.accepted
-        if k < len(cycle.draft_tokens) and k < len(cycle.emitted):
+        if k < len(cycle.draft_tokens) and k < len(cycle.emitted) and k < len(cycle.active_sets):
             token = cycle.emitted[k]
-            if not (self.dyn_mask[token] or self.core_rank[token] < self.core_size(k)):
+            if not cycle.active_sets[k].contains(token):
                 self.misses += 1
                 self._push(self._neighbours(token, cycle, k))
         super().observe(cycle)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.kernels.window_state import WindowState
+from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
 
@@ -48,6 +49,7 @@ class MicroSpecPolicy(VocabPolicy):
         self.member = self.is_pinned.clone()  # [V] whether each id is in self.ids
         self._touched: list[torch.Tensor] = []  # ids whose window count changed since the last refresh
         self._rebuilt = False
+        self._active: ActiveSet | None = None
 
     def prefill(self, prompt_ids, target_logits, target_hidden) -> None:
         """S_init = prompt ⊕ ∪_i top-K_pre(z_i) (the last prompt position arrives with the first cycle)."""
@@ -57,9 +59,11 @@ class MicroSpecPolicy(VocabPolicy):
             self._push(_unique_in_order(top.flatten()))
         self._refresh()
 
-    def active_ids(self, step: int, hidden=None, token=None) -> torch.Tensor:
-        """The same window set at every draft step of a cycle."""
-        return self.ids
+    def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
+        """The same window set at every draft step of a cycle (the same object while ``ids`` is unchanged)."""
+        if self._active is None or self._active.segments[0] is not self.ids:
+            self._active = ActiveSet.of(self.ids)
+        return self._active
 
     def observe(self, cycle: CycleReport) -> None:
         """S ← S ⊕ C_draft ⊕ C_ver, then take the unique tokens of the last W_max entries."""
