@@ -26,12 +26,12 @@ def test_float32_on_cpu_steps_the_draft_in_bfloat16_by_default(session):
     assert body and all(isinstance(m, PrepackedLinear) and m.row_weight.dtype == torch.bfloat16 for m in body)
     head = session.draft.model.get_output_embeddings()  # hf-assisted steps through the module itself
     assert head.weight.dtype == torch.float32 and head.row_weight.dtype == torch.bfloat16
-    assert session.draft_head_weight.data_ptr() == head.row_weight.data_ptr()  # our head reads the same copy
+    assert session.draft.step_rows[0].data_ptr() == head.row_weight.data_ptr()  # our head reads the same copy
 
 
 def test_float32_steps_keep_no_copy(tiny_dirs):
     s = Session(ModelConfig(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), "cpu", "float32", draft_step_dtype="float32"))
-    assert s.draft_head_weight is s.draft.weight
+    assert s.draft.step_rows[0] is s.draft.weight
     assert all(m.row_weight is None for m in s.draft.body.modules() if isinstance(m, PrepackedLinear))
 
 

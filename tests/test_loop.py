@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -195,3 +197,64 @@ def test_padded_vocabularies_are_matched_on_shared_ids():
     assert max(ar.token_ids) < VOCAB
     g = speculative_generate(target, [1, 2], cfg, set(), draft, FullPolicy(draft.vocab_size))
     assert g.token_ids == ar.token_ids
+
+
+def test_without_timing_the_loop_reads_no_clock_per_step(pair, monkeypatch):
+    """Timing off: the loop reads the clock twice per generation (wall time), never per draft step or cycle."""
+    import dynvocab.runtime.loop as loop
+    import dynvocab.runtime.timing as timing
+
+    target, draft = pair
+    reads = []
+    clock = time.perf_counter
+    fake = type("T", (), {"perf_counter": staticmethod(lambda: reads.append(1) or clock())})
+    monkeypatch.setattr(loop, "time", fake)
+    monkeypatch.setattr(timing, "time", fake)
+    g = speculative_generate(target, [1, 2, 3], DecodeConfig(gamma=4, max_new_tokens=30, stop_below=0), set(), draft,
+                             FullPolicy(draft.vocab_size))
+    assert g.metrics.draft_steps > g.metrics.cycles > 1
+    assert len(reads) == 2 and g.metrics.wall_s > 0
+    assert g.metrics.draft_s == g.metrics.head_s == g.metrics.verify_s == 0.0
+    reads.clear()
+    timed = speculative_generate(target, [1, 2, 3], DecodeConfig(gamma=4, max_new_tokens=30, stop_below=0), set(), draft,
+                                 FullPolicy(draft.vocab_size), timing=True)
+    assert timed.token_ids == g.token_ids and len(reads) > 2 * timed.metrics.draft_steps
+    assert 0 < timed.metrics.head_s <= timed.metrics.draft_s
+
+
+def test_cuda_section_timing_waits_once_per_cycle(monkeypatch):
+    """On a GPU the timer records events and waits on the device once per flush (once per cycle), never per
+    mark; ``torch.cuda.synchronize`` is never called. A fake event stands in for CUDA's."""
+    from dynvocab.runtime.metrics import Metrics
+    from dynvocab.runtime.timing import SectionTimer
+
+    waits, syncs = [], []
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            Event.clock += 1.0
+            self.t = Event.clock
+
+        def synchronize(self):
+            waits.append(self)
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.t - self.t)  # milliseconds
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
+    timer, m = SectionTimer(torch.device("cuda"), True), Metrics()
+    for cycle in range(3):
+        start = timer.mark()
+        for _ in range(5):
+            t = timer.mark()
+            timer.add("head_s", t)
+        timer.add("draft_s", start)
+        timer.flush(m)
+        assert len(waits) == cycle + 1
+    assert syncs == [] and m.head_s == pytest.approx(15.0) and m.draft_s == pytest.approx(3 * 11.0)

@@ -139,9 +139,10 @@ def test_hybrid_pushes_neighbours_of_a_missed_token():
     logits = torch.full((3, vocab), -5.0)
     logits[0, 40] = 5.0
     logits[0, 30] = 4.0
+    sets = [policy.active_ids(0), policy.active_ids(1)]
     policy.observe(CycleReport(
         position=1, draft_tokens=[12, 13], draft_top=[], accepted=0, emitted=[40],
-        target_logits=logits, target_hidden=torch.zeros(3, 2)))
+        target_logits=logits, target_hidden=torch.zeros(3, 2), active_sets=sets))
     assert policy.misses == 1
     dyn = set(policy.active_ids(0).segments[0].tolist())
     assert {40, 30, 41, 42} <= dyn

@@ -53,7 +53,7 @@ class EagleDraft:
         self.cache = None
         self.length = 0  # tokens consumed
         self.trusted = 0  # tokens consumed whose cache entries came from the target's features
-        self.step_weight, self.step_bias = self._step_rows(step_dtype)  # [rows, d], [rows] or None
+        self.step_rows = self._step_rows(step_dtype)  # ([rows, d], [rows] or None): what the head's steps multiply
         self._head: DraftHead | MappedHead | None = None  # built at the first draft step after each reset
 
     def _step_rows(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -65,8 +65,8 @@ class EagleDraft:
 
     def _new_head(self) -> "DraftHead | MappedHead":
         if self.kind == EAGLE1:  # the target's own head: its rows are target ids
-            return DraftHead(self.step_weight, self.step_bias, self.softcap)
-        return MappedHead(self.step_weight, self.model.draft_to_target(), self.target.vocab_size)
+            return DraftHead(*self.step_rows, self.softcap)
+        return MappedHead(self.step_rows[0], self.model.draft_to_target(), self.target.vocab_size)
 
     def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [m, n] over ``active`` (target ids) for head inputs [m, d], and the target id of each column."""

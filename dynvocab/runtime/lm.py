@@ -87,11 +87,13 @@ class CausalLM:
     def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft logits [m, n] over ``active`` for hidden states [m, d] and the id of each column (None: all)."""
         if self._head is None:
-            self._head = DraftHead(*self._step_rows(), self.softcap)
+            self._head = DraftHead(*self.step_rows, self.softcap)
         return self._head.logits(hidden, active)
 
-    def _step_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head's rows for draft steps: the prepared one-row copy if there is one, else the head itself."""
+    @property
+    def step_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's rows [V, d] (and bias) for draft steps: the prepared one-row copy if there is one, else the
+        head itself."""
         head = self.model.get_output_embeddings()
         rows = self.vocab_size
         if isinstance(head, PrepackedLinear) and head.row_weight is not None:

@@ -15,8 +15,9 @@
   it runs on CPU devices only unless ``step_search_on_gpu`` is set.
 - **Neighbours on misses** (EvoSpec): when the target's token at the first rejected position was outside the
   active set, the target's top-``miss_topk`` there, HNSW neighbours of the target hidden state (when the
-  bundle has an ``hnsw`` stage) and graph successors of those seeds and of the token itself (when it has a
-  ``graph`` stage) join the stream, at most ``max_insert`` per miss, and age out with it.
+  bundle has an ``hnsw`` stage) and graph successors of the token and those seeds, round-robin by rank (when it
+  has a ``graph`` stage; EvoSpec's own ``assemble_candidates``) join the stream, at most ``max_insert`` per miss,
+  and age out with it.
 
 The active set is returned as three disjoint segments (context \\ core, core prefix, per-step candidates),
 so the draft head keeps the core packed once and copies only the context rows that changed.
@@ -26,11 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from dynvocab.artifacts import mips_search
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import CycleReport
+from dynvocab.runtime.policies.evospec import assemble_candidates
 from dynvocab.runtime.policies.frequency import pa_budget
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
 
@@ -97,6 +100,9 @@ class HybridPolicy(MicroSpecPolicy):
         self.core_rank[core] = torch.arange(core.numel(), device=device)
         self.min_core = pinned.numel()
         self.graph = graph  # dynvocab.artifacts.GraphTable or None
+        empty = np.zeros(1, dtype=np.int64)
+        self._csr = (graph.indptr.numpy(), graph.indices.numpy()) if graph is not None else (empty, empty[:0])
+        self._in_core = (self.core_rank < core.numel()).cpu().numpy()  # [V] bool
         self.hnsw = hnsw  # a MipsIndex over the target head (dynvocab.artifacts.load_hnsw) or None
         self.draft_hnsw = draft_hnsw  # a MipsIndex over the draft head (load_hnsw(bundle, "draft_hnsw")) or None
         if draft_hnsw is not None:
@@ -146,23 +152,16 @@ class HybridPolicy(MicroSpecPolicy):
         super().observe(cycle)
 
     def _neighbours(self, token: int, cycle: CycleReport, k: int) -> torch.Tensor:
-        """Candidates for a missed ``token`` at verified position ``k`` (at most ``max_insert``)."""
+        """Candidates for a missed ``token`` at verified position ``k`` (at most ``max_insert``): EvoSpec's
+        retrieval (:func:`~dynvocab.runtime.policies.evospec.assemble_candidates`) over the target's top ids
+        there and the HNSW neighbours of its hidden state, run in the loop's thread."""
         cfg = self.hcfg
-        device = self.core.device
-        seeds = [torch.tensor([token], device=device)]
-        seeds.append(cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices)
+        top = cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices.tolist()
+        semantic = []
         if self.hnsw is not None:
-            found = mips_search(self.hnsw, cycle.target_hidden[k : k + 1].float().cpu(), cfg.miss_topk)
-            seeds.append(found.flatten().to(device))
-        seeds = _unique_in_order(torch.cat(seeds))
-        seeds = seeds[seeds < self.vocab_size]
-        parts = [seeds]
-        if self.graph is not None:
-            for u in seeds.tolist()[: cfg.miss_topk]:
-                parts.append(self.graph.successors(u, cfg.successors)[0].to(device))
-        found = _unique_in_order(torch.cat(parts))
-        found = found[(found < self.vocab_size) & (self.core_rank[found.clamp(max=self.vocab_size - 1)] >= self.core.numel())]
-        return found[: cfg.max_insert]
+            semantic = mips_search(self.hnsw, cycle.target_hidden[k : k + 1].float().cpu(), cfg.miss_topk)[0].tolist()
+        found = assemble_candidates(token, top, semantic, *self._csr, cfg.successors, self._in_core)
+        return torch.tensor(found[: cfg.max_insert], dtype=torch.long, device=self.core.device)
 
     def _wanted(self, ids) -> torch.Tensor:
         """In the window and outside the core (the core is its own segment)."""
