@@ -10,10 +10,11 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.bench import runner as bench
-from dynvocab.bench.runner import BenchConfig, PolicyRecorder, oracle_summary, run_bench, summarize_bench
+from dynvocab.bench.recorder import PolicyRecorder
+from dynvocab.bench.runner import BenchConfig, run_bench
+from dynvocab.bench.summary import EXTRA_KEYS, oracle_summary, summarize_bench
 from dynvocab.bench.hf_baselines import accepted_per_cycle
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.bench.summary import EXTRA_KEYS
 from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.bench.tasks import (
