@@ -11,10 +11,11 @@ import torch
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.bench import runner as bench
-from dynvocab.bench.runner import BenchConfig, PolicyRecorder, oracle_summary, run_bench, summarize_bench
+from dynvocab.bench.recorder import PolicyRecorder
+from dynvocab.bench.runner import BenchConfig, run_bench
+from dynvocab.bench.summary import EXTRA_KEYS, oracle_summary, summarize_bench
 from dynvocab.bench.hf_baselines import accepted_per_cycle
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.bench.summary import EXTRA_KEYS
 from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.bench.tasks import (
@@ -206,13 +207,13 @@ def test_recorder_scores_on_path_positions():
     vocab = 8
     sets = [ActiveSet.of(torch.tensor([0, 1])), ActiveSet.of(torch.tensor([2]), torch.tensor([3, 4])), ActiveSet.full(vocab)]
     inner = _Steps(sets)
-    rec = PolicyRecorder(inner, vocab, coverage=True, ks=(1, 2))
+    rec = PolicyRecorder(inner, coverage=True, ks=(1, 2))
     assert [rec.active_ids(j) is sets[j] for j in range(3)] == [True, True, True]  # the very same objects
     logits = torch.full((4, vocab), -1e9)
     logits[0, [0, 5]] = torch.log(torch.tensor([0.75, 0.25]))  # top-1 (0) inside {0,1}; top-2 half inside
     logits[1, [7, 3]] = torch.log(torch.tensor([0.6, 0.4]))  # top-1 (7) outside {2,3,4}; mass 0.4
     logits[2, 0] = 0.0  # position 2 is off the accepted path (accepted = 1): not scored
-    cycle = CycleReport(10, [0, 3, 1], [], 1, [0, 9], logits, torch.zeros(4, 2))
+    cycle = CycleReport(10, [0, 3, 1], [], 1, [0, 9], logits, torch.zeros(4, 2), sets)
     rec.observe(cycle)
     assert inner.observed == 1
     assert rec.mass == pytest.approx([0.75, 0.4])
@@ -223,7 +224,7 @@ def test_recorder_scores_on_path_positions():
     assert set(EXTRA_KEYS) <= set(m)
 
 
-def _dummy_report(gamma: int = 2, vocab: int = 16, dim: int = 4) -> CycleReport:
+def _dummy_report(gamma: int = 2, vocab: int = 16, dim: int = 4, sets=()) -> CycleReport:
     """A well-formed cycle report: one of ``gamma`` drafts accepted, then a correction."""
     return CycleReport(
         position=3,
@@ -233,13 +234,15 @@ def _dummy_report(gamma: int = 2, vocab: int = 16, dim: int = 4) -> CycleReport:
         emitted=[0, 5],
         target_logits=torch.zeros(gamma + 1, vocab),
         target_hidden=torch.zeros(gamma + 1, dim),
+        active_sets=sets,
     )
 
 
 def test_recorder_without_coverage_only_sizes():
-    rec = PolicyRecorder(_Steps([ActiveSet.of(torch.arange(5)), ActiveSet.of(torch.arange(3))]), 100)
+    sets = [ActiveSet.of(torch.arange(5)), ActiveSet.of(torch.arange(3))]
+    rec = PolicyRecorder(_Steps(sets))
     rec.active_ids(0), rec.active_ids(1)
-    rec.observe(_dummy_report(gamma=2, vocab=100))
+    rec.observe(_dummy_report(gamma=2, vocab=100, sets=sets))
     m = rec.metrics()
     assert m["max_active_vocab"] == 5 and m["target_mass"] is None and rec.mass == []
 

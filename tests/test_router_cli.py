@@ -26,7 +26,7 @@ def build(dirs, corpus, out, stages, clusters=8):
 
 def train_args(bundle, dirs, corpus, *extra):
     return ["train-router", "--bundle", bundle, "--draft", dirs[1], "--corpus", corpus, "--max-docs", 40,
-            "--max-tokens", 24, "--epochs", 3, "--hidden", 32, "--k-max", 3, "--device", "cpu", *extra]
+            "--max-tokens", 24, "--epochs", 30, "--hidden", 32, "--k-max", 3, "--device", "cpu", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,15 @@ def test_train_router_adds_the_stage_and_keeps_the_others(trained, clusters_bund
     info, cfg = after.info("router"), after.config("router")
     assert info["corpus"]["docs"] == 40 and info["train_positions"] > info["heldout_positions"] > 0
     assert info["losses"][-1] < info["losses"][0]
-    assert 0.0 < info["recall"]["3"]["cluster_recall"] <= 1.0 and "schedule" in info["recall"]
+    # Held-out, the trained router beats what needs no training: a random top-3 of the 8 clusters holds 3/8 of the
+    # positive clusters in expectation (about ±0.015 on these positions), and a fixed list of the clusters most often
+    # positive in training holds the draft's top-1 less often than the router's top-k (measured 0.53; 0.75 vs 0.50
+    # at k = 3, 0.42 vs 0.24 at k = 1).
+    recall = info["recall"]
+    assert recall["3"]["cluster_recall"] > 3 / 8 + 0.1
+    for k in ("1", "3"):
+        assert recall[k]["top1_recall"] > recall[k]["static_top1_recall"] + 0.1, k
+    assert "schedule" in recall
     assert cfg["num_clusters"] == 8 and cfg["hidden_dim"] == 16 and cfg["width"] == 32 and cfg["top_l"] == 10
     assert RouterTable.from_bundle(after).module()(torch.zeros(1, 16), torch.zeros(1, 16)).shape == (1, 8)
 

@@ -1,4 +1,8 @@
-"""Bench summaries: aggregating per-generation metrics dicts (:class:`dynvocab.runtime.metrics.Metrics`)."""
+"""Bench summaries: every aggregation of bench results lives here.
+
+:func:`summarize` aggregates per-generation metrics dicts (:class:`dynvocab.runtime.metrics.Metrics`);
+:func:`summarize_bench` and :func:`oracle_summary` aggregate a run's generation records per strategy and task.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ EXTRA_KEYS = (
     "analysis_s",  # --coverage scoring time, already taken out of wall_s / tokens_per_s
 )
 TIME_KEYS = ("prefill_s", "draft_s", "verify_s", "head_s", "policy_s")
+SPEEDUP_BASES = ("ar", "full")
+SEED_KEYS = ("tokens_per_s", "mean_accepted_length", "speedup_vs_ar", "speedup_vs_full")
 
 
 def _sum(values) -> float | None:
@@ -82,4 +88,136 @@ def summarize(rows: list[dict]) -> dict:
     out["accept_by_position"] = [
         round(statistics.fmean([p[j] for p in positions if len(p) > j]), 4) for j in range(width)
     ]
+    return out
+
+
+def _ratio(a, b):
+    return round(a / b, 4) if a is not None and b else None
+
+
+def _summarize(records: list[dict]) -> dict:
+    return summarize([r["metrics"] for r in records])
+
+
+def _groups(generations: list[dict], strategy: str) -> dict[str, list[dict]]:
+    rows = [g for g in generations if g["strategy"] == strategy]
+    groups = {task: [g for g in rows if g["task"] == task] for task in sorted({g["task"] for g in rows})}
+    groups["all"] = rows
+    return groups
+
+
+def summarize_bench(generations: list[dict], strategies: tuple[str, ...], greedy: bool = True) -> dict:
+    """Aggregate per strategy and task; add speed-ups, exact-match rates against ``ar``, and seed spread.
+
+    ``summary[s][task]`` (and ``["all"]``): :func:`summarize` of the rows, ``speedup_vs_ar`` / ``speedup_vs_full``
+    (ratio of token-weighted tokens/s), ``matches_ar`` (share of rows identical to ``ar``'s on the same prompt and
+    seed; ``None`` when sampling) with ``diverged_from_ar`` (rows that differ) and ``first_divergence`` (mean index
+    of the first differing token), and with several seeds ``seed_stats``
+    (mean and std over seeds of the per-seed figures).
+    """
+    summary: dict = {}
+    for strategy in strategies:
+        summary[strategy] = {task: _summarize(rows) for task, rows in _groups(generations, strategy).items()}
+    add_speedups(summary)
+    _add_ar_matches(summary, generations, strategies, greedy)
+    _add_seed_stats(summary, generations, strategies)
+    return summary
+
+
+def add_speedups(summary: dict) -> None:
+    """``speedup_vs_<base>`` per strategy and task: its tokens/s over the base's on the same task."""
+    for base in SPEEDUP_BASES:
+        if base not in summary:
+            continue
+        for per in summary.values():
+            for task, s in per.items():
+                ref = summary[base].get(task)
+                if s and ref:
+                    s[f"speedup_vs_{base}"] = _ratio(s["tokens_per_s"], ref["tokens_per_s"])
+
+
+def _add_ar_matches(summary: dict, generations: list[dict], strategies, greedy: bool) -> None:
+    ar = {(g["id"], g.get("seed")): g for g in generations if g["strategy"] == "ar"}
+    if not ar:
+        return
+    for strategy in strategies:
+        for task, rows in _groups(generations, strategy).items():
+            pairs = [(g, ar[(g["id"], g.get("seed"))]) for g in rows if (g["id"], g.get("seed")) in ar]
+            s = summary[strategy].get(task)
+            if not s or not pairs:
+                continue
+            same = [g["token_ids"] == a["token_ids"] for g, a in pairs]
+            s["matches_ar"] = round(sum(same) / len(same), 4) if greedy else None
+            s["diverged_from_ar"] = len(same) - sum(same)
+            first = [_first_difference(g["token_ids"], a["token_ids"]) for (g, a), ok in zip(pairs, same) if not ok]
+            s["first_divergence"] = round(statistics.fmean(first), 1) if first else None
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _add_seed_stats(summary: dict, generations: list[dict], strategies) -> None:
+    seeds = sorted({g.get("seed") for g in generations if g.get("seed") is not None})
+    if len(seeds) < 2:
+        return
+    per_seed = {}
+    for seed in seeds:
+        rows = [g for g in generations if g.get("seed") == seed]
+        per_seed[seed] = {s: {t: _summarize(r) for t, r in _groups(rows, s).items()} for s in strategies}
+        add_speedups(per_seed[seed])
+    for strategy in strategies:
+        for task, s in summary[strategy].items():
+            stats = {}
+            for key in SEED_KEYS:
+                values = [per_seed[seed][strategy].get(task, {}).get(key) for seed in seeds]
+                values = [v for v in values if v is not None]
+                if values:
+                    stats[key] = {
+                        "mean": round(statistics.fmean(values), 4),
+                        "std": round(statistics.pstdev(values), 4) if len(values) > 1 else 0.0,
+                        "values": values,
+                    }
+            s["seed_stats"] = stats
+
+
+def oracle_summary(generations: list[dict]) -> dict:
+    """The ``full`` rows with their draft-head time taken out: full-vocabulary acceptance at zero head cost.
+
+    ``oracle[task]``: tokens/s = new tokens / (wall − head) (token-weighted, with request-level std), the mean
+    accepted length of ``full``, and the speed-ups over ``ar`` / ``full`` on the same task. Empty without ``full``.
+    """
+    out: dict = {}
+    full = _groups(generations, "full")
+    if not full["all"]:
+        return out
+    ar = _groups(generations, "ar")
+    for task, rows in full.items():
+        tokens = sum(r["metrics"]["new_tokens"] for r in rows)
+        wall = sum(r["metrics"]["wall_s"] - (r["metrics"]["head_s"] or 0.0) for r in rows)
+        per_row = [
+            r["metrics"]["new_tokens"] / w
+            for r in rows
+            if (w := r["metrics"]["wall_s"] - (r["metrics"]["head_s"] or 0.0)) > 0
+        ]
+        base = _summarize(rows)
+        tps = round(tokens / wall, 4) if wall > 0 else 0.0
+        entry = {
+            "derived_from": "full",
+            "generations": len(rows),
+            "new_tokens": tokens,
+            "tokens_per_s": tps,
+            "tokens_per_s_std": round(statistics.pstdev(per_row), 4) if len(per_row) > 1 else 0.0,
+            "wall_s": round(wall, 3),
+            "mean_accepted_length": base["mean_accepted_length"],
+            "mean_accepted_length_std": base["mean_accepted_length_std"],
+            "accept_by_position": base["accept_by_position"],
+            "speedup_vs_full": _ratio(tps, base["tokens_per_s"]),
+        }
+        if ar.get(task):
+            entry["speedup_vs_ar"] = _ratio(tps, _summarize(ar[task])["tokens_per_s"])
+        out[task] = entry
     return out
