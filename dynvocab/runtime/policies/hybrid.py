@@ -52,11 +52,12 @@ class HybridConfig:
     step_successors: int | None = None  # per draft step: graph successors of the token just fed (0: off)
     step_search_on_gpu: bool = False  # run the per-step HNSW search on CUDA devices too (a host sync per step)
 
-    def for_draft(self, eagle_head: bool) -> HybridConfig:
-        """This config with the per-step candidates left unset (None) decided for the kind of draft: 16 HNSW
-        neighbours and 8 graph successors for a draft model, none for an EAGLE head, whose step is a few
-        milliseconds and gained no MAL from them (docs/bench.md, trained heads on the demo target)."""
-        neighbours, successors = (0, 0) if eagle_head else (16, 8)
+    def for_draft(self, searches_per_step: bool) -> HybridConfig:
+        """This config with the per-step candidates left unset (None) decided for the draft (its
+        ``searches_per_step``): 16 HNSW neighbours and 8 graph successors for a draft model, none for an EAGLE
+        head, whose step is a few milliseconds and gained no MAL from them (docs/bench.md, trained heads on the
+        demo target)."""
+        neighbours, successors = (16, 8) if searches_per_step else (0, 0)
         return replace(
             self,
             step_neighbours=neighbours if self.step_neighbours is None else self.step_neighbours,
@@ -65,7 +66,7 @@ class HybridConfig:
 
     def searches_per_step(self, device) -> bool:
         """Whether the per-step draft-head search runs on ``device`` (unset neighbours count as a draft model's)."""
-        neighbours = self.for_draft(eagle_head=False).step_neighbours
+        neighbours = self.for_draft(searches_per_step=True).step_neighbours
         return neighbours > 0 and (torch.device(device).type == "cpu" or self.step_search_on_gpu)
 
 
@@ -87,7 +88,7 @@ class HybridPolicy(MicroSpecPolicy):
     ):
         window_cfg = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives)
         super().__init__(window_cfg, vocab_size, device)
-        self.hcfg = cfg = cfg.for_draft(eagle_head=False)  # no-op when the caller decided for its draft
+        self.hcfg = cfg = cfg.for_draft(searches_per_step=True)  # no-op when the caller decided for its draft
         pinned = torch.empty(0, dtype=torch.long) if pinned is None else pinned
         core = _unique_in_order(torch.cat([pinned, ranking[: cfg.core_size]]).to(device))
         self.core = core  # [C] EOS first, then by frequency
