@@ -106,9 +106,9 @@ class Strategy:
         fields = {f.name for f in dataclasses.fields(self.config)} if self.config is not None else set()
         for flag in self.flags:
             if flag.field not in fields:
-                raise ValueError(f"strategy '{self.name}': flag --{flag.name} sets no field of its config")
+                raise ValueError(f"strategy '{self.name}': flag '{flag.name}' sets no field of its config")
             if flag.type(self.config) is bool and flag.default(self.config) is not False:
-                raise ValueError(f"strategy '{self.name}': bool flag --{flag.name} switches on; default it to False")
+                raise ValueError(f"strategy '{self.name}': bool flag '{flag.name}' switches on; default it to False")
 
 
 _REGISTRY: dict[str, Strategy] = {}
@@ -121,7 +121,7 @@ def register(entry: Strategy) -> Strategy:
     for flag in entry.flags:
         for other, users in strategy_flags():
             if other.name == flag.name and _spec(other, users[0].config) != _spec(flag, entry.config):
-                raise ValueError(f"flag --{flag.name} of '{entry.name}' differs from the one of '{users[0].name}'")
+                raise ValueError(f"flag '{flag.name}' of '{entry.name}' differs from the one of '{users[0].name}'")
     _REGISTRY[entry.name] = entry
     return entry
 
