@@ -266,7 +266,7 @@ class EvoSpecPolicy(VocabPolicy):
             raise DynvocabError("--online-align adapts a draft model's q/v projections, not an EAGLE head; drop it")
         if cfg.static_size < 1 or cfg.dynamic_size < 1:
             raise DynvocabError("evospec needs a static size and a dynamic size of at least 1")
-        target = getattr(ctx, "target", None)
+        target = ctx.target
         if target is None:
             raise DynvocabError("strategy 'evospec' needs the target model: the HNSW vectors are rebuilt from its LM head")
         ranking, index, _, graph = _bundle_tables(bundle, target.weight)  # a head of another shape is refused
