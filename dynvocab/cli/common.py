@@ -227,7 +227,7 @@ def strategy_flag_params() -> list[inspect.Parameter]:
             f"--{flag.name.replace('_', '-')}", min=flag.min, help=f"{', '.join(u.name for u in users)}: {flag.help}"
         )
         params.append(inspect.Parameter(
-            flag.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[flag.type(config), option],
+            flag.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[flag.value_type(config), option],
             default=flag.default(config),
         ))
     return params

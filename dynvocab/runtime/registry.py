@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -82,7 +82,7 @@ class Flag:
         """The config field the flag sets."""
         return self.attr or self.name
 
-    def type(self, config: type):
+    def value_type(self, config: type):
         """The flag's value type: the config field's annotation."""
         return typing.get_type_hints(config)[self.field]
 
@@ -107,7 +107,7 @@ class Strategy:
         for flag in self.flags:
             if flag.field not in fields:
                 raise ValueError(f"strategy '{self.name}': flag '{flag.name}' sets no field of its config")
-            if flag.type(self.config) is bool and flag.default(self.config) is not False:
+            if flag.value_type(self.config) is bool and flag.default(self.config) is not False:
                 raise ValueError(f"strategy '{self.name}': bool flag '{flag.name}' switches on; default it to False")
 
 
@@ -132,7 +132,7 @@ def unregister(name: str) -> Strategy:
 
 
 def _spec(flag: Flag, config: type) -> tuple:
-    return flag.help, flag.min, flag.type(config), flag.default(config)
+    return flag.help, flag.min, flag.value_type(config), flag.default(config)
 
 
 def strategies() -> tuple[Strategy, ...]:
@@ -203,7 +203,7 @@ def require_stages(entry: Strategy, bundle) -> None:
         )
 
 
-def _adding(stages: Iterable[str], path) -> str:
+def _adding(stages: Sequence[str], path) -> str:
     """The commands that add ``stages`` to the bundle at ``path``: build-index, and train-router for the router."""
     built = [s for s in stages if s != ROUTER_STAGE]
     commands = [f"`dynvocab build-index --stages {','.join(built)} --out {path}`"] if built else []
