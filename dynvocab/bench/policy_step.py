@@ -163,6 +163,7 @@ def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Targe
     """Models with random weights shaped as ``bundle``'s stages expect them: the target's head as its ``hnsw``
     index covers it, the draft's hidden size and embedding as its router reads them, the draft's head rows as its
     ``draft_hnsw`` covers them."""
+
     def rows(stage: str) -> torch.Tensor:
         params = HnswParams.from_dict(bundle.info(stage)["index"], f"bundle {bundle.path} (stage {stage})")
         return torch.randn(params.num_elements, params.hidden, generator=g)
