@@ -131,36 +131,6 @@ class EagleDraft:
             self.cache.crop(-remove)
         self.length = self.trusted = keep
 
-    @property
-    def hidden_size(self) -> int:
-        """Width of the head's input, the hidden state the loop passes to policies."""
-        return self.weight.shape[1]
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        """The head's input embeddings by token id, [V, d_e]."""
-        return self.model.embed_tokens.weight.detach()
-
-    @property
-    def shares_target_head(self) -> bool:
-        """EAGLE-1 predicts through the target's own head."""
-        return self.kind == EAGLE1
-
-    @property
-    def index_rows(self) -> None:
-        """No ``draft_hnsw`` index applies to an EAGLE head."""
-        return None
-
-    @property
-    def adaptable(self) -> None:
-        """Online alignment adapts draft models only."""
-        return None
-
-    @property
-    def searches_per_step(self) -> bool:
-        """An EAGLE head's step is a few milliseconds, which per-step candidates would dominate."""
-        return False
-
 
 class MappedHead:
     """A draft head over its own vocabulary (EAGLE-3's ``lm_head``): row i stands for target id ``row_token[i]``.

@@ -87,33 +87,3 @@ class CausalLM:
         if self.head is not None:
             return self.finish(self.head(hidden).float())
         return self.finish(F.linear(hidden, self.weight, self.bias).float())
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of the hidden state the loop passes to policies and the head."""
-        return self.weight.shape[1]
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        """The input embeddings by token id, [V, d_e]."""
-        return self.model.get_input_embeddings().weight.detach()
-
-    @property
-    def shares_target_head(self) -> bool:
-        """A draft model has its own head."""
-        return False
-
-    @property
-    def index_rows(self) -> torch.Tensor:
-        """[V, d] every row of the head, as a bundle's ``draft_hnsw`` stage indexes them."""
-        return self.model.get_output_embeddings().weight.detach()
-
-    @property
-    def adaptable(self) -> torch.nn.Module:
-        """The transformers model EvoSpec's online alignment adapts."""
-        return self.model
-
-    @property
-    def searches_per_step(self) -> bool:
-        """The hybrid's per-step candidates pay off for a draft model's step (see ``HybridConfig.for_draft``)."""
-        return True
