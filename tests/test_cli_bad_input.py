@@ -205,15 +205,19 @@ def test_bench_takes_top_p(tiny_dirs, files, tmp_path):
 
 
 def test_generate_and_bench_share_the_strategy_flags():
-    import dataclasses
-
     import typer
 
     from dynvocab.cli import app
-    from dynvocab.cli.common import StrategyFlags
+    from dynvocab.cli.common import strategy_flag_params
 
     commands = typer.main.get_command(app).commands
-    for field in dataclasses.fields(StrategyFlags):
+    shared = strategy_flag_params()
+    assert {p.name for p in shared} >= {  # the shared flags, those the strategies contribute among them
+        "gamma", "stop_below", "branch_below", "temperature", "top_p", "seed", "token_map", "fr_size", "pa_k_max",
+        "k_pre", "k_ver", "window", "core_size", "hybrid_window", "step_neighbours", "step_successors", "k_max",
+        "online_align", "bundle",
+    }
+    for field in shared:
         options = [{p.name: p for p in commands[c].params}[field.name] for c in ("generate", "bench")]
         assert options[0].opts == options[1].opts == [f"--{field.name.replace('_', '-')}"] or field.name == "online_align"
         assert options[0].default == options[1].default == field.default

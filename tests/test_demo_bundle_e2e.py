@@ -61,11 +61,11 @@ def test_bundle_strategies_match_ar(session):
     ids = encode_prompt(session.tokenizer, [{"role": "user", "content": PROMPT}])
     decode = DecodeConfig(gamma=4, max_new_tokens=24)
     ar = session.generate(ids, "ar", decode)
-    options = StrategyOptions(
-        dynaspec=DynaSpecConfig(k_max=16),  # 16 of 128 clusters: a small active set, many misses
-        evospec=EvoSpecConfig(static_size=2048),  # a small static part so OOV events happen
-        hybrid=HybridConfig(core_size=256),  # with the bundle's ranking, both HNSW indexes and the graph
-    )
+    options = StrategyOptions(configs=(
+        DynaSpecConfig(k_max=16),  # 16 of 128 clusters: a small active set, many misses
+        EvoSpecConfig(static_size=2048),  # a small static part so OOV events happen
+        HybridConfig(core_size=256),  # with the bundle's ranking, both HNSW indexes and the graph
+    ))
     for strategy in ("dynaspec", "evospec", "hybrid"):
         result = session.generate(ids, strategy, decode, options)
         assert result.token_ids == ar.token_ids, strategy

@@ -11,8 +11,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import RowRanges
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
-from dynvocab.runtime.policies.dynaspec import NEEDS_BUNDLE, DynaSpecConfig, DynaSpecPolicy
-from dynvocab.runtime.strategies import PolicyContext
+from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 VOCAB = 96
 
@@ -92,10 +92,16 @@ def test_mismatched_router_is_refused():
         DynaSpecPolicy(DynaSpecConfig(), table, random_router(2, 5, seed=0), torch.randn(8, 2), 8)
 
 
-def test_from_context_needs_the_stages():
+NEEDS_BUNDLE = (
+    "strategy 'dynaspec' needs --bundle B with stages clusters, router; build one with "
+    "`dynvocab build-index --stages clusters --out B` and `dynvocab train-router --bundle B`"
+)
+
+
+def test_make_policy_needs_the_stages():
     ctx = PolicyContext(vocab_size=VOCAB, eos_ids=set())
     with pytest.raises(DynvocabError) as err:
-        DynaSpecPolicy.from_context(DynaSpecConfig(), ctx)
+        make_policy("dynaspec", StrategyOptions(), ctx)
     assert str(err.value) == NEEDS_BUNDLE
 
 

@@ -85,7 +85,7 @@ def test_hybrid_searches_per_step_only_for_a_draft_model(tiny_dirs, heads, bundl
     def hybrid(draft, cfg=HybridConfig()):
         session = Session(ModelConfig(target=str(tiny_dirs[0]), draft=str(draft), device="cpu", dtype="float32"),
                           bundle=str(bundle))
-        return make_policy("hybrid", StrategyOptions(hybrid=cfg), session.policy_context())
+        return make_policy("hybrid", StrategyOptions(configs=(cfg,)), session.policy_context())
 
     model, eagle = hybrid(tiny_dirs[1]), hybrid(heads[EAGLE1])
     assert model.draft_hnsw is not None and (model.hcfg.step_neighbours, model.hcfg.step_successors) == (16, 8)

@@ -13,7 +13,8 @@ from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever, assemble_candidates
-from dynvocab.runtime.strategies import PolicyContext
+from dynvocab.runtime import strategies
+from dynvocab.runtime.strategies import PolicyContext, StrategyOptions
 
 VOCAB = 96
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -182,13 +183,13 @@ def test_from_context_reads_the_bundle_and_keeps_eos_in_the_core(tmp_path, pair,
     assert again.retriever.index is policy.retriever.index  # loaded once per bundle
 
 
-def test_from_context_names_what_is_missing(tmp_path, pair, tables):
+def test_make_policy_names_what_is_missing(tmp_path, pair, tables):
     target, draft = pair
     with pytest.raises(DynvocabError, match="needs --bundle"):
-        EvoSpecPolicy.from_context(EvoSpecConfig(), PolicyContext(VOCAB, {95}, "cpu", None, draft, target))
+        strategies.make_policy("evospec", StrategyOptions(), PolicyContext(VOCAB, {95}, "cpu", None, draft, target))
     bundle = bundle_for(tmp_path, pair, tables, stages=("freq", "graph"))
     with pytest.raises(DynvocabError, match="lacks hnsw") as err:
-        EvoSpecPolicy.from_context(EvoSpecConfig(), PolicyContext(VOCAB, {95}, "cpu", bundle, draft, target))
+        strategies.make_policy("evospec", StrategyOptions(), PolicyContext(VOCAB, {95}, "cpu", bundle, draft, target))
     assert "\n" not in str(err.value)
 
 

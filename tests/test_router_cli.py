@@ -13,8 +13,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.models import load_model, load_tokenizer, resolve_model
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
-from dynvocab.runtime.policies.dynaspec import NEEDS_BUNDLE, DynaSpecConfig, DynaSpecPolicy
-from dynvocab.runtime.strategies import PolicyContext
+from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 
 def build(dirs, corpus, out, stages, clusters=8):
@@ -105,8 +105,11 @@ def test_stale_router_and_missing_stages_are_refused(trained, clusters_bundle, t
         DynaSpecPolicy.from_context(DynaSpecConfig(), ctx)
     ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(clusters_bundle), draft)
     with pytest.raises(DynvocabError) as err:
-        DynaSpecPolicy.from_context(DynaSpecConfig(), ctx)
-    assert str(err.value) == NEEDS_BUNDLE
+        make_policy("dynaspec", StrategyOptions(), ctx)
+    assert str(err.value) == (
+        f"strategy 'dynaspec' needs bundle stages clusters, router; {clusters_bundle} lacks router "
+        f"(it has: freq, clusters); add them with `dynvocab train-router --bundle {clusters_bundle}`"
+    )
 
 
 def test_bad_inputs_are_one_line(clusters_bundle, tiny_dirs, corpus_jsonl, tmp_path):  # noqa: F811

@@ -11,22 +11,32 @@ shapes (d = 1,536, V = 151,936):
   plus ``observe`` divided by the cycle's steps) and the draft head's time per step over the sets it returns
   (``DraftHead.logits``, slot-table upkeep included).
 
-Tables: the bundle's (``freq``, ``clusters``, ``router``, ``hnsw``, ``graph``, ``draft_hnsw``) when one is given,
-else synthetic ones of demo sizes (a random frequency ranking, 1,024 random clusters with a random router, a
-64-successor random graph, and an HNSW index over 4,096 random rows for retrieval). Cycles draw drafted tokens
-mostly from the 4k most frequent ids and accept a random prefix, so sets change as they do in a run.
+Each policy is built by its strategy's registry factory (:func:`~dynvocab.runtime.registry.make_policy`), as
+``generate`` builds it, from a context over a bundle and stand-in models with random weights. The bundle: the one
+given (``freq``, ``clusters``, ``router``, ``hnsw``, ``graph``, ``draft_hnsw``), else synthetic tables of demo
+sizes written as one (a random frequency ranking, 1,024 random clusters with a random router, a 64-successor random
+graph, and an HNSW index over 4,096 random rows for retrieval). Cycles draw drafted tokens mostly from the 4k most
+frequent ids and accept a random prefix, so sets change as they do in a run.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from dynvocab.artifacts import FreqTable, HnswParams, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.policies.base import CycleReport
+from dynvocab.runtime.policies.hybrid import HybridConfig
+from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategies
 
 DEMO_TARGET = {  # Qwen2.5-Coder-1.5B: the demo target, whose head an EAGLE-1 draft shares
     "hidden_size": 1536,
@@ -38,8 +48,10 @@ DEMO_TARGET = {  # Qwen2.5-Coder-1.5B: the demo target, whose head an EAGLE-1 dr
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 32768,
 }
-# "hybrid-nosearch": the hybrid without its per-step draft-head HNSW search (its default on GPUs)
-POLICIES = ("microspec", "hybrid", "hybrid-nosearch", "dynaspec", "evospec")
+VARIANTS = {  # bench-only rows: a registered strategy with other options
+    # the hybrid without its per-step draft-head HNSW search (its default on GPUs)
+    "hybrid-nosearch": ("hybrid", StrategyOptions(configs=(HybridConfig(step_neighbours=0),))),
+}
 HEAD_ROWS = 3072
 
 
@@ -78,92 +90,122 @@ def eagle_step_ms(dtype: torch.dtype, context: int = 128, repeats: int = 10, war
     return {"body_ms": body_ms, "head_ms": head_ms, "step_ms": body_ms + head_ms}
 
 
-class _Tables:
-    """What the policies are built from: a bundle's tables or synthetic ones of demo sizes."""
+@dataclass(frozen=True)
+class _Target:
+    """What the policies' factories read of the target: its head rows (as the bundle's ``hnsw`` index covers them)."""
 
-    def __init__(self, bundle, vocab: int, dim: int, dtype: torch.dtype, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.vocab = vocab
-        self.eos = torch.tensor([vocab - 1])
-        if bundle is not None:
-            self._from_bundle(bundle, dtype, g)
-        else:
-            self._synthetic(vocab, dim, dtype, g)
+    weight: torch.Tensor  # [n, d]
 
-    def _from_bundle(self, bundle, dtype: torch.dtype, g: torch.Generator) -> None:
-        from dynvocab.artifacts import ClusterTable, FreqTable, GraphTable, load_hnsw
-        from dynvocab.artifacts.router import RouterTable
 
-        self.ranking = FreqTable.from_bundle(bundle).ranking
-        self.graph = GraphTable.from_bundle(bundle)
-        self.hnsw = load_hnsw(bundle)[0]
-        self.draft_hnsw = load_hnsw(bundle, "draft_hnsw")[0] if bundle.has("draft_hnsw") else None
-        self.clusters = ClusterTable.from_bundle(bundle)
-        self.router = RouterTable.from_bundle(bundle)
-        dim = int(self.router.config["hidden_dim"])
-        self.draft_dim = dim
-        self.embedding = torch.randn(self.vocab, int(self.router.config["embed_dim"]), generator=g).to(dtype)
-        self.target_dim = int(self.hnsw.params.dim) - 1
+@dataclass(frozen=True)
+class _Draft:
+    """What the policies' factories read of a draft (see :mod:`dynvocab.runtime.draft`), with random weights."""
 
-    def _synthetic(self, vocab: int, dim: int, dtype: torch.dtype, g: torch.Generator) -> None:
-        from dynvocab.artifacts import ClusterTable, GraphTable
-        from dynvocab.artifacts.router import RouterMLP, RouterTable
-        from dynvocab.builders.hnsw import HnswConfig, build_index
+    vocab_size: int
+    hidden_size: int
+    embedding: torch.Tensor  # [V, d_e]
+    shares_target_head: bool  # True: its per-step search uses the target's index (the synthetic tables)
+    index_rows: torch.Tensor | None  # [V', d] the head rows a bundle's draft_hnsw covers
+    searches_per_step: bool = True  # as a draft model: the hybrid row times its per-step candidates
+    adaptable: None = None  # no online alignment
+    device: torch.device = torch.device("cpu")
 
-        self.ranking = torch.randperm(vocab, generator=g)
-        fanout = 64
-        self.graph = GraphTable(
-            torch.arange(0, (vocab + 1) * fanout, fanout, dtype=torch.long),
-            torch.randint(vocab, (vocab * fanout,), generator=g, dtype=torch.int32),
-            torch.full((vocab * fanout,), 1.0 / fanout),
-        )
+
+@contextmanager
+def bench_context(bundle, vocab: int, dim: int, seed: int) -> Iterator[PolicyContext]:
+    """A :class:`PolicyContext` over ``bundle``'s tables, else over synthetic tables of demo sizes written as a
+    bundle (kept while the context is open), with stand-in models of random weights shaped as the tables expect."""
+    g = torch.Generator().manual_seed(seed)
+    eos = {vocab - 1}
+    if bundle is not None:
+        target, draft = _stand_ins(bundle, vocab, dim, g)
+        yield PolicyContext(vocab, eos, "cpu", bundle, draft, target)
+        return
+    with tempfile.TemporaryDirectory(prefix="dynvocab-policy-step-") as folder:
         rows = torch.randn(min(4096, vocab), dim, generator=g)  # [n, d] a small index: retrieval's cost, not its recall
-        self.hnsw = build_index(HnswConfig(m=8, ef_construction=32, ef_search=64), rows)
-        self.draft_hnsw = self.hnsw
-        m = 1024
-        assign = torch.randint(m, (vocab,), generator=g)
-        self.clusters = ClusterTable(assign, F.normalize(torch.randn(m, dim, generator=g), dim=-1))
-        mlp = RouterMLP(dim, dim, 128, m)
-        config = {"hidden_dim": dim, "embed_dim": dim, "width": 128, "num_clusters": m}
-        self.router = RouterTable.from_module(mlp, config)
-        self.embedding = torch.randn(vocab, dim, generator=g).to(dtype)
-        self.draft_dim = self.target_dim = dim
+        path = synthetic_bundle(Path(folder) / "synthetic.safetensors", vocab, rows, g)
+        draft = _Draft(vocab, dim, torch.randn(vocab, dim, generator=g), shares_target_head=True, index_rows=None)
+        with load_bundle(path) as synthetic:
+            yield PolicyContext(vocab, eos, "cpu", synthetic, draft, _Target(rows))
 
 
-def _policy(name: str, t: _Tables):
-    from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
-    from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
-    from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
-    from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
+def synthetic_bundle(path: Path, vocab: int, rows: torch.Tensor, g: torch.Generator) -> Path:
+    """Write random tables of demo sizes as a bundle: a frequency ranking, 1,024 clusters with a router, a
+    64-successor graph, and an HNSW index over ``rows`` [n, d] (standing for the target's head)."""
+    from dynvocab.artifacts.bundle import tensor_sha256
+    from dynvocab.artifacts.router import RouterMLP, RouterTable
+    from dynvocab.builders.hnsw import HnswConfig, build
 
-    if name == "microspec":
-        return MicroSpecPolicy(MicroSpecConfig(), t.vocab, "cpu", pinned=t.eos)
-    if name in ("hybrid", "hybrid-nosearch"):
-        search = name == "hybrid"
-        return HybridPolicy(HybridConfig(), t.vocab, "cpu", t.ranking, pinned=t.eos, graph=t.graph, hnsw=t.hnsw,
-                            draft_hnsw=t.draft_hnsw if search else None)
-    if name == "dynaspec":
-        return DynaSpecPolicy(DynaSpecConfig(), t.clusters, t.router, t.embedding, t.vocab, t.eos)
-    if name == "evospec":
-        ranking = t.ranking[: EvoSpecConfig.static_size]
-        core = torch.cat([ranking, t.eos[~torch.isin(t.eos, ranking)]])  # as EvoSpecPolicy.from_context builds it
-        return EvoSpecPolicy(EvoSpecConfig(), core, t.hnsw, t.graph, t.vocab)
-    raise ValueError(f"unknown policy {name!r}; known: {POLICIES}")
+    dim, fanout, m = rows.shape[1], 64, 1024
+    ranking = torch.randperm(vocab, generator=g)
+    counts = torch.empty(vocab, dtype=torch.long)
+    counts[ranking] = torch.arange(vocab, 0, -1)
+    assign = torch.randint(m, (vocab,), generator=g)
+    router = RouterTable.from_module(RouterMLP(dim, dim, 128, m), {"clusters_sha256": tensor_sha256(assign)})
+    hnsw_cfg = HnswConfig(m=8, ef_construction=32)  # a cheap graph; ef as a built bundle's
+    tensors, params, _ = build(hnsw_cfg, rows)
+    stages = [
+        Stage("freq", {"counts": counts, "ranking": ranking, "eos_ids": torch.tensor([vocab - 1])}, {}),
+        Stage("clusters", {"assign": assign, "centroids": F.normalize(torch.randn(m, dim, generator=g), dim=-1)}, {}),
+        Stage("router", router.to_tensors(), router.config),
+        Stage("hnsw", tensors, hnsw_cfg.as_dict(), {"index": params.as_dict(), "model": "target"}),
+        Stage("graph", {
+            "indptr": torch.arange(0, (vocab + 1) * fanout, fanout, dtype=torch.long),
+            "indices": torch.randint(vocab, (vocab * fanout,), generator=g, dtype=torch.int32),
+            "probs": torch.full((vocab * fanout,), 1.0 / fanout),
+        }, {}),
+    ]
+    fingerprint = ModelFingerprint(vocab, "synthetic", rows.shape[0], dim, "synthetic")
+    return write_bundle(path, stages, fingerprint, None)
 
 
-def scripted_cycles(t: _Tables, cycles: int, gamma: int, seed: int) -> list[dict]:
-    """A reproducible run of ``cycles`` draft-verify cycles: drafted tokens (mostly frequent ids), the accepted
-    prefix, target logits [γ+1, V] and hidden states [γ+1, d], the draft's hidden states per step."""
+def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Target | None, _Draft]:
+    """Models with random weights shaped as ``bundle``'s stages expect them: the target's head as its ``hnsw``
+    index covers it, the draft's hidden size and embedding as its router reads them, the draft's head rows as its
+    ``draft_hnsw`` covers them."""
+
+    def rows(stage: str) -> torch.Tensor:
+        params = HnswParams.from_dict(bundle.info(stage)["index"], f"bundle {bundle.path} (stage {stage})")
+        return torch.randn(params.num_elements, params.hidden, generator=g)
+
+    router = bundle.config("router") if bundle.has("router") else {"hidden_dim": dim, "embed_dim": dim}
+    embedding = torch.randn(vocab, int(router["embed_dim"]), generator=g)
+    index_rows = rows("draft_hnsw") if bundle.has("draft_hnsw") else None
+    draft = _Draft(vocab, int(router["hidden_dim"]), embedding, shares_target_head=False, index_rows=index_rows)
+    return (_Target(rows("hnsw")) if bundle.has("hnsw") else None), draft
+
+
+def policy_rows() -> tuple[str, ...]:
+    """The rows ``bench --policy-steps`` times: every registered strategy whose active set follows the context
+    (:attr:`~dynvocab.runtime.registry.Strategy.dynamic`), each followed by its variants."""
+    rows: list[str] = []
+    for entry in strategies():
+        if entry.dynamic:
+            rows += [entry.name, *(row for row, (base, _) in VARIANTS.items() if base == entry.name)]
+    return tuple(rows)
+
+
+def _policy(row: str, ctx: PolicyContext):
+    """The policy of bench row ``row``, built by its strategy's registry factory as ``generate`` builds it."""
+    name, options = VARIANTS.get(row, (row, StrategyOptions()))
+    return make_policy(name, options, ctx)
+
+
+def scripted_cycles(ctx: PolicyContext, ranking: torch.Tensor, cycles: int, gamma: int, seed: int) -> list[dict]:
+    """A reproducible run of ``cycles`` draft-verify cycles: drafted tokens (mostly frequent ids of ``ranking``),
+    the accepted prefix, target logits [γ+1, V] and hidden states [γ+1, d], the draft's hidden states per step."""
     g = torch.Generator().manual_seed(seed + 1)
-    frequent = t.ranking[:4096]
+    vocab = ctx.vocab_size
+    target_dim = ctx.target.weight.shape[1] if ctx.target is not None else ctx.draft.hidden_size
+    frequent = ranking[:4096]
     out = []
     for c in range(cycles):
         pick = torch.randint(frequent.numel(), (gamma + 1,), generator=g)
         tokens = frequent[pick]
         rare = torch.rand(gamma + 1, generator=g) < 0.15
-        tokens = torch.where(rare, torch.randint(t.vocab, (gamma + 1,), generator=g), tokens).tolist()
+        tokens = torch.where(rare, torch.randint(vocab, (gamma + 1,), generator=g), tokens).tolist()
         accepted = int(torch.randint(gamma + 1, (1,), generator=g))
-        logits = torch.randn(gamma + 1, t.vocab, generator=g)  # [γ+1, V]
+        logits = torch.randn(gamma + 1, vocab, generator=g)  # [γ+1, V]
         logits[torch.arange(gamma + 1), torch.tensor(tokens)] += 8.0  # the target agrees with the script
         out.append({
             "position": 64 + c * gamma,
@@ -171,9 +213,9 @@ def scripted_cycles(t: _Tables, cycles: int, gamma: int, seed: int) -> list[dict
             "accepted": accepted,
             "emitted": tokens[: accepted + 1],
             "target_logits": logits,
-            "target_hidden": torch.randn(gamma + 1, t.target_dim, generator=g),
-            "draft_hidden": torch.randn(gamma, 1, t.draft_dim, generator=g),
-            "draft_top": [torch.randint(t.vocab, (3,), generator=g) for _ in range(gamma)],
+            "target_hidden": torch.randn(gamma + 1, target_dim, generator=g),
+            "draft_hidden": torch.randn(gamma, 1, ctx.draft.hidden_size, generator=g),
+            "draft_top": [torch.randint(vocab, (3,), generator=g) for _ in range(gamma)],
         })
     return out
 
@@ -210,13 +252,13 @@ def run_policy(policy, script: list[dict], head: DraftHead | None = None, prompt
 
 
 def _sorted_ids(active) -> list[int]:
-    return [] if active.is_full else sorted(active.ids().tolist())
+    return list(range(active.size)) if active.is_full else sorted(active.ids().tolist())
 
 
 def policy_step_bench(
     bundle=None,
     dtypes: tuple[str, ...] = ("bfloat16", "float32"),
-    policies: tuple[str, ...] = POLICIES,
+    policies: tuple[str, ...] | None = None,
     cycles: int = 40,
     warmup_cycles: int = 8,
     gamma: int = 6,
@@ -225,23 +267,27 @@ def policy_step_bench(
     target: dict = DEMO_TARGET,
 ) -> dict:
     """Each policy's own ms per draft step and its head's ms per step, beside an EAGLE-1 step with a 3k-row head,
-    per dtype (``target``: other shapes, e.g. tiny ones for tests). Returns ``{"tables", "target", "cycles",
-    "gamma", "threads", "dtypes": {dtype: {"eagle": {"body_ms", "head_ms", "step_ms"}, "policies": {name:
-    {"policy_ms", "active_ms", "observe_ms", "head_ms", "mean_active", "share_of_eagle_step"}}}}}``."""
-    with cpu_threads(threads):
-        tables = _Tables(bundle, target["vocab_size"], target["hidden_size"], torch.float32, seed)
-        script = scripted_cycles(tables, warmup_cycles + cycles, gamma, seed)
-        prompt = torch.cat([tables.ranking[:200], tables.eos])
+    per dtype (``policies``: bench rows, default :func:`policy_rows`; ``target``: other shapes, e.g. tiny ones for
+    tests). Returns ``{"tables", "target", "cycles", "gamma", "threads", "dtypes": {dtype: {"eagle": {"body_ms",
+    "head_ms", "step_ms"}, "policies": {name: {"policy_ms", "active_ms", "observe_ms", "head_ms", "mean_active",
+    "share_of_eagle_step"}}}}}``."""
+    policies = policy_rows() if policies is None else policies
+    vocab = target["vocab_size"]
+    with cpu_threads(threads), bench_context(bundle, vocab, target["hidden_size"], seed) as ctx:
+        ranking = FreqTable.from_bundle(ctx.bundle).ranking
+        ranking = ranking[ranking < vocab]
+        script = scripted_cycles(ctx, ranking, warmup_cycles + cycles, gamma, seed)
+        prompt = torch.cat([ranking[:200], ctx.eos])
         out = {"tables": "bundle" if bundle is not None else "synthetic", "target": target, "cycles": cycles,
                "gamma": gamma, "threads": torch.get_num_threads(), "dtypes": {}}
         for name in dtypes:
             dt = resolve_dtype(name)
             eagle = eagle_step_ms(dt, seed=seed, target=target)
             # [V, d] the head an EAGLE-1 draft reads (with a bundle: the width of the draft its tables were built for)
-            weight = torch.randn(tables.vocab, tables.draft_dim).to(dt)
+            weight = torch.randn(vocab, ctx.draft.hidden_size).to(dt)
             rows = {}
             for p in policies:
-                policy = _policy(p, tables)
+                policy = _policy(p, ctx)
                 head = DraftHead(weight)
                 run_policy(policy, script[:warmup_cycles], head, prompt)
                 r = run_policy(policy, script[warmup_cycles:], head)

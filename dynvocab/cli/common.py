@@ -19,9 +19,7 @@ from rich.markup import escape
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW
-from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
-from dynvocab.runtime.policies.hybrid import HybridConfig
-from dynvocab.runtime.policies.microspec import MicroSpecConfig
+from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, strategy_flags
 
 err_console = Console(stderr=True)
 
@@ -74,7 +72,6 @@ TokenMap = Annotated[
     typer.Option(help="FR-Spec/SGLang token map for fr and fr-pa: a torch.save'd list of token ids, most frequent first."),
 ]
 FrSize = Annotated[Optional[int], typer.Option(min=1, help="Use only the first K ids of the token map.")]
-PaKMax = Annotated[Optional[int], typer.Option(min=1, help="k_max of fr-pa's position-aware budget (default: the map size).")]
 
 
 OOM_HINTS = {
@@ -145,9 +142,6 @@ def check_dtype_device(device: str | None, dtype: str | None, draft_step_dtype: 
 def stdout_is_terminal() -> bool:
     """Whether stdout is a terminal (stream text only there or when asked)."""
     return sys.stdout.isatty()
-KPre = Annotated[int, typer.Option(min=1, help="microspec: target top-K_pre per prompt position joining the stream.")]
-KVer = Annotated[int, typer.Option(min=1, help="microspec: target top-K_ver per verified position joining the stream.")]
-Window = Annotated[int, typer.Option(min=1, help="microspec: W_max, the stream entries the active set is drawn from.")]
 BundleOpt = Annotated[
     Optional[str], typer.Option("--bundle", help="Bundle from `dynvocab build-index` (freq ranking for fr/fr-pa, …).")
 ]
@@ -163,29 +157,6 @@ def set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
-CoreSize = Annotated[int, typer.Option(min=1, help="hybrid: size of the static core of most frequent tokens.")]
-HybridWindow = Annotated[int, typer.Option(min=1, help="hybrid: stream entries of its context window.")]
-StepNeighbours = Annotated[
-    Optional[int],
-    typer.Option(
-        min=0,
-        help="hybrid: per draft step, HNSW neighbours of the draft hidden state among the draft's head rows "
-        "(bundle stage draft_hnsw; 0 = off; CPU devices only: on a GPU it would cost a host sync per step). "
-        "Default: 16 for a draft model, 0 for an EAGLE head.",
-    ),
-]
-StepSuccessors = Annotated[
-    Optional[int],
-    typer.Option(
-        min=0,
-        help="hybrid: per draft step, graph successors of the token just fed (bundle stage graph; 0 = off). "
-        "Default: 8 for a draft model, 0 for an EAGLE head.",
-    ),
-]
-KMax = Annotated[int, typer.Option(min=1, help="dynaspec: clusters routed at draft steps 0 and 1 (k_max).")]
-OnlineAlign = Annotated[
-    bool, typer.Option("--online-align", help="evospec: online LoRA alignment of the draft (q, v projections).")
-]
 
 
 Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (exact rejection sampling).")]
@@ -195,7 +166,8 @@ Seed = Annotated[int, typer.Option(help="Random seed for sampling.")]
 
 @dataclass(frozen=True)
 class StrategyFlags:
-    """The decoding and strategy flags ``generate`` and ``bench`` share, as given on the command line.
+    """The decoding flags and strategy inputs ``generate`` and ``bench`` share, as given on the command line, and
+    the strategies' configs that their own flags describe (each registered strategy contributes its flags).
 
     Defined once: :func:`with_strategy_flags` adds them to a command, which receives them as ``flags``.
     """
@@ -208,17 +180,8 @@ class StrategyFlags:
     seed: int = 0
     token_map: Optional[str] = None
     fr_size: Optional[int] = None
-    pa_k_max: Optional[int] = None
-    k_pre: int = MicroSpecConfig.k_pre
-    k_ver: int = MicroSpecConfig.k_ver
-    window: int = MicroSpecConfig.window
-    core_size: int = HybridConfig.core_size
-    hybrid_window: int = HybridConfig.window
-    step_neighbours: Optional[int] = HybridConfig.step_neighbours
-    step_successors: Optional[int] = HybridConfig.step_successors
-    k_max: int = DynaSpecConfig.k_max
-    online_align: bool = False
     bundle: Optional[str] = None
+    configs: tuple = ()  # from the strategies' flags (see dynvocab.runtime.registry.configs_from_flags)
 
     def check(self) -> None:
         """Refuse values the option ranges cannot express (not-a-number, an empty nucleus), before any load."""
@@ -239,56 +202,68 @@ class StrategyFlags:
             seed=self.seed if seed is None else seed, stop_below=self.stop_below, branch_below=self.branch_below,
         )
 
-    def options(self):
-        """The :class:`~dynvocab.runtime.strategies.StrategyOptions` these flags describe."""
-        from dynvocab.runtime.policies.evospec import EvoSpecConfig
-        from dynvocab.runtime.strategies import StrategyOptions
-
-        return StrategyOptions(
-            token_map=self.token_map,
-            fr_size=self.fr_size,
-            pa_k_max=self.pa_k_max,
-            microspec=MicroSpecConfig(k_pre=self.k_pre, k_ver=self.k_ver, window=self.window),
-            hybrid=HybridConfig(
-                core_size=self.core_size, window=self.hybrid_window, k_pre=self.k_pre, k_ver=self.k_ver,
-                step_neighbours=self.step_neighbours, step_successors=self.step_successors,
-            ),
-            dynaspec=DynaSpecConfig(k_max=self.k_max),
-            evospec=EvoSpecConfig(online_align=self.online_align),
-        )
+    def options(self) -> StrategyOptions:
+        """The :class:`~dynvocab.runtime.registry.StrategyOptions` these flags describe."""
+        return StrategyOptions(token_map=self.token_map, fr_size=self.fr_size, configs=self.configs)
 
 
-_FLAG_TYPES = {
+_SHARED_TYPES = {
     "gamma": Gamma, "stop_below": StopBelow, "branch_below": BranchBelow, "temperature": Temperature, "top_p": TopP,
-    "seed": Seed, "token_map": TokenMap, "fr_size": FrSize, "pa_k_max": PaKMax, "k_pre": KPre, "k_ver": KVer,
-    "window": Window, "core_size": CoreSize, "hybrid_window": HybridWindow, "step_neighbours": StepNeighbours,
-    "step_successors": StepSuccessors,
-    "k_max": KMax, "online_align": OnlineAlign, "bundle": BundleOpt,
+    "seed": Seed, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
 }
 
 
-def with_strategy_flags(command):
-    """Give ``command`` the :class:`StrategyFlags` options in place of its ``flags`` parameter (typer reads the
-    signature); the command receives them as one checked ``flags`` object."""
-    signature = inspect.signature(command, eval_str=True)
-    hints = typing.get_type_hints(command, include_extras=True)
-    shared = [
-        inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_FLAG_TYPES[f.name], default=f.default)
-        for f in dataclasses.fields(StrategyFlags)
+def strategy_flag_params() -> list[inspect.Parameter]:
+    """The options ``generate`` and ``bench`` share: the decoding flags and strategy inputs of
+    :class:`StrategyFlags`, then one per flag the registered strategies contribute (its type and default are its
+    config field's; its help names the strategies that read it), read from the registry as it is now."""
+    params = [
+        inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_SHARED_TYPES[f.name], default=f.default)
+        for f in dataclasses.fields(StrategyFlags) if f.name in _SHARED_TYPES
     ]
-    params = []
-    for p in signature.parameters.values():
-        params += shared if p.name == "flags" else [p.replace(annotation=hints.get(p.name, p.annotation))]
-    names = [f.name for f in dataclasses.fields(StrategyFlags)]
+    for flag, users in strategy_flags():
+        config = users[0].config
+        option = typer.Option(
+            f"--{flag.name.replace('_', '-')}", min=flag.min, help=f"{', '.join(u.name for u in users)}: {flag.help}"
+        )
+        params.append(inspect.Parameter(
+            flag.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[flag.value_type(config), option],
+            default=flag.default(config),
+        ))
+    return params
 
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        flags = StrategyFlags(**{n: kwargs.pop(n) for n in names if n in kwargs})
-        return command(*args, flags=flags, **kwargs)
 
-    wrapper.__signature__ = signature.replace(parameters=params)
-    wrapper.__annotations__ = {p.name: p.annotation for p in params}
-    return wrapper
+def with_strategy_flags(command):
+    """Give ``command`` the shared options (:func:`strategy_flag_params`) in place of its ``flags`` parameter (typer
+    reads the signature); the command receives them as one checked :class:`StrategyFlags`."""
+    return _StrategyCommand(command)
+
+
+class _StrategyCommand:
+    """``command`` as typer sees it through :func:`with_strategy_flags`. The signature is built each time typer
+    reads it, so a strategy registered after this module was imported has its flags too."""
+
+    def __init__(self, command):
+        functools.update_wrapper(self, command)
+        self.command = command
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = inspect.signature(self.command, eval_str=True)
+        hints = typing.get_type_hints(self.command, include_extras=True)
+        params = []
+        for p in signature.parameters.values():
+            if p.name == "flags":
+                params += strategy_flag_params()
+            else:
+                params.append(p.replace(annotation=hints.get(p.name, p.annotation)))
+        return signature.replace(parameters=params)
+
+    def __call__(self, *args, **kwargs):
+        shared = {n: kwargs.pop(n) for n in _SHARED_TYPES if n in kwargs}
+        values = {flag.name: kwargs.pop(flag.name) for flag, _ in strategy_flags() if flag.name in kwargs}
+        flags = StrategyFlags(**shared, configs=configs_from_flags(values))
+        return self.command(*args, flags=flags, **kwargs)
 
 
 def check_out(path: Path | str | None, flag: str) -> None:

@@ -27,7 +27,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError, Interrupted
 from dynvocab.runtime.prompts import encode_prompt
-from dynvocab.runtime.strategies import AVAILABLE, check_bundle_stages, check_strategy
+from dynvocab.runtime.strategies import check_bundle_stages, check_strategy, strategy_names
 
 
 @one_line_errors
@@ -36,7 +36,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied unless --no-chat-template).")],
     target: Target = "demo:target",
     draft: Draft = "demo:draft",
-    strategy: Annotated[str, typer.Option(help=f"One of: {', '.join(AVAILABLE)}.")] = "full",
+    strategy: Annotated[str, typer.Option(help=f"One of: {', '.join(strategy_names())}.")] = "full",
     max_new_tokens: MaxNew = 128,
     flags: StrategyFlags = StrategyFlags(),
     device: Device = None,

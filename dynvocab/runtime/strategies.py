@@ -1,116 +1,59 @@
-"""Strategy names -> vocabulary policies. The loop never knows which policy it runs."""
+"""The built-in strategies, each a factory and one entry in the registry (:mod:`dynvocab.runtime.registry`).
+
+The loop never knows which policy it runs. Adding a strategy: its policy and frozen config in a module under
+``runtime/policies/``, a factory ``(options, ctx) -> VocabPolicy``, and one ``register(Strategy(…))`` call (below, or
+in the module that brings it). Import the registry's API from here, so that the built-in strategies are in it.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
+from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
+from dynvocab.runtime.policies.frequency import PositionAwareConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.registry import (
+    Flag,
+    PolicyContext,
+    Strategy,
+    StrategyOptions,
+    check_bundle_stages,
+    check_strategy,
+    configs_from_flags,
+    lookup,
+    make_policy,
+    parse_strategies,
+    register,
+    strategies,
+    strategy_flags,
+    strategy_names,
+    unregister,
+)
 from dynvocab.runtime.token_map import load_token_map
 
-ALL_STRATEGIES = ("ar", "full", "fr", "fr-pa", "dynaspec", "microspec", "evospec", "hybrid")
-AVAILABLE = ALL_STRATEGIES
 FR_SIZE = 32768  # FR-Spec's K when the ranking comes from a bundle
 
 
-@dataclass(frozen=True)
-class StrategyOptions:
-    """Options of the strategies; each default lives here or in the strategy's own config."""
-
-    token_map: str | None = None
-    fr_size: int | None = None  # use only the first K ids of the ranking (default: the map, or 32768 of a bundle)
-    pa_k_max: int | None = None  # fr-pa's k_max (default: the FR size)
-    microspec: MicroSpecConfig = field(default_factory=MicroSpecConfig)
-    hybrid: HybridConfig = field(default_factory=HybridConfig)
-    dynaspec: DynaSpecConfig = field(default_factory=DynaSpecConfig)
-    evospec: EvoSpecConfig = field(default_factory=EvoSpecConfig)
-
-
-@dataclass
-class PolicyContext:
-    """What a policy may need from the session: the draft's usable vocabulary, EOS ids, device, bundle."""
-
-    vocab_size: int
-    eos_ids: set[int]
-    device: torch.device | str = "cpu"
-    bundle: object | None = None  # dynvocab.artifacts.Bundle, already checked against the models
-    draft: object | None = None  # the draft CausalLM (policies that adapt the draft, e.g. EvoSpec's LoRA)
-    target: object | None = None  # the target CausalLM (read-only: its LM head, for retrieval)
-    tokenizer_sha256: str | None = None  # dynvocab.models.tokenizer_fingerprint of the shared tokenizer
-
-    @property
-    def eos(self) -> torch.Tensor:
-        """EOS ids the draft can propose, LongTensor [E]."""
-        return torch.tensor(sorted(i for i in self.eos_ids if i < self.vocab_size), dtype=torch.long)
-
-
-BUNDLE_STAGES = {"dynaspec": ("clusters", "router"), "evospec": ("freq", "hnsw", "graph")}  # stages a strategy reads
-
-
-def check_bundle_stages(strategies: list[str] | tuple[str, ...], bundle_path: str | None) -> None:
-    """Refuse, before any model loads, a strategy whose bundle stages are missing (or that needs a bundle)."""
-    needs = {s: BUNDLE_STAGES[s] for s in strategies if s in BUNDLE_STAGES}
-    if not needs:
-        return
-    if bundle_path is None:
-        name, stages = next(iter(needs.items()))
-        raise DynvocabError(
-            f"strategy '{name}' needs --bundle B with {', '.join(stages)} stages; build one with "
-            "`dynvocab build-index` (and `dynvocab train-router` for router)"
-        )
-    from dynvocab.artifacts import load_bundle
-
-    with load_bundle(bundle_path) as bundle:
-        for name, stages in needs.items():
-            missing = [s for s in stages if not bundle.has(s)]
-            if missing:
-                how = " and ".join(
-                    f"`dynvocab train-router --bundle {bundle_path}`" if s == "router"
-                    else f"`dynvocab build-index --stages {s} --out {bundle_path}`" for s in missing
-                )
-                raise DynvocabError(
-                    f"strategy '{name}' needs bundle stage(s) {', '.join(missing)}, which {bundle_path} lacks "
-                    f"(it has: {', '.join(bundle.stages) or 'none'}); add them with {how}"
-                )
-
-
-def parse_strategies(text: str) -> list[str]:
-    """Split ``a,b,c`` and check each name."""
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise DynvocabError("no strategy given; use one or more of " + ", ".join(AVAILABLE))
-    for name in names:
-        check_strategy(name)
-    return names
-
-
-def check_strategy(name: str) -> None:
-    """Refuse unknown strategies."""
-    if name not in ALL_STRATEGIES:
-        raise DynvocabError(f"unknown strategy '{name}'; use one of {', '.join(AVAILABLE)}")
-
-
-def frequency_ranking(opts: StrategyOptions, ctx: PolicyContext, name: str) -> torch.Tensor:
+def frequency_ranking(options: StrategyOptions, ctx: PolicyContext, name: str) -> torch.Tensor:
     """The FR ranking: the token map if given, else the bundle's ``freq`` stage (top 32768 by default)."""
-    if opts.token_map is not None:
-        ranking = load_token_map(opts.token_map, ctx.vocab_size)
-        size = opts.fr_size
+    if options.token_map is not None:
+        ranking = load_token_map(options.token_map, ctx.vocab_size)
+        size = options.fr_size
     elif ctx.bundle is not None and ctx.bundle.has("freq"):
         from dynvocab.artifacts import FreqTable
 
         ranking = FreqTable.from_bundle(ctx.bundle).ranking
         ranking = ranking[ranking < ctx.vocab_size]
-        size = opts.fr_size or FR_SIZE
+        size = options.fr_size or FR_SIZE
     elif (embedded := embedded_ranking(ctx.tokenizer_sha256)) is not None:
         ranking = embedded[embedded < ctx.vocab_size]
-        size = opts.fr_size
+        size = options.fr_size
     else:
         raise DynvocabError(
             f"strategy '{name}' needs a frequency ranking: pass --token-map FILE or --bundle B with a freq stage"
@@ -134,52 +77,44 @@ def embedded_ranking(tokenizer_sha256: str | None) -> torch.Tensor | None:
         return torch.load(path, weights_only=True).long()
 
 
-def make_policy(name: str, opts: StrategyOptions, ctx: PolicyContext) -> VocabPolicy | None:
-    """Build the policy of strategy ``name`` (None for ``ar``, which runs without a draft)."""
-    check_strategy(name)
-    if name == "ar":
-        return None
-    if name == "full":
-        return FullPolicy(ctx.vocab_size)
-    if name == "microspec":
-        return MicroSpecPolicy(opts.microspec, ctx.vocab_size, ctx.device, pinned=ctx.eos)
-    if name == "dynaspec":
-        return DynaSpecPolicy.from_context(opts.dynaspec, ctx)
-    if name == "evospec":
-        if opts.evospec.online_align and ctx.draft is not None and ctx.draft.adaptable is None:
-            raise DynvocabError("--online-align adapts a draft model's q/v projections, not an EAGLE head; drop it")
-        return EvoSpecPolicy.from_context(opts.evospec, ctx)
-    ranking = frequency_ranking(opts, ctx, name)
-    eos = ctx.eos
-    if name == "hybrid":
-        return _hybrid(opts.hybrid, ranking, ctx)
-    if name == "fr":
-        missing = eos[~torch.isin(eos, ranking)]
-        return FrequencyPolicy(torch.cat([ranking, missing]), device=ctx.device)  # EOS stays draftable
-    return PositionAwareFrequencyPolicy(ranking, opts.pa_k_max, always=eos, device=ctx.device)
+def _ar(options: StrategyOptions, ctx: PolicyContext) -> None:
+    """One target pass per token: no draft, no policy."""
+    return None
 
 
-def _draft_head_index(ctx: PolicyContext, target_index):
-    """The HNSW index over the draft head's rows for per-step search: the target's ``hnsw`` for a draft that
-    predicts through the target's own head (an EAGLE-1 head, when asked: its default is no per-step search), the
-    bundle's ``draft_hnsw`` for the draft model it was built over, else None (an EAGLE-3 head's ``lm_head``)."""
-    from dynvocab.artifacts import HnswParams, load_hnsw
-
-    if ctx.draft.shares_target_head:
-        return target_index
-    head = ctx.draft.index_rows  # [V, d] every row, as indexed
-    if head is None or not ctx.bundle.has("draft_hnsw"):
-        return None
-    params = HnswParams.from_dict(ctx.bundle.info("draft_hnsw")["index"], f"bundle {ctx.bundle.path} (stage draft_hnsw)")
-    if (params.num_elements, params.hidden) != tuple(head.shape):
-        return None
-    return load_hnsw(ctx.bundle, head, "draft_hnsw")[0]
+def _full(options: StrategyOptions, ctx: PolicyContext) -> FullPolicy:
+    return FullPolicy(ctx.vocab_size)
 
 
-def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> HybridPolicy:
+def _fr(options: StrategyOptions, ctx: PolicyContext) -> FrequencyPolicy:
+    ranking, eos = frequency_ranking(options, ctx, "fr"), ctx.eos
+    missing = eos[~torch.isin(eos, ranking)]
+    return FrequencyPolicy(torch.cat([ranking, missing]), device=ctx.device)  # EOS stays draftable
+
+
+def _fr_pa(options: StrategyOptions, ctx: PolicyContext) -> PositionAwareFrequencyPolicy:
+    ranking = frequency_ranking(options, ctx, "fr-pa")
+    k_max = options.config(PositionAwareConfig).k_max
+    return PositionAwareFrequencyPolicy(ranking, k_max, always=ctx.eos, device=ctx.device)
+
+
+def _microspec(options: StrategyOptions, ctx: PolicyContext) -> MicroSpecPolicy:
+    return MicroSpecPolicy(options.config(MicroSpecConfig), ctx.vocab_size, ctx.device, pinned=ctx.eos)
+
+
+def _dynaspec(options: StrategyOptions, ctx: PolicyContext) -> DynaSpecPolicy:
+    return DynaSpecPolicy.from_context(options.config(DynaSpecConfig), ctx)
+
+
+def _evospec(options: StrategyOptions, ctx: PolicyContext) -> EvoSpecPolicy:
+    return EvoSpecPolicy.from_context(options.config(EvoSpecConfig), ctx)
+
+
+def _hybrid(options: StrategyOptions, ctx: PolicyContext) -> HybridPolicy:
     """The hybrid with the bundle's graph and HNSW indexes (target head, draft head) when it has them, its
-    per-step candidates decided for the kind of draft (see :meth:`HybridConfig.for_draft`)."""
-    cfg = cfg.for_draft(searches_per_step=ctx.draft is None or ctx.draft.searches_per_step)
+    per-step candidates decided for the draft (see :meth:`HybridConfig.for_draft`)."""
+    ranking = frequency_ranking(options, ctx, "hybrid")
+    cfg = options.config(HybridConfig).for_draft(searches_per_step=ctx.draft is None or ctx.draft.searches_per_step)
     graph = hnsw = draft_hnsw = None
     if ctx.bundle is not None:
         from dynvocab.artifacts import GraphTable, load_hnsw
@@ -193,3 +128,87 @@ def _hybrid(cfg: HybridConfig, ranking: torch.Tensor, ctx: PolicyContext) -> Hyb
     return HybridPolicy(
         cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw, draft_hnsw=draft_hnsw
     )
+
+
+def _draft_head_index(ctx: PolicyContext, target_index):
+    """The HNSW index over the draft head's rows for per-step search: the target's ``hnsw`` for a draft that
+    predicts through the target's own head (an EAGLE-1 head, when asked: its default is no per-step search), the
+    bundle's ``draft_hnsw`` over the draft's ``index_rows`` when it was built for them, else None."""
+    from dynvocab.artifacts import HnswParams, load_hnsw
+
+    if ctx.draft.shares_target_head:
+        return target_index
+    rows = ctx.draft.index_rows  # [V, d] every row of the draft's head, as indexed
+    if rows is None or not ctx.bundle.has("draft_hnsw"):
+        return None
+    params = HnswParams.from_dict(ctx.bundle.info("draft_hnsw")["index"], f"bundle {ctx.bundle.path} (stage draft_hnsw)")
+    if (params.num_elements, params.hidden) != tuple(rows.shape):
+        return None
+    return load_hnsw(ctx.bundle, rows, "draft_hnsw")[0]
+
+
+K_PRE = Flag("k_pre", "target top-K_pre per prompt position joining the stream.", min=1)
+K_VER = Flag("k_ver", "target top-K_ver per verified position joining the stream.", min=1)
+
+register(Strategy("ar", None, _ar, dynamic=False))
+register(Strategy("full", None, _full, dynamic=False))
+register(Strategy("fr", None, _fr, dynamic=False))
+register(Strategy(
+    "fr-pa", PositionAwareConfig, _fr_pa, dynamic=False,
+    flags=(Flag("pa_k_max", "k_max of the position-aware budget (default: the map size).", attr="k_max", min=1),),
+))
+register(Strategy(
+    "dynaspec", DynaSpecConfig, _dynaspec, stages=("clusters", "router"),
+    flags=(Flag("k_max", "clusters routed at draft steps 0 and 1 (k_max).", min=1),),
+))
+register(Strategy(
+    "microspec", MicroSpecConfig, _microspec,
+    flags=(K_PRE, K_VER, Flag("window", "W_max, the stream entries the active set is drawn from.", min=1)),
+))
+register(Strategy(
+    "evospec", EvoSpecConfig, _evospec, stages=("freq", "hnsw", "graph"),
+    flags=(Flag("online_align", "online LoRA alignment of the draft (q, v projections)."),),
+))
+register(Strategy(
+    "hybrid", HybridConfig, _hybrid,
+    flags=(
+        Flag("core_size", "size of the static core of most frequent tokens.", min=1),
+        Flag("hybrid_window", "stream entries of its context window.", attr="window", min=1),
+        K_PRE,
+        K_VER,
+        Flag(
+            "step_neighbours",
+            "per draft step, HNSW neighbours of the draft hidden state among the draft's head rows (bundle stage "
+            "draft_hnsw; 0 = off; CPU devices only: on a GPU it would cost a host sync per step). Default: 16 for "
+            "a draft model, 0 for an EAGLE head.",
+            min=0,
+        ),
+        Flag(
+            "step_successors",
+            "per draft step, graph successors of the token just fed (bundle stage graph; 0 = off). Default: 8 for "
+            "a draft model, 0 for an EAGLE head.",
+            min=0,
+        ),
+    ),
+))
+
+__all__ = [
+    "FR_SIZE",
+    "Flag",
+    "PolicyContext",
+    "Strategy",
+    "StrategyOptions",
+    "check_bundle_stages",
+    "check_strategy",
+    "configs_from_flags",
+    "embedded_ranking",
+    "frequency_ranking",
+    "lookup",
+    "make_policy",
+    "parse_strategies",
+    "register",
+    "strategies",
+    "strategy_flags",
+    "strategy_names",
+    "unregister",
+]

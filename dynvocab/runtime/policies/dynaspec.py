@@ -15,17 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.artifacts import ClusterTable
-from dynvocab.artifacts.router import DEFAULT_K_MAX, STAGE, RouterTable, clusters_checksum
+from dynvocab.artifacts.router import DEFAULT_K_MAX, RouterTable, clusters_checksum
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.frequency import pa_budget
-
-NEEDS_BUNDLE = (
-    "strategy 'dynaspec' needs --bundle B with clusters and router stages; "
-    "build them with `dynvocab build-index --stages clusters` and `dynvocab train-router`"
-)
-
 
 @dataclass(frozen=True)
 class DynaSpecConfig:
@@ -83,10 +77,9 @@ class DynaSpecPolicy(VocabPolicy):
 
     @classmethod
     def from_context(cls, cfg: DynaSpecConfig, ctx) -> "DynaSpecPolicy":
-        """Build from a :class:`~dynvocab.runtime.strategies.PolicyContext` (bundle with clusters + router, draft)."""
+        """Build from a :class:`~dynvocab.runtime.registry.PolicyContext` whose bundle has the clusters and router
+        stages (:func:`~dynvocab.runtime.registry.make_policy` checks them) and a draft."""
         bundle = ctx.bundle
-        if bundle is None or not (bundle.has("clusters") and bundle.has(STAGE)):
-            raise DynvocabError(NEEDS_BUNDLE)
         if ctx.draft is None:
             raise DynvocabError("strategy 'dynaspec' needs a draft model; pass --draft")
         router = RouterTable.from_bundle(bundle)
@@ -95,8 +88,8 @@ class DynaSpecPolicy(VocabPolicy):
                 f"the router in {bundle.path} was trained for other clusters (the clusters stage was rebuilt since); "
                 f"retrain it with `dynvocab train-router --bundle {bundle.path}`"
             )
-        embedding = ctx.draft.model.get_input_embeddings().weight.detach()  # [V, d_e]
-        hidden = int(ctx.draft.weight.shape[1])  # the head's input: the hidden state the loop passes
+        embedding = ctx.draft.embedding  # [V, d_e]
+        hidden = ctx.draft.hidden_size  # the head's input: the hidden state the loop passes
         if (int(router.config["hidden_dim"]), int(router.config["embed_dim"])) != (hidden, embedding.shape[1]):
             raise DynvocabError(
                 f"the router in {bundle.path} expects hidden size {router.config['hidden_dim']}, the draft has {hidden}; "

@@ -43,9 +43,6 @@ from dynvocab.runtime.policies.arc import ARCCache
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
-REQUIRED_STAGES = ("freq", "hnsw", "graph")
-
-
 @dataclass(frozen=True)
 class EvoSpecConfig:
     """EvoSpec's knobs; defaults from the paper's Table 5 / appendix A.3 unless marked "ours"."""
@@ -262,22 +259,14 @@ class EvoSpecPolicy(VocabPolicy):
 
     @classmethod
     def from_context(cls, cfg: EvoSpecConfig, ctx) -> "EvoSpecPolicy":
-        """Build from a :class:`~dynvocab.runtime.strategies.PolicyContext`; the bundle needs freq, hnsw, graph."""
+        """Build from a :class:`~dynvocab.runtime.registry.PolicyContext` whose bundle has the freq, hnsw and
+        graph stages (:func:`~dynvocab.runtime.registry.make_policy` checks them)."""
         bundle = ctx.bundle
-        if bundle is None:
-            raise DynvocabError(
-                "strategy 'evospec' needs --bundle B with freq, hnsw and graph stages "
-                "(build one with `dynvocab build-index --stages freq,hnsw,graph --out B`)"
-            )
-        missing = [s for s in REQUIRED_STAGES if not bundle.has(s)]
-        if missing:
-            raise DynvocabError(
-                f"strategy 'evospec' needs bundle stages freq, hnsw and graph, but {bundle.path} lacks "
-                f"{', '.join(missing)}; add them with `dynvocab build-index --stages {','.join(missing)} --out {bundle.path}`"
-            )
+        if cfg.online_align and ctx.draft is not None and ctx.draft.adaptable is None:
+            raise DynvocabError("--online-align adapts a draft model's q/v projections, not an EAGLE head; drop it")
         if cfg.static_size < 1 or cfg.dynamic_size < 1:
             raise DynvocabError("evospec needs a static size and a dynamic size of at least 1")
-        target = getattr(ctx, "target", None)
+        target = ctx.target
         if target is None:
             raise DynvocabError("strategy 'evospec' needs the target model: the HNSW vectors are rebuilt from its LM head")
         ranking, index, _, graph = _bundle_tables(bundle, target.weight)  # a head of another shape is refused

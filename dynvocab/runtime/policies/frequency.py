@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dynvocab.runtime.active_set import ActiveSet
@@ -31,6 +33,13 @@ def pa_budget(k_max: int, step: int, divisor: int = 1) -> int:
     if step < 2:
         return k_max
     return max(1, k_max // (divisor * (step + 1)))
+
+
+@dataclass(frozen=True)
+class PositionAwareConfig:
+    """fr-pa's knob; the ranking itself comes from the token map, the bundle or the embedded demo ranking."""
+
+    k_max: int | None = None  # ids at draft steps 0 and 1 (None: the whole ranking)
 
 
 class PositionAwareFrequencyPolicy(VocabPolicy):
