@@ -98,7 +98,7 @@ def test_bench_reports_the_eagle_head(tiny_dirs, heads, token_map, tmp_path):
     assert result.exit_code == 0, result.output
     assert "EAGLE-3 head draft" in result.output
     data = json.loads(out.read_text())
-    assert data["config"]["draft_kind"] == "eagle3"
+    assert data["config"]["draft"] == "EAGLE-3 head"
     assert data["summary"]["fr"]["all"]["matches_ar"] == 1.0
     assert 0.0 < data["summary"]["full"]["all"]["head_share_of_draft"] < 1.0
     assert data["oracle"]["all"]["tokens_per_s"] > 0

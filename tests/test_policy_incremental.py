@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,11 +65,13 @@ def run(policy, cycles: list[CycleReport], head: DraftHead) -> list:
     policy.prefill(torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), torch.randn(7, VOCAB, generator=g), None)
     seen = []
     for cyc in cycles:
+        sets = []
         for j in range(GAMMA):
             active = policy.active_ids(j, torch.randn(1, DIM, generator=g), cyc.draft_tokens[j])
             _, cols = head.logits(torch.randn(1, DIM, generator=g), active)
             seen.append(([s.tolist() for s in active.id_segments()], cols.tolist()))
-        policy.observe(cyc)
+            sets.append(active)
+        policy.observe(dataclasses.replace(cyc, active_sets=sets))
     return seen
 
 

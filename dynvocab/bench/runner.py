@@ -93,7 +93,7 @@ def generate_row(
         token_ids, metrics = hf_generate(session, strategy, prompt_ids, decode, cfg.lookup_tokens)
         return token_ids, {**metrics, **{key: None for key in EXTRA_KEYS}}
     if strategy == "ar":
-        result = session.generate(prompt_ids, "ar", decode, cfg.options)
+        result = session.generate(prompt_ids, "ar", decode, cfg.options, timing=True)
         return result.token_ids, {**result.metrics.as_dict(), **{key: None for key in EXTRA_KEYS}}
     recorders: list[PolicyRecorder] = []
 
@@ -101,7 +101,7 @@ def generate_row(
         recorders.append(PolicyRecorder(policy, cfg.coverage, cfg.recall_ks, decode.temperature))
         return recorders[-1]
 
-    result = session.generate(prompt_ids, strategy, decode, cfg.options, wrap_policy=record)
+    result = session.generate(prompt_ids, strategy, decode, cfg.options, wrap_policy=record, timing=True)
     recorder = recorders[0]
     metrics = {**result.metrics.as_dict(), **recorder.metrics()}
     if recorder.coverage and recorder.analysis_s:

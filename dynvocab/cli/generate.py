@@ -88,7 +88,7 @@ def generate(
             printed = text
 
     try:
-        result = session.generate(prompt_ids, strategy, decode, flags.options(), on_tokens=stream)
+        result = session.generate(prompt_ids, strategy, decode, flags.options(), on_tokens=stream, timing=json_out)
     except KeyboardInterrupt:
         partial = session.tokenizer.decode(shown, skip_special_tokens=True)
         if json_out:
