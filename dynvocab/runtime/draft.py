@@ -81,3 +81,29 @@ class Draft(Protocol):
         """The target just ran a pass; its ``rows`` (None: all) hold the committed tokens at positions ``start``,
         ``start + 1``, …, with final hidden states ``hidden`` [pass, d]. Draft models ignore it; EAGLE heads keep
         the target's features of those positions."""
+
+
+class OwnsHead:
+    """The head-owning half of a :class:`Draft`: ``head_logits`` runs the head ``_new_head()`` builds, once per
+    sequence (``_forget_head()`` at ``reset``), so its packed rows live exactly as long as the sequence."""
+
+    _head = None
+
+    def _new_head(self):
+        """A fresh head over this draft's step rows (:class:`~dynvocab.runtime.head.DraftHead` or alike)."""
+        raise NotImplementedError
+
+    def _forget_head(self) -> None:
+        self._head = None
+
+    def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits [m, n] (float32) over ``active`` for head inputs ``hidden`` [m, d], and the target id of
+        each column [n] (None: the columns are all target ids in order)."""
+        if self._head is None:
+            self._head = self._new_head()
+        return self._head.logits(hidden, active)
+
+    @property
+    def rows_copied(self) -> int:
+        """Head rows gathered into packed buffers since the last reset."""
+        return 0 if self._head is None else self._head.rows_copied

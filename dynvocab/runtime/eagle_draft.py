@@ -19,11 +19,12 @@ import torch
 from dynvocab.kernels.packed_buffer import grown
 from dynvocab.models.eagle import EAGLE1, EagleModel, LayerTap
 from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.draft import OwnsHead
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 
 
-class EagleDraft:
+class EagleDraft(OwnsHead):
     """An EAGLE-1/2 or EAGLE-3 head drafting for ``target``.
 
     ``weight`` [rows, d] / ``bias``: the head's LM head — EAGLE-1: the target's own (its rows are target ids);
@@ -32,6 +33,11 @@ class EagleDraft:
     ``step_dtype``: the dtype of the head rows its steps multiply (a copy when it differs from the weights';
     an ``lm_head`` prepared with a one-row copy, :mod:`dynvocab.models.prepack`, brings its own).
     """
+
+    index_rows = None  # no bundle stage indexes an EAGLE head's rows (EAGLE-1's are the target's: ``hnsw``)
+    adaptable = None  # online LoRA alignment adapts a draft model, not an EAGLE head
+    searches_per_step = False  # a step of a few ms: a per-step search costs more than it saves (docs/bench.md)
+    hf_model = None  # transformers' assisted generation cannot drive an EAGLE head
 
     def __init__(
         self, model: EagleModel, target: CausalLM, tap: LayerTap | None = None, step_dtype: torch.dtype | None = None
@@ -54,7 +60,6 @@ class EagleDraft:
         self.length = 0  # tokens consumed
         self.trusted = 0  # tokens consumed whose cache entries came from the target's features
         self.step_rows = self._step_rows(step_dtype)  # ([rows, d], [rows] or None): what the head's steps multiply
-        self._head: DraftHead | MappedHead | None = None  # built at the first draft step after each reset
 
     def _step_rows(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         row_weight = getattr(getattr(self.model, "lm_head", None), "row_weight", None)
@@ -67,17 +72,6 @@ class EagleDraft:
         if self.kind == EAGLE1:  # the target's own head: its rows are target ids
             return DraftHead(*self.step_rows, self.softcap)
         return MappedHead(self.step_rows[0], self.model.draft_to_target(), self.target.vocab_size)
-
-    def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [m, n] over ``active`` (target ids) for head inputs [m, d], and the target id of each column."""
-        if self._head is None:
-            self._head = self._new_head()
-        return self._head.logits(hidden, active)
-
-    @property
-    def rows_copied(self) -> int:
-        """Head rows gathered into packed buffers since the last reset."""
-        return 0 if self._head is None else self._head.rows_copied
 
     @property
     def hidden_size(self) -> int:
@@ -95,26 +89,6 @@ class EagleDraft:
         return self.kind == EAGLE1
 
     @property
-    def index_rows(self) -> None:
-        """No bundle stage indexes an EAGLE head's rows (EAGLE-1's are the target's: ``hnsw``)."""
-        return None
-
-    @property
-    def adaptable(self) -> None:
-        """Online LoRA alignment adapts a draft model, not an EAGLE head."""
-        return None
-
-    @property
-    def searches_per_step(self) -> bool:
-        """An EAGLE step is short: a per-step search costs more than the rows it saves (docs/bench.md)."""
-        return False
-
-    @property
-    def hf_model(self) -> None:
-        """transformers' assisted generation cannot drive an EAGLE head."""
-        return None
-
-    @property
     def label(self) -> str:
         """For people: which EAGLE head."""
         return "EAGLE-1 head" if self.kind == EAGLE1 else "EAGLE-3 head"
@@ -129,7 +103,7 @@ class EagleDraft:
         self.cache = self.model.new_cache()
         self.length = self.trusted = self.n_features = 0
         self.own, self.own_at = None, -1
-        self._head = None
+        self._forget_head()
 
     @torch.inference_mode()
     def observe(self, start: int, hidden: torch.Tensor | None, rows: Sequence[int] | None) -> None:

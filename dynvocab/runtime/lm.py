@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.models.prepack import PrepackedLinear
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.draft import OwnsHead
 from dynvocab.runtime.head import DraftHead, soft_cap
 from dynvocab.runtime.tree import DraftTree
 
 
-class CausalLM:
+class CausalLM(OwnsHead):
     """Wraps a transformers causal LM: ``step`` runs the body over new tokens, ``logits`` applies the head.
 
     Splitting body and head lets the draft compute logits over a subset of rows and lets the target
@@ -20,6 +20,10 @@ class CausalLM:
     draft, ``head_logits`` runs its own :class:`~dynvocab.runtime.head.DraftHead` over the head's rows — the
     one-row copy in the step dtype when the head was prepared with one (:mod:`dynvocab.models.prepack`).
     """
+
+    shares_target_head = False  # a draft model has a head of its own
+    searches_per_step = True  # its step is long enough to hide per-step candidate searches
+    label = "draft model"
 
     def __init__(self, model, vocab_rows: int | None = None):
         self.model = model
@@ -34,7 +38,6 @@ class CausalLM:
         self.dtype = self.weight.dtype
         self.cache = None
         self.length = 0
-        self._head: DraftHead | None = None  # built at the first draft step after each reset
 
     @property
     def vocab_size(self) -> int:
@@ -49,7 +52,7 @@ class CausalLM:
         if hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()
         self.length = 0
-        self._head = None
+        self._forget_head()
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
@@ -84,11 +87,8 @@ class CausalLM:
     def observe(self, start: int, hidden, rows) -> None:
         """A draft model reads no target features (see :class:`~dynvocab.runtime.draft.Draft`)."""
 
-    def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft logits [m, n] over ``active`` for hidden states [m, d] and the id of each column (None: all)."""
-        if self._head is None:
-            self._head = DraftHead(*self.step_rows, self.softcap)
-        return self._head.logits(hidden, active)
+    def _new_head(self) -> DraftHead:
+        return DraftHead(*self.step_rows, self.softcap)
 
     @property
     def step_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -101,11 +101,6 @@ class CausalLM:
         return self.weight, self.bias
 
     @property
-    def rows_copied(self) -> int:
-        """Head rows gathered into packed buffers since the last reset."""
-        return 0 if self._head is None else self._head.rows_copied
-
-    @property
     def hidden_size(self) -> int:
         """Width of the final hidden state (the head's input)."""
         return self.weight.shape[1]
@@ -114,11 +109,6 @@ class CausalLM:
     def embedding(self) -> torch.Tensor:
         """The input embeddings [V, d_e]."""
         return self.model.get_input_embeddings().weight.detach()
-
-    @property
-    def shares_target_head(self) -> bool:
-        """A draft model has a head of its own."""
-        return False
 
     @property
     def index_rows(self) -> torch.Tensor:
@@ -131,19 +121,9 @@ class CausalLM:
         return self.model
 
     @property
-    def searches_per_step(self) -> bool:
-        """A draft model's step is long enough to hide per-step candidate searches."""
-        return True
-
-    @property
     def hf_model(self) -> torch.nn.Module:
         """The transformers model (transformers' assisted generation can drive it)."""
         return self.model
-
-    @property
-    def label(self) -> str:
-        """For people: a draft model."""
-        return "draft model"
 
     def finish(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply the model's final logit soft-capping, if it has one."""
