@@ -16,10 +16,10 @@ import torch
 
 from dynvocab.artifacts import ClusterTable
 from dynvocab.artifacts.router import DEFAULT_K_MAX, STAGE, RouterTable, clusters_checksum
+from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.head import RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.policies.frequency import pa_budget
 
 NEEDS_BUNDLE = (
     "strategy 'dynaspec' needs --bundle B with clusters and router stages; "

@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from dynvocab.artifacts import mips_search
+from dynvocab.budget import pa_budget
 from dynvocab.runtime.policies.base import CycleReport
-from dynvocab.runtime.policies.frequency import pa_budget
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
 
 
