@@ -90,6 +90,21 @@ def test_bad_sources(tmp_path, source, message):
         iter_documents(CorpusConfig(sources=(str(tmp_path / source),)))
 
 
+def test_sharegpt_documents_are_chat_template_encoded(monkeypatch, tmp_path):
+    from tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer(tmp_path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+    )
+    turns = [{"from": "human", "value": "the model"}, {"from": "gpt", "value": "a draft " * 50}]
+    records = [{"conversations": turns}] * 5
+    monkeypatch.setattr(corpus_mod, "sharegpt_train", lambda: iter(records))
+    docs = list(corpus_mod.encode_documents(CorpusConfig(sources=("sharegpt",), max_docs=3), tokenizer, 16))
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert len(docs) == 3 and all(len(d) == 16 and d[0] == start for d in docs)
+
+
 def test_bigram_counter_matches_a_plain_count():
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 7, size=rng.integers(0, 40)) for _ in range(60)]

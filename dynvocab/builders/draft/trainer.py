@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynvocab.builders.corpus import CorpusConfig, check_sources
+from dynvocab.builders.corpus import CorpusConfig, check_sources, encode_documents
 from dynvocab.builders.draft import features as feats
 from dynvocab.builders.draft import recipe, vocab
 from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
@@ -107,8 +107,7 @@ def check_config(cfg: TrainDraftConfig) -> None:
 
 
 def _encode(cfg: TrainDraftConfig, tokenizer):
-    from dynvocab.builders.router import encode_documents  # ShareGPT chat-template encoding, training split only
-
+    """ShareGPT chat-template encoded (training split only), as the router's data pass reads it."""
     return encode_documents(cfg.corpus, tokenizer, cfg.features.max_tokens)
 
 
