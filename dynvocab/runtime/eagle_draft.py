@@ -16,10 +16,10 @@ from typing import Sequence
 
 import torch
 
-from dynvocab.kernels.packed_buffer import grown
 from dynvocab.models.eagle import EAGLE1, EagleModel, LayerTap
 from dynvocab.runtime.head import DraftHead, active_segments
 from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.slots import grown
 
 
 class EagleDraft:
