@@ -139,7 +139,7 @@ def test_freq_ranking_puts_end_tokens_first():
     table = freq.build(freq.FreqConfig(), counts, eos_ids=[5, 2, 99])  # 99: outside the vocabulary
     assert table.eos_ids.tolist() == [2, 5]
     assert table.ranking.tolist() == [2, 5, 1, 3, 4, 0]  # then count desc, ties by id
-    assert table.coverage(3) == pytest.approx(10 / 30)
+    assert table.top_k_share(3) == pytest.approx(10 / 30)
     assert sorted(table.ranking.tolist()) == list(range(6))
-    stats = freq.summary(freq.FreqConfig(coverage_sizes=(4,)), table)
+    stats = freq.summary(freq.FreqConfig(share_sizes=(4,)), table)
     assert stats["coverage"] == {"4": pytest.approx(20 / 30, abs=1e-6)} and stats["distinct_tokens"] == 4
