@@ -90,6 +90,21 @@ def test_bad_sources(tmp_path, source, message):
         iter_documents(CorpusConfig(sources=(str(tmp_path / source),)))
 
 
+def test_sharegpt_documents_are_chat_template_encoded(monkeypatch, tmp_path):
+    from tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer(tmp_path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+    )
+    turns = [{"from": "human", "value": "the model"}, {"from": "gpt", "value": "a draft " * 50}]
+    records = [{"conversations": turns}] * 5
+    monkeypatch.setattr(corpus_mod, "sharegpt_train", lambda: iter(records))
+    docs = list(corpus_mod.encode_documents(CorpusConfig(sources=("sharegpt",), max_docs=3), tokenizer, 16))
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert len(docs) == 3 and all(len(d) == 16 and d[0] == start for d in docs)
+
+
 def test_bigram_counter_matches_a_plain_count():
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 7, size=rng.integers(0, 40)) for _ in range(60)]
@@ -124,7 +139,7 @@ def test_freq_ranking_puts_end_tokens_first():
     table = freq.build(freq.FreqConfig(), counts, eos_ids=[5, 2, 99])  # 99: outside the vocabulary
     assert table.eos_ids.tolist() == [2, 5]
     assert table.ranking.tolist() == [2, 5, 1, 3, 4, 0]  # then count desc, ties by id
-    assert table.coverage(3) == pytest.approx(10 / 30)
+    assert table.top_k_share(3) == pytest.approx(10 / 30)
     assert sorted(table.ranking.tolist()) == list(range(6))
-    stats = freq.summary(freq.FreqConfig(coverage_sizes=(4,)), table)
+    stats = freq.summary(freq.FreqConfig(share_sizes=(4,)), table)
     assert stats["coverage"] == {"4": pytest.approx(20 / 30, abs=1e-6)} and stats["distinct_tokens"] == 4

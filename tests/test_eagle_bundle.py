@@ -11,7 +11,8 @@ import torch
 from cli_helpers import assert_one_line_error, run
 from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
 
-from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, init_from_target, save_eagle
+from dynvocab.builders.draft.init import init_eagle1_from_target
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
 
 PROMPT = "def model(x):\n    return x + 1\nThe draft token head"
 
@@ -35,7 +36,7 @@ def heads(tiny_dirs, tmp_path_factory):  # noqa: F811
 
     target = AutoModelForCausalLM.from_pretrained(tiny_dirs[0], dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("eagle_heads")
-    eagle1 = init_from_target(EagleModel(config_like(target.config, EAGLE1)).eval(), target)
+    eagle1 = init_eagle1_from_target(EagleModel(config_like(target.config, EAGLE1)).eval(), target)
     torch.manual_seed(0)
     eagle3 = EagleModel(config_like(target.config, EAGLE3, draft_vocab_size=200, aux_layer_ids=(0, 1, 1))).eval()
     with torch.no_grad():

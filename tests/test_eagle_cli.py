@@ -10,7 +10,8 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, run
 
-from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, init_from_target, save_eagle
+from dynvocab.builders.draft.init import init_eagle1_from_target
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
 
 PROMPT = "w1 w2 w3 w4 w5 w1 w2"
 STRATEGIES = ("full", "fr", "fr-pa", "microspec", "hybrid")
@@ -33,7 +34,7 @@ def heads(tiny_dirs, tmp_path_factory):
 
     target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"], dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("eagle")
-    eagle1 = init_from_target(EagleModel(config_like(target.config, EAGLE1)).eval(), target)
+    eagle1 = init_eagle1_from_target(EagleModel(config_like(target.config, EAGLE1)).eval(), target)
     with torch.no_grad():
         eagle1.fc.weight.add_(0.05 * torch.randn_like(eagle1.fc.weight))
     cfg3 = config_like(target.config, EAGLE3, draft_vocab_size=48, aux_layer_ids=(0, 0, 1))

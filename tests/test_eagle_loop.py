@@ -8,7 +8,8 @@ import torch
 
 from conftest import tiny_qwen2
 from test_loop import VOCAB, make_policy, pooled_chi_square
-from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like, init_from_target
+from dynvocab.builders.draft.init import init_eagle1_from_target
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
 from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.lm import CausalLM
@@ -22,7 +23,7 @@ DRAFT_VOCAB = 60
 
 def eagle1(target_model) -> EagleModel:
     model = EagleModel(config_like(target_model.config, EAGLE1)).eval()
-    return init_from_target(model, target_model)
+    return init_eagle1_from_target(model, target_model)
 
 
 def eagle3(target_model, seed: int = 0) -> EagleModel:

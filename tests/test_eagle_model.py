@@ -15,6 +15,7 @@ from dynvocab.models.eagle import (
     EagleModel,
     LayerTap,
     check_target,
+    config_to_json,
     detect_kind,
     load_eagle,
     read_config,
@@ -113,7 +114,7 @@ def test_model_prefix_and_missing_embeddings(tmp_path):
 
     state = {"model." + k: v for k, v in model.state_dict().items() if not k.startswith(("embed", "rotary"))}
     save_file(state, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_json("eagle")))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_json(cfg, "eagle")))
     with pytest.raises(DynvocabError, match="no embed_tokens"):
         load_eagle(tmp_path)
     with pytest.raises(DynvocabError, match=r"\(50, 16\)"):

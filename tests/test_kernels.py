@@ -1,12 +1,9 @@
-"""The fused gathered-head kernels against their torch references (CPU under TRITON_INTERPRET=1, or CUDA)."""
+"""The fused gathered-head kernel against its torch reference (CPU under TRITON_INTERPRET=1, or CUDA)."""
 
 import pytest
 import torch
 
 from dynvocab.kernels import (
-    batched_gathered_logits,
-    batched_gathered_logits_auto,
-    batched_gathered_logits_reference,
     gathered_logits,
     gathered_logits_auto,
     gathered_logits_reference,
@@ -84,50 +81,6 @@ def test_gathered_logits_rejects_bad_operands():
 def test_auto_matches_truth_on_every_device(device):
     h, weight, idx = operands(3, 50, 96, torch.float32, device)
     torch.testing.assert_close(gathered_logits_auto(h, weight, idx).cpu(), truth(h, weight, idx).cpu(), **TRUTH_TOL)
-
-
-def batched_operands(b, n, d, dtype, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(b, d, generator=gen).to(device, dtype)
-    weight = torch.randn(VOCAB, d, generator=gen).to(device, dtype)
-    idx = torch.randint(0, VOCAB, (b, n), generator=gen)
-    idx[torch.rand(b, n, generator=gen) < 0.3] = -1
-    idx[0, n // 2:] = -1  # a sequence with a shorter active set, padded at the end
-    return h, weight, idx.to(device)
-
-
-def check_batched(out, h, weight, idx, tol):
-    pad = idx < 0
-    assert torch.equal(torch.isneginf(out), pad)
-    expected = torch.einsum("bnd,bd->bn", weight.double()[idx.clamp(min=0)], h.double()).float()
-    torch.testing.assert_close(out[~pad], expected[~pad], **tol)
-
-
-@needs_triton
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("b,n,d", [(1, 1, 64), (4, 37, 96), (3, 130, 40)])
-def test_batched_gathered_logits_matches_reference(device, dtype, b, n, d):
-    h, weight, idx = batched_operands(b, n, d, dtype, device)
-    out = batched_gathered_logits(h, weight, idx)
-    assert out.shape == (b, n) and out.dtype == torch.float32
-    check_batched(out, h, weight, idx, TRUTH_TOL)
-    ref = batched_gathered_logits_reference(h, weight, idx)
-    assert torch.equal(torch.isneginf(ref), idx < 0)
-    torch.testing.assert_close(out, ref, **REF_TOL[dtype])
-
-
-def test_batched_reference_and_auto_on_cpu():
-    h, weight, idx = batched_operands(4, 37, 96, torch.float32, "cpu")
-    out = batched_gathered_logits_auto(h, weight, idx)
-    check_batched(out, h, weight, idx, REF_TOL[torch.float32])
-
-
-@needs_triton
-def test_batched_rejects_batch_mismatch():
-    h, weight, idx = batched_operands(4, 8, 64, torch.float32, "cpu")
-    with pytest.raises(ValueError):
-        batched_gathered_logits(h[:3], weight, idx)
 
 
 @needs_triton

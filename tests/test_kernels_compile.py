@@ -14,7 +14,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from dynvocab.kernels import gathered_head_triton as gathered  # noqa: E402
-from dynvocab.kernels import packed_buffer_triton as packed  # noqa: E402
+from dynvocab.kernels import gather_rows_triton as gather  # noqa: E402
 from dynvocab.kernels import window_state_triton as window  # noqa: E402
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -71,15 +71,10 @@ def test_gathered_logits_kernel_compiles(dtype, block_m):
     assert spill == 0, f"{config} spills {spill} bytes ({regs} registers)"
 
 
-def test_batched_and_gather_and_window_kernels_compile():
-    batched_sig = {"h_ptr": "*bf16", "w_ptr": "*bf16", "idx_ptr": "*i64", "out_ptr": "*fp32", "n": "i32",
-                   "d": "i32", "stride_h": "i32", "stride_w": "i32", "stride_idx": "i32", "stride_out": "i32",
-                   "N_BUCKET": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-    assert compile_resources(gathered.batched_gathered_logits_kernel, batched_sig, {},
-                             gathered.BATCHED_CONFIGS[-1])[1] == 0
+def test_gather_and_window_kernels_compile():
     gather_sig = {"src_ptr": "*bf16", "dst_ptr": "*bf16", "src_idx_ptr": "*i64", "dst_idx_ptr": "*i64", "k": "i32",
                   "d": "i32", "stride_src": "i32", "stride_dst": "i32", "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
-    assert compile_resources(packed.gather_rows_kernel, gather_sig, {"BLOCK_R": 4, "BLOCK_D": 1024})[1] == 0
+    assert compile_resources(gather.gather_rows_kernel, gather_sig, {"BLOCK_R": 4, "BLOCK_D": 1024})[1] == 0
     window_sig = {"ring_ptr": "*i32", "counts_ptr": "*i32", "tokens_ptr": "*i64", "n_new": "i32", "start": "i32",
                   "window": "i32", "BLOCK": "constexpr"}
     assert compile_resources(window.window_push_kernel, window_sig, {"BLOCK": 256}, arch=80)[1] == 0

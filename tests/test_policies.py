@@ -7,7 +7,8 @@ from collections import deque
 import pytest
 import torch
 
-from dynvocab.runtime.policies import CycleReport, FrequencyPolicy, PositionAwareFrequencyPolicy, pa_budget
+from dynvocab.budget import pa_budget
+from dynvocab.runtime.policies import CycleReport, FrequencyPolicy, PositionAwareFrequencyPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
 
 

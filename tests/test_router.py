@@ -1,4 +1,4 @@
-"""The router trainer on synthetic data, the router stage round trip, and document encoding."""
+"""The router trainer on synthetic data and the router stage round trip."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import torch
 
 from dynvocab.artifacts import ClusterTable, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.router import RouterMLP, RouterTable, clusters_checksum
-from dynvocab.builders import router as router_stage
-from dynvocab.builders.corpus import CorpusConfig
-from dynvocab.builders.router import RouterConfig, RouterData
+from dynvocab.builders.router import data as router_data
+from dynvocab.builders.router import fit
+from dynvocab.builders.router import recall as router_recall
+from dynvocab.builders.router.data import RouterData
+from dynvocab.builders.router.fit import RouterConfig
 
 
 def synthetic(rows: int, seed: int, vocab: int = 40, dim: int = 8, top_l: int = 3):
@@ -26,7 +28,7 @@ def synthetic(rows: int, seed: int, vocab: int = 40, dim: int = 8, top_l: int = 
 
 def test_labels_are_multi_hot_over_clusters():
     assign = torch.tensor([0, 0, 1, 2, 2, 3])
-    y = router_stage.labels(torch.tensor([[0, 1, 4], [5, 2, 3]]), assign, 4)
+    y = fit.labels(torch.tensor([[0, 1, 4], [5, 2, 3]]), assign, 4)
     assert y.tolist() == [[1, 0, 1, 0], [0, 1, 1, 1]]
 
 
@@ -36,14 +38,14 @@ def test_training_loss_goes_down_and_recall_beats_static():
     held, _ = synthetic(300, seed=1)
     cfg = RouterConfig(top_l=3, width=32, epochs=6, batch_size=64, lr=1e-2, k_max=3)
     before = RouterMLP(8, 8, 32, 8)
-    before.set_input_stats(*router_stage.input_stats(train, embedding))
-    module, losses = router_stage.train(cfg, train, embedding, assign, 8)
+    before.set_input_stats(*fit.input_stats(train, embedding))
+    module, losses = fit.train(cfg, train, embedding, assign, 8)
     assert len(losses) == 6 and losses[-1] < 0.8 * losses[0], losses
-    untrained = router_stage.mean_loss(before, held, embedding, assign)
-    assert router_stage.mean_loss(module, held, embedding, assign) < 0.8 * untrained
+    untrained = fit.mean_loss(before, held, embedding, assign)
+    assert fit.mean_loss(module, held, embedding, assign) < 0.8 * untrained
     sizes = torch.bincount(assign, minlength=8)
-    static = router_stage.positive_counts(train, assign, 8).argsort(descending=True)
-    recall = router_stage.evaluate(module, held, embedding, assign, sizes, [1, 3], static, gamma=3)
+    static = fit.positive_counts(train, assign, 8).argsort(descending=True)
+    recall = router_recall.evaluate(module, held, embedding, assign, sizes, [1, 3], static, gamma=3)
     assert recall["3"]["top1_recall"] > recall["3"]["static_top1_recall"] + 0.1, recall
     assert recall["3"]["mean_shortlist"] == 15 and recall["1"]["cluster_recall"] < recall["3"]["cluster_recall"]
     assert recall["schedule"]["gamma"] == 3  # budgets 3, 3, 1
@@ -51,14 +53,14 @@ def test_training_loss_goes_down_and_recall_beats_static():
 
 
 def test_report_budgets_cover_the_schedule():
-    assert router_stage.schedule(256) == [256, 256, 42, 32]
-    assert router_stage.report_budgets(256) == [16, 32, 42, 64, 128, 256]
-    assert router_stage.report_budgets(8) == [1, 8]
+    assert router_recall.schedule(256) == [256, 256, 42, 32]
+    assert router_recall.report_budgets(256) == [16, 32, 42, 64, 128, 256]
+    assert router_recall.report_budgets(8) == [1, 8]
 
 
 def test_split_holds_out_whole_documents():
     data, _ = synthetic(200, seed=0)  # 20 documents of 10 rows
-    train, held = router_stage.split(data, 10)
+    train, held = router_data.split(data, 10)
     assert set(held.doc.tolist()) == {9, 19} and held.rows == 20 and train.rows == 180
     assert not set(train.doc.tolist()) & set(held.doc.tolist())
 
@@ -80,18 +82,3 @@ def test_router_stage_round_trip(tmp_path):
     assert back.config["clusters_sha256"] == clusters_checksum(bundle)
     h, e = torch.randn(5, 4), torch.randn(5, 4)
     torch.testing.assert_close(back.module()(h, e), mlp(h, e))
-
-
-def test_sharegpt_documents_are_chat_template_encoded(monkeypatch, tmp_path):
-    from tiny_models import make_tokenizer
-
-    tokenizer = make_tokenizer(tmp_path)
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
-    )
-    turns = [{"from": "human", "value": "the model"}, {"from": "gpt", "value": "a draft " * 50}]
-    records = [{"conversations": turns}] * 5
-    monkeypatch.setattr(router_stage, "sharegpt_train", lambda: iter(records))
-    docs = list(router_stage.encode_documents(CorpusConfig(sources=("sharegpt",), max_docs=3), tokenizer, 16))
-    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    assert len(docs) == 3 and all(len(d) == 16 and d[0] == start for d in docs)

@@ -31,7 +31,7 @@ class FreqTable:
         """The first ``k`` ids of the ranking, LongTensor [k]."""
         return self.ranking[:k]
 
-    def coverage(self, k: int) -> float:
+    def top_k_share(self, k: int) -> float:
         """Share of corpus tokens that fall inside the top ``k`` ids."""
         total = int(self.counts.sum())
         return float(self.counts[self.ranking[:k]].sum()) / total if total else 0.0

@@ -7,9 +7,10 @@ Methods, for M hidden states and ``rows`` active rows of W [V, d]:
 - ``static``: ``F.linear`` over a contiguous slice ``W[:rows]`` (FR-Spec's static top-K, packed once).
 - ``index_select``: ``W.index_select(0, idx)`` then ``F.linear`` (a gathered copy every call).
 - ``fused``: the Triton ``gathered_logits`` kernel reading ``W[idx]`` in place (CUDA only).
-- ``packed``: ``F.linear`` over a pre-packed contiguous buffer of the rows (``PackedBuffer``).
-- ``repack``: refilling that buffer with all ``rows`` rows (the worst case; incremental updates copy only the
-  rows that changed, and on a GPU the copy runs on a side stream behind the draft body).
+- ``packed``: ``F.linear`` over a pre-packed contiguous buffer of the rows (what the runtime's ``PackedHead``
+  multiplies).
+- ``repack``: refilling that buffer with all ``rows`` rows through ``gather_rows`` (the Triton kernel on CUDA):
+  the worst case, since the runtime's incremental updates copy only the rows that changed (with ``index_select``).
 
 Achieved GB/s counts the bytes an op must move: W rows read + h read + logits written (``repack``: rows read
 and written), so methods compare on one scale; ``index_select`` moves more than it is credited with.
@@ -23,8 +24,8 @@ from rich.table import Table
 
 from dynvocab.kernels._triton import triton_available
 from dynvocab.bench.draft_step import draft_step_bench
+from dynvocab.kernels.gather_rows import gather_rows_auto
 from dynvocab.kernels.gathered_head import gathered_logits
-from dynvocab.kernels.packed_buffer import gather_rows_auto
 from dynvocab.bench.timing import (
     CacheFlusher,
     copy_bandwidth_gbps,

@@ -97,11 +97,11 @@ def render_tables(results: dict) -> list[Table]:
         f"dynvocab bench · {draft_line(cfg)} · {cfg['max_new_tokens']} new tokens · {sampling} · "
         f"{models_line(cfg)}"
     )
-    coverage = cfg.get("coverage")
+    scored = cfg.get("coverage")  # --coverage: the active sets' target mass and Recall@k were scored
     table = Table(title=title, title_justify="left")
     columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %",
                "policy/head ms/step", "vocab mean/max", "hit", "leaf hits", "=ar"]
-    if coverage:
+    if scored:
         columns += ["mass", "R@1", "R@10", "R@256"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("row", "accept by position") else "right", no_wrap=True)
@@ -123,7 +123,7 @@ def render_tables(results: dict) -> list[Table]:
             _leaves(s),
             _fmt(s.get("matches_ar"), "{:.0%}"),
         ]
-        if coverage:
+        if scored:
             cells += [_fmt(s.get(k), "{:.1%}") for k in ("target_mass", "recall_at_1", "recall_at_10", "recall_at_256")]
         table.add_row(*cells, style="dim" if oracle else None)
     tables = [table]

@@ -1,4 +1,4 @@
-"""Corpus sources as streams of documents (plain strings).
+"""Corpus sources as streams of documents (plain strings), and those documents as token ids for a model.
 
 - ``slimpajama``: ``cerebras/SlimPajama-627B`` streamed through ``datasets`` (rows with ``text`` and ``meta``).
 - ``sharegpt``: the embedded ShareGPT V3 conversations, **training split only** (see :mod:`dynvocab.data`):
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
-from dynvocab.data.sharegpt import EVAL_EVERY, EVAL_REMAINDER, conversation_text, sharegpt_train
+from dynvocab.data.sharegpt import EVAL_EVERY, EVAL_REMAINDER, conversation_text, sharegpt_train, to_messages
 from dynvocab.errors import DynvocabError
 
 SLIMPAJAMA = "cerebras/SlimPajama-627B"
@@ -84,6 +84,41 @@ def row_text(row: dict) -> str:
     """The text of one corpus row: ``text``, else its conversation turns."""
     text = row.get("text")
     return text if isinstance(text, str) else conversation_text(row)
+
+
+# ---- token ids (the router and train-draft read documents as a model sees them) ------------------------
+
+
+def encode_documents(corpus: CorpusConfig, tokenizer, max_tokens: int) -> Iterator[list[int]]:
+    """Token ids of each corpus document, at most ``max_tokens`` each, at most ``corpus.max_docs`` documents.
+
+    ShareGPT conversations (training split only) are encoded with the tokenizer's chat template, as the runtime
+    encodes prompts; other sources are plain text.
+    """
+    check_sources(corpus)
+    count = 0
+    for src in corpus.sources:
+        for ids in _source_ids(src, corpus, tokenizer, max_tokens):
+            if len(ids) < 2:
+                continue
+            yield ids
+            count += 1
+            if count >= corpus.max_docs:
+                return
+
+
+def _source_ids(src: str, corpus: CorpusConfig, tokenizer, max_tokens: int) -> Iterator[list[int]]:
+    chars = max_tokens * 16  # enough text for max_tokens tokens; spares tokenizing whole long conversations
+    if src == "sharegpt" and getattr(tokenizer, "chat_template", None):
+        for record in sharegpt_train():
+            messages = to_messages(record)
+            if messages:
+                text = tokenizer.apply_chat_template(messages, tokenize=False)
+                yield tokenizer(text[:chars], add_special_tokens=False)["input_ids"][:max_tokens]
+        return
+    one = CorpusConfig(sources=(src,), max_docs=corpus.max_docs, slimpajama_id=corpus.slimpajama_id)
+    for text in iter_documents(one):
+        yield tokenizer(text[:chars], add_special_tokens=False)["input_ids"][:max_tokens]
 
 
 # ---- datasets streaming (SlimPajama and local json/parquet) -----------------------------------------------

@@ -14,10 +14,13 @@ from dynvocab.artifacts import FreqTable
 class FreqConfig:
     """FR-Spec ranking: tokens sorted by corpus count, end tokens forced to the front."""
 
-    coverage_sizes: tuple[int, ...] = (4096, 8192, 16384, 32768)  # top-K sizes whose coverage is reported
+    share_sizes: tuple[int, ...] = (4096, 8192, 16384, 32768)  # top-K sizes whose corpus share is reported
 
     def as_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """The config as bundles store it (``share_sizes`` under its stored name, ``coverage_sizes``)."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        out["coverage_sizes"] = out.pop("share_sizes")
+        return out
 
 
 def build(cfg: FreqConfig, counts: np.ndarray, eos_ids: list[int]) -> FreqTable:
@@ -38,9 +41,10 @@ def build(cfg: FreqConfig, counts: np.ndarray, eos_ids: list[int]) -> FreqTable:
 
 
 def summary(cfg: FreqConfig, table: FreqTable) -> dict:
-    """Statistics stored with the stage: total tokens, distinct ids seen, coverage of each top-K."""
+    """Statistics stored with the stage: total tokens, distinct ids seen, and the corpus share of each top-K
+    (stored under ``coverage``, the bundle's key for it)."""
     return {
         "total_tokens": int(table.counts.sum()),
         "distinct_tokens": int((table.counts > 0).sum()),
-        "coverage": {str(k): round(table.coverage(k), 6) for k in cfg.coverage_sizes},
+        "coverage": {str(k): round(table.top_k_share(k), 6) for k in cfg.share_sizes},
     }

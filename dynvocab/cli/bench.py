@@ -73,7 +73,7 @@ def bench(
     plot_path: Annotated[
         Optional[Path], typer.Option("--plot", help="Write a figure (tokens/s, MAL, active vocabulary vs MAL) here, e.g. bench.png.")
     ] = None,
-    coverage: Annotated[
+    score_sets: Annotated[
         bool, typer.Option("--coverage", help="Also score each active set: target probability mass and Recall@k of the target's top-k.")
     ] = False,
     kernels: Annotated[
@@ -117,7 +117,7 @@ def bench(
     request = BenchRequest(
         models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_step_dtype=draft_step_dtype),
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
-        max_new_tokens=max_new_tokens, seeds=seeds, coverage=coverage, chat_template=not no_chat_template,
+        max_new_tokens=max_new_tokens, seeds=seeds, score_sets=score_sets, chat_template=not no_chat_template,
         json_path=json_path, csv_path=csv_path, plot_path=plot_path,
     )
     run_command(request, flags)

@@ -47,7 +47,7 @@ class BenchRequest:
     quick: bool = False
     max_new_tokens: int | None = None
     seeds: str | None = None
-    coverage: bool = False
+    score_sets: bool = False  # --coverage: target mass and Recall@k of every active set
     chat_template: bool = True
     json_path: Path | None = None
     csv_path: Path | None = None
@@ -108,7 +108,7 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
         options=flags.options(),
         chat_template=req.chat_template,
         seeds=seeds,
-        coverage=req.coverage,
+        coverage=req.score_sets,
     )
     session = Session(req.models, need_draft=needs_draft(names), status=status_printer(), bundle=flags.bundle)
     check_prompts_fit(session, items, cfg)

@@ -134,8 +134,8 @@ def describe_bundle(bundle) -> dict:
         }
         if name == "freq":
             table = FreqTable.from_bundle(bundle)
-            sizes = bundle.config("freq").get("coverage_sizes", FreqConfig().coverage_sizes)
-            entry["coverage"] = {str(k): round(table.coverage(int(k)), 6) for k in sizes}
+            sizes = bundle.config("freq").get("coverage_sizes", FreqConfig().share_sizes)  # share_sizes, as stored
+            entry["coverage"] = {str(k): round(table.top_k_share(int(k)), 6) for k in sizes}
         stages[name] = entry
     return {
         "path": str(bundle.path),
@@ -197,9 +197,9 @@ def inspect(
             console.print(f"[bold]{name}[/] stats: {stats}", soft_wrap=True)
     if "freq" in info["stages"]:
         corpus = info["stages"]["freq"]["info"].get("corpus", {})
-        cov = " · ".join(f"top-{int(k):,} {v:.2%}" for k, v in info["stages"]["freq"]["coverage"].items())
+        shares = " · ".join(f"top-{int(k):,} {v:.2%}" for k, v in info["stages"]["freq"]["coverage"].items())
         console.print(
-            f"freq coverage of {corpus.get('tokens', 0):,} corpus tokens ({', '.join(corpus.get('sources', []))}): {cov}",
+            f"freq coverage of {corpus.get('tokens', 0):,} corpus tokens ({', '.join(corpus.get('sources', []))}): {shares}",
             highlight=False, soft_wrap=True,
         )
 

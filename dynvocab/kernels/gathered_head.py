@@ -1,13 +1,14 @@
 """Logits over an index list of LM-head rows: ``logits[m, j] = h[m] · W[idx[j]]``, without a gathered copy of W.
 
-Three entry points per operation, following the project's kernel convention:
+Three entry points, following the project's kernel convention:
 
-- ``gathered_logits`` / ``batched_gathered_logits``: thin wrappers that check shapes, dtypes and strides,
-  allocate the float32 output and launch the Triton kernel (``gathered_head_triton``) with an explicit grid.
-- ``*_reference``: the torch version (``index_select`` + matmul), used by the tests and as the CPU path.
-- ``*_auto``: the kernel for CUDA tensors, the reference otherwise.
+- ``gathered_logits``: the thin wrapper that checks shapes, dtypes and strides, allocates the float32 output and
+  launches the Triton kernel (``gathered_head_triton``) with an explicit grid.
+- ``gathered_logits_reference``: the torch version (``index_select`` + matmul), used by the tests and as the CPU
+  path.
+- ``gathered_logits_auto``: the kernel for CUDA tensors, the reference otherwise.
 
-Row ids are not bounds-checked by the kernels (that would need a device sync); the references raise on ids
+Row ids are not bounds-checked by the kernel (that would need a device sync); the reference raises on ids
 outside ``[0, V)``.
 """
 
@@ -22,13 +23,13 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_operands(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, idx_dim: int) -> None:
+def _check_operands(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) -> None:
     if h.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"h must be [M, d] and weight [V, d]; got {tuple(h.shape)} and {tuple(weight.shape)}")
     if h.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden size mismatch: h has d={h.shape[1]}, weight has d={weight.shape[1]}")
-    if idx.dim() != idx_dim:
-        raise ValueError(f"idx must have {idx_dim} dimension(s); got shape {tuple(idx.shape)}")
+    if idx.dim() != 1:
+        raise ValueError(f"idx must be [n]; got shape {tuple(idx.shape)}")
     if h.dtype not in FLOAT_DTYPES or weight.dtype != h.dtype:
         raise TypeError(f"h and weight must share a float dtype in {FLOAT_DTYPES}; got {h.dtype}, {weight.dtype}")
     if idx.dtype not in INDEX_DTYPES:
@@ -56,7 +57,7 @@ def gathered_logits(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) ->
     Reads ``weight[idx]`` directly (no gathered copy), accumulates in float32. Needs CUDA tensors, or CPU tensors
     with ``TRITON_INTERPRET=1``.
     """
-    _check_operands(h, weight, idx, idx_dim=1)
+    _check_operands(h, weight, idx)
     check_launchable(h, weight, idx)
     import triton
 
@@ -87,49 +88,3 @@ def gathered_logits_auto(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tenso
         return gathered_logits(h, weight, idx)
     return gathered_logits_reference(h, weight, idx)
 
-
-def batched_gathered_logits_reference(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Torch reference: per-sequence logits [B, n], ``h[b] · weight[idx[b, j]]``, ``-inf`` where ``idx < 0``."""
-    pad = idx < 0  # [B, n]
-    rows = weight.index_select(0, idx.clamp(min=0).flatten()).view(*idx.shape, -1)  # [B, n, d]
-    logits = torch.bmm(rows, h.unsqueeze(-1)).squeeze(-1).float()  # [B, n]
-    return logits.masked_fill(pad, float("-inf"))
-
-
-def batched_gathered_logits(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Fused Triton kernel for a batch in which each sequence has its own active set.
-
-    ``h`` [B, d] (one hidden state per sequence), ``idx`` [B, n] row ids padded with -1 → float32 logits [B, n],
-    ``-inf`` at the padding.
-    """
-    _check_operands(h, weight, idx, idx_dim=2)
-    if idx.shape[0] != h.shape[0]:
-        raise ValueError(f"batch mismatch: h has B={h.shape[0]}, idx has B={idx.shape[0]}")
-    check_launchable(h, weight, idx)
-    import triton
-
-    from dynvocab.kernels.gathered_head_triton import batched_gathered_logits_kernel
-
-    b, n = idx.shape
-    d = h.shape[1]
-    out = torch.empty(b, n, dtype=torch.float32, device=h.device)  # [B, n]
-    if b == 0 or n == 0:
-        return out
-
-    def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]), b)
-
-    batched_gathered_logits_kernel[grid](
-        h, weight, idx, out,
-        n, d,
-        h.stride(0), weight.stride(0), idx.stride(0), out.stride(0),
-        triton.next_power_of_2(n),
-    )
-    return out
-
-
-def batched_gathered_logits_auto(h: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Per-sequence float32 logits [B, n] (``-inf`` at padding): the kernel on CUDA, the reference elsewhere."""
-    if h.is_cuda and triton_available():
-        return batched_gathered_logits(h, weight, idx)
-    return batched_gathered_logits_reference(h, weight, idx)

@@ -1,6 +1,6 @@
-"""Triton kernels for logits over an index list of LM-head rows (imported lazily by ``gathered_head``).
+"""Triton kernel for logits over an index list of LM-head rows (imported lazily by ``gathered_head``).
 
-Both kernels read the needed rows of ``W`` straight from the full weight (no gathered copy), accumulate in
+The kernel reads the needed rows of ``W`` straight from the full weight (no gathered copy), accumulate in
 float32 and write float32 logits. A program owns ``BLOCK_N`` entries of the index list and ``BLOCK_M`` hidden
 states and walks the hidden dimension in ``BLOCK_K`` steps. Small ``BLOCK_M`` (chain drafting, M = 1) uses a
 broadcast-multiply-reduce (a GEMV: the step is bound by reading W rows); ``BLOCK_M >= 16`` uses ``tl.dot`` so
@@ -101,53 +101,3 @@ def gathered_logits_kernel(
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tl.store(out, acc, mask=mask_m[:, None] & mask_n[None, :])
 
-
-BATCHED_CONFIGS = [
-    _config(1, 16, 64), _config(1, 32, 64), _config(1, 32, 128), _config(1, 64, 64), _config(1, 128, 64),
-    _config(1, 256, 64, warps=8),
-]
-
-
-def prune_batched_configs(configs, named_args, **kwargs):
-    """All configs on a GPU; only the first under the interpreter."""
-    return configs[:1] if interpreting() else configs
-
-
-@triton.autotune(
-    configs=BATCHED_CONFIGS,
-    key=["N_BUCKET", "d"],
-    prune_configs_by={"early_config_prune": prune_batched_configs},
-)
-@triton.jit
-def batched_gathered_logits_kernel(
-    h_ptr,  # [B, d] one hidden state per sequence
-    w_ptr,  # [V, d]
-    idx_ptr,  # [B, n] per-sequence row ids, -1 = padding
-    out_ptr,  # [B, n] float32 logits, -inf at padding
-    n,
-    d,
-    stride_h,
-    stride_w,
-    stride_idx,
-    stride_out,
-    N_BUCKET,  # next power of two of n: an autotune key only
-    BLOCK_M: tl.constexpr,  # always 1: one sequence per program
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    in_range = offs_n < n
-    rows = tl.load(idx_ptr + b * stride_idx + offs_n, mask=in_range, other=-1).to(tl.int64)  # [BLOCK_N]
-    live = rows >= 0
-    w_row_ptr = w_ptr + tl.where(live, rows, 0)[:, None] * stride_w  # [BLOCK_N, 1]
-    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, d, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        mask_k = offs_k < d
-        w = tl.load(w_row_ptr + offs_k[None, :], mask=live[:, None] & mask_k[None, :], other=0.0)  # [BN, BK]
-        h = tl.load(h_ptr + b * stride_h + offs_k[None, :], mask=mask_k[None, :], other=0.0)  # [1, BK]
-        acc += tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [1, BN]
-    acc = tl.where(live, tl.reshape(acc, (BLOCK_N,)), float("-inf"))
-    tl.store(out_ptr + b * stride_out + offs_n, acc, mask=in_range)

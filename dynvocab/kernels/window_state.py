@@ -66,7 +66,6 @@ class WindowState:
         self.window = window
         self.ring = torch.full((window,), -1, dtype=torch.int32, device=device)  # [W] entries, -1 = empty
         self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)  # [V] occurrences in the window
-        self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V] active at the last change query
         self._pos = 0  # next ring slot to write (host arithmetic: no device read)
         self.filled = 0  # entries in the window, <= W
         self._use_kernel = self.ring.is_cuda and triton_available() if use_kernel is None else use_kernel
@@ -75,7 +74,6 @@ class WindowState:
         """Empty the window."""
         self.ring.fill_(-1)
         self.counts.zero_()
-        self._seen.zero_()
         self._pos = self.filled = 0
 
     def push(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -102,22 +100,6 @@ class WindowState:
         """Bitmap [V] of the active set: tokens that occur in the window."""
         return self.counts > 0
 
-    def active_count(self) -> torch.Tensor:
-        """Size of the active set, as a 0-d device tensor (reading it is the caller's sync)."""
-        return self.active_mask().sum()
-
     def active_ids(self) -> torch.Tensor:
         """Sorted ids [n] of the active set (``nonzero``: a host sync on CUDA)."""
         return torch.nonzero(self.active_mask()).flatten()
-
-    def changed_since_last(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masks [V] of tokens that entered and that left the active set since the previous call (or creation)."""
-        now = self.active_mask()  # [V]
-        entered = now & ~self._seen
-        left = self._seen & ~now
-        self._seen = now
-        return entered, left
-
-    def entries(self) -> torch.Tensor:
-        """The window's entries [filled], oldest first (for tests and debugging)."""
-        return torch.roll(self.ring, -self._pos)[self.window - self.filled:]

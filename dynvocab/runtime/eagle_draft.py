@@ -16,12 +16,12 @@ from typing import Sequence
 
 import torch
 
-from dynvocab.kernels.packed_buffer import grown
 from dynvocab.models.eagle import EAGLE1, EagleModel, LayerTap
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.draft import OwnsHead
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.slots import grown
 
 
 class EagleDraft(OwnsHead):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dynvocab.kernels._triton import triton_available
 from dynvocab.kernels.gathered_head import gathered_logits
-from dynvocab.kernels.packed_buffer import SlotTable, grown
+from dynvocab.runtime.slots import SlotTable, grown
 from dynvocab.runtime.active_set import ActiveSet, RowRanges, Segment, segment_size
 
 
@@ -29,8 +29,8 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 class PackedHead:
     """Computes draft logits over ``ids`` only, reusing a packed copy of ``W[ids]`` across calls.
 
-    Which token sits in which row is a :class:`~dynvocab.kernels.packed_buffer.SlotTable` (the bookkeeping the GPU
-    packed buffer uses too), so an update copies only the rows of tokens that entered.
+    Which token sits in which row is a :class:`~dynvocab.runtime.slots.SlotTable`, so an update copies only the
+    rows of tokens that entered.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):

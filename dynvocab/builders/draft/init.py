@@ -1,17 +1,37 @@
-"""Start an EAGLE-3 head from its target where the shapes allow (EAGLE-1: :func:`dynvocab.models.eagle.init_from_target`).
+"""Start an EAGLE head from its target: real weight shapes and statistics, not a trained head.
 
-The EAGLE-3 layer's q/k/v read ``cat(input_layernorm(embedding), hidden_norm(h))`` (2d wide), so the target's
-last-layer q/k/v fill the hidden half and the embedding half keeps its random start; o_proj, the MLP and the
-norms are copied as they are; ``norm`` is the target's final norm; ``lm_head`` is the target's head rows of the
-draft vocabulary; ``fc`` passes the highest tapped layer through ([0 | 0 | I]). Only tensors whose shapes match
-are copied, so a target of another family still gets a runnable head.
+- EAGLE-1: the target's last decoder layer (without ``input_layernorm``), its embeddings, and ``fc`` as
+  [0 | I] (the feature passes through). A runnable head with real weight shapes and statistics, not a trained one.
+- EAGLE-3: only where the shapes allow. The layer's q/k/v read ``cat(input_layernorm(embedding), hidden_norm(h))``
+  (2d wide), so the target's last-layer q/k/v fill the hidden half and the embedding half keeps its random start;
+  o_proj, the MLP and the norms are copied as they are; ``norm`` is the target's final norm; ``lm_head`` is the
+  target's head rows of the draft vocabulary; ``fc`` passes the highest tapped layer through ([0 | 0 | I]). Only
+  tensors whose shapes match are copied, so a target of another family still gets a runnable head.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dynvocab.models.eagle import EAGLE3, EagleModel
+from dynvocab.errors import DynvocabError
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel
+
+
+def init_eagle1_from_target(model: EagleModel, target_model) -> EagleModel:
+    """Initialise the EAGLE-1 head ``model`` from ``target_model`` (see the module docstring); returns it."""
+    if model.kind != EAGLE1:
+        raise DynvocabError("init_eagle1_from_target builds EAGLE-1 heads")
+    body = getattr(target_model, target_model.base_model_prefix)
+    last = body.layers[-1].state_dict()
+    with torch.no_grad():
+        model.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("input_layernorm")})
+        model.embed_tokens.weight.copy_(body.embed_tokens.weight)
+        d = model.config.hidden_size
+        model.fc.weight.zero_()
+        model.fc.weight[:, d:].copy_(torch.eye(d))
+        if model.fc.bias is not None:
+            model.fc.bias.zero_()
+    return model
 
 
 @torch.no_grad()

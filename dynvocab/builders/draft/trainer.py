@@ -21,16 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynvocab.builders.corpus import CorpusConfig, check_sources
+from dynvocab.builders.corpus import CorpusConfig, check_sources, encode_documents
 from dynvocab.builders.draft import features as feats
 from dynvocab.builders.draft import recipe, vocab
-from dynvocab.builders.draft.init import init_eagle3_from_target
+from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
 from dynvocab.builders.models import end_token_ids, fingerprint
 from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 from dynvocab.models import default_device, load_model, load_tokenizer, resolve_model
-from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, init_from_target, save_eagle
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
 
 ARCHS = {"eagle1": EAGLE1, "eagle3": EAGLE3}
 FORMATS = ("eagle", "speculators")
@@ -107,8 +107,7 @@ def check_config(cfg: TrainDraftConfig) -> None:
 
 
 def _encode(cfg: TrainDraftConfig, tokenizer):
-    from dynvocab.builders.router import encode_documents  # ShareGPT chat-template encoding, training split only
-
+    """ShareGPT chat-template encoded (training split only), as the router's data pass reads it."""
     return encode_documents(cfg.corpus, tokenizer, cfg.features.max_tokens)
 
 
@@ -227,7 +226,7 @@ def _build_head(model, head_cfg, draft_ids) -> EagleModel:
     torch.manual_seed(0)
     head = EagleModel(head_cfg).float()
     if head_cfg.kind == EAGLE1:
-        init_from_target(head, model)
+        init_eagle1_from_target(head, model)
     else:
         head.set_draft_vocab(draft_ids)
         init_eagle3_from_target(head, model, draft_ids)

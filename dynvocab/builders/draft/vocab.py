@@ -39,14 +39,14 @@ def from_bundle(path: str | Path, size: int, target: ModelFingerprint) -> tuple[
         raise DynvocabError(f"bundle {path} was built for another target ({diffs[0]}); pass its own bundle or none")
     table = FreqTable.from_bundle(bundle)
     check_size(size, int(table.ranking.numel()))
-    return kept_ids(table, size), {"source": "bundle", "path": str(path), "coverage": round(table.coverage(size), 6)}
+    return kept_ids(table, size), {"source": "bundle", "path": str(path), "coverage": round(table.top_k_share(size), 6)}
 
 
 def from_counts(counts: np.ndarray, eos_ids: list[int], size: int) -> tuple[torch.Tensor, dict]:
     """Kept target ids (ascending, LongTensor [K]) from token counts over the training documents (int64 [V])."""
     check_size(size, int(counts.shape[0]))
     table = freq_stage.build(freq_stage.FreqConfig(), counts, eos_ids)
-    return kept_ids(table, size), {"source": "training documents", "coverage": round(table.coverage(size), 6)}
+    return kept_ids(table, size), {"source": "training documents", "coverage": round(table.top_k_share(size), 6)}
 
 
 def kept_ids(table: FreqTable, size: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Vocabulary policies: the only thing that differs between strategies."""
 
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.runtime.policies.frequency import FrequencyPolicy, PositionAwareFrequencyPolicy, pa_budget
+from dynvocab.runtime.policies.frequency import FrequencyPolicy, PositionAwareFrequencyPolicy
 from dynvocab.runtime.policies.full import FullPolicy
 
 __all__ = [
@@ -10,5 +10,4 @@ __all__ = [
     "FullPolicy",
     "PositionAwareFrequencyPolicy",
     "VocabPolicy",
-    "pa_budget",
 ]

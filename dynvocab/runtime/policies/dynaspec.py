@@ -16,10 +16,11 @@ import torch
 
 from dynvocab.artifacts import ClusterTable
 from dynvocab.artifacts.router import DEFAULT_K_MAX, RouterTable, clusters_checksum
+from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.policies.frequency import pa_budget
+
 
 @dataclass(frozen=True)
 class DynaSpecConfig:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvocab.budget import pa_budget
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import VocabPolicy
 
@@ -23,16 +24,6 @@ class FrequencyPolicy(VocabPolicy):
     def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
         """The same top-K set at every step."""
         return self.active
-
-
-def pa_budget(k_max: int, step: int, divisor: int = 1) -> int:
-    """DynaSpec's position-aware budget: k_max for steps 0 and 1, then ⌊k_max / (divisor·(t+1))⌋.
-
-    ``divisor=1`` is the frequency-ranked schedule (DynaSpec appendix A.1); ``divisor=2`` the cluster one.
-    """
-    if step < 2:
-        return k_max
-    return max(1, k_max // (divisor * (step + 1)))
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from dynvocab.artifacts import mips_search
+from dynvocab.budget import pa_budget
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.evospec import assemble_candidates
-from dynvocab.runtime.policies.frequency import pa_budget
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
 
 

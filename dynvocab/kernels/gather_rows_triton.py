@@ -1,4 +1,4 @@
-"""Triton kernel that copies selected rows of W into selected slots of the packed buffer (imported lazily)."""
+"""Triton kernel that copies selected rows of W into selected slots of a packed buffer (imported lazily)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,69 @@
+"""EAGLE draft heads (EAGLE-1/2 and EAGLE-3) built from transformers' own decoder layers, and their checkpoints.
+
+An EAGLE head is one decoder layer that reads the target's features and the next token's embedding:
+
+- **EAGLE-1/2** (SafeAILab/EAGLE ``eagle/model/cnets1.py``; SGLang ``python/sglang/srt/models/llama_eagle.py`` and
+  ``qwen2_eagle.py``): ``fc`` [d, 2d] (bias per the config's ``bias``, default true) over
+  ``cat(embedding, feature)`` — embedding first —, then ``layers.0`` without its ``input_layernorm``; no norm and
+  no head of its own: its output is a feature like the target's final *normed* hidden state, so the target's LM
+  head applies to it directly, and it feeds back as the next step's feature. A Qwen2 layer keeps its q/k/v biases.
+- **EAGLE-3** (SafeAILab/EAGLE ``eagle/model/cnets.py``; SGLang ``models/llama_eagle3.py``; vLLM
+  ``vllm/model_executor/models/llama_eagle3.py``): ``fc`` [d, 3·d_target] (bias per ``bias``, default false) over
+  the target's hidden states *entering* three layers (low, mid, high), then ``midlayer`` whose attention reads
+  ``cat(input_layernorm(embedding), hidden_norm(h))`` (q/k/v are 2d wide), then ``norm`` and ``lm_head``
+  [draft_vocab, d]. ``d2t`` is an OFFSET table (SGLang: ``hot_token_id = d2t + arange``): target id = draft id +
+  d2t[draft id]; ``t2d`` is a bool mask over the target vocabulary. From the second step the layer's *pre-norm*
+  output feeds back without ``fc`` (SGLang: ``hidden_states.shape[-1] != embeds.shape[-1]`` decides).
+- The vllm-project/speculators form of EAGLE-3 (vLLM ``transformers_utils/configs/speculators/{base,algos}.py``):
+  ``config.json`` with ``speculators_model_type: "eagle3"`` and a nested ``transformer_layer_config``; weights
+  ``layers.0.*`` instead of ``midlayer.*``; ``norm_before_residual`` (vLLM's default when absent: true).
+
+Which target layers EAGLE-3 reads — LOUD, because the two engines differ by one. With no ids in the config both
+take the hidden states entering layers ``(2, L // 2, L - 3)`` (vLLM ``get_eagle3_aux_hidden_state_layers``; SGLang
+``set_eagle3_layers_to_capture(None)``; EAGLE's ``modeling_llama_kv.py`` appends before running those layers).
+With explicit ``eagle_aux_hidden_state_layer_ids`` SGLang captures the OUTPUT of each listed layer (it adds 1:
+"for the ith layer, it takes the output of the (i-1)th layer"), vLLM the INPUT. We follow SGLang (and SpecForge,
+which trains with it): explicit id i means the hidden state entering layer i + 1; id L - 1 is the last layer's
+output before the final norm. :meth:`EagleConfig.target_layers` resolves them to "entering" indices;
+:class:`LayerTap` taps them.
+
+Modules: :mod:`.config` (the head's shape, the target layers it reads, the check against a target),
+:mod:`.modules` (the ``nn.Module``), :mod:`.checkpoint` (the three published layouts, read and written),
+:mod:`.tap` (the target-side hooks that produce EAGLE-3's features). The initialisations from a target are
+builders' work: :mod:`dynvocab.builders.draft.init`.
+"""
+
+from dynvocab.models.eagle.checkpoint import (
+    LAYOUTS,
+    config_from_json,
+    config_to_json,
+    detect_kind,
+    eagle_checkpoint,
+    load_eagle,
+    read_config,
+    save_eagle,
+    state_for_layout,
+)
+from dynvocab.models.eagle.config import EAGLE1, EAGLE3, KINDS, EagleConfig, check_target, config_like
+from dynvocab.models.eagle.modules import EagleModel
+from dynvocab.models.eagle.tap import LayerTap
+
+__all__ = [
+    "EAGLE1",
+    "EAGLE3",
+    "KINDS",
+    "LAYOUTS",
+    "LayerTap",
+    "EagleConfig",
+    "EagleModel",
+    "check_target",
+    "config_from_json",
+    "config_like",
+    "config_to_json",
+    "detect_kind",
+    "eagle_checkpoint",
+    "load_eagle",
+    "read_config",
+    "save_eagle",
+    "state_for_layout",
+]

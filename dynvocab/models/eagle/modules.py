@@ -1,0 +1,157 @@
+"""The EAGLE head as an ``nn.Module``, built from transformers' own decoder layers (see :mod:`dynvocab.models.eagle`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dynvocab.models.eagle.config import EAGLE1, EAGLE3, EagleConfig
+
+
+def _decoder_layer_class(arch: str):
+    if arch == "qwen2":
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+        return Qwen2DecoderLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def rotary_embedding(arch: str, cfg):
+    """The rotary embedding of ``arch``'s decoder layer for its config ``cfg``."""
+    if arch == "qwen2":
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+        return Qwen2RotaryEmbedding(cfg)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(cfg)
+
+
+def eagle1_layer(cfg: EagleConfig, layer_cfg) -> nn.Module:
+    """The library's decoder layer with ``input_layernorm`` dropped (cnets1.py builds layer 0 without it; SGLang
+    ``llama_eagle.py`` replaces it by the identity)."""
+    layer = _decoder_layer_class(cfg.arch)(layer_cfg, 0)
+    layer.input_layernorm = nn.Identity()
+    return layer
+
+
+def _eagle3_layer_class():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+    class Eagle3DecoderLayer(LlamaDecoderLayer):
+        """``LlamaDecoderLayer`` whose attention reads ``cat(input_layernorm(embedding), hidden_norm(h))``: q/k/v
+        take 2d inputs and a ``hidden_norm`` is added (cnets.py ``LlamaDecoderLayeremb``; vLLM llama_eagle3.py)."""
+
+        def __init__(self, layer_cfg, norm_before_residual: bool):
+            super().__init__(layer_cfg, 0)
+            attn, d = self.self_attn, layer_cfg.hidden_size
+            bias = layer_cfg.attention_bias
+            attn.q_proj = nn.Linear(2 * d, attn.q_proj.out_features, bias=bias)
+            attn.k_proj = nn.Linear(2 * d, attn.k_proj.out_features, bias=bias)
+            attn.v_proj = nn.Linear(2 * d, attn.v_proj.out_features, bias=bias)
+            self.hidden_norm = LlamaRMSNorm(d, eps=layer_cfg.rms_norm_eps)
+            self.norm_before_residual = norm_before_residual
+
+        def forward(self, embeds, hidden_states, **attn_kwargs) -> torch.Tensor:
+            """``embeds``, ``hidden_states`` [b, n, d] -> the pre-norm output [b, n, d]."""
+            normed = self.hidden_norm(hidden_states)
+            residual = normed if self.norm_before_residual else hidden_states  # speculators' option
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [b, n, 2d]
+            x, _ = self.self_attn(hidden_states=x, **attn_kwargs)
+            x = residual + x
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    return Eagle3DecoderLayer
+
+
+class EagleModel(nn.Module):
+    """An EAGLE head. Its state dict has the published key names of its kind (EAGLE repo layout):
+    EAGLE-1: ``embed_tokens``, ``fc``, ``layers.0.*``; EAGLE-3: ``embed_tokens``, ``fc``, ``midlayer.*``, ``norm``,
+    ``lm_head``, ``d2t``, ``t2d``.
+
+    ``forward`` returns (feature, head input): the feature feeds back as the next step's input; the head input is
+    what the LM head multiplies (EAGLE-1: the feature itself, for the target's head; EAGLE-3: ``norm(feature)``,
+    for :attr:`lm_head`).
+    """
+
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        self.config = cfg
+        self.layer_config = cfg.layer_config()
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.fc = nn.Linear(cfg.feature_size if cfg.kind == EAGLE3 else 2 * d, d, bias=cfg.has_fc_bias)
+        if cfg.kind == EAGLE1:
+            self.layers = nn.ModuleList([eagle1_layer(cfg, self.layer_config)])
+        else:
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+            self.midlayer = _eagle3_layer_class()(self.layer_config, cfg.norm_before_residual)
+            self.norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(d, cfg.draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))  # [Vd] offsets
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # [V]
+            with torch.no_grad():
+                self.set_draft_vocab(torch.arange(cfg.draft_vocab))
+        self.rotary_emb = rotary_embedding(cfg.arch, self.layer_config)
+
+    @property
+    def kind(self) -> str:
+        """:data:`EAGLE1` or :data:`EAGLE3`."""
+        return self.config.kind
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embeddings (the target's, shared, when the checkpoint has none)."""
+        return self.embed_tokens
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """EAGLE-3: make draft row i stand for target id ``target_ids[i]`` (sorted, distinct) — fills ``d2t``
+        (offsets) and ``t2d``."""
+        target_ids = target_ids.to(self.d2t.device, torch.long)
+        self.d2t.copy_(target_ids - torch.arange(target_ids.numel(), device=target_ids.device))
+        self.t2d.zero_()
+        self.t2d[target_ids] = True
+
+    def draft_to_target(self) -> torch.Tensor:
+        """EAGLE-3: the target id of each draft row, LongTensor [Vd] (``arange + d2t``)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def new_cache(self):
+        """An empty KV cache for the one layer (cropped on rollback like a draft model's)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.layer_config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [b, n]
+        features: torch.Tensor,  # [b, n, f]: target features (f = feature_size) or own features (f = d)
+        position_ids: torch.Tensor,  # [b, n]
+        past_key_values=None,
+        attention_mask: torch.Tensor | None = None,  # [b, past + n] 1 = attend, 0 = padding (training batches)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(feature [b, n, d], head input [b, n, d]) for token ``input_ids`` paired with the feature of the
+        position before it. Features as wide as the head's hidden size are its own (EAGLE-3 skips ``fc`` for
+        them); EAGLE-1 always applies ``fc``."""
+        from transformers.masking_utils import create_causal_mask
+
+        embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # [b, n, d]
+        features = features.to(self.fc.weight.dtype)
+        mask = create_causal_mask(
+            config=self.layer_config, inputs_embeds=embeds, attention_mask=attention_mask,
+            past_key_values=past_key_values, position_ids=position_ids,
+        )
+        rope = self.rotary_emb(embeds, position_ids=position_ids)
+        kwargs = dict(
+            attention_mask=mask, position_ids=position_ids, past_key_values=past_key_values,
+            use_cache=past_key_values is not None, position_embeddings=rope,
+        )
+        if self.kind == EAGLE1:
+            h = self.fc(torch.cat([embeds, features], dim=-1))  # embedding first (cnets1.py)
+            out = self.layers[0](h, **kwargs)
+            return out, out
+        h = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        out = self.midlayer(embeds, h, **kwargs)
+        return out, self.norm(out)
