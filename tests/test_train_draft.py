@@ -189,11 +189,11 @@ def test_heads_share_one_feature_cache(target_dir, corpus_txt, tmp_path, monkeyp
     def no_target_pass(*args, **kwargs):
         raise AssertionError("the target ran although the cache held the documents")
 
-    real = features.document_features
-    monkeypatch.setattr(features, "document_features", no_target_pass)
+    real = features.batch_features
+    monkeypatch.setattr(features, "batch_features", no_target_pass)
     e1 = trainer.train_draft(str(target_dir), tmp_path / "e1-6", small("eagle1", 6))
     assert e1.info["data"]["docs"] == 6 and e1.info["data"]["extract"] == {}
-    monkeypatch.setattr(features, "document_features", real)
+    monkeypatch.setattr(features, "batch_features", real)
     grown = trainer.train_draft(str(target_dir), tmp_path / "e3-14", small("eagle3", 14))
     assert grown.info["data"]["docs"] == 14 and grown.info["data"]["extract"]["tokens"] > 0
     for arch, docs, out in (("eagle1", 6, "e1-6"), ("eagle3", 14, "e3-14")):
@@ -267,7 +267,7 @@ def test_unroll_never_sees_the_future(kind):
         outs.append([])
         recipe.forward_step = capture
         try:
-            recipe.unroll(model, d, steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
+            recipe.unroll(model, [d], steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
         finally:
             recipe.forward_step = real
     for i in range(steps):
@@ -277,7 +277,7 @@ def test_unroll_never_sees_the_future(kind):
     outs.append([])
     recipe.forward_step = capture
     try:
-        recipe.unroll(model, changed, steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
+        recipe.unroll(model, [changed], steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
     finally:
         recipe.forward_step = real
     for i in range(steps):
