@@ -3,16 +3,19 @@ training-time-test attention, the draft vocabulary as speculators builds it, the
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from cli_helpers import assert_one_line_error, run
 from tiny_models import make_model, make_tokenizer, sentences
 
-from dynvocab.builders.corpus import CorpusConfig
+from dynvocab.builders.corpus import CorpusConfig, encode_documents
+from dynvocab.builders.progress import SilentReporter
 from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, features, recipe, trainer, vocab
 from dynvocab.builders.draft.features import FeatureConfig
 from dynvocab.errors import DynvocabError
@@ -349,3 +352,130 @@ def test_trained_head_drafts_losslessly(target_dir, trained, tmp_path, name):
         out = generate(strategy, *extra)
         assert out["token_ids"] == ar, (name, strategy)
         assert out["metrics"]["cycles"] > 0
+
+
+# ---- batches and ranks -------------------------------------------------------------------------------------
+
+
+def test_batched_features_equal_one_document_at_a_time(target_dir, corpus_txt, tmp_path):
+    """Right-padded passes of several documents give each document the features of its own pass."""
+    from dynvocab.builders.models import fingerprint
+    from dynvocab.models import load_model, load_tokenizer, resolve_model
+
+    spec = resolve_model(str(target_dir))
+    tokenizer = load_tokenizer(spec)
+    model = load_model(spec, "cpu", "float32")
+    docs = list(itertools.islice(encode_documents(CorpusConfig(sources=(str(corpus_txt),), max_docs=10), tokenizer, 24), 10))
+    assert len({len(d) for d in docs}) > 1  # documents of several lengths, so padding happens
+    shards = {}
+    for per_pass in (1, 4):
+        cfg = FeatureConfig(max_tokens=24, shard_docs=5, dtype="float32", batch_docs=per_pass)
+        folder = tmp_path / f"per-{per_pass}"
+        settings = features.settings_of(cfg, {"sources": ["x"]}, (2, 2, 1))
+        manifest = features.open_manifest(folder, fingerprint(spec, tokenizer), settings)
+        features.extract(model, iter(docs), folder, manifest, cfg, 10, SilentReporter())
+        shards[per_pass] = [load_file(str(features.shard_path(folder, i))) for i in range(2)]
+    for one, batched in zip(shards[1], shards[4]):
+        for name in ("ids", "offsets", "doc", "argmax"):
+            assert torch.equal(one[name], batched[name]), name
+        for name in ("last", "aux"):
+            torch.testing.assert_close(one[name].float(), batched[name].float(), atol=2e-2, rtol=2e-2)  # stored bf16
+
+
+@pytest.mark.parametrize("kind", [EAGLE1, EAGLE3])
+def test_batched_unroll_equals_documents_one_by_one(kind):
+    """One padded unroll over documents of several lengths: the same token-weighted loss and gradient as the
+    documents unrolled one at a time, each divided by the whole batch's positions (noise drawn per document)."""
+    model, _ = tiny_head(kind)
+    gen = torch.Generator().manual_seed(1)
+    docs = []
+    for T in (9, 5, 2, 7):
+        doc = {"ids": torch.randint(0, 40, (T,), generator=gen), "argmax": torch.randint(0, 40, (T,), generator=gen),
+               "last": torch.randn(T, 16, generator=gen)}
+        if kind == EAGLE3:
+            doc["aux"] = torch.randn(T, 48, generator=gen)
+        docs.append(doc)
+    steps, head, draft = 3, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None
+    positions = [sum(max(0, d["ids"].numel() - 1 - i) for d in docs) for i in range(steps)]
+    noise = lambda: [torch.Generator().manual_seed(100 + b) for b in range(len(docs))]
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    together = recipe.weighted_loss(recipe.unroll(model, docs, steps, head, draft, 0.2, noise()), positions)
+    g_together = grads(together)
+    gens = noise()
+    alone = sum(recipe.weighted_loss(recipe.unroll(model, [d], steps, head, draft, 0.2, [g]), positions)
+                for d, g in zip(docs, gens))
+    g_alone = grads(alone)
+    torch.testing.assert_close(together, alone)
+    for a, b in zip(g_together, g_alone):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)  # float32 rounding (float64: 1e-13)
+
+
+def launch_ranks(spec: dict, tmp_path: Path, ranks: int = 2) -> int:
+    """Run tests/draft_ranks.py on ``ranks`` gloo ranks (torchrun, a free port on 127.0.0.1); its exit code. The
+    launch has a session of its own, which is killed whole if it outlives the time limit: no process is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+    path.write_text(json.dumps(spec))
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": f"{here.parent}{os.pathsep}{here}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", str(here / "draft_ranks.py"), str(path)]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    spec["log"] = out.decode(errors="replace")[-3000:]
+    return proc.returncode
+
+
+def test_two_ranks_train_the_head_of_one_and_resume_on_one(target_dir, corpus_txt, tmp_path):
+    """2 gloo ranks (features split between them, each step's 4 documents split 2 + 2) give the head of one
+    process taking the same 4 documents per step; a 2-rank run killed after its first checkpoint and resumed on
+    one rank ends with that head too."""
+    optim = {"epochs": 2, "lr": 3e-3, "warmup_steps": 2, "eval_every": 20, "checkpoint_every": 5, "batch_docs": 4}
+    cfg = small_config(corpus_txt, **{**optim, "micro_docs": 4})
+    one = trainer.train_draft(str(target_dir), tmp_path / "one", cfg)
+    assert one.info["steps"] == 2 * -(-one.info["data"]["train_docs"] // 4) and one.info["ranks"] == 1
+
+    spec = {"target": str(target_dir), "arch": "eagle3", "draft_vocab": 96, "corpus": [str(corpus_txt)], "max_docs": 30,
+            "features": {"max_tokens": 24, "shard_docs": 4}, "optim": {**optim, "micro_docs": 1},
+            "out": str(tmp_path / "two"), "features_dir": str(tmp_path / "features2")}
+    assert launch_ranks(spec, tmp_path) == 0, spec["log"]
+    two = json.loads((tmp_path / "two" / "training.json").read_text())
+    assert two["ranks"] == 2 and two["data"]["extract"]["ranks"] == 2 and two["steps"] == one.info["steps"]
+    mine, theirs = sorted((tmp_path / "one" / "work" / "features").glob("shard-*")), sorted((tmp_path / "features2").glob("shard-*"))
+    assert [p.name for p in mine] == [p.name for p in theirs] and not list((tmp_path / "features2").glob(".*"))
+    for a, b in zip(mine, theirs):
+        for name, tensor in load_file(str(a)).items():
+            assert torch.equal(tensor, load_file(str(b))[name]), (a.name, name)
+    np.testing.assert_allclose(two["losses"], one.info["losses"], rtol=1e-4, atol=1e-5)
+    assert_same_head(head_weights(tmp_path / "one"), head_weights(tmp_path / "two"))
+
+    killed = {**spec, "out": str(tmp_path / "killed"), "die_after_checkpoint": True}
+    assert launch_ranks(killed, tmp_path) != 0
+    work = tmp_path / "killed" / "work"
+    assert not (tmp_path / "killed" / "config.json").exists() and not list(work.glob(".*"))
+    assert torch.load(work / "checkpoint.pt", weights_only=False)["state"]["step"] == 5
+    resumed_cfg = TrainDraftConfig(**{**cfg.__dict__, "features_dir": spec["features_dir"]})
+    resumed = trainer.train_draft(str(target_dir), tmp_path / "killed", resumed_cfg)
+    assert resumed.info["ranks"] == 1
+    np.testing.assert_allclose(resumed.info["losses"], one.info["losses"], rtol=1e-4, atol=1e-5)
+    assert_same_head(head_weights(tmp_path / "one"), head_weights(tmp_path / "killed"))
+
+
+def assert_same_head(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4, msg=name)

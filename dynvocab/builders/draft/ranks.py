@@ -58,10 +58,10 @@ class Ranks:
             torch.distributed.barrier()
 
     def sum_(self, tensors: list[torch.Tensor]) -> None:
-        """Sum ``tensors`` over the ranks, in place (one flat all-reduce)."""
+        """Sum ``tensors`` (one dtype) over the ranks, in place: one flat all-reduce."""
         if self.world == 1 or not tensors:
             return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = _wire(torch.cat([t.reshape(-1) for t in tensors]))
         torch.distributed.all_reduce(flat)
         for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.copy_(part.view_as(t))
@@ -71,7 +71,10 @@ class Ranks:
         if self.world == 1:
             return
         for t in tensors:
-            torch.distributed.broadcast(t, src=0)
+            wire = _wire(t)
+            torch.distributed.broadcast(wire, src=0)
+            if wire is not t:
+                t.copy_(wire)
 
     def on_main(self, fn: Callable[[], T]) -> T:
         """``fn()`` run on rank 0, its result (a picklable value) given to every rank; a :class:`DynvocabError` it
@@ -79,16 +82,27 @@ class Ranks:
         if self.world == 1:
             return fn()
         box: list = [None]
+        failure = None
         if self.main:
             try:
                 box[0] = ("ok", fn())
-            except DynvocabError as exc:
-                box[0] = ("error", str(exc))
+            except Exception as exc:  # the others stop too, with the same line, instead of waiting for rank 0
+                failure = exc
+                box[0] = ("error", str(exc) if isinstance(exc, DynvocabError) else f"rank 0 failed: {type(exc).__name__}: {exc}")
         torch.distributed.broadcast_object_list(box, src=0)
+        if failure is not None:
+            raise failure
         status, value = box[0]
         if status == "error":
             raise DynvocabError(value)
         return value
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the process group's backend can send it (NCCL: on this rank's GPU)."""
+    if torch.distributed.get_backend() == "nccl" and not t.is_cuda:
+        return t.cuda()
+    return t
 
 
 @contextlib.contextmanager

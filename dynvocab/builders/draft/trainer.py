@@ -178,6 +178,8 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     target_head = weight if kind == EAGLE1 else weight[draft_ids].clone()  # EAGLE-1 [V, d]; EAGLE-3 [K, d]
     del model
     gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the target's memory, for training
 
     start = time.perf_counter()
     history = _train(head, reader, target_head, draft_ids, cfg, work, settings, reporter, ranks)
@@ -292,8 +294,9 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
     score = lambda: {"step": state["step"], **evaluate(head, reader, heldout, target_head, draft_ids, steps, autocast)}
     if heldout and ranks.main and not state["heldout"]:  # the starting point, for the report's before/after
         state["heldout"].append(score())
-    with reporter.task("training (documents)", total=total * o.batch_docs) as advance:
-        advance(state["step"] * o.batch_docs)
+    unit = "documents" if o.batch_docs == 1 else f"steps of {o.batch_docs} documents"
+    with reporter.task(f"training ({unit})", total=total) as advance:
+        advance(state["step"])
         running = None
         while state["step"] < total:
             step = state["step"]
@@ -335,7 +338,7 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
             done = state["step"]
             if heldout and ranks.main and (done % o.eval_every == 0 or done == total):
                 state["heldout"].append(score())
-            advance(o.batch_docs, description=_bar(running, state["heldout"]))
+            advance(1, description=_bar(running, state["heldout"]))
             if ranks.main and (done % o.checkpoint_every == 0 or done == total or done % per_epoch == 0):
                 _checkpoint(ckpt, head, opt, sched, state)
     head.eval()
