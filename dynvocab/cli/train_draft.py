@@ -41,7 +41,7 @@ def train_draft(
     seed: Annotated[Optional[int], typer.Option(help="Seed of the batch order and the feature noise.")] = None,
     batch_docs: Annotated[Optional[int], typer.Option(help=f"Documents per optimizer step over all ranks (default {OptimConfig.batch_docs}); the same head for any number of ranks.")] = None,
     micro_docs: Annotated[Optional[int], typer.Option(help=f"Documents per forward pass on one rank (default {OptimConfig.micro_docs}); gradients accumulate up to --batch-docs.")] = None,
-    feature_batch: Annotated[Optional[int], typer.Option(help=f"Documents per target pass when computing features (default {_DEFAULTS.features.batch_docs}).")] = None,
+    feature_batch: Annotated[Optional[int], typer.Option(help="Documents per target pass when computing features (default: 8 on a GPU, 1 on CPU).")] = None,
     features: Annotated[
         Optional[Path],
         typer.Option("--features", help="Feature cache folder (default OUT/work/features). Heads may share one: fewer --max-docs read its first documents, more extend it, an eagle3 cache serves eagle1."),

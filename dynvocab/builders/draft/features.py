@@ -49,13 +49,17 @@ class FeatureConfig:
     dtype: str | None = None  # the target's dtype for the pass; None: float32 on CPU (bf16 prefill is ~5x slower
     # there), bfloat16 on a GPU. train_draft resolves it, so the manifest records the dtype that ran
     store_dtype: str = "bfloat16"  # features on disk (half the bytes; training upcasts)
-    batch_docs: int = 8  # documents per target pass (speed only: not part of what the features are)
+    batch_docs: int | None = None  # documents per target pass (speed only: not part of what the features are);
+    # None: 8 on a GPU, 1 on CPU, where a 256-token document already fills the matmuls (8 per pass measured no
+    # faster, docs/train-draft.md) and padding only adds work
 
     def resolved(self, device: str) -> "FeatureConfig":
-        """This config with the pass dtype chosen for ``device``."""
+        """This config with the pass dtype and batch chosen for ``device``."""
         from dataclasses import replace
 
-        return replace(self, dtype=self.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        gpu = device.startswith("cuda")
+        return replace(self, dtype=self.dtype or ("bfloat16" if gpu else "float32"),
+                       batch_docs=self.batch_docs or (8 if gpu else 1))
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def extract(
             chunks = _chunks(itertools.islice(documents, max_docs), cfg.shard_docs)
             for index, batch in enumerate(chunks):
                 if index % ranks.world == ranks.rank:
-                    ran += _shard(model, batch, index, docs, folder, store, entering, tap, cfg.batch_docs)
+                    ran += _shard(model, batch, index, docs, folder, store, entering, tap, cfg.batch_docs or 1)
                     # rank 0's bar counts every rank's documents, taking the others to keep its pace
                     advance(len(batch) * ranks.world, description=_rate("target features", ran * ranks.world, started))
                 docs += len(batch)

@@ -113,7 +113,7 @@ def check_config(cfg: TrainDraftConfig) -> None:
     o = cfg.optim
     for flag, value, low in (("--epochs", o.epochs, 1), ("--max-tokens", cfg.features.max_tokens, 2),
                              ("--batch-docs", o.batch_docs, 1), ("--micro-docs", o.micro_docs, 1),
-                             ("--feature-batch", cfg.features.batch_docs, 1)):
+                             ("--feature-batch", cfg.features.batch_docs or 1, 1)):
         if value < low:
             raise DynvocabError(f"{flag} must be at least {low}, got {value}")
     if not o.lr > 0:
