@@ -160,6 +160,14 @@ def test_resume_after_interruptions_equals_one_run(target_dir, corpus_txt, tmp_p
         assert torch.equal(a[name], b[name]), name
 
 
+def test_cli_reports_on_rank_0_only(target_dir, corpus_txt, tmp_path, monkeypatch):
+    """Under torchrun a rank other than 0 draws no bar and prints no summary (only its errors)."""
+    monkeypatch.setenv("RANK", "1")
+    result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h", "--draft-vocab", 96,
+                 "--max-docs", 6, "--max-tokens", 12, "--device", "cpu", "--threads", 1)
+    assert result.exit_code == 0 and result.output.strip() == "", result.output
+
+
 def test_refuses_empty_corpus_and_eval_split(target_dir, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
@@ -440,39 +448,62 @@ def launch_ranks(spec: dict, tmp_path: Path, ranks: int = 2) -> int:
     return proc.returncode
 
 
-def test_two_ranks_train_the_head_of_one_and_resume_on_one(target_dir, corpus_txt, tmp_path):
-    """2 gloo ranks (features split between them, each step's 4 documents split 2 + 2) give the head of one
-    process taking the same 4 documents per step; a 2-rank run killed after its first checkpoint and resumed on
-    one rank ends with that head too."""
-    optim = {"epochs": 2, "lr": 3e-3, "warmup_steps": 2, "eval_every": 20, "checkpoint_every": 5, "batch_docs": 4}
-    cfg = small_config(corpus_txt, **{**optim, "micro_docs": 4})
-    one = trainer.train_draft(str(target_dir), tmp_path / "one", cfg)
-    assert one.info["steps"] == 2 * -(-one.info["data"]["train_docs"] // 4) and one.info["ranks"] == 1
+RANK_OPTIM = {"epochs": 2, "lr": 3e-3, "warmup_steps": 2, "eval_every": 20, "checkpoint_every": 5, "batch_docs": 4}
 
-    spec = {"target": str(target_dir), "arch": "eagle3", "draft_vocab": 96, "corpus": [str(corpus_txt)], "max_docs": 30,
-            "features": {"max_tokens": 24, "shard_docs": 4}, "optim": {**optim, "micro_docs": 1},
-            "out": str(tmp_path / "two"), "features_dir": str(tmp_path / "features2")}
+
+@pytest.fixture(scope="module")
+def one_rank(target_dir, corpus_txt, tmp_path_factory):
+    """(config, report, folder) of one process taking 4 documents per step (25 training documents: 7 steps an
+    epoch, the last of a single document), in micro-batches of 4."""
+    cfg = small_config(corpus_txt, **{**RANK_OPTIM, "micro_docs": 4})
+    cfg = TrainDraftConfig(**{**cfg.__dict__, "corpus": CorpusConfig(sources=(str(corpus_txt),), max_docs=27)})
+    out = tmp_path_factory.mktemp("one_rank") / "one"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # set up before the per-test one_thread fixture
+    try:
+        report = trainer.train_draft(str(target_dir), out, cfg)
+    finally:
+        torch.set_num_threads(before)
+    assert report.info["data"]["train_docs"] == 25 and report.info["steps"] == 2 * 7 and report.info["ranks"] == 1
+    return cfg, report, out
+
+
+def rank_spec(target_dir, corpus_txt, out: Path, **extra) -> dict:
+    return {"target": str(target_dir), "arch": "eagle3", "draft_vocab": 96, "corpus": [str(corpus_txt)], "max_docs": 27,
+            "features": {"max_tokens": 24, "shard_docs": 4}, "optim": {**RANK_OPTIM, "micro_docs": 1}, "out": str(out), **extra}
+
+
+def test_two_ranks_train_the_head_of_one(target_dir, corpus_txt, tmp_path, one_rank):
+    """2 gloo ranks (features split between them; each step's 4 documents split 2 + 2, the epoch's last single
+    document 1 + 0; one document per pass) give the head of one process taking the same 4 documents per step."""
+    _, one, one_out = one_rank
+    spec = rank_spec(target_dir, corpus_txt, tmp_path / "two", features_dir=str(tmp_path / "features2"))
     assert launch_ranks(spec, tmp_path) == 0, spec["log"]
     two = json.loads((tmp_path / "two" / "training.json").read_text())
     assert two["ranks"] == 2 and two["data"]["extract"]["ranks"] == 2 and two["steps"] == one.info["steps"]
-    mine, theirs = sorted((tmp_path / "one" / "work" / "features").glob("shard-*")), sorted((tmp_path / "features2").glob("shard-*"))
+    mine, theirs = sorted((one_out / "work" / "features").glob("shard-*")), sorted((tmp_path / "features2").glob("shard-*"))
     assert [p.name for p in mine] == [p.name for p in theirs] and not list((tmp_path / "features2").glob(".*"))
     for a, b in zip(mine, theirs):
         for name, tensor in load_file(str(a)).items():
             assert torch.equal(tensor, load_file(str(b))[name]), (a.name, name)
     np.testing.assert_allclose(two["losses"], one.info["losses"], rtol=1e-4, atol=1e-5)
-    assert_same_head(head_weights(tmp_path / "one"), head_weights(tmp_path / "two"))
+    assert_same_head(head_weights(one_out), head_weights(tmp_path / "two"))
 
-    killed = {**spec, "out": str(tmp_path / "killed"), "die_after_checkpoint": True}
-    assert launch_ranks(killed, tmp_path) != 0
+
+def test_two_ranks_killed_then_resumed_on_one(target_dir, corpus_txt, tmp_path, one_rank):
+    """Rank 0 of a 2-rank run is killed (SIGKILL) right after its first checkpoint: the cache and the checkpoint
+    are whole, no head is written, and the run resumed on one rank ends with the uninterrupted run's head."""
+    cfg, one, one_out = one_rank
+    spec = rank_spec(target_dir, corpus_txt, tmp_path / "killed", die_after_checkpoint=True)
+    assert launch_ranks(spec, tmp_path) != 0
     work = tmp_path / "killed" / "work"
     assert not (tmp_path / "killed" / "config.json").exists() and not list(work.glob(".*"))
+    assert json.loads((work / "features" / "manifest.json").read_text())["docs"] == 27
     assert torch.load(work / "checkpoint.pt", weights_only=False)["state"]["step"] == 5
-    resumed_cfg = TrainDraftConfig(**{**cfg.__dict__, "features_dir": spec["features_dir"]})
-    resumed = trainer.train_draft(str(target_dir), tmp_path / "killed", resumed_cfg)
-    assert resumed.info["ranks"] == 1
+    resumed = trainer.train_draft(str(target_dir), tmp_path / "killed", cfg)
+    assert resumed.info["ranks"] == 1 and resumed.info["data"]["extract"] == {}
     np.testing.assert_allclose(resumed.info["losses"], one.info["losses"], rtol=1e-4, atol=1e-5)
-    assert_same_head(head_weights(tmp_path / "one"), head_weights(tmp_path / "killed"))
+    assert_same_head(head_weights(one_out), head_weights(tmp_path / "killed"))
 
 
 def assert_same_head(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

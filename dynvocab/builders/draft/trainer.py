@@ -302,7 +302,7 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
             step = state["step"]
             epoch, s = divmod(step, per_epoch)
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(o.seed * 1000 + epoch))
-            first = epoch * len(train) + s * o.batch_docs  # the epoch's sample number of the batch's first document
+            first = epoch * len(train) + s * o.batch_docs  # the run's number of the batch's first document (its noise seed)
             batch = [(first + j, train[int(k)]) for j, k in enumerate(order[s * o.batch_docs : (s + 1) * o.batch_docs])]
             batch = [(sample, k) for sample, k in batch if reader.length(k) >= 2]
             if not batch:
