@@ -4,8 +4,9 @@ Each shard holds ``shard_docs`` consecutive documents and is written whole (``dy
 run killed at any moment leaves finished shards and no half-written one; a rerun skips the finished shards. The
 target runs over ``batch_docs`` documents of a shard at a time, right-padded (see :func:`batch_features`). Under
 ``torchrun`` each rank computes the shards ``i ≡ rank (mod world)`` into the one shared folder (no two ranks write
-the same shard) and rank 0 alone writes the manifest, once all shards are written. The manifest records the target's fingerprint and the settings the features depend on; features of another target or
-other settings are refused rather than mixed. One cache can serve several heads (``train-draft --features DIR``):
+the same shard) and rank 0 alone writes the manifest, once all shards are written. The manifest records the
+target's fingerprint and the settings the features depend on; features of another target or other settings are
+refused rather than mixed. One cache can serve several heads (``train-draft --features DIR``):
 a run of fewer documents reads the cache's first documents, a run of more extends it, and a cache with EAGLE-3's
 layer taps serves EAGLE-1 too.
 

@@ -88,7 +88,8 @@ class Ranks:
                 box[0] = ("ok", fn())
             except Exception as exc:  # the others stop too, with the same line, instead of waiting for rank 0
                 failure = exc
-                box[0] = ("error", str(exc) if isinstance(exc, DynvocabError) else f"rank 0 failed: {type(exc).__name__}: {exc}")
+                line = str(exc) if isinstance(exc, DynvocabError) else f"rank 0 failed: {type(exc).__name__}: {exc}"
+                box[0] = ("error", line)
         torch.distributed.broadcast_object_list(box, src=0)
         if failure is not None:
             raise failure

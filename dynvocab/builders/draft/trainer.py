@@ -290,7 +290,8 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
         reporter.log(f"resuming training at step {state['step']:,} of {total:,}")
     steps = o.steps_for(kind)
     device = str(head.fc.weight.device)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.startswith("cuda") else contextlib.nullcontext
+    gpu = device.startswith("cuda")
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else contextlib.nullcontext
     score = lambda: {"step": state["step"], **evaluate(head, reader, heldout, target_head, draft_ids, steps, autocast)}
     if heldout and ranks.main and not state["heldout"]:  # the starting point, for the report's before/after
         state["heldout"].append(score())
