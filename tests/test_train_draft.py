@@ -97,7 +97,9 @@ def test_speculators_format_and_eagle1(target_dir, corpus_txt, tmp_path):
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
-    assert any(k.startswith("layers.0.") for k in head_weights(out))
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_dir.resolve())  # resolves offline
+    weights = head_weights(out)
+    assert any(k.startswith("layers.0.") for k in weights) and "embed_tokens.weight" in weights
     out1 = tmp_path / "e1"
     result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", out1, "--arch", "eagle1",
                  "--max-docs", 12, "--max-tokens", 16, "--device", "cpu", "--threads", 1)

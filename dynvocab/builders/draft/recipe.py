@@ -58,9 +58,10 @@ def forward_step(model: EagleModel, ids, features, positions, cache, mask) -> tu
     if model.kind == EAGLE1:
         out = model.layers[0](model.fc(torch.cat([embeds, features], dim=-1)), **kwargs)  # embedding first
         return out, out
-    h = model.fc(features) if features.shape[-1] != model.config.hidden_size else features
+    h = model.project(features) if features.shape[-1] != model.config.hidden_size else features
     out = model.midlayer(embeds, h, **kwargs)
-    return out, model.norm(out)
+    normed = model.norm(out)
+    return (normed if model.config.norm_output else out), normed
 
 
 def unroll(

@@ -206,7 +206,10 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     layout = "speculators" if cfg.layout == "speculators" else None
 
     def publish() -> None:
-        save_eagle(head, out, layout=layout, embeddings=False, target_name=spec.source)
+        # The verifier speculators records: the target's resolved folder (demo:target -> its converted cache
+        # folder), which resolves offline and holds the very weights the head was trained on; a hub target stays
+        # its hub id.
+        save_eagle(head, out, layout=layout, embeddings=False, target_name=spec.path)
         write_atomic(out / "training.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
 
     ranks.on_main(publish)  # every rank returns once the head is written
@@ -230,13 +233,13 @@ def _peak_memory_mb(device: str) -> float:
 
 def _head_config(model, kind: str, cfg: TrainDraftConfig, layers: int):
     """A head shaped like the target's decoder layer; EAGLE-3 reads the default layers (2, L//2, L-3) when the
-    target has at least 4 layers, else the explicit ids (0, L//2 - 1, L - 1) resolved the SGLang way."""
+    target has at least 4 layers, else the hidden states entering layers (1, L//2, L) (L: the last output)."""
     layer_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if kind == EAGLE1:
         return config_like(layer_cfg, EAGLE1)
-    aux = None if layers >= 4 else (0, max(0, layers // 2 - 1), layers - 1)
+    aux = None if layers >= 4 else (1, max(1, layers // 2), layers)
     return config_like(
-        layer_cfg, EAGLE3, draft_vocab_size=cfg.draft_vocab, target_hidden_size=layer_cfg.hidden_size, aux_layer_ids=aux
+        layer_cfg, EAGLE3, draft_vocab_size=cfg.draft_vocab, target_hidden_size=layer_cfg.hidden_size, aux_hidden_states=aux
     )
 
 
