@@ -19,6 +19,14 @@ writing (in :class:`EagleConfig` they are ``aux_hidden_states``, indices into th
   ``from_training_args`` write the defaults ``[2, L // 2, L - 3]`` out once the verifier is known).
 
 A head read from one layout and written to the other keeps its layers (``tests/test_eagle_interop.py``).
+
+llama.cpp (the tree vendored by llama-cpp-python 0.3.36) converts both EAGLE-3 layouts as they are written here
+(``convert_hf_to_gguf.py --target-model-dir``: ``conversion/llama.py:49-105`` config, ``:211-230`` ``midlayer.*`` /
+``layers.0.*``, ``:338-351`` ``d2t`` offsets made absolute) and reads the ids the speculators way: it copies them
+verbatim (``conversion/llama.py:77-80``) and taps the INPUT of layer i (``common/speculative.cpp:541-543``,
+``src/models/llama.cpp:127``). A head with explicit ids therefore goes to llama.cpp as ``speculators``; an
+``eagle3`` head without ids gets the same defaults ``[2, L // 2, L - 3]`` on both sides
+(``scripts/llamacpp_eagle3.py`` checks the converted file).
 """
 
 from __future__ import annotations
