@@ -22,8 +22,8 @@ End to end, each step skipped when its output is already there (rerun after an i
 6. Per prompt (the embedded bench tasks' first ``--num-prompts``, chat-template encoded exactly as ``dynvocab bench``
    encodes them): plain greedy decoding (``llama-completion``) and EAGLE-3 greedy decoding
    (``llama-speculative-simple --spec-type draft-eagle3 --spec-draft-n-max GAMMA --spec-draft-p-min 0``), both
-   ``--max-new-tokens`` tokens on ``--threads`` threads; tokens/s, drafted/accepted, the per-cycle accepted lengths
-   (its debug log, ``-lv 4``) and whether the two texts agree.
+   ``--max-new-tokens`` tokens on ``--threads`` threads; tokens/s, drafted/accepted, cycles, mean accepted length
+   and acceptance by position (its statistics line, ``-lv 4``) and the generated text of each.
 7. ``dynvocab bench --draft HEAD --strategies ar,full --gamma GAMMA --stop-below 0 --branch-below 0`` on the same
    prompts (a greedy chain of GAMMA tokens, as llama.cpp drafts): mean accepted length and acceptance by position.
 
@@ -52,16 +52,20 @@ LOOP = "    for (int il = 0; il < n_layer; ++il) {\n"
 PATCH_LINE = "        res->t_layer_inp[il] = inpL; // dynvocab scripts/llamacpp_eagle3.py: as llama.cpp / qwen3.cpp\n"
 
 
-def run(cmd: list[str], log: Path | None = None, **kw) -> str:
-    """Run ``cmd``; its output (stdout + stderr) is returned and, with ``log``, written there. Fails loudly."""
+def run(cmd: list[str], log: Path | None = None, text_out: list | None = None) -> str:
+    """Run ``cmd``; its stderr + stdout is returned and, with ``log``, written there (``text_out`` gets stdout
+    alone: llama.cpp's tools print the generated text there and their logs on stderr). Fails loudly."""
     print("+", " ".join(str(c) for c in cmd), flush=True)
-    p = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    p = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+    both = p.stderr + p.stdout
     if log is not None:
-        log.write_text(p.stdout)
+        log.write_text(both)
+    if text_out is not None:
+        text_out.append(p.stdout)
     if p.returncode:
-        tail = "\n".join(p.stdout.splitlines()[-25:])
+        tail = "\n".join(both.splitlines()[-25:])
         raise SystemExit(f"failed ({p.returncode}): {' '.join(map(str, cmd))}\n{tail}")
-    return p.stdout
+    return both
 
 
 # -- 1-2: the vendored tree, patched, built ------------------------------------------------------------------
@@ -193,30 +197,33 @@ def common_flags(args) -> list[str]:
 
 def plain(args, binary: Path, model: Path, row: dict) -> dict:
     log = args.work / "logs" / f"plain-{row['file'].stem}.log"
+    text: list[str] = []
     out = run([binary, "-m", model, "-f", row["file"], *common_flags(args), "-no-cnv", "--no-warmup",
-               "--no-display-prompt", "-lv", "4"], log=log)
+               "--no-display-prompt", "-lv", "4"], log=log, text_out=text)
     m = re.search(r"common_perf_print:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs.*?([\d.]+) tokens per second", out)
-    return {"eval_ms": float(m.group(1)), "eval_runs": int(m.group(2)), "tokens_per_s": float(m.group(3)), "log": str(log)}
+    return {"eval_ms": float(m.group(1)), "eval_runs": int(m.group(2)), "tokens_per_s": float(m.group(3)),
+            "text": text[0].strip(), "log": str(log)}
 
 
 def eagle3(args, binary: Path, model: Path, head: Path, row: dict) -> dict:
     log = args.work / "logs" / f"eagle3-{row['file'].stem}.log"
+    text: list[str] = []
     out = run([binary, "-m", model, "-md", head, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.gamma),
-               "--spec-draft-p-min", "0", "-f", row["file"], *common_flags(args), "-lv", "4"], log=log)
+               "--spec-draft-p-min", "0", "-f", row["file"], *common_flags(args), "-lv", "4"], log=log, text_out=text)
     dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", out)
     drafted = int(re.search(r"n_drafted = (\d+)", out).group(1))
     accepted = int(re.search(r"n_accept  = (\d+)", out).group(1))
-    cycles = [(int(a), int(d)) for a, d in re.findall(r"accepted (\d+)/(\d+) draft tokens", out)]
-    by_pos = []
-    for j in range(args.gamma):
-        tried = [a for a, d in cycles if d > j]
-        by_pos.append(round(sum(a > j for a in tried) / len(tried), 4) if tried else 0.0)
+    # common/speculative.cpp:2938-2974 (trace level, -lv 4): draft calls (= verify cycles), mean accepted length
+    # 1 + accepted / cycles, and per draft position the share of cycles that accepted it
+    stats = re.search(r"#calls\(b,g,a\) =\s+\d+\s+(\d+)\s+(\d+).*?#mean acc len = ([\d.]+), #acc rate/pos = \(([^)]*)\)", out)
     tokens = int(dec.group(1))
     return {
         "new_tokens": tokens, "decode_s": float(dec.group(2)), "tokens_per_s": float(dec.group(3)),
         "drafted": drafted, "accepted": accepted, "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
-        "cycles": len(cycles), "mean_accepted_length": round(tokens / len(cycles), 4) if cycles else None,
-        "accept_by_position": by_pos, "log": str(log),
+        "cycles": int(stats.group(2)), "mean_accepted_length": float(stats.group(3)),
+        "accept_by_position": [float(v) for v in stats.group(4).split(",") if v.strip()],
+        "text": text[0].strip()[len(row["file"].read_text().strip()):].strip(),  # it echoes the prompt first
+        "draft_ms": float(re.search(r"dur\(b,g,a\) = [\d.]+, ([\d.]+),", out).group(1)), "log": str(log),
     }
 
 
@@ -286,14 +293,19 @@ def main() -> None:
     num_layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     meta = check_gguf(head_gguf, head, args.tree, num_layers)
 
+    cache = args.work / "llamacpp-rows.json"  # the llama.cpp runs, kept so a rerun only adds what is missing
+    done = {r["id"]: r for r in json.loads(cache.read_text())} if cache.is_file() else {}
     rows = []
     for row in prompts(args, target):
-        t0 = time.perf_counter()
-        r = {"id": row["id"], "task": row["task"], "prompt_tokens": row["prompt_tokens"]}
-        r["llamacpp_plain"] = plain(args, bin_dir / "llama-completion", gguf_target, row)
-        r["llamacpp_eagle3"] = eagle3(args, bin_dir / "llama-speculative-simple", gguf_target, head_gguf, row)
-        print(f"{row['id']}: {time.perf_counter() - t0:.0f} s", json.dumps({k: r[k] for k in ("llamacpp_plain", "llamacpp_eagle3")}), flush=True)
-        rows.append(r)
+        if row["id"] not in done:
+            t0 = time.perf_counter()
+            r = {"id": row["id"], "task": row["task"], "prompt_tokens": row["prompt_tokens"]}
+            r["llamacpp_plain"] = plain(args, bin_dir / "llama-completion", gguf_target, row)
+            r["llamacpp_eagle3"] = eagle3(args, bin_dir / "llama-speculative-simple", gguf_target, head_gguf, row)
+            print(f"{row['id']}: {time.perf_counter() - t0:.0f} s", flush=True)
+            done[row["id"]] = r
+            cache.write_text(json.dumps(list(done.values()), indent=2) + "\n")
+        rows.append(done[row["id"]])
     if not args.skip_dynvocab:
         ours = dynvocab_bench(args, head)
         for r in rows:
