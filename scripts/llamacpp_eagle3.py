@@ -254,12 +254,12 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
-        p, e, d = r["llamacpp_plain"], r["llamacpp_eagle3"], (r.get("dynvocab") or {}).get("full") or {}
+        p, e, d = r["llamacpp_plain"], r["llamacpp_eagle3"], (r.get("dynvocab") or {}).get("full") or {"mean_accepted_length": float("nan")}
         pos = lambda v: " ".join(f"{x:.2f}" for x in v or [])  # noqa: E731
         lines.append(
             f"| {r['id']} | {p['tokens_per_s']:.2f} | {e['tokens_per_s']:.2f} | {e['tokens_per_s'] / p['tokens_per_s']:.2f}× "
             f"| {e['drafted']} / {e['accepted']} ({e['acceptance']:.1%}) | {e['mean_accepted_length']} "
-            f"| {pos(e['accept_by_position'])} | {d.get('mean_accepted_length', '–')} | {pos(d.get('accept_by_position'))} |"
+            f"| {pos(e['accept_by_position'])} | {d['mean_accepted_length']:.2f} | {pos(d.get('accept_by_position'))} |"
         )
     return "\n".join(lines)
 
