@@ -446,7 +446,8 @@ def launch_ranks(spec: dict, tmp_path: Path, ranks: int = 2) -> int:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    spec["log"] = out.decode(errors="replace")[-3000:]
+    log = out.decode(errors="replace")  # the ranks' own lines come first, torchrun's report of a failure last
+    spec["log"] = log if len(log) <= 8000 else log[:5000] + "\n[…]\n" + log[-3000:]
     return proc.returncode
 
 
