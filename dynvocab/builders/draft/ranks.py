@@ -14,6 +14,7 @@ through :meth:`Ranks.on_main`, so every rank stops with the same one-line error 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
@@ -124,5 +125,7 @@ def joined(device: str) -> Iterator[Ranks]:
     dist.init_process_group(backend="nccl" if gpu else "gloo")
     try:
         yield Ranks(dist.get_rank(), dist.get_world_size(), local)
+        dist.barrier()  # no rank tears its connections down while another still reads from them
     finally:
         dist.destroy_process_group()
+        gc.collect()  # the group's last references go now, not during interpreter shutdown (gloo aborted there once)
