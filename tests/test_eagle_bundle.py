@@ -38,7 +38,7 @@ def heads(tiny_dirs, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("eagle_heads")
     eagle1 = init_eagle1_from_target(EagleModel(config_like(target.config, EAGLE1)).eval(), target)
     torch.manual_seed(0)
-    eagle3 = EagleModel(config_like(target.config, EAGLE3, draft_vocab_size=200, aux_layer_ids=(0, 1, 1))).eval()
+    eagle3 = EagleModel(config_like(target.config, EAGLE3, draft_vocab_size=200, aux_hidden_states=(1, 2, 2))).eval()
     with torch.no_grad():
         for name, p in eagle3.named_parameters():
             if "norm" not in name:

@@ -37,7 +37,7 @@ def heads(tiny_dirs, tmp_path_factory):
     eagle1 = init_eagle1_from_target(EagleModel(config_like(target.config, EAGLE1)).eval(), target)
     with torch.no_grad():
         eagle1.fc.weight.add_(0.05 * torch.randn_like(eagle1.fc.weight))
-    cfg3 = config_like(target.config, EAGLE3, draft_vocab_size=48, aux_layer_ids=(0, 0, 1))
+    cfg3 = config_like(target.config, EAGLE3, draft_vocab_size=48, aux_hidden_states=(1, 1, 2))
     eagle3 = random_eagle3(target, cfg3)
     dirs = {
         "eagle": save_eagle(eagle1, root / "eagle"),

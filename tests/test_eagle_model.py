@@ -63,15 +63,17 @@ def test_eagle1_layout_keys(tmp_path):
 
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
 def test_eagle3_layout_keys(tmp_path, layout):
-    model = random_head(tiny_config(EAGLE3))
-    save_eagle(model, tmp_path, layout=layout, embeddings=True, target_name="tiny")
+    wide = 24 if layout == "eagle3" else D  # speculators reads target_hidden_size == hidden_size only
+    model = random_head(tiny_config(EAGLE3, target_hidden_size=wide))
+    save_eagle(model, tmp_path, layout=layout, embeddings=False, target_name="tiny")
     from safetensors.torch import load_file
 
     state = load_file(str(tmp_path / "model.safetensors"))
     prefix = "layers.0." if layout == "speculators" else "midlayer."
     assert state[prefix + "self_attn.q_proj.weight"].shape == (4 * 4, 2 * D)  # 2d-wide attention input
     assert prefix + "hidden_norm.weight" in state and prefix + "input_layernorm.weight" in state
-    assert state["fc.weight"].shape == (D, 3 * 24) and "fc.bias" not in state
+    assert state["fc.weight"].shape == (D, 3 * wide) and "fc.bias" not in state
+    assert ("embed_tokens.weight" in state) == (layout == "speculators")  # speculators always gets them
     assert state["lm_head.weight"].shape == (20, D)
     assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 20
     targets = torch.arange(20) + state["d2t"]  # offsets, as SGLang reads them
@@ -79,15 +81,15 @@ def test_eagle3_layout_keys(tmp_path, layout):
     config = json.loads((tmp_path / "config.json").read_text())
     if layout == "speculators":
         assert config["speculators_model_type"] == "eagle3" and config["transformer_layer_config"]["hidden_size"] == D
-    assert config["draft_vocab_size"] == 20 and config["target_hidden_size"] == 24
+    assert config["draft_vocab_size"] == 20 and config["target_hidden_size"] == wide
     assert detect_kind(tmp_path) == EAGLE3
 
 
 @pytest.mark.parametrize("kind,layout", [(EAGLE1, "eagle"), (EAGLE3, "eagle3"), (EAGLE3, "speculators")])
 def test_round_trip_and_cached_steps(tmp_path, kind, layout):
-    cfg = tiny_config(kind)
+    cfg = tiny_config(kind, **({"target_hidden_size": D} if layout == "speculators" else {}))
     model = random_head(cfg, seed=3)
-    save_eagle(model, tmp_path, layout=layout)
+    save_eagle(model, tmp_path, layout=layout, target_name="tiny")
     embeddings = model.embed_tokens.weight.detach().clone()
     loaded = load_eagle(tmp_path, embeddings=embeddings)
     assert read_config(tmp_path).kind == kind
@@ -142,8 +144,8 @@ def test_check_target_one_line():
         with pytest.raises(DynvocabError, match=word) as err:
             check_target(cfg, *args)
         assert "\n" not in str(err.value)
-    explicit = tiny_config(EAGLE3, aux_layer_ids=(0, 1, 3))
-    assert explicit.target_layers(4) == (1, 2, 4)  # SGLang's reading: the output of layer i
+    explicit = tiny_config(EAGLE3, aux_hidden_states=(1, 2, 4))
+    assert explicit.target_layers(4) == (1, 2, 4)  # hidden_states[i]; 4 = the last layer's output
     assert tiny_config(EAGLE3).target_layers(32) == (2, 16, 29)
 
 

@@ -3,16 +3,19 @@ training-time-test attention, the draft vocabulary as speculators builds it, the
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from cli_helpers import assert_one_line_error, run
 from tiny_models import make_model, make_tokenizer, sentences
 
-from dynvocab.builders.corpus import CorpusConfig
+from dynvocab.builders.corpus import CorpusConfig, encode_documents
+from dynvocab.builders.progress import SilentReporter
 from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, features, recipe, trainer, vocab
 from dynvocab.builders.draft.features import FeatureConfig
 from dynvocab.errors import DynvocabError
@@ -94,7 +97,9 @@ def test_speculators_format_and_eagle1(target_dir, corpus_txt, tmp_path):
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
-    assert any(k.startswith("layers.0.") for k in head_weights(out))
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_dir.resolve())  # resolves offline
+    weights = head_weights(out)
+    assert any(k.startswith("layers.0.") for k in weights) and "embed_tokens.weight" in weights
     out1 = tmp_path / "e1"
     result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", out1, "--arch", "eagle1",
                  "--max-docs", 12, "--max-tokens", 16, "--device", "cpu", "--threads", 1)
@@ -157,6 +162,14 @@ def test_resume_after_interruptions_equals_one_run(target_dir, corpus_txt, tmp_p
         assert torch.equal(a[name], b[name]), name
 
 
+def test_cli_reports_on_rank_0_only(target_dir, corpus_txt, tmp_path, monkeypatch):
+    """Under torchrun a rank other than 0 draws no bar and prints no summary (only its errors)."""
+    monkeypatch.setenv("RANK", "1")
+    result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h", "--draft-vocab", 96,
+                 "--max-docs", 6, "--max-tokens", 12, "--device", "cpu", "--threads", 1)
+    assert result.exit_code == 0 and result.output.strip() == "", result.output
+
+
 def test_refuses_empty_corpus_and_eval_split(target_dir, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
@@ -189,11 +202,11 @@ def test_heads_share_one_feature_cache(target_dir, corpus_txt, tmp_path, monkeyp
     def no_target_pass(*args, **kwargs):
         raise AssertionError("the target ran although the cache held the documents")
 
-    real = features.document_features
-    monkeypatch.setattr(features, "document_features", no_target_pass)
+    real = features.batch_features
+    monkeypatch.setattr(features, "batch_features", no_target_pass)
     e1 = trainer.train_draft(str(target_dir), tmp_path / "e1-6", small("eagle1", 6))
     assert e1.info["data"]["docs"] == 6 and e1.info["data"]["extract"] == {}
-    monkeypatch.setattr(features, "document_features", real)
+    monkeypatch.setattr(features, "batch_features", real)
     grown = trainer.train_draft(str(target_dir), tmp_path / "e3-14", small("eagle3", 14))
     assert grown.info["data"]["docs"] == 14 and grown.info["data"]["extract"]["tokens"] > 0
     for arch, docs, out in (("eagle1", 6, "e1-6"), ("eagle3", 14, "e3-14")):
@@ -267,7 +280,7 @@ def test_unroll_never_sees_the_future(kind):
         outs.append([])
         recipe.forward_step = capture
         try:
-            recipe.unroll(model, d, steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
+            recipe.unroll(model, [d], steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
         finally:
             recipe.forward_step = real
     for i in range(steps):
@@ -277,7 +290,7 @@ def test_unroll_never_sees_the_future(kind):
     outs.append([])
     recipe.forward_step = capture
     try:
-        recipe.unroll(model, changed, steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
+        recipe.unroll(model, [changed], steps, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None)
     finally:
         recipe.forward_step = real
     for i in range(steps):
@@ -349,3 +362,154 @@ def test_trained_head_drafts_losslessly(target_dir, trained, tmp_path, name):
         out = generate(strategy, *extra)
         assert out["token_ids"] == ar, (name, strategy)
         assert out["metrics"]["cycles"] > 0
+
+
+# ---- batches and ranks -------------------------------------------------------------------------------------
+
+
+def test_batched_features_equal_one_document_at_a_time(target_dir, corpus_txt, tmp_path):
+    """Right-padded passes of several documents give each document the features of its own pass."""
+    from dynvocab.builders.models import fingerprint
+    from dynvocab.models import load_model, load_tokenizer, resolve_model
+
+    spec = resolve_model(str(target_dir))
+    tokenizer = load_tokenizer(spec)
+    model = load_model(spec, "cpu", "float32")
+    docs = list(itertools.islice(encode_documents(CorpusConfig(sources=(str(corpus_txt),), max_docs=10), tokenizer, 24), 10))
+    assert len({len(d) for d in docs}) > 1  # documents of several lengths, so padding happens
+    shards = {}
+    for per_pass in (1, 4):
+        cfg = FeatureConfig(max_tokens=24, shard_docs=5, dtype="float32", batch_docs=per_pass)
+        folder = tmp_path / f"per-{per_pass}"
+        settings = features.settings_of(cfg, {"sources": ["x"]}, (2, 2, 1))
+        manifest = features.open_manifest(folder, fingerprint(spec, tokenizer), settings)
+        features.extract(model, iter(docs), folder, manifest, cfg, 10, SilentReporter())
+        shards[per_pass] = [load_file(str(features.shard_path(folder, i))) for i in range(2)]
+    for one, batched in zip(shards[1], shards[4]):
+        for name in ("ids", "offsets", "doc", "argmax"):
+            assert torch.equal(one[name], batched[name]), name
+        for name in ("last", "aux"):
+            torch.testing.assert_close(one[name].float(), batched[name].float(), atol=2e-2, rtol=2e-2)  # stored bf16
+
+
+@pytest.mark.parametrize("kind", [EAGLE1, EAGLE3])
+def test_batched_unroll_equals_documents_one_by_one(kind):
+    """One padded unroll over documents of several lengths: the same token-weighted loss and gradient as the
+    documents unrolled one at a time, each divided by the whole batch's positions (noise drawn per document)."""
+    model, _ = tiny_head(kind)
+    gen = torch.Generator().manual_seed(1)
+    docs = []
+    for T in (9, 5, 2, 7):
+        doc = {"ids": torch.randint(0, 40, (T,), generator=gen), "argmax": torch.randint(0, 40, (T,), generator=gen),
+               "last": torch.randn(T, 16, generator=gen)}
+        if kind == EAGLE3:
+            doc["aux"] = torch.randn(T, 48, generator=gen)
+        docs.append(doc)
+    steps, head, draft = 3, torch.randn(40, 16), torch.arange(40) if kind == EAGLE3 else None
+    positions = [sum(max(0, d["ids"].numel() - 1 - i) for d in docs) for i in range(steps)]
+    noise = lambda: [torch.Generator().manual_seed(100 + b) for b in range(len(docs))]
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    together = recipe.weighted_loss(recipe.unroll(model, docs, steps, head, draft, 0.2, noise()), positions)
+    g_together = grads(together)
+    gens = noise()
+    alone = sum(recipe.weighted_loss(recipe.unroll(model, [d], steps, head, draft, 0.2, [g]), positions)
+                for d, g in zip(docs, gens))
+    g_alone = grads(alone)
+    torch.testing.assert_close(together, alone)
+    for a, b in zip(g_together, g_alone):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)  # float32 rounding (float64: 1e-13)
+
+
+def launch_ranks(spec: dict, tmp_path: Path, ranks: int = 2) -> int:
+    """Run tests/draft_ranks.py on ``ranks`` gloo ranks (torchrun, a free port on 127.0.0.1); its exit code. The
+    launch has a session of its own, which is killed whole if it outlives the time limit: no process is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+    path.write_text(json.dumps(spec))
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": f"{here.parent}{os.pathsep}{here}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", str(here / "draft_ranks.py"), str(path)]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = out.decode(errors="replace")  # the ranks' own lines come first, torchrun's report of a failure last
+    spec["log"] = log if len(log) <= 8000 else log[:5000] + "\n[…]\n" + log[-3000:]
+    return proc.returncode
+
+
+RANK_OPTIM = {"epochs": 2, "lr": 3e-3, "warmup_steps": 2, "eval_every": 20, "checkpoint_every": 5, "batch_docs": 4}
+
+
+@pytest.fixture(scope="module")
+def one_rank(target_dir, corpus_txt, tmp_path_factory):
+    """(config, report, folder) of one process taking 4 documents per step (25 training documents: 7 steps an
+    epoch, the last of a single document), in micro-batches of 4."""
+    cfg = small_config(corpus_txt, **{**RANK_OPTIM, "micro_docs": 4})
+    cfg = TrainDraftConfig(**{**cfg.__dict__, "corpus": CorpusConfig(sources=(str(corpus_txt),), max_docs=27)})
+    out = tmp_path_factory.mktemp("one_rank") / "one"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # set up before the per-test one_thread fixture
+    try:
+        report = trainer.train_draft(str(target_dir), out, cfg)
+    finally:
+        torch.set_num_threads(before)
+    assert report.info["data"]["train_docs"] == 25 and report.info["steps"] == 2 * 7 and report.info["ranks"] == 1
+    return cfg, report, out
+
+
+def rank_spec(target_dir, corpus_txt, out: Path, **extra) -> dict:
+    return {"target": str(target_dir), "arch": "eagle3", "draft_vocab": 96, "corpus": [str(corpus_txt)], "max_docs": 27,
+            "features": {"max_tokens": 24, "shard_docs": 4}, "optim": {**RANK_OPTIM, "micro_docs": 1}, "out": str(out), **extra}
+
+
+def test_two_ranks_train_the_head_of_one(target_dir, corpus_txt, tmp_path, one_rank):
+    """2 gloo ranks (features split between them; each step's 4 documents split 2 + 2, the epoch's last single
+    document 1 + 0; one document per pass) give the head of one process taking the same 4 documents per step."""
+    _, one, one_out = one_rank
+    spec = rank_spec(target_dir, corpus_txt, tmp_path / "two", features_dir=str(tmp_path / "features2"))
+    assert launch_ranks(spec, tmp_path) == 0, spec["log"]
+    two = json.loads((tmp_path / "two" / "training.json").read_text())
+    assert two["ranks"] == 2 and two["data"]["extract"]["ranks"] == 2 and two["steps"] == one.info["steps"]
+    mine, theirs = sorted((one_out / "work" / "features").glob("shard-*")), sorted((tmp_path / "features2").glob("shard-*"))
+    assert [p.name for p in mine] == [p.name for p in theirs] and not list((tmp_path / "features2").glob(".*"))
+    for a, b in zip(mine, theirs):
+        for name, tensor in load_file(str(a)).items():
+            assert torch.equal(tensor, load_file(str(b))[name]), (a.name, name)
+    np.testing.assert_allclose(two["losses"], one.info["losses"], rtol=1e-4, atol=1e-5)
+    assert_same_head(head_weights(one_out), head_weights(tmp_path / "two"))
+
+
+def test_two_ranks_killed_then_resumed_on_one(target_dir, corpus_txt, tmp_path, one_rank):
+    """Rank 0 of a 2-rank run is killed (SIGKILL) right after its first checkpoint: the cache and the checkpoint
+    are whole, no head is written, and the run resumed on one rank ends with the uninterrupted run's head."""
+    cfg, one, one_out = one_rank
+    spec = rank_spec(target_dir, corpus_txt, tmp_path / "killed", die_after_checkpoint=True)
+    assert launch_ranks(spec, tmp_path) != 0
+    work = tmp_path / "killed" / "work"
+    assert not (tmp_path / "killed" / "config.json").exists() and not list(work.glob(".*"))
+    assert json.loads((work / "features" / "manifest.json").read_text())["docs"] == 27
+    assert torch.load(work / "checkpoint.pt", weights_only=False)["state"]["step"] == 5
+    resumed = trainer.train_draft(str(target_dir), tmp_path / "killed", cfg)
+    assert resumed.info["ranks"] == 1 and resumed.info["data"]["extract"] == {}
+    np.testing.assert_allclose(resumed.info["losses"], one.info["losses"], rtol=1e-4, atol=1e-5)
+    assert_same_head(head_weights(one_out), head_weights(tmp_path / "killed"))
+
+
+def assert_same_head(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4, msg=name)

@@ -9,6 +9,8 @@ from typing import Annotated, List, Optional
 import typer
 
 from dynvocab.builders.draft import OptimConfig, TrainDraftConfig
+from dynvocab.builders.draft.ranks import env_rank
+from dynvocab.builders.progress import SilentReporter
 from dynvocab.cli.build import RichReporter
 from dynvocab.cli.common import Device, Target, Threads, check_dtype_device, err_console, one_line_errors, set_threads
 
@@ -37,6 +39,9 @@ def train_draft(
     lr: Annotated[Optional[float], typer.Option(help=f"AdamW peak learning rate (default {OptimConfig.lr:g}).")] = None,
     ttt_steps: Annotated[Optional[int], typer.Option(min=1, help="Chained training-time-test steps per document (default: 1 for eagle1, 3 for eagle3).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the batch order and the feature noise.")] = None,
+    batch_docs: Annotated[Optional[int], typer.Option(help=f"Documents per optimizer step over all ranks (default {OptimConfig.batch_docs}); the same head for any number of ranks.")] = None,
+    micro_docs: Annotated[Optional[int], typer.Option(help=f"Documents per forward pass on one rank (default {OptimConfig.micro_docs}); gradients accumulate up to --batch-docs.")] = None,
+    feature_batch: Annotated[Optional[int], typer.Option(help="Documents per target pass when computing features (default: 8 on a GPU, 1 on CPU).")] = None,
     features: Annotated[
         Optional[Path],
         typer.Option("--features", help="Feature cache folder (default OUT/work/features). Heads may share one: fewer --max-docs read its first documents, more extend it, an eagle3 cache serves eagle1."),
@@ -45,7 +50,9 @@ def train_draft(
     device: Device = None,
     threads: Threads = None,
 ) -> None:
-    """Train an EAGLE-1 or EAGLE-3 draft head for a target on the training split; `--draft OUT` loads it."""
+    """Train an EAGLE-1 or EAGLE-3 draft head for a target on the training split; `--draft OUT` loads it.
+
+    Runs unchanged under `torchrun --nproc_per_node N` (data-parallel; rank 0 draws the bar and writes the head)."""
     from dynvocab.builders.draft import train_draft as run
     from dynvocab.builders.draft.trainer import check_config
 
@@ -56,13 +63,17 @@ def train_draft(
         draft_vocab=draft_vocab if draft_vocab is not None else _DEFAULTS.draft_vocab,
         bundle=bundle,
         corpus=_override(_DEFAULTS.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
-        features=_override(_DEFAULTS.features, max_tokens=max_tokens),
-        optim=_override(_DEFAULTS.optim, epochs=epochs, lr=lr, ttt_steps=ttt_steps, seed=seed),
+        features=_override(_DEFAULTS.features, max_tokens=max_tokens, batch_docs=feature_batch),
+        optim=_override(_DEFAULTS.optim, epochs=epochs, lr=lr, ttt_steps=ttt_steps, seed=seed, batch_docs=batch_docs,
+                        micro_docs=micro_docs),
         layout=fmt,
         device=device,
         features_dir=str(features) if features else None,
     )
     check_config(cfg)  # refusals before the progress display starts
+    if env_rank() != 0:  # under torchrun only rank 0 draws and reports; the others print only their errors
+        run(target, out, cfg, SilentReporter())
+        return
     with RichReporter(err_console) as reporter:
         report = run(target, out, cfg, reporter)
     info = report.info

@@ -5,6 +5,7 @@
 - :mod:`.init`: an EAGLE-3 head started from its target where the shapes allow.
 - :mod:`.recipe`: the EAGLE-1 and EAGLE-3 losses and the training-time-test unroll (phase 2).
 - :mod:`.trainer`: the two phases, checkpoints, held-out agreement, the output folder.
+- :mod:`.ranks`: one process, or the ranks of a ``torchrun`` launch (who computes, who writes).
 """
 
 from dynvocab.builders.draft.trainer import OptimConfig, TrainDraftConfig, TrainDraftReport, train_draft

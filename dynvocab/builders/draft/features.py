@@ -2,8 +2,11 @@
 
 Each shard holds ``shard_docs`` consecutive documents and is written whole (``dynvocab.files.write_atomic``), so a
 run killed at any moment leaves finished shards and no half-written one; a rerun skips the finished shards. The
-manifest records the target's fingerprint and the settings the features depend on; features of another target or
-other settings are refused rather than mixed. One cache can serve several heads (``train-draft --features DIR``):
+target runs over ``batch_docs`` documents of a shard at a time, right-padded (see :func:`batch_features`). Under
+``torchrun`` each rank computes the shards ``i ≡ rank (mod world)`` into the one shared folder (no two ranks write
+the same shard) and rank 0 alone writes the manifest, once all shards are written. The manifest records the
+target's fingerprint and the settings the features depend on; features of another target or other settings are
+refused rather than mixed. One cache can serve several heads (``train-draft --features DIR``):
 a run of fewer documents reads the cache's first documents, a run of more extends it, and a cache with EAGLE-3's
 layer taps serves EAGLE-1 too.
 
@@ -29,6 +32,7 @@ from typing import Iterator
 import torch
 
 from dynvocab.artifacts import ModelFingerprint
+from dynvocab.builders.draft.ranks import Ranks
 from dynvocab.builders.progress import Reporter
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
@@ -42,9 +46,21 @@ class FeatureConfig:
     """What the cached features are made of (any change means other features)."""
 
     max_tokens: int = 256  # tokens per document (ShareGPT: chat-template encoded)
-    shard_docs: int = 16  # documents per shard: the unit of resumption
-    dtype: str = "float32"  # the target's dtype for the pass (CPU bf16 prefill is ~5x slower than float32)
+    shard_docs: int = 16  # documents per shard: the unit of resumption, and of the work split between ranks
+    dtype: str | None = None  # the target's dtype for the pass; None: float32 on CPU (bf16 prefill is ~5x slower
+    # there), bfloat16 on a GPU. train_draft resolves it, so the manifest records the dtype that ran
     store_dtype: str = "bfloat16"  # features on disk (half the bytes; training upcasts)
+    batch_docs: int | None = None  # documents per target pass (speed only: not part of what the features are);
+    # None: 8 on a GPU, 1 on CPU, where a 256-token document already fills the matmuls (8 per pass measured no
+    # faster, docs/train-draft.md) and padding only adds work
+
+    def resolved(self, device: str) -> "FeatureConfig":
+        """This config with the pass dtype and batch chosen for ``device``."""
+        from dataclasses import replace
+
+        gpu = device.startswith("cuda")
+        return replace(self, dtype=self.dtype or ("bfloat16" if gpu else "float32"),
+                       batch_docs=self.batch_docs or (8 if gpu else 1))
 
 
 @dataclass(frozen=True)
@@ -66,7 +82,8 @@ def settings_of(cfg: FeatureConfig, corpus: dict, entering: tuple[int, ...] | No
     """What the features depend on, as the manifest records it. The corpus's document limit is not part of it: a
     cache grows when a run asks for more documents and serves its first documents to a run that asks for fewer."""
     corpus = {k: v for k, v in corpus.items() if k != "max_docs"}
-    return {"features": asdict(cfg), "corpus": corpus, "entering_layers": list(entering or ())}
+    features = {k: v for k, v in asdict(cfg).items() if k != "batch_docs"}
+    return {"features": features, "corpus": corpus, "entering_layers": list(entering or ())}
 
 
 def open_manifest(folder: Path, fingerprint: ModelFingerprint, settings: dict) -> dict:
@@ -106,16 +123,27 @@ def needs_extraction(manifest: dict, max_docs: int) -> bool:
 
 
 @torch.inference_mode()
-def document_features(model, ids: list[int], entering: tuple[int, ...] | None, tap) -> dict[str, torch.Tensor]:
-    """One document through the target: ``last`` [T, d], ``argmax`` [T] and (EAGLE-3) ``aux`` [T, 3d]."""
+def batch_features(model, batch: list[list[int]], entering: tuple[int, ...] | None, tap) -> dict[str, torch.Tensor]:
+    """Documents through the target in one pass: ``last`` [N, d], ``argmax`` [N] and (EAGLE-3) ``aux`` [N, 3d] over
+    their N = Σ T_b tokens, document after document.
+
+    The documents are right-padded to the longest: causal attention already keeps every real position from the
+    padding, which only ever comes after it, so each document's features are those of its own pass (to float
+    rounding; ``tests/test_train_draft.py`` compares them) and no attention mask is needed.
+    """
     body = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
-    x = torch.tensor(ids, dtype=torch.long, device=head.weight.device).view(1, -1)  # [1, T]
-    last = body(input_ids=x).last_hidden_state[0]  # [T, d]
-    argmax = torch.cat([head(c).argmax(-1) for c in last.split(64)])  # [T]; chunks bound the [c, V] logits
+    device = head.weight.device
+    lengths = torch.tensor([len(ids) for ids in batch])  # [B]
+    x = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)  # [B, T]
+    for b, ids in enumerate(batch):
+        x[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    real = (torch.arange(x.shape[1])[None] < lengths[:, None]).to(device)  # [B, T]
+    last = body(input_ids=x.to(device)).last_hidden_state[real]  # [N, d]
+    argmax = torch.cat([head(c).argmax(-1) for c in last.split(256)])  # [N]; chunks bound the [c, V] logits
     out = {"last": last, "argmax": argmax.to(torch.int32)}
     if entering:
-        out["aux"] = tap.features()  # [T, 3d]
+        out["aux"] = tap.batch_features()[real]  # [N, 3d]
     return out
 
 
@@ -127,43 +155,54 @@ def extract(
     cfg: FeatureConfig,
     max_docs: int,
     reporter: Reporter,
+    ranks: Ranks = Ranks(),
 ) -> dict:
     """Fill ``folder`` with the shards of the first ``max_docs`` documents not yet written; returns the manifest.
 
-    ``documents`` yields token-id lists in a fixed order; shard i holds documents ``[i·shard_docs,
-    (i+1)·shard_docs)``. Documents of finished shards are read but not run through the target. The layer taps are
-    the cache's own (``manifest["settings"]["entering_layers"]``), so every shard of a cache holds the same tensors.
+    ``documents`` yields token-id lists in a fixed order (the same on every rank); shard i holds documents
+    ``[i·shard_docs, (i+1)·shard_docs)`` and is computed by rank ``i % world``. Documents of finished shards, and of
+    other ranks' shards, are read but not run through the target. The layer taps are the cache's own
+    (``manifest["settings"]["entering_layers"]``), so every shard of a cache holds the same tensors. Every rank
+    returns the manifest rank 0 wrote once all ranks were done.
     """
     from dynvocab.models.eagle import LayerTap
 
     entering = tuple(manifest["settings"]["entering_layers"]) or None
     store = getattr(torch, cfg.store_dtype)
     tap = LayerTap(model, entering) if entering else None
-    shards, docs, ran, started = 0, 0, 0, time.perf_counter()
+    docs, ran, started = 0, 0, time.perf_counter()
     try:
         with reporter.task("target features (documents)", total=max_docs) as advance:
-            batch: list[list[int]] = []
-            for ids in itertools.islice(documents, max_docs):
-                batch.append(ids)
-                if len(batch) == cfg.shard_docs:
-                    ran += _shard(model, batch, shards, docs, folder, store, entering, tap)
-                    shards, docs, batch = shards + 1, docs + len(batch), []
-                    advance(cfg.shard_docs, description=_rate("target features", ran, started))
-            if batch:
-                ran += _shard(model, batch, shards, docs, folder, store, entering, tap)
+            chunks = _chunks(itertools.islice(documents, max_docs), cfg.shard_docs)
+            for index, batch in enumerate(chunks):
+                if index % ranks.world == ranks.rank:
+                    ran += _shard(model, batch, index, docs, folder, store, entering, tap, cfg.batch_docs or 1)
+                    # rank 0's bar counts every rank's documents, taking the others to keep its pace
+                    advance(len(batch) * ranks.world, description=_rate("target features", ran * ranks.world, started))
                 docs += len(batch)
-                advance(len(batch))
     finally:
         if tap is not None:
             tap.remove()
     if docs == 0:
         raise DynvocabError("the corpus gave no documents; check --corpus and --max-docs")
-    seconds = time.perf_counter() - started
+    total = torch.tensor([float(ran)], dtype=torch.float64)
+    ranks.sum_([total])  # also waits for every rank's last shard
+    ran, seconds = int(total.item()), time.perf_counter() - started
     manifest = {**manifest, "docs": max(docs, manifest["docs"]), "exhausted": docs < max_docs}
     if ran:
-        manifest["extract"] = {"tokens": ran, "seconds": round(seconds, 2), "tokens_per_s": round(ran / seconds, 1)}
-    write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
-    return manifest
+        manifest["extract"] = {"tokens": ran, "seconds": round(seconds, 2), "tokens_per_s": round(ran / seconds, 1),
+                               "ranks": ranks.world}
+
+    def write() -> dict:
+        write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+        return manifest
+
+    return ranks.on_main(write)
+
+
+def _chunks(items: Iterator[list[int]], size: int) -> Iterator[list[list[int]]]:
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
 
 
 def _rate(label: str, tokens: int, started: float) -> str:
@@ -181,13 +220,23 @@ def _shard_docs(path: Path) -> int:
         return f.get_slice("doc").get_shape()[0]
 
 
-def _shard(model, batch, index, first_doc, folder, store, entering, tap) -> int:
+def _shard(model, batch, index, first_doc, folder, store, entering, tap, per_pass: int) -> int:
     """Write shard ``index`` unless a shard of the same documents exists (a shorter last shard left by a run of
-    fewer documents is recomputed); returns the tokens computed now."""
+    fewer documents is recomputed); returns the tokens computed now. The target runs over ``per_pass`` documents
+    at a time, taken in length order so that little is padded."""
     path = shard_path(folder, index)
     if _shard_docs(path) == len(batch):
         return 0
-    parts = [document_features(model, ids, entering, tap) for ids in batch]
+    order = sorted(range(len(batch)), key=lambda k: len(batch[k]))
+    docs: dict[int, dict[str, torch.Tensor]] = {}
+    for start in range(0, len(order), max(1, per_pass)):
+        group = order[start : start + max(1, per_pass)]
+        out = batch_features(model, [batch[k] for k in group], entering, tap)
+        split = [len(batch[k]) for k in group]
+        for name, tensor in out.items():
+            for k, part in zip(group, tensor.split(split)):
+                docs.setdefault(k, {})[name] = part
+    parts = [docs[k] for k in range(len(batch))]
     tensors = {
         "ids": torch.tensor([i for ids in batch for i in ids], dtype=torch.int32),  # [N]
         "offsets": torch.tensor([0, *torch.tensor([len(b) for b in batch]).cumsum(0).tolist()], dtype=torch.int64),  # [D+1]
@@ -246,6 +295,11 @@ class FeatureReader:
     def tokens(self) -> int:
         """Tokens (positions) in the documents read."""
         return sum(end - start for _, start, end, _ in self.index)
+
+    def length(self, k: int) -> int:
+        """Tokens in document ``k`` (nothing read)."""
+        _, start, end, _ = self.index[k]
+        return end - start
 
     def doc_id(self, k: int) -> int:
         """The corpus position of document ``k``."""

@@ -13,6 +13,11 @@ token x_{t+1} with the target feature f_t at index t; step i > 0 pairs x_{t+1+i}
 output at the same index. As in cnets.py's ``cache_hidden`` attention, a query of step i at index t attends the
 step-0 keys of indices ≤ t and, of each later step, only its own index: exactly what drafting sees (the real
 prefix, then its own drafts). RoPE positions advance by one per step.
+
+Several documents unroll together, right-padded to the longest: the mask above never lets a real index see a
+later one, so the padding after a document is invisible to it and each document trains as it would alone. Losses
+are *sums* over positions; :func:`weighted_loss` divides them by the positions they are averaged over (one
+document's, or a whole global batch's spread over micro-batches and ranks: one mean over all its tokens).
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ STEP_DECAY = 0.8  # traineagle3/main.py: ploss_weight = 0.8 ** i
 
 @dataclass
 class StepResult:
-    """One unroll step over a document: its loss and top-1 agreement counts."""
+    """One unroll step over one or several documents: its loss summed over positions, top-1 agreement counts."""
 
-    loss: torch.Tensor  # scalar
+    loss: torch.Tensor  # scalar: Σ over the positions scored
     agree: int  # positions where the head's top-1 (as a target id) equals the target's argmax
     positions: int  # positions scored
 
@@ -46,80 +51,102 @@ def attention_mask(n: int, step: int, device) -> torch.Tensor:
 
 def forward_step(model: EagleModel, ids, features, positions, cache, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """``EagleModel.forward`` with an explicit attention mask (its own builds a causal one): (feature, head input),
-    each [1, n, d]. ``tests/test_train_draft.py`` checks that step 0 equals ``model(...)``."""
-    embeds = model.embed_tokens(ids).to(model.fc.weight.dtype)  # [1, n, d]
+    each [B, n, d]. ``tests/test_train_draft.py`` checks that step 0 equals ``model(...)``."""
+    embeds = model.embed_tokens(ids).to(model.fc.weight.dtype)  # [B, n, d]
     rope = model.rotary_emb(embeds, position_ids=positions)
     kwargs = dict(attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, position_embeddings=rope)
     if model.kind == EAGLE1:
         out = model.layers[0](model.fc(torch.cat([embeds, features], dim=-1)), **kwargs)  # embedding first
         return out, out
-    h = model.fc(features) if features.shape[-1] != model.config.hidden_size else features
+    h = model.project(features) if features.shape[-1] != model.config.hidden_size else features
     out = model.midlayer(embeds, h, **kwargs)
-    return out, model.norm(out)
+    normed = model.norm(out)
+    return (normed if model.config.norm_output else out), normed
 
 
 def unroll(
     model: EagleModel,
-    doc: dict[str, torch.Tensor],
+    docs: list[dict[str, torch.Tensor]],
     steps: int,
     target_head: torch.Tensor,
     draft_ids: torch.Tensor | None,
     noise: float = 0.0,
-    generator: torch.Generator | None = None,
+    generators: list[torch.Generator | None] | None = None,
 ) -> list[StepResult]:
-    """The losses of ``steps`` chained steps over one document.
+    """The losses of ``steps`` chained steps over the documents ``docs`` (each of 2 tokens or more), together.
 
-    ``doc``: ``ids`` [T], ``argmax`` [T], ``last`` [T, d] (and ``aux`` [T, 3d] for EAGLE-3) from the feature
+    Each doc: ``ids`` [T], ``argmax`` [T], ``last`` [T, d] (and ``aux`` [T, 3d] for EAGLE-3) from the feature
     cache. ``target_head`` [V, d]: EAGLE-1, the target's LM head; EAGLE-3, its rows for the draft vocabulary
-    ([K, d], in draft order ``draft_ids`` [K]).
+    ([K, d], in draft order ``draft_ids`` [K]). ``generators[b]`` draws document b's feature noise (of its own
+    shape, so a document gets the same noise in any batch).
     """
     from transformers import DynamicCache
 
     device = model.fc.weight.device
-    ids, argmax = doc["ids"].to(device), doc["argmax"].to(device)  # [T] each
-    last = doc["last"].to(device)  # [T, d]
-    n = ids.numel() - 1  # training indices t = 0..T-2
+    lengths = [doc["ids"].numel() - 1 for doc in docs]  # training indices t = 0..T_b-2 per document
+    n, B = max(lengths), len(docs)
     steps = min(steps, n)
-    features = (last if model.kind == EAGLE1 else doc["aux"].to(device))[:n][None]  # [1, n, f]
-    if noise:
-        features = features + (torch.rand(features.shape, generator=generator).to(device) - 0.5) * noise
+    width = n + steps  # room for x_{t+1+i} and f_{t+1+i} at every index and step, padding past each end
+    ids, argmax = _padded([d["ids"] for d in docs], width), _padded([d["argmax"] for d in docs], width)  # [B, width]
+    last = _padded([d["last"] for d in docs], width).to(device)  # [B, width, d]
+    inputs = []
+    for b, doc in enumerate(docs):
+        f = (doc["last"] if model.kind == EAGLE1 else doc["aux"])[: lengths[b]][None]  # [1, n_b, f]
+        if noise:
+            f = f + (torch.rand(f.shape, generator=generators[b] if generators else None) - 0.5) * noise
+        inputs.append(f[0])
+    features = _padded(inputs, n).to(device)  # [B, n, f]
+    ids, argmax = ids.to(device), argmax.to(device)
+    index = torch.arange(n, device=device)[None]  # [1, n]
     cache = DynamicCache(config=model.layer_config)
     results = []
     for i in range(steps):
-        step_ids = F.pad(ids[1 + i :], (0, i))[None]  # [1, n]: x_{t+1+i}, padding past the end (masked)
-        positions = torch.arange(i, n + i, device=device)[None]  # [1, n]
+        step_ids = ids[:, 1 + i : 1 + i + n]  # [B, n]: x_{t+1+i}, padding past each end (masked)
+        positions = (index + i).expand(B, n)  # [B, n]
         features, head_in = forward_step(model, step_ids, features, positions, cache, attention_mask(n, i, device))
-        valid = n - i  # indices whose target position t+1+i exists
-        teacher, out = last[1 + i :], head_in[0, :valid]  # [valid, d] each
+        valid = index < torch.tensor(lengths, device=device)[:, None] - i  # [B, n]: target position t+1+i exists
+        out = head_in[valid]  # [N_i, d], document after document
+        teacher, target_argmax = last[:, 1 + i : 1 + i + n][valid], argmax[:, 1 + i : 1 + i + n][valid]
         if model.kind == EAGLE1:
-            results.append(_eagle1_loss(out, teacher, target_head, argmax[1 + i :]))
+            results.append(_eagle1_loss(out, teacher, target_head, target_argmax))
         else:
-            results.append(_eagle3_loss(model, out, teacher, target_head, draft_ids, argmax[1 + i :]))
+            results.append(_eagle3_loss(model, out, teacher, target_head, draft_ids, target_argmax))
     return results
 
 
+def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[B, width, ...]: each row's tensor at its start, zeros after."""
+    out = rows[0].new_zeros((len(rows), width, *rows[0].shape[1:]))
+    for b, row in enumerate(rows):
+        out[b, : min(width, row.shape[0])] = row[:width]
+    return out
+
+
 def _eagle1_loss(out, teacher, head, argmax) -> StepResult:
-    """main.py: vloss (SmoothL1 per position, mean over d) + 0.1 · soft CE through the target's head."""
+    """main.py: vloss (SmoothL1 per position, mean over d) + 0.1 · soft CE through the target's head, summed over
+    positions."""
     with torch.no_grad():
-        p = torch.softmax(F.linear(teacher, head), dim=-1)  # [n, V]
-    logits = F.linear(out, head)  # [n, V]
-    vloss = F.smooth_l1_loss(out, teacher, reduction="none").mean(-1).mean()
-    ploss = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        p = torch.softmax(F.linear(teacher, head).float(), dim=-1)  # [n, V]
+    logits = F.linear(out, head).float()  # [n, V]
+    vloss = F.smooth_l1_loss(out.float(), teacher, reduction="none").mean(-1).sum()
+    ploss = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).sum()
     agree = int((logits.argmax(-1) == argmax).sum())
     return StepResult(vloss + EAGLE1_P_WEIGHT * ploss, agree, argmax.numel())
 
 
 def _eagle3_loss(model, out, teacher, head_rows, draft_ids, argmax) -> StepResult:
-    """cnets.py: soft CE over the draft vocabulary where the target's argmax is in it."""
+    """cnets.py: soft CE over the draft vocabulary where the target's argmax is in it, summed over positions."""
     with torch.no_grad():
-        p = torch.softmax(F.linear(teacher, head_rows), dim=-1)  # [n, K]
+        p = torch.softmax(F.linear(teacher, head_rows).float(), dim=-1)  # [n, K]
         keep = model.t2d[argmax].float()  # [n]
     logits = model.lm_head(out)  # [n, K]
-    loss = -((p * torch.log_softmax(logits.float(), dim=-1)).sum(-1) * keep).sum() / argmax.numel()
+    loss = -((p * torch.log_softmax(logits.float(), dim=-1)).sum(-1) * keep).sum()
     agree = int((draft_ids[logits.argmax(-1)] == argmax).sum())
     return StepResult(loss, agree, argmax.numel())
 
 
-def weighted_loss(results: list[StepResult]) -> torch.Tensor:
-    """Σ 0.8^i · loss_i (traineagle3/main.py)."""
-    return sum(STEP_DECAY**i * r.loss for i, r in enumerate(results))
+def weighted_loss(results: list[StepResult], positions: list[int] | None = None) -> torch.Tensor:
+    """Σ 0.8^i · loss_i / positions_i (traineagle3/main.py): the mean per position of each step, over the results'
+    own positions, or over ``positions[i]`` when they are part of a larger batch (a share of a global batch)."""
+    counts = positions if positions is not None else [r.positions for r in results]
+    return sum(STEP_DECAY**i * r.loss / counts[i] for i, r in enumerate(results) if counts[i])

@@ -3,19 +3,28 @@
 Both phases resume. Phase 1 writes feature shards whole (see :mod:`.features`); phase 2 writes a checkpoint
 (weights, optimizer, scheduler, step) whole every ``checkpoint_every`` steps and at the end of each epoch. Batch
 order and noise depend only on the seed, the epoch and the step, so a run killed and rerun ends with the same
-weights as one that never stopped. The output folder is the head in a published layout (written by
+weights as one that never stopped.
+
+Under ``torchrun`` (see :mod:`.ranks`) training is data-parallel: every rank holds the whole head; each optimizer
+step's global batch of ``batch_docs`` documents (its order rank-independent) is dealt out across the ranks, each
+rank runs its share in micro-batches of ``micro_docs`` (gradient accumulation), and the gradients are summed over
+the ranks before one identical optimizer step on each. Every loss term is divided by the global batch's token
+count, so the summed gradient is the gradient of one mean over all its tokens, the same for any number of ranks
+or micro-batch size (to float rounding); a checkpoint holds nothing rank-specific, so a run resumes on another
+number of ranks. Rank 0 writes the checkpoints and the head. The output folder is the head in a published layout (written by
 :func:`dynvocab.models.eagle.save_eagle`) plus ``training.json``; the work files sit under ``OUT/work/`` and may be
 deleted once the head is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +34,7 @@ from dynvocab.builders.corpus import CorpusConfig, check_sources, encode_documen
 from dynvocab.builders.draft import features as feats
 from dynvocab.builders.draft import recipe, vocab
 from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
+from dynvocab.builders.draft.ranks import Ranks, joined
 from dynvocab.builders.models import end_token_ids, fingerprint
 from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.errors import DynvocabError
@@ -53,6 +63,8 @@ class OptimConfig:
     eval_every: int = 100  # steps between held-out evaluations (and the progress bar's agreement)
     checkpoint_every: int = 25  # steps between checkpoints
     seed: int = 0
+    batch_docs: int = 1  # documents per optimizer step, over all ranks together (the global batch)
+    micro_docs: int = 8  # documents per forward pass on one rank (speed and memory only: not part of the recipe)
 
     def steps_for(self, kind: str) -> int:
         return self.ttt_steps if self.ttt_steps is not None else (1 if kind == EAGLE1 else 3)
@@ -99,7 +111,9 @@ def check_config(cfg: TrainDraftConfig) -> None:
         )
     check_sources(cfg.corpus)
     o = cfg.optim
-    for flag, value, low in (("--epochs", o.epochs, 1), ("--max-tokens", cfg.features.max_tokens, 2)):
+    for flag, value, low in (("--epochs", o.epochs, 1), ("--max-tokens", cfg.features.max_tokens, 2),
+                             ("--batch-docs", o.batch_docs, 1), ("--micro-docs", o.micro_docs, 1),
+                             ("--feature-batch", cfg.features.batch_docs or 1, 1)):
         if value < low:
             raise DynvocabError(f"{flag} must be at least {low}, got {value}")
     if not o.lr > 0:
@@ -112,14 +126,21 @@ def _encode(cfg: TrainDraftConfig, tokenizer):
 
 
 def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraftConfig(), reporter: Reporter = SilentReporter()) -> TrainDraftReport:
-    """Build an EAGLE head of ``cfg.arch`` for ``target`` into ``out`` (resuming whatever a previous run left)."""
+    """Build an EAGLE head of ``cfg.arch`` for ``target`` into ``out`` (resuming whatever a previous run left): in
+    this process, or data-parallel over the ranks of a ``torchrun`` launch (every rank returns the report)."""
     t0 = time.perf_counter()
     check_config(cfg)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DynvocabError(f"--out {out} is a file; pass a folder")
+    with joined(cfg.device or default_device()) as ranks:
+        return _build(target, out, cfg, reporter if ranks.main else SilentReporter(), ranks, t0)
+
+
+def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ranks: Ranks, t0: float) -> TrainDraftReport:
     kind = ARCHS[cfg.arch]
-    device = cfg.device or default_device()
+    device = ranks.device(cfg.device or default_device())
+    cfg = replace(cfg, features=cfg.features.resolved(device))
     spec = resolve_model(target)
     tokenizer = load_tokenizer(spec)
     documents = _encode(cfg, tokenizer)
@@ -137,12 +158,12 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
     entering = head_cfg.target_layers(layers) if kind == EAGLE3 else None
     settings = feats.settings_of(cfg.features, cfg.corpus.describe(), entering)
     folder = Path(cfg.features_dir) if cfg.features_dir else work / "features"
-    manifest = feats.open_manifest(folder, target_fp, settings)
+    manifest = ranks.on_main(lambda: feats.open_manifest(folder, target_fp, settings))
     start = time.perf_counter()
     extracted = feats.needs_extraction(manifest, cfg.corpus.max_docs)
     if extracted:
         all_docs = itertools.chain([first], documents)
-        feats.extract(model, all_docs, folder, manifest, cfg.features, cfg.corpus.max_docs, reporter)
+        feats.extract(model, all_docs, folder, manifest, cfg.features, cfg.corpus.max_docs, reporter, ranks)
     features = feats.load_features(folder, cfg.corpus.max_docs)
     reader = feats.FeatureReader(features, aux=kind == EAGLE3)
     reporter.log(f"features: {features.docs:,} documents · {reader.tokens:,} tokens in {folder}")
@@ -152,13 +173,16 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
     if kind == EAGLE3:
         draft_ids, vocab_info = _draft_vocab(cfg, reader, spec, tokenizer, target_fp)
     head = _build_head(model, head_cfg, draft_ids)
+    ranks.broadcast_([p.data for p in head.parameters() if p.requires_grad])  # one start on every rank, as DDP's
     weight = model.get_output_embeddings().weight.detach().float()  # [V, d] the target's LM head
     target_head = weight if kind == EAGLE1 else weight[draft_ids].clone()  # EAGLE-1 [V, d]; EAGLE-3 [K, d]
     del model
     gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the target's memory, for training
 
     start = time.perf_counter()
-    history = _train(head, reader, target_head, draft_ids, cfg, work, settings, reporter)
+    history = _train(head, reader, target_head, draft_ids, cfg, work, settings, reporter, ranks)
     train_s = time.perf_counter() - start
     info = {
         "arch": cfg.arch,
@@ -177,10 +201,18 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
         "seconds": {"features": round(extract_s, 1), "training": round(train_s, 1), "total": round(time.perf_counter() - t0, 1)},
         "peak_memory_mb": _peak_memory_mb(device),
         "device": device,
+        "ranks": ranks.world,
     }
     layout = "speculators" if cfg.layout == "speculators" else None
-    save_eagle(head, out, layout=layout, embeddings=False, target_name=spec.source)
-    write_atomic(out / "training.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+
+    def publish() -> None:
+        # The verifier speculators records: the target's resolved folder (demo:target -> its converted cache
+        # folder), which resolves offline and holds the very weights the head was trained on; a hub target stays
+        # its hub id.
+        save_eagle(head, out, layout=layout, embeddings=False, target_name=spec.path)
+        write_atomic(out / "training.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+
+    ranks.on_main(publish)  # every rank returns once the head is written
     return TrainDraftReport(out, info)
 
 
@@ -201,13 +233,13 @@ def _peak_memory_mb(device: str) -> float:
 
 def _head_config(model, kind: str, cfg: TrainDraftConfig, layers: int):
     """A head shaped like the target's decoder layer; EAGLE-3 reads the default layers (2, L//2, L-3) when the
-    target has at least 4 layers, else the explicit ids (0, L//2 - 1, L - 1) resolved the SGLang way."""
+    target has at least 4 layers, else the hidden states entering layers (1, L//2, L) (L: the last output)."""
     layer_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if kind == EAGLE1:
         return config_like(layer_cfg, EAGLE1)
-    aux = None if layers >= 4 else (0, max(0, layers // 2 - 1), layers - 1)
+    aux = None if layers >= 4 else (1, max(1, layers // 2), layers)
     return config_like(
-        layer_cfg, EAGLE3, draft_vocab_size=cfg.draft_vocab, target_hidden_size=layer_cfg.hidden_size, aux_layer_ids=aux
+        layer_cfg, EAGLE3, draft_vocab_size=cfg.draft_vocab, target_hidden_size=layer_cfg.hidden_size, aux_hidden_states=aux
     )
 
 
@@ -241,14 +273,16 @@ def _held_out(doc_id: int, every: int) -> bool:
 # ---- phase 2 ----------------------------------------------------------------------------------------------
 
 
-def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Path, settings: dict, reporter) -> dict:
+def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Path, settings: dict, reporter,
+           ranks: Ranks = Ranks()) -> dict:
     o, kind = cfg.optim, head.kind
     train = [k for k in range(len(reader)) if not _held_out(reader.doc_id(k), o.holdout_every)]
     heldout = [k for k in range(len(reader)) if _held_out(reader.doc_id(k), o.holdout_every)][: o.eval_docs]
     if not train:
         raise DynvocabError("no training documents after holding out every "
                             f"{o.holdout_every}th; raise --max-docs")
-    total = o.epochs * len(train)
+    per_epoch = -(-len(train) // o.batch_docs)
+    total = o.epochs * per_epoch
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), weight_decay=o.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, o.warmup_steps, total))
@@ -258,38 +292,58 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
         state = _resume(ckpt, head, opt, sched, state)
         reporter.log(f"resuming training at step {state['step']:,} of {total:,}")
     steps = o.steps_for(kind)
-    if heldout and not state["heldout"]:  # the starting point, for the report's before/after
-        state["heldout"].append({"step": 0, **evaluate(head, reader, heldout, target_head, draft_ids, steps)})
-    with reporter.task("training (documents)", total=total) as advance:
+    device = str(head.fc.weight.device)
+    gpu = device.startswith("cuda")
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else contextlib.nullcontext
+    score = lambda: {"step": state["step"], **evaluate(head, reader, heldout, target_head, draft_ids, steps, autocast)}
+    if heldout and ranks.main and not state["heldout"]:  # the starting point, for the report's before/after
+        state["heldout"].append(score())
+    unit = "documents" if o.batch_docs == 1 else f"steps of {o.batch_docs} documents"
+    with reporter.task(f"training ({unit})", total=total) as advance:
         advance(state["step"])
         running = None
         while state["step"] < total:
             step = state["step"]
-            epoch, k = divmod(step, len(train))
+            epoch, s = divmod(step, per_epoch)
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(o.seed * 1000 + epoch))
-            doc = reader.read(train[int(order[k])])
-            if doc["ids"].numel() < 2:
+            first = epoch * len(train) + s * o.batch_docs  # the run's number of the batch's first document (its noise seed)
+            batch = [(first + j, train[int(k)]) for j, k in enumerate(order[s * o.batch_docs : (s + 1) * o.batch_docs])]
+            batch = [(sample, k) for sample, k in batch if reader.length(k) >= 2]
+            if not batch:
                 state["step"] += 1
                 continue
-            gen = torch.Generator().manual_seed(o.seed * 1_000_003 + step)
+            lengths = [reader.length(k) - 1 for _, k in batch]  # training indices per document
+            positions = [sum(max(0, n - i) for n in lengths) for i in range(steps)]  # per chained step, whole batch
             head.train()
-            results = recipe.unroll(head, doc, steps, target_head, draft_ids, o.noise_for(kind), gen)
-            loss = recipe.weighted_loss(results)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            total_loss = torch.zeros((), device=device)
+            mine = batch[ranks.rank :: ranks.world]
+            for micro in (mine[i : i + o.micro_docs] for i in range(0, len(mine), o.micro_docs)):
+                docs = [reader.read(k) for _, k in micro]
+                gens = [torch.Generator().manual_seed(o.seed * 1_000_003 + sample) for sample, _ in micro]
+                with autocast():
+                    results = recipe.unroll(head, docs, steps, target_head, draft_ids, o.noise_for(kind), gens)
+                    loss = recipe.weighted_loss(results, positions)  # this micro-batch's share of the batch's mean
+                loss.backward()
+                total_loss += loss.detach()
+            if ranks.world > 1:  # the rank's share summed over the ranks (a rank with no document adds zeros)
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                for p, g in zip(params, grads):
+                    p.grad = g
+                ranks.sum_([*grads, total_loss])
             torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
             opt.step()
             sched.step()
-            value = loss.item()
+            value = total_loss.item()
             running = value if running is None else 0.95 * running + 0.05 * value
             state["step"] += 1
-            state["train_tokens"] += doc["ids"].numel()
+            state["train_tokens"] += sum(reader.length(k) for _, k in batch)
             state["losses"].append(round(value, 5))
             done = state["step"]
-            if heldout and (done % o.eval_every == 0 or done == total):
-                state["heldout"].append({"step": done, **evaluate(head, reader, heldout, target_head, draft_ids, steps)})
+            if heldout and ranks.main and (done % o.eval_every == 0 or done == total):
+                state["heldout"].append(score())
             advance(1, description=_bar(running, state["heldout"]))
-            if done % o.checkpoint_every == 0 or done == total or done % len(train) == 0:
+            if ranks.main and (done % o.checkpoint_every == 0 or done == total or done % per_epoch == 0):
                 _checkpoint(ckpt, head, opt, sched, state)
     head.eval()
     return {**state, "train_docs": len(train), "heldout_docs": len(heldout)}
@@ -312,7 +366,8 @@ def _bar(running: float | None, heldout: list[dict]) -> str:
 
 
 def _train_settings(cfg: TrainDraftConfig, feature_settings: dict) -> dict:
-    return {"optim": asdict(cfg.optim), "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle,
+    optim = {k: v for k, v in asdict(cfg.optim).items() if k != "micro_docs"}  # any micro-batch resumes
+    return {"optim": optim, "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle,
             "max_docs": cfg.corpus.max_docs, "features": feature_settings}
 
 
@@ -339,7 +394,7 @@ def _resume(path: Path, head, opt, sched, fresh: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(head, reader, docs: list[int], target_head, draft_ids, steps: int) -> dict:
+def evaluate(head, reader, docs: list[int], target_head, draft_ids, steps: int, autocast=contextlib.nullcontext) -> dict:
     """Held-out loss and top-1 agreement with the target's argmax at each chained step, and the acceptance length
     they imply if steps were independent: 1 + Σ_k Π_{i<k} top1_i (an estimate, not a measured MAL)."""
     head.eval()
@@ -348,8 +403,9 @@ def evaluate(head, reader, docs: list[int], target_head, draft_ids, steps: int) 
         doc = reader.read(k)
         if doc["ids"].numel() < 2:
             continue
-        results = recipe.unroll(head, doc, steps, target_head, draft_ids)
-        loss += float(recipe.weighted_loss(results))
+        with autocast():
+            results = recipe.unroll(head, [doc], steps, target_head, draft_ids)
+            loss += float(recipe.weighted_loss(results))
         for i, r in enumerate(results):
             agree[i] += r.agree
             count[i] += r.positions

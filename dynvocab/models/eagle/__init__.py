@@ -14,18 +14,22 @@ An EAGLE head is one decoder layer that reads the target's features and the next
   [draft_vocab, d]. ``d2t`` is an OFFSET table (SGLang: ``hot_token_id = d2t + arange``): target id = draft id +
   d2t[draft id]; ``t2d`` is a bool mask over the target vocabulary. From the second step the layer's *pre-norm*
   output feeds back without ``fc`` (SGLang: ``hidden_states.shape[-1] != embeds.shape[-1]`` decides).
-- The vllm-project/speculators form of EAGLE-3 (vLLM ``transformers_utils/configs/speculators/{base,algos}.py``):
-  ``config.json`` with ``speculators_model_type: "eagle3"`` and a nested ``transformer_layer_config``; weights
-  ``layers.0.*`` instead of ``midlayer.*``; ``norm_before_residual`` (vLLM's default when absent: true).
+- The vllm-project/speculators form of EAGLE-3 (speculators ``models/eagle3/{config,core,model_definitions}.py``;
+  vLLM ``transformers_utils/configs/speculators/{base,algos}.py``): ``config.json`` with
+  ``speculators_model_type: "eagle3"`` and a nested ``transformer_layer_config`` (a llama or qwen3 layer);
+  weights ``layers.0.*`` instead of ``midlayer.*``; ``norm_before_residual`` (vLLM's default when absent: true);
+  speculators' options ``norm_before_fc`` / ``fc_norm`` / ``norm_output`` and a sliding window on the layer, run as
+  its ``core.py`` runs them; a full-vocabulary head has no ``d2t``/``t2d``.
 
-Which target layers EAGLE-3 reads — LOUD, because the two engines differ by one. With no ids in the config both
-take the hidden states entering layers ``(2, L // 2, L - 3)`` (vLLM ``get_eagle3_aux_hidden_state_layers``; SGLang
-``set_eagle3_layers_to_capture(None)``; EAGLE's ``modeling_llama_kv.py`` appends before running those layers).
-With explicit ``eagle_aux_hidden_state_layer_ids`` SGLang captures the OUTPUT of each listed layer (it adds 1:
-"for the ith layer, it takes the output of the (i-1)th layer"), vLLM the INPUT. We follow SGLang (and SpecForge,
-which trains with it): explicit id i means the hidden state entering layer i + 1; id L - 1 is the last layer's
-output before the final norm. :meth:`EagleConfig.target_layers` resolves them to "entering" indices;
-:class:`LayerTap` taps them.
+Which target layers EAGLE-3 reads — LOUD, because the layouts differ by one. With no ids in the config every
+engine takes the hidden states entering layers ``(2, L // 2, L - 3)`` (vLLM ``get_eagle3_aux_hidden_state_layers``;
+SGLang ``set_eagle3_layers_to_capture(None)``; EAGLE's ``modeling_llama_kv.py`` appends before running those
+layers). Explicit ``eagle_aux_hidden_state_layer_ids`` mean one thing per layout: in the EAGLE/SGLang layout
+(``eagle3``) id i is the OUTPUT of layer i (SGLang adds 1: "for the ith layer, it takes the output of the (i-1)th
+layer"); in the speculators layout (speculators, vLLM) it is ``hidden_states[i]``, the INPUT of layer i.
+:class:`EagleConfig` keeps them layout-free as ``aux_hidden_states`` (hidden-state indices); :mod:`.checkpoint`
+converts on reading and writing (readers cited there), so a head converted between layouts keeps its layers.
+:meth:`EagleConfig.target_layers` resolves the defaults; :class:`LayerTap` taps them.
 
 Modules: :mod:`.config` (the head's shape, the target layers it reads, the check against a target),
 :mod:`.modules` (the ``nn.Module``), :mod:`.checkpoint` (the three published layouts, read and written),

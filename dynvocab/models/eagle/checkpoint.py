@@ -5,6 +5,28 @@
 - ``speculators``: vllm-project/speculators' EAGLE-3 form (nested ``transformer_layer_config``, ``layers.0.*``).
 
 Weight names may carry a ``model.`` prefix; ``embed_tokens`` may be absent (the target's embeddings are used).
+
+EAGLE-3's explicit ``eagle_aux_hidden_state_layer_ids`` mean one thing per layout, converted here on reading and
+writing (in :class:`EagleConfig` they are ``aux_hidden_states``, indices into the target's hidden states):
+
+- ``eagle3`` (EAGLE / SGLang / SpecForge): id i = the OUTPUT of layer i = ``hidden_states[i + 1]``. SGLang
+  ``python/sglang/srt/models/llama.py`` ``set_eagle3_layers_to_capture``: "for the ith layer, it takes the output
+  of the (i-1)th layer", so it captures before layer ``id + 1``.
+- ``speculators`` (vllm-project/speculators, vLLM): id i = ``hidden_states[i]``, the INPUT of layer i (i = L:
+  the last layer's output). vLLM ``model_executor/models/llama.py`` appends ``hidden_states + residual`` before
+  running layer ``idx`` when ``idx in aux_hidden_state_layers``; speculators ``convert/dflash/converter.py``
+  (117-119) and ``models/utils.py:resolve_target_layer_ids`` (ids within ``[0, L]``; its ``from_pretrained`` and
+  ``from_training_args`` write the defaults ``[2, L // 2, L - 3]`` out once the verifier is known).
+
+A head read from one layout and written to the other keeps its layers (``tests/test_eagle_interop.py``).
+
+llama.cpp (the tree vendored by llama-cpp-python 0.3.36) converts both EAGLE-3 layouts as they are written here
+(``convert_hf_to_gguf.py --target-model-dir``: ``conversion/llama.py:49-105`` config, ``:211-230`` ``midlayer.*`` /
+``layers.0.*``, ``:338-351`` ``d2t`` offsets made absolute) and reads the ids the speculators way: it copies them
+verbatim (``conversion/llama.py:77-80``) and taps the INPUT of layer i (``common/speculative.cpp:541-543``,
+``src/models/llama.cpp:127``). A head with explicit ids therefore goes to llama.cpp as ``speculators``; an
+``eagle3`` head without ids gets the same defaults ``[2, L // 2, L - 3]`` on both sides
+(``scripts/llamacpp_eagle3.py`` checks the converted file).
 """
 
 from __future__ import annotations
@@ -24,17 +46,47 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 # -- config.json ---------------------------------------------------------------------------------------
+def layout_of(data: dict, kind: str) -> str:
+    """The layout a ``config.json`` is written in (:data:`LAYOUTS`)."""
+    if "speculators_model_type" in data:
+        return "speculators"
+    return "eagle3" if kind == EAGLE3 else "eagle"
+
+
+def _arch(layer: dict, kind: str, layout: str) -> str:
+    """The decoder layer family of a head's config. EAGLE-1: ``qwen2`` for a Qwen2 config, or for the EAGLE repo's
+    llama config with ``qkv_bias`` (cnets1.py ``LlamaAttention``: q/k/v biases, none on o_proj — a Qwen2 layer).
+    speculators: ``transformer_layer_config.model_type`` (its ``model_definitions.py``: llama, qwen3)."""
+    model_type = layer.get("model_type", "llama")
+    if kind == EAGLE1:
+        qwen2 = model_type == "qwen2" or "Qwen2" in "".join(layer.get("architectures") or [])
+        return "qwen2" if qwen2 or layer.get("qkv_bias") else "llama"
+    if layout == "speculators":
+        if model_type not in ("llama", "qwen3"):
+            raise DynvocabError(
+                f"speculators transformer_layer_config.model_type '{model_type}' is not supported; use llama or qwen3"
+            )
+        return model_type
+    return "llama"
+
+
 def config_from_json(data: dict, kind: str) -> EagleConfig:
-    """Read a checkpoint's ``config.json`` (EAGLE repo or speculators form) as a head of ``kind``."""
+    """Read a checkpoint's ``config.json`` (EAGLE repo or speculators form) as a head of ``kind``; what it cannot
+    run as the writer's code runs it is refused in one line naming the field."""
+    layout = layout_of(data, kind)
     layer = data.get("transformer_layer_config", data)  # speculators nests the layer's config
-    qwen2 = layer.get("model_type") == "qwen2" or "Qwen2" in "".join(layer.get("architectures") or [])
     rope = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     aux = data.get("eagle_aux_hidden_state_layer_ids") or layer.get("eagle_aux_hidden_state_layer_ids")
+    if int(layer.get("num_hidden_layers") or 1) != 1:
+        raise DynvocabError(
+            f"the EAGLE head has {layer['num_hidden_layers']} decoder layers (num_hidden_layers); dynvocab runs "
+            "one-layer heads"
+        )
     try:
         heads = int(layer["num_attention_heads"])
         cfg = EagleConfig(
             kind=kind,
-            arch="qwen2" if qwen2 and kind == EAGLE1 else "llama",
+            arch=_arch(layer, kind, layout),
             hidden_size=int(layer["hidden_size"]),
             intermediate_size=int(layer["intermediate_size"]),
             num_attention_heads=heads,
@@ -49,8 +101,13 @@ def config_from_json(data: dict, kind: str) -> EagleConfig:
             rope_scaling=layer.get("rope_scaling"),
             max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
             hidden_act=layer.get("hidden_act", "silu"),
-            aux_layer_ids=_ids(aux),
-            norm_before_residual=bool(data.get("norm_before_residual", "speculators_model_type" in data)),
+            aux_hidden_states=_aux_read(aux, layout),
+            # absent: vLLM reads true (transformers_utils/configs/speculators/algos.py); speculators always writes it
+            norm_before_residual=bool(data.get("norm_before_residual", layout == "speculators")),
+            norm_before_fc=bool(data.get("norm_before_fc", False)),
+            fc_norm=bool(data.get("fc_norm", False)),
+            norm_output=bool(data.get("norm_output", False)),
+            sliding_window=_sliding_window(layer),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DynvocabError(
@@ -59,10 +116,42 @@ def config_from_json(data: dict, kind: str) -> EagleConfig:
     return cfg
 
 
+def _sliding_window(layer: dict) -> int | None:
+    """speculators core.py: the (first) draft layer attends a window when its ``layer_types`` entry is
+    ``sliding_attention``; Qwen3's config derives ``layer_types`` from ``use_sliding_window``."""
+    types = layer.get("layer_types") or (["sliding_attention"] if layer.get("use_sliding_window") else [])
+    if types and types[0] == "sliding_attention" and layer.get("sliding_window"):
+        return int(layer["sliding_window"])
+    return None
+
+
+def _aux_read(ids, layout: str) -> tuple[int, ...] | None:
+    """A layout's explicit layer ids as target hidden-state indices (see the module docstring)."""
+    if not ids:
+        return None
+    ids = tuple(int(i) for i in ids)
+    return tuple(i + 1 for i in ids) if layout == "eagle3" else ids  # eagle3: the output of layer i
+
+
+def _aux_write(cfg: EagleConfig, layout: str) -> list[int] | None:
+    """The head's target hidden-state indices as ``layout`` writes its layer ids."""
+    if cfg.aux_hidden_states is None:
+        return None
+    if layout != "eagle3":
+        return list(cfg.aux_hidden_states)
+    if min(cfg.aux_hidden_states) < 1:
+        raise DynvocabError(
+            "this EAGLE-3 head reads hidden_states[0] (the embeddings), which the eagle3 layout's ids (the output "
+            "of layer i) cannot name; write it as speculators"
+        )
+    return [i - 1 for i in cfg.aux_hidden_states]
+
+
 def config_to_json(cfg: EagleConfig, layout: str, target_name: str | None = None) -> dict:
-    """``config.json`` of a head ``cfg`` in ``layout`` (:data:`LAYOUTS`), as the reference loaders read it."""
+    """``config.json`` of a head ``cfg`` in ``layout`` (:data:`LAYOUTS`), as the reference loaders read it.
+    ``target_name``: the verifier (speculators' ``verifier.name_or_path``: a local folder or a hub id)."""
     layer = {
-        "architectures": ["Qwen2ForCausalLM" if cfg.arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(cfg.arch, "LlamaForCausalLM")],
         "model_type": cfg.arch,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -77,8 +166,10 @@ def config_to_json(cfg: EagleConfig, layout: str, target_name: str | None = None
         "hidden_act": cfg.hidden_act,
         "tie_word_embeddings": False,
     }
-    if cfg.head_dim is not None:
-        layer["head_dim"] = cfg.head_dim
+    if cfg.head_dim is not None or cfg.arch == "qwen3":
+        layer["head_dim"] = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    if cfg.sliding_window:
+        layer.update(sliding_window=cfg.sliding_window, layer_types=["sliding_attention"], use_sliding_window=True)
     if layout == "eagle":
         if cfg.kind != EAGLE1:
             raise DynvocabError(
@@ -87,34 +178,64 @@ def config_to_json(cfg: EagleConfig, layout: str, target_name: str | None = None
         return {**layer, "bias": cfg.has_fc_bias}
     if cfg.kind != EAGLE3:
         raise DynvocabError(f"layout '{layout}' holds EAGLE-3 heads; write an EAGLE-1/2 head as eagle")
+    if layout not in LAYOUTS:
+        raise DynvocabError(f"unknown EAGLE layout '{layout}'; use one of {', '.join(LAYOUTS)}")
     eagle3 = {
         "draft_vocab_size": cfg.draft_vocab,
         "target_hidden_size": cfg.target_hidden,
-        "bias": cfg.has_fc_bias,
         "norm_before_residual": cfg.norm_before_residual,
     }
-    if cfg.aux_layer_ids is not None:
-        eagle3["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+    aux = _aux_write(cfg, layout)
+    if aux is not None:
+        eagle3["eagle_aux_hidden_state_layer_ids"] = aux
     if layout == "eagle3":
-        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], **eagle3}
-    if layout != "speculators":
-        raise DynvocabError(f"unknown EAGLE layout '{layout}'; use one of {', '.join(LAYOUTS)}")
+        options = [n for n in ("norm_before_fc", "fc_norm", "norm_output", "sliding_window") if getattr(cfg, n)]
+        if cfg.arch != "llama":
+            options.insert(0, f"a {cfg.arch} layer")
+        if options:
+            raise DynvocabError(f"the eagle3 layout cannot hold {options[0]} (SGLang would drop it); write it as speculators")
+        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "bias": cfg.has_fc_bias, **eagle3}
+    _check_speculators(cfg, target_name)
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "transformer_layer_config": layer,
         **eagle3,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_name, "architectures": []},
+            "verifier": {"name_or_path": target_name, "architectures": _verifier_architectures(target_name)},
         },
     }
 
 
-def _ids(value) -> tuple[int, ...] | None:
-    return None if not value else tuple(int(v) for v in value)
+def _check_speculators(cfg: EagleConfig, target_name: str | None) -> None:
+    """Refuse, in one line naming the field, what speculators 0.9.0 would drop or fail on: its
+    ``models/eagle3/core.py`` builds ``fc`` without a bias over ``num_aux * hidden_size`` and calls
+    ``AutoConfig.from_pretrained(verifier.name_or_path)`` when it loads a head."""
+    if cfg.has_fc_bias:
+        raise DynvocabError("speculators' fc has no bias (it would drop fc.bias); this head cannot be written as speculators")
+    if cfg.target_hidden != cfg.hidden_size:
+        raise DynvocabError(
+            f"speculators needs target_hidden_size == hidden_size (this head: {cfg.target_hidden} vs "
+            f"{cfg.hidden_size}); it cannot be written as speculators"
+        )
+    if not target_name:
+        raise DynvocabError(
+            "the speculators layout records its verifier, which speculators loads; pass the target (a local folder or hub id)"
+        )
+
+
+def _verifier_architectures(target_name: str | None) -> list[str]:
+    """The verifier's ``architectures`` when its config is on this machine (as speculators' VerifierConfig has)."""
+    try:
+        return list(json.loads((Path(target_name or "") / "config.json").read_text()).get("architectures") or [])
+    except (OSError, ValueError):
+        return []
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------
@@ -226,6 +347,9 @@ def load_eagle(
     state = {_strip(k): v for k, v in _read_weights(folder).items()}
     if cfg.kind == EAGLE3:  # speculators and vLLM name the layer layers.0
         state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+    if cfg.kind == EAGLE3 and cfg.draft_vocab == cfg.vocab_size and "d2t" not in state and "t2d" not in state:
+        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)  # speculators saves a full-vocabulary head
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)  # without them (DraftVocabMixin): identity
     if "t2d" not in state and "d2t" in state:
         state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         state["t2d"][torch.arange(state["d2t"].numel()) + state["d2t"].long()] = True
@@ -271,12 +395,21 @@ def load_eagle(
 
 
 def state_for_layout(model: EagleModel, layout: str, embeddings: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors of ``model`` under ``layout``'s key names (speculators: ``layers.0.*`` for ``midlayer.*``)."""
+    """The tensors of ``model`` under ``layout``'s key names (speculators: ``layers.0.*`` for ``midlayer.*``).
+
+    speculators always gets ``embed_tokens``: speculators 0.9.0 marks missing embeddings with NaN and loads the
+    verifier's only if it still sees NaN, which transformers 5 (``empty_like``) does not keep, so a head without
+    them runs on garbage there. A full-vocabulary head goes without ``d2t``/``t2d``, as speculators saves one."""
     cfg = model.config
-    config_to_json(cfg, layout)  # refuses a layout of the other kind
+    config_to_json(cfg, layout, target_name="-")  # refuses a layout of the other kind or fields it cannot hold
+    full = layout == "speculators" and cfg.draft_vocab == cfg.vocab_size
+    if full and bool(model.d2t.any()):
+        raise DynvocabError("a full-vocabulary head whose d2t is not the identity cannot be written as speculators")
     state = {}
     for name, tensor in model.state_dict().items():
-        if "rotary_emb" in name or (name == "embed_tokens.weight" and not embeddings):
+        if "rotary_emb" in name or (full and name in ("d2t", "t2d")):
+            continue
+        if name == "embed_tokens.weight" and not (embeddings or layout == "speculators"):
             continue
         if layout == "speculators" and name.startswith("midlayer."):
             name = "layers.0." + name[len("midlayer."):]
@@ -293,7 +426,9 @@ def save_eagle(
 ) -> Path:
     """Write ``model`` to ``folder`` as ``layout`` (default: ``eagle`` for EAGLE-1, ``eagle3`` for EAGLE-3):
     ``model.safetensors`` then ``config.json``, each written whole. ``embeddings``: include ``embed_tokens``
-    (the published heads mostly leave it out and use the target's)."""
+    (the published heads mostly leave it out and use the target's; speculators always gets them).
+    ``target_name``: the verifier speculators records and loads — required for that layout; give a path that
+    resolves where the head is used (a local folder, or the hub id of the target)."""
     from safetensors.torch import save_file
 
     from dynvocab.files import write_atomic

@@ -37,12 +37,19 @@ def eagle1_layer(cfg: EagleConfig, layer_cfg) -> nn.Module:
     return layer
 
 
-def _eagle3_layer_class():
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+def _eagle3_layer_class(arch: str):
+    """The EAGLE-3 layer built on ``arch``'s decoder layer (speculators ``model_definitions.py``: llama, qwen3)."""
+    if arch == "qwen3":
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer as Base
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm as Norm
+    else:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Base
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm as Norm
 
-    class Eagle3DecoderLayer(LlamaDecoderLayer):
-        """``LlamaDecoderLayer`` whose attention reads ``cat(input_layernorm(embedding), hidden_norm(h))``: q/k/v
-        take 2d inputs and a ``hidden_norm`` is added (cnets.py ``LlamaDecoderLayeremb``; vLLM llama_eagle3.py)."""
+    class Eagle3DecoderLayer(Base):
+        """The library's decoder layer whose attention reads ``cat(input_layernorm(embedding), hidden_norm(h))``:
+        q/k/v take 2d inputs and a ``hidden_norm`` is added (cnets.py ``LlamaDecoderLayeremb``; vLLM
+        llama_eagle3.py; speculators ``Eagle3FirstLayerMixin``). Qwen3's q_norm/k_norm act per head, unchanged."""
 
         def __init__(self, layer_cfg, norm_before_residual: bool):
             super().__init__(layer_cfg, 0)
@@ -51,7 +58,7 @@ def _eagle3_layer_class():
             attn.q_proj = nn.Linear(2 * d, attn.q_proj.out_features, bias=bias)
             attn.k_proj = nn.Linear(2 * d, attn.k_proj.out_features, bias=bias)
             attn.v_proj = nn.Linear(2 * d, attn.v_proj.out_features, bias=bias)
-            self.hidden_norm = LlamaRMSNorm(d, eps=layer_cfg.rms_norm_eps)
+            self.hidden_norm = Norm(d, eps=layer_cfg.rms_norm_eps)
             self.norm_before_residual = norm_before_residual
 
         def forward(self, embeds, hidden_states, **attn_kwargs) -> torch.Tensor:
@@ -69,11 +76,11 @@ def _eagle3_layer_class():
 class EagleModel(nn.Module):
     """An EAGLE head. Its state dict has the published key names of its kind (EAGLE repo layout):
     EAGLE-1: ``embed_tokens``, ``fc``, ``layers.0.*``; EAGLE-3: ``embed_tokens``, ``fc``, ``midlayer.*``, ``norm``,
-    ``lm_head``, ``d2t``, ``t2d``.
+    ``lm_head``, ``d2t``, ``t2d`` (and speculators' ``input_norm`` or ``fc_norm.{i}`` when the config has them).
 
     ``forward`` returns (feature, head input): the feature feeds back as the next step's input; the head input is
     what the LM head multiplies (EAGLE-1: the feature itself, for the target's head; EAGLE-3: ``norm(feature)``,
-    for :attr:`lm_head`).
+    for :attr:`lm_head`; with ``norm_output`` the normed one is also the feature, speculators core.py).
     """
 
     def __init__(self, cfg: EagleConfig):
@@ -88,8 +95,14 @@ class EagleModel(nn.Module):
         else:
             from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-            self.midlayer = _eagle3_layer_class()(self.layer_config, cfg.norm_before_residual)
+            self.midlayer = _eagle3_layer_class(cfg.arch)(self.layer_config, cfg.norm_before_residual)
             self.norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+            if cfg.norm_before_fc:  # one norm over cat(h_low, h_mid, h_high)
+                self.input_norm = LlamaRMSNorm(cfg.feature_size, eps=cfg.rms_norm_eps)
+            if cfg.fc_norm:  # one norm per tapped layer
+                self.fc_norm = nn.ModuleList(
+                    [LlamaRMSNorm(cfg.target_hidden, eps=cfg.rms_norm_eps) for _ in range(cfg.num_aux)]
+                )
             self.lm_head = nn.Linear(d, cfg.draft_vocab, bias=False)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))  # [Vd] offsets
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # [V]
@@ -135,11 +148,12 @@ class EagleModel(nn.Module):
         """(feature [b, n, d], head input [b, n, d]) for token ``input_ids`` paired with the feature of the
         position before it. Features as wide as the head's hidden size are its own (EAGLE-3 skips ``fc`` for
         them); EAGLE-1 always applies ``fc``."""
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # [b, n, d]
         features = features.to(self.fc.weight.dtype)
-        mask = create_causal_mask(
+        make_mask = create_sliding_window_causal_mask if self.config.sliding_window else create_causal_mask
+        mask = make_mask(
             config=self.layer_config, inputs_embeds=embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, position_ids=position_ids,
         )
@@ -152,6 +166,16 @@ class EagleModel(nn.Module):
             h = self.fc(torch.cat([embeds, features], dim=-1))  # embedding first (cnets1.py)
             out = self.layers[0](h, **kwargs)
             return out, out
-        h = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        h = self.project(features) if features.shape[-1] != self.config.hidden_size else features
         out = self.midlayer(embeds, h, **kwargs)
-        return out, self.norm(out)
+        normed = self.norm(out)
+        return (normed if self.config.norm_output else out), normed
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: the target features [..., f] through speculators' optional norms, then ``fc`` -> [..., d]."""
+        if self.config.norm_before_fc:
+            features = self.input_norm(features)
+        if self.config.fc_norm:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(features)

@@ -32,6 +32,10 @@ class LayerTap:
         """The tapped hidden states of the last pass, concatenated low to high: [n, len(entering) * d]."""
         return torch.cat([self.seen[i][0] for i in self.entering], dim=-1)
 
+    def batch_features(self) -> torch.Tensor:
+        """As :meth:`features`, for every row of a batched pass: [B, n, len(entering) * d]."""
+        return torch.cat([self.seen[i] for i in self.entering], dim=-1)
+
     def remove(self) -> None:
         """Take the hooks off the target."""
         for handle in self.handles:
