@@ -29,6 +29,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from dynvocab.files import write_atomic
+
 SHAPES = {  # name: (out, in), the demo draft (Qwen2.5-Coder-0.5B) and the 3k / 32k / full head
     "q/o 896x896": (896, 896),
     "k/v 128x896": (128, 896),
@@ -133,9 +135,8 @@ def main() -> None:
             bad = {k: e for k, e in errors.items() if isinstance(e, str)}
             if bad:
                 print("   unavailable:", bad)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    if args.json:  # whole or not at all
+        write_atomic(args.json, lambda p: p.write_text(json.dumps(results, indent=1) + "\n"))
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def test_bench_writes_json(tiny_dirs, tmp_path, token_map):
         (["generate", PROMPT, "--strategy", "fr"], ["--token-map"]),
         (["generate", PROMPT, "--strategy", "fr", "--token-map", "/no/such/map.pt"], ["does not exist"]),
         (["generate", PROMPT, "--dtype", "float8"], ["dtype"]),
-        (["generate", PROMPT, "--draft-step-dtype", "int4"], ["draft step dtype", "int4"]),
+        (["generate", PROMPT, "--draft-weights", "int4"], ["draft weights", "int4"]),
         (["generate", PROMPT, "--dtype", "bfloat16", "--prepack"], ["--prepack", "float32"]),
         (["generate", PROMPT, "--strategy", "dynaspec"], ["--bundle", "train-router"]),
         (["generate", PROMPT, "--strategy", "evospec"], ["--bundle", "hnsw"]),

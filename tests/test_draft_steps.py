@@ -1,4 +1,5 @@
-"""The draft's one-token steps on a bfloat16 copy of its weights: the output is still the target's own."""
+"""``--draft-weights bfloat16``: the draft's one-token steps on a bfloat16 copy of its weights; the output is still the
+target's own."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ pytestmark = pytest.mark.skipif(not prepack_supported("cpu", "float32"), reason=
 
 @pytest.fixture(scope="module")
 def session(tiny_dirs):
-    return Session(ModelConfig(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), "cpu", "float32"))
+    return Session(ModelConfig(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), "cpu", "float32", draft_weights="bfloat16"))
 
 
-def test_float32_on_cpu_steps_the_draft_in_bfloat16_by_default(session):
-    assert session.dtype == "float32" and session.draft_step_dtype == "bfloat16"
+def test_bfloat16_draft_weights_step_the_draft_on_a_bfloat16_copy(session):
+    assert session.dtype == "float32" and session.draft_weights == "bfloat16"
     assert session.target.dtype == torch.float32 and session.draft.dtype == torch.float32  # the prompt pass
     body = [m for m in session.draft.body.modules() if isinstance(m, nn.Linear)]
     assert body and all(isinstance(m, PrepackedLinear) and m.row_weight.dtype == torch.bfloat16 for m in body)
@@ -30,7 +31,7 @@ def test_float32_on_cpu_steps_the_draft_in_bfloat16_by_default(session):
 
 
 def test_float32_steps_keep_no_copy(tiny_dirs):
-    s = Session(ModelConfig(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), "cpu", "float32", draft_step_dtype="float32"))
+    s = Session(ModelConfig(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), "cpu", "float32", draft_weights="float32"))
     assert s.draft.step_rows[0] is s.draft.weight
     assert all(m.row_weight is None for m in s.draft.body.modules() if isinstance(m, PrepackedLinear))
 

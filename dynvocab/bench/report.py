@@ -28,8 +28,11 @@ CSV_COLUMNS = (
 def models_line(cfg: dict) -> str:
     """``float32 on cpu`` plus the draft's step dtype where it differs and whether the models were prepacked."""
     line = f"{cfg['dtype']} on {cfg['device']}"
-    if cfg.get("draft_step_dtype") not in (None, cfg["dtype"]):
-        line += f" (draft steps {cfg['draft_step_dtype']})"
+    if cfg.get("draft_weights") not in (None, cfg["dtype"]):
+        line += f" (draft weights {cfg['draft_weights']})"
+    if cfg.get("draft_bytes"):
+        b = cfg["draft_bytes"]
+        line += f", draft {b['weights'] / 2**20:,.0f} MiB + {b['prepared'] / 2**20:,.0f} MiB prepared"
     if cfg.get("prepacked"):
         line += " · prepacked"
     if cfg.get("draft") not in (None, "draft model"):

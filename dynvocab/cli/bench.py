@@ -12,7 +12,7 @@ from rich.console import Console
 from dynvocab.cli.common import (
     Device,
     Draft,
-    DraftStepDtype,
+    DraftWeights,
     Dtype,
     Prepack,
     StrategyFlags,
@@ -64,7 +64,7 @@ def bench(
     flags: StrategyFlags = StrategyFlags(),
     device: Device = None,
     dtype: Dtype = None,
-    draft_step_dtype: DraftStepDtype = None,
+    draft_weights: DraftWeights = None,
     prepack: Prepack = None,
     threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode prompts as plain text.")] = False,
@@ -100,7 +100,7 @@ def bench(
     from dynvocab.cli.bench_run import BenchRequest, run_command
     from dynvocab.runtime.session import ModelConfig
 
-    check_dtype_device(device, dtype, draft_step_dtype)
+    check_dtype_device(device, dtype, draft_weights)
     for path, flag in ((json_path, "--json"), (csv_path, "--csv"), (plot_path, "--plot")):
         check_out(path, flag)
     set_threads(threads)
@@ -115,7 +115,7 @@ def bench(
         _eagle_step_bench(device, dtype, json_path)
         return
     request = BenchRequest(
-        models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_step_dtype=draft_step_dtype),
+        models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_weights=draft_weights),
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
         max_new_tokens=max_new_tokens, seeds=seeds, score_sets=score_sets, chat_template=not no_chat_template,
         json_path=json_path, csv_path=csv_path, plot_path=plot_path,

@@ -32,13 +32,13 @@ Dtype = Annotated[
     Optional[str],
     typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on GPU and on CPUs with native bf16, else float32)."),
 ]
-DraftStepDtype = Annotated[
+DraftWeights = Annotated[
     Optional[str],
     typer.Option(
-        "--draft-step-dtype",
-        help="Dtype of a copy of the draft's weights for its one-token steps (they read half the bytes in "
-        "bfloat16; the output stays the target's own); its prompt pass keeps --dtype. float32 turns it off. "
-        "[default: bfloat16 for float32 on CPU]",
+        "--draft-weights",
+        help="What the draft's weights are in its passes: int8 (per-output-channel scales, fbgemm; the LM head's "
+        "rows too, gathered per active set), or a dtype for a copy its one-token steps read (bfloat16; float32 = "
+        "none). The output stays the target's own. [default: int8 for float32 on CPU, else --dtype]",
     ),
 ]
 Prepack = Annotated[
@@ -130,13 +130,16 @@ def status_printer(quiet: bool = False):
     return lambda msg: err_console.print(f"[dim]{msg}…[/]", highlight=False)
 
 
-def check_dtype_device(device: str | None, dtype: str | None, draft_step_dtype: str | None = None) -> None:
-    """Validate --device / --dtype / --draft-step-dtype early, before any model is loaded."""
+def check_dtype_device(device: str | None, dtype: str | None, draft_weights: str | None = None) -> None:
+    """Validate --device / --dtype / --draft-weights early, before any model is loaded."""
     if device is not None and device != "cpu" and not device.startswith("cuda"):
         raise DynvocabError(f"unknown device '{device}'; use cpu or cuda")
-    for flag, value in (("dtype", dtype), ("draft step dtype", draft_step_dtype)):
-        if value is not None and value not in ("float32", "bfloat16", "float16"):
-            raise DynvocabError(f"unknown {flag} '{value}'; use float32, bfloat16 or float16")
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise DynvocabError(f"unknown dtype '{dtype}'; use float32, bfloat16 or float16")
+    if draft_weights is not None and draft_weights not in ("int8", "float32", "bfloat16", "float16"):
+        raise DynvocabError(f"unknown draft weights '{draft_weights}'; use int8, bfloat16, float32 or float16")
+    if draft_weights == "int8" and device is not None and device != "cpu":
+        raise DynvocabError("--draft-weights int8 runs on a CPU (fbgemm); pass --draft-weights bfloat16 on a GPU")
 
 
 def stdout_is_terminal() -> bool:

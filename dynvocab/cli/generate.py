@@ -11,7 +11,7 @@ import typer
 from dynvocab.cli.common import (
     Device,
     Draft,
-    DraftStepDtype,
+    DraftWeights,
     Dtype,
     MaxNew,
     Prepack,
@@ -41,7 +41,7 @@ def generate(
     flags: StrategyFlags = StrategyFlags(),
     device: Device = None,
     dtype: Dtype = None,
-    draft_step_dtype: DraftStepDtype = None,
+    draft_weights: DraftWeights = None,
     prepack: Prepack = None,
     threads: Threads = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode the prompt as plain text.")] = False,
@@ -59,12 +59,12 @@ def generate(
     if not prompt.strip():
         raise DynvocabError("the prompt is empty; pass some text")
     check_strategy(strategy)
-    check_dtype_device(device, dtype, draft_step_dtype)
+    check_dtype_device(device, dtype, draft_weights)
     flags.check()
     check_bundle_stages([strategy], flags.bundle)
     set_threads(threads)
     session = Session(
-        ModelConfig(target, draft, device, dtype, prepack=prepack, draft_step_dtype=draft_step_dtype),
+        ModelConfig(target, draft, device, dtype, prepack=prepack, draft_weights=draft_weights),
         need_draft=strategy != "ar",
         status=status_printer(quiet),
         bundle=flags.bundle,

@@ -16,6 +16,8 @@ prompt pass cost more than the target's.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,3 +84,192 @@ def prepack_linears(model: nn.Module, packed: bool = True, row_dtype: torch.dtyp
                 setattr(parent, name, PrepackedLinear(child, packed, row_dtype))
                 replaced += 1
     return replaced
+
+
+# --- int8 draft weights -------------------------------------------------------------------------------------------
+#
+# The draft only proposes, so its weights may be anything that proposes well: the target verifies every token over
+# its own full vocabulary. Int8 weights with one scale per output row read a quarter of float32's bytes. Kernel,
+# chosen by measurement (scripts/int8_kernels.py; AMD EPYC, AVX2 only, 1 thread, ratios to float32 ``F.linear``
+# in one interleaved run): fbgemm's ``quantized::linear_dynamic`` over a prepacked weight (what
+# ``quantize_dynamic`` runs, activations quantized per call inside the op) — 896→4864 0.46×, 4864→896 0.51×,
+# the 151,936-row head 0.30× at one row; 0.09–0.11× at 7 rows; 0.36–0.63× at 64–256 rows (the prompt pass).
+# oneDNN's ``qlinear_pointwise`` was 1.2–1.9× float32 at one row, ``aten._weight_int8pack_mm`` 3–7×,
+# ``torch._int_mm`` 4–15×. The ops themselves do not warn in torch 2.13; only creating the quantized weight
+# tensor they take does (quantized tensor creation is deprecated), so that one warning is silenced here.
+
+INT8 = "int8"  # the draft-weights value for int8 (the others are dtype names)
+INT8_SCALE_FLOOR = 1e-12  # a row of zeros keeps a finite scale
+
+
+def int8_supported(device: str) -> bool:
+    """True where int8 draft weights run: a CPU whose torch build has fbgemm's dynamic quantized linear."""
+    return (
+        device == "cpu"
+        and "fbgemm" in torch.backends.quantized.supported_engines
+        and hasattr(torch.ops.quantized, "linear_dynamic")
+    )
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``(q [out, in] int8, scale [out] float32)`` with ``weight ≈ q * scale[:, None]``."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=INT8_SCALE_FLOOR) / 127.0  # [out]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [out, in]
+    return q, scale
+
+
+def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """fbgemm's packed form of int8 rows ``q`` [out, in] with per-row ``scale`` [out] (and float32 ``bias``)."""
+    import warnings
+
+    zeros = torch.zeros(q.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
+    return torch.ops.quantized.linear_prepack(qw, bias)
+
+
+class Int8Rows:
+    """A weight [out, in] as int8 rows with per-row float32 scales: a whole-matrix product through fbgemm, and any
+    subset of rows gathered for a head over an active set.
+
+    ``linear(x)``: ``x @ W_q.T + bias`` for any number of rows (fbgemm, float32 out). ``gather(ids)``: the rows
+    ``q[ids] * scale[ids]`` dequantized to float32 [n, in] and their bias — the same values ``linear`` multiplies,
+    so a head over a subset computes what the full head computes at those rows (up to fbgemm's activation
+    rounding). ``prefix_linear(x, order, n)``: the first ``n`` rows of a fixed order (a ranking's prefix, FR-Spec),
+    packed for fbgemm once per ``(order, n)`` and kept (a few, least recently used dropped), so a static set runs
+    at int8 speed; a set that changes every cycle is multiplied as gathered float32 rows instead, because packing
+    costs far more than a step (3,072 rows: ~14 ms to pack against ~0.9 ms for a float32 product, AVX2).
+    """
+
+    PREFIX_PACKS = 8
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_rows: bool = False):
+        """``keep_rows``: keep the int8 rows beside fbgemm's packed copy (a head that gathers rows); else they are
+        unpacked from it on the first gather (seconds for a vocabulary of rows)."""
+        q, self.scale = quantize_rows(weight)  # [out, in] int8, [out] float32
+        self.shape = q.shape  # [out, in]
+        self.device = q.device
+        self.bias = None if bias is None else bias.detach().float()  # [out]
+        self.packed = _fbgemm_pack(q, self.scale, self.bias)
+        self._q: torch.Tensor | None = q if keep_rows else None  # the int8 rows, kept or unpacked from fbgemm's copy when a gather needs them
+        self._prefix_packs: dict = {}  # (data_ptr, n) -> (order, packed); insertion order = use order
+        self._prefix_uses: dict = {}  # (data_ptr, n) -> (order, calls) for prefixes not packed yet
+        self.limit = self.shape[0]  # rows ``linear`` returns (a draft trims padded head rows)
+
+    packs_prefixes = True  # ``prefix_linear`` may answer (a float head has no such path)
+    PACK_AFTER = 32  # calls over one prefix before it is packed: packing costs ~30 float32 steps over its rows
+
+    def first(self, rows: int) -> "Int8Rows":
+        """The same rows (shared, nothing copied), with ``linear`` returning only the first ``rows`` columns."""
+        view = copy.copy(self)
+        view.limit = rows
+        return view
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The int8 rows [out, in] (kept only for a head that gathers rows: a body linear never asks)."""
+        if self._q is None:
+            self._q = self.packed.unpack()[0].int_repr()
+        return self._q
+
+    dtype = torch.float32  # what ``linear`` returns and ``gather`` dequantizes to
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: fbgemm's packed int8 copy, the scales and bias, and the unpacked int8 rows once a gather
+        needed them (a head's)."""
+        out, inp = self.shape
+        extra = 0 if self.bias is None else self.bias.numel() * 4
+        rows = 0 if self._q is None else self._q.numel()
+        return out * inp + rows + self.scale.numel() * 4 + extra
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] @ W.T + bias`` -> [..., out] float32 (the first ``limit`` columns)."""
+        out = _linear_dynamic(x, self.packed, self.shape)
+        return out if self.limit == self.shape[0] else out[..., : self.limit]
+
+    def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``ids`` [n] dequantized, [n, in] float32, and their bias [n] (or None)."""
+        rows = self.q.index_select(0, ids).float().mul_(self.scale.index_select(0, ids)[:, None])
+        return rows, None if self.bias is None else self.bias.index_select(0, ids)
+
+    def prefix_linear(self, x: torch.Tensor, order: torch.Tensor, n: int) -> torch.Tensor | None:
+        """``x @ W[order[:n]].T (+ bias)`` -> [m, n] float32 from a packed copy kept for ``(order, n)``; None (the
+        caller multiplies its gathered rows) until that prefix has been asked for ``PACK_AFTER`` times — a set
+        that changes every cycle never is, a ranking's prefix (FR-Spec) soon is, and stays packed across
+        sequences."""
+        key = (order.data_ptr(), n)  # the held ``order`` keeps its memory from being reused under the same key
+        hit = self._prefix_packs.pop(key, None)
+        if hit is None:
+            _, uses = self._prefix_uses.pop(key, (order, 0))
+            if uses + 1 < self.PACK_AFTER:
+                self._prefix_uses[key] = (order, uses + 1)
+                if len(self._prefix_uses) > 64:
+                    self._prefix_uses.pop(next(iter(self._prefix_uses)))
+                return None
+            ids = order[:n]
+            bias = None if self.bias is None else self.bias.index_select(0, ids)
+            hit = (order, _fbgemm_pack(self.q.index_select(0, ids), self.scale.index_select(0, ids), bias))
+            if len(self._prefix_packs) >= self.PREFIX_PACKS:
+                self._prefix_packs.pop(next(iter(self._prefix_packs)))
+        self._prefix_packs[key] = hit
+        return _linear_dynamic(x, hit[1], (n, self.shape[1]))
+
+
+def _linear_dynamic(x: torch.Tensor, packed, shape: tuple[int, int]) -> torch.Tensor:
+    out_f, in_f = shape
+    flat = x.reshape(-1, in_f).float()  # [m, in]
+    # reduce_range: 7-bit activations, as quantize_dynamic runs fbgemm on x86 (AVX2's u8·s8 pairs sum in int16)
+    out = torch.ops.quantized.linear_dynamic(flat, packed, True)  # [m, out]
+    return out.view(*x.shape[:-1], out_f)
+
+
+class Int8Linear(nn.Linear):
+    """An ``nn.Linear`` (the same float ``weight``/``bias`` parameters) whose passes read an int8 copy
+    (:class:`Int8Rows`): a draft's linears, one-row steps and prompt pass alike (fbgemm was faster than float32 at
+    every row count measured, 1–256). Inputs that need gradients (EvoSpec's LoRA training) take ``F.linear``
+    over the float weight. The output is cast back to the input's dtype."""
+
+    def __init__(self, linear: nn.Linear, keep_rows: bool = False):
+        nn.Module.__init__(self)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        with torch.no_grad():
+            self.int8 = Int8Rows(linear.weight, linear.bias, keep_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` with the int8 weight (float weight when ``x`` needs gradients)."""
+        if x.requires_grad or x.numel() == 0:
+            return F.linear(x, self.weight, self.bias)
+        return self.int8.linear(x).to(x.dtype)
+
+
+def quantize_linears(model: nn.Module, head: nn.Module | None = None) -> int:
+    """Replace every plain ``nn.Linear`` in ``model`` (body and output head) by an :class:`Int8Linear`; returns how
+    many. ``head``: the output head, which keeps its int8 rows for gathering. The weights must stay fixed
+    afterwards (LoRA adapters on top are fine)."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, Int8Linear(child, keep_rows=child is head))
+                replaced += 1
+    return replaced
+
+
+def step_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the prepared copies in ``model``'s linears (int8 rows and packs, one-row dtype copies, oneDNN
+    packs): what preparing the draft added beside its float weights."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            total += m.int8.nbytes
+        elif isinstance(m, PrepackedLinear):
+            for t in (m.packed, m.row_weight, m.row_bias):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+    return total

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from dynvocab.models.eagle import EAGLE1, EagleModel, LayerTap
+from dynvocab.models.prepack import INT8, Int8Linear, Int8Rows
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.draft import OwnsHead
 from dynvocab.runtime.head import DraftHead
@@ -31,7 +32,9 @@ class EagleDraft(OwnsHead):
     EAGLE-3: the head's ``lm_head`` over its draft vocabulary (see :class:`MappedHead`). ``tap`` keeps the
     target's hidden states entering EAGLE-3's three layers (None for EAGLE-1, which reads the final hidden state).
     ``step_dtype``: the dtype of the head rows its steps multiply (a copy when it differs from the weights';
-    an ``lm_head`` prepared with a one-row copy, :mod:`dynvocab.models.prepack`, brings its own).
+    an ``lm_head`` prepared with a one-row copy, :mod:`dynvocab.models.prepack`, brings its own), or ``"int8"``:
+    int8 rows with per-row scales (EAGLE-1: quantized from the target's head, a copy of the head's own; EAGLE-3:
+    its ``lm_head``'s, when its linears were quantized).
     """
 
     index_rows = None  # no bundle stage indexes an EAGLE head's rows (EAGLE-1's are the target's: ``hnsw``)
@@ -40,7 +43,8 @@ class EagleDraft(OwnsHead):
     hf_model = None  # transformers' assisted generation cannot drive an EAGLE head
 
     def __init__(
-        self, model: EagleModel, target: CausalLM, tap: LayerTap | None = None, step_dtype: torch.dtype | None = None
+        self, model: EagleModel, target: CausalLM, tap: LayerTap | None = None,
+        step_dtype: torch.dtype | str | None = None,
     ):
         self.model = model
         self.target = target
@@ -61,7 +65,12 @@ class EagleDraft(OwnsHead):
         self.trusted = 0  # tokens consumed whose cache entries came from the target's features
         self.step_rows = self._step_rows(step_dtype)  # ([rows, d], [rows] or None): what the head's steps multiply
 
-    def _step_rows(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step_rows(self, dtype: torch.dtype | str | None) -> tuple[torch.Tensor | Int8Rows, torch.Tensor | None]:
+        if dtype == INT8:
+            lm_head = getattr(self.model, "lm_head", None)
+            if self.kind != EAGLE1 and isinstance(lm_head, Int8Linear):
+                return lm_head.int8, None
+            return Int8Rows(self.weight, self.bias, keep_rows=True), None
         row_weight = getattr(getattr(self.model, "lm_head", None), "row_weight", None)
         if dtype is None or dtype == self.weight.dtype:
             return self.weight, self.bias
@@ -187,11 +196,12 @@ class MappedHead:
     behind an unchanged set are reused as they are for a draft model.
     """
 
-    def __init__(self, weight: torch.Tensor, row_token: torch.Tensor, vocab_size: int, softcap: float | None = None):
+    def __init__(self, weight, row_token: torch.Tensor, vocab_size: int, softcap: float | None = None):
+        """``weight``: the rows [Vd, d], a tensor or a row source (int8, :mod:`dynvocab.runtime.head`)."""
         self.weight = weight  # [Vd, d]
         self.row_token = row_token  # [Vd] target ids
-        self.row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=weight.device)  # [V] -> row or -1
-        self.row_of[row_token] = torch.arange(row_token.numel(), device=weight.device)
+        self.row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=row_token.device)  # [V] -> row or -1
+        self.row_of[row_token] = torch.arange(row_token.numel(), device=row_token.device)
         self.inner = DraftHead(weight, None, softcap)
         self._memo: OrderedDict = OrderedDict()
 

@@ -6,6 +6,11 @@ rows, not thousands. A policy that returns nested prefixes of one ranking (FR-Sp
 packed once in ranking order; each prefix is then a slice of the buffer. A policy whose set is a union of
 fixed groups (DynaSpec's clusters) returns :class:`RowRanges`: the rows are packed once in group order and
 each step multiplies only the chosen ranges, so a set that changes completely between steps copies nothing.
+
+The rows come from a row source: :class:`FloatRows` (the head's float weight, or a one-row copy in a step dtype)
+or :class:`~dynvocab.models.prepack.Int8Rows` (int8 rows with per-row scales). Both answer ``linear`` (the full
+head), ``gather`` (rows of given ids, as the packed buffers hold them) and ``prefix_linear`` (a kept fast path
+for a ranking's prefix, or None); the heads below never ask which one they read.
 """
 
 from __future__ import annotations
@@ -26,6 +31,30 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
 
 
+class FloatRows:
+    """The head's rows as a float tensor ``weight`` [V, d] (and ``bias`` [V]): a row source for the heads below."""
+
+    packs_prefixes = False  # no faster path than a slice of the packed buffer
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.shape, self.device, self.dtype = weight.shape, weight.device, weight.dtype
+
+    def linear(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [m, V] in the rows' dtype."""
+        return F.linear(hidden.to(self.dtype), self.weight, self.bias)
+
+    def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``ids`` [n] -> ([n, d], [n] or None)."""
+        return self.weight.index_select(0, ids), None if self.bias is None else self.bias.index_select(0, ids)
+
+
+def row_source(weight, bias: torch.Tensor | None = None):
+    """``weight`` as a row source: a tensor becomes :class:`FloatRows`; a row source (int8) is returned as it is."""
+    return FloatRows(weight, bias) if isinstance(weight, torch.Tensor) else weight
+
+
 class PackedHead:
     """Computes draft logits over ``ids`` only, reusing a packed copy of ``W[ids]`` across calls.
 
@@ -33,14 +62,15 @@ class PackedHead:
     rows of tokens that entered.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
-        self.weight = weight  # [V, d]
-        self.bias = bias  # [V] or None
+    def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
+        """``weight``: the head's rows [V, d] (a tensor, with ``bias``) or a row source (:func:`row_source`)."""
+        self.source = row_source(weight, bias)
         self.softcap = softcap
-        vocab, dim = weight.shape
-        self.slots = SlotTable(vocab, 0, weight.device)
-        self.rows = weight.new_empty(0, dim)  # [cap, d] packed W rows
-        self.row_bias = None if bias is None else bias.new_empty(0)  # [cap]
+        vocab, dim = self.source.shape
+        self.slots = SlotTable(vocab, 0, self.source.device)
+        self.rows = torch.empty(0, dim, dtype=self.source.dtype, device=self.source.device)  # [cap, d] packed rows
+        has_bias = self.source.bias is not None
+        self.row_bias = torch.empty(0, dtype=self.source.dtype, device=self.source.device) if has_bias else None
         self._ordered: torch.Tensor | None = None  # ids packed in order by the last repack (prefixes reuse it)
         self._last: torch.Tensor | None = None  # the ids tensor of the previous call
         self.rows_copied = 0
@@ -62,9 +92,10 @@ class PackedHead:
             self.row_bias = grown(self.row_bias, self.slots.capacity)
         if src.numel() == 0:
             return
-        self.rows[dst] = self.weight.index_select(0, src)
+        rows, bias = self.source.gather(src)
+        self.rows[dst] = rows
         if self.row_bias is not None:
-            self.row_bias[dst] = self.bias.index_select(0, src)
+            self.row_bias[dst] = bias
         self.rows_copied += src.numel()
 
     def repack(self, ids: torch.Tensor) -> None:
@@ -86,13 +117,17 @@ class PackedHead:
             and ids.numel() <= ordered.numel()
         ):
             n = ids.numel()  # a prefix of the ranking packed in order: a slice of the buffer
-        elif self.n == 0 or 2 * ids.numel() > self.weight.shape[0]:
+        elif self.n == 0 or 2 * ids.numel() > self.source.shape[0]:
             self.repack(ids)
             self._ordered, n = ids, ids.numel()
         else:
             self.update(ids)
             self._ordered, n = None, self.n
         self._last = ids
+        if self._ordered is not None and self.source.packs_prefixes:  # a ranking's prefix: a kept int8 pack
+            out = self.source.prefix_linear(hidden, self._ordered, n)
+            if out is not None:
+                return self._finish(out), self.slots.ids[:n]
         bias = None if self.row_bias is None else self.row_bias[:n]
         return self._finish(F.linear(hidden, self.rows[:n], bias)), self.slots.ids[:n]
 
@@ -115,11 +150,12 @@ class RangeHead:
         fused: bool | None = None,
     ):
         """``fused``: one gathered-rows kernel launch per step (default: on CUDA when Triton is installed and the
-        head has no bias)."""
-        self.weight = weight  # [V, d]
-        self.bias = bias
+        head has no bias). ``weight``: the rows [V, d] (a tensor, with ``bias``) or a row source."""
+        self.source = row_source(weight, bias)
         self.softcap = softcap
-        self.fused = weight.is_cuda and bias is None and triton_available() if fused is None else fused
+        has_bias = self.source.bias is not None
+        on_cuda = self.source.device.type == "cuda"
+        self.fused = on_cuda and not has_bias and triton_available() if fused is None else fused
         self.order: torch.Tensor | None = None
         self.rows = self.row_bias = None
         self.rows_copied = 0
@@ -128,8 +164,7 @@ class RangeHead:
         """Logits [m, n] over the ranges' ids for hidden states [m, d], and those ids [n]."""
         if ranges.order is not self.order:
             self.order = ranges.order
-            self.rows = self.weight.index_select(0, ranges.order)  # [N, d], once per order
-            self.row_bias = None if self.bias is None else self.bias.index_select(0, ranges.order)
+            self.rows, self.row_bias = self.source.gather(ranges.order)  # [N, d] (int8: dequantized), once per order
             self.rows_copied += ranges.order.numel()
         if self.fused:
             logits = gathered_logits(hidden.contiguous(), self.rows, ranges.positions)  # [m, n] float32, one launch
@@ -152,9 +187,10 @@ class DraftHead:
     draft position) and neither segment copies rows the other one changed.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
-        self.weight = weight  # [V, d]
-        self.bias = bias
+    def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
+        """``weight``: the head's rows [V, d] (a tensor, with ``bias``) or a row source (:func:`row_source`:
+        int8 rows with per-row scales); every segment and the full head read the same source."""
+        self.source = row_source(weight, bias)
         self.softcap = softcap
         self.segments: list[PackedHead | RangeHead] = []  # the packed rows of each segment position
 
@@ -164,23 +200,24 @@ class DraftHead:
         return sum(p.rows_copied for p in self.segments)
 
     def _logits(self, i: int, hidden: torch.Tensor, segment: Segment):
-        if segment.device != self.weight.device:  # a policy that ignored PolicyContext.device
-            raise ValueError(f"active ids on {segment.device}, the draft head on {self.weight.device}")
+        if segment.device != self.source.device:  # a policy that ignored PolicyContext.device
+            raise ValueError(f"active ids on {segment.device}, the draft head on {self.source.device}")
         kind = RangeHead if isinstance(segment, RowRanges) else PackedHead
         while len(self.segments) <= i:
-            self.segments.append(kind(self.weight, self.bias, self.softcap))
+            self.segments.append(kind(self.source, None, self.softcap))
         if not isinstance(self.segments[i], kind):  # a policy that changed the kind of a segment
-            self.segments[i] = kind(self.weight, self.bias, self.softcap)
+            self.segments[i] = kind(self.source, None, self.softcap)
         return self.segments[i].logits(hidden, segment)
 
     def logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [m, n] and the token id of each column [n] (None = the full vocabulary, column j is id j).
 
-        ``hidden`` is cast to the head's dtype (a draft may keep a bfloat16 copy of its head for its steps).
+        ``hidden`` is cast to the rows' dtype (a draft may keep a bfloat16 copy of its head for its steps; int8
+        rows are multiplied from float32).
         """
-        hidden = hidden.to(self.weight.dtype)
+        hidden = hidden.to(self.source.dtype)
         if active.is_full:
-            return soft_cap(F.linear(hidden, self.weight, self.bias).float(), self.softcap), None
+            return soft_cap(self.source.linear(hidden).float(), self.softcap), None
         parts = [self._logits(i, hidden, seg) for i, seg in enumerate(active.segments) if segment_size(seg)]
         if len(parts) == 1:
             return parts[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynvocab.models.prepack import PrepackedLinear
+from dynvocab.models.prepack import Int8Linear, Int8Rows, PrepackedLinear
 from dynvocab.runtime.draft import OwnsHead
 from dynvocab.runtime.head import DraftHead, soft_cap
 from dynvocab.runtime.tree import DraftTree
@@ -18,7 +18,8 @@ class CausalLM(OwnsHead):
     Splitting body and head lets the draft compute logits over a subset of rows and lets the target
     return hidden states without ``output_hidden_states`` (which would keep every layer's activations). As a
     draft, ``head_logits`` runs its own :class:`~dynvocab.runtime.head.DraftHead` over the head's rows — the
-    one-row copy in the step dtype when the head was prepared with one (:mod:`dynvocab.models.prepack`).
+    one-row copy in the step dtype when the head was prepared with one, or its int8 rows with per-row scales when the
+    draft's weights are int8 (:mod:`dynvocab.models.prepack`).
     """
 
     shares_target_head = False  # a draft model has a head of its own
@@ -91,11 +92,13 @@ class CausalLM(OwnsHead):
         return DraftHead(*self.step_rows, self.softcap)
 
     @property
-    def step_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head's rows [V, d] (and bias) for draft steps: the prepared one-row copy if there is one, else the
-        head itself."""
+    def step_rows(self) -> tuple[torch.Tensor | Int8Rows, torch.Tensor | None]:
+        """The head's rows [V, d] (and bias) for draft steps: its int8 rows (bias inside) when its weights are int8,
+        the prepared one-row copy if there is one, else the head itself."""
         head = self.model.get_output_embeddings()
         rows = self.vocab_size
+        if isinstance(head, Int8Linear):
+            return head.int8.first(rows), None
         if isinstance(head, PrepackedLinear) and head.row_weight is not None:
             return head.row_weight[:rows], None if head.row_bias is None else head.row_bias[:rows]
         return self.weight, self.bias

@@ -18,7 +18,14 @@ from dynvocab.models import (
     tokenizer_fingerprint,
 )
 from dynvocab.models.eagle import eagle_checkpoint
-from dynvocab.models.prepack import prepack_linears, prepack_supported
+from dynvocab.models.prepack import (
+    INT8,
+    int8_supported,
+    prepack_linears,
+    prepack_supported,
+    quantize_linears,
+    step_weight_bytes,
+)
 from dynvocab.models.vocab import end_token_ids
 from dynvocab.runtime.draft import Draft
 from dynvocab.runtime.lm import CausalLM
@@ -33,9 +40,11 @@ class ModelConfig:
 
     ``prepack``: give the target's and the draft's linears a oneDNN-packed weight copy for their few-row passes
     (verification; the draft catching up on accepted tokens); ``None`` does it where it is supported (float32 on
-    CPU). ``draft_step_dtype``: the dtype of a copy of the draft's weights (body and head) for its one-token steps;
-    the draft only proposes, so this never changes the output. ``None``: bfloat16 where prepacking is supported,
-    else none; a value equal to ``dtype`` means no copy. See :mod:`dynvocab.models.prepack`.
+    CPU). ``draft_weights``: what the draft's steps read — ``"int8"`` (int8 copies of its linears and head rows with
+    per-row scales, every pass; a CPU with fbgemm) or a dtype (a copy in that dtype for its one-token steps; equal
+    to ``dtype``: no copy). The draft only proposes, so this never changes the output. ``None``: the default by
+    measurement (docs/bench.md): int8 for float32 on a CPU (no native bf16, AVX2 measured), else ``dtype``. See
+    :mod:`dynvocab.models.prepack`.
     """
 
     target: str = "demo:target"
@@ -43,7 +52,20 @@ class ModelConfig:
     device: str | None = None
     dtype: str | None = None
     prepack: bool | None = None
-    draft_step_dtype: str | None = None
+    draft_weights: str | None = None
+
+
+def draft_bytes(model, extra: int = 0) -> dict:
+    """What the draft holds in memory: ``weights`` (its own parameters; an EAGLE-1 head's shared embeddings
+    included), ``prepared`` (the copies its steps read: int8 rows and packs, one-row dtype copies, oneDNN packs,
+    plus ``extra``), and ``total``."""
+    seen, weights = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            weights += p.numel() * p.element_size()
+    prepared = step_weight_bytes(model) + extra
+    return {"weights": weights, "prepared": prepared, "total": weights + prepared}
 
 
 def eos_token_ids(tokenizer, model) -> set[int]:
@@ -76,12 +98,13 @@ class Session:
         self.context_length: int | None = getattr(target_model.config, "max_position_embeddings", None)
         self.eos_ids = eos_token_ids(self.tokenizer, target_model)
         self.draft: Draft | None = None
-        self.draft_step_dtype = None
+        self.draft_weights = None
+        self.draft_bytes: dict | None = None
         self.match = None
         eagle = None if draft_spec is None else eagle_checkpoint(draft_spec)
         if eagle is not None:
             say(f"loading EAGLE head {cfg.draft}")
-            self._load_eagle(eagle, target_model, cfg.draft_step_dtype)
+            self._load_eagle(eagle, target_model, cfg.draft_weights)
             draft_spec = None  # no draft model (and no draft fingerprint for a bundle)
         if draft_spec is not None:
             say(f"loading draft {cfg.draft}")
@@ -90,8 +113,11 @@ class Session:
             rows_t = target_model.get_output_embeddings().weight.shape[0]
             rows_d = draft_model.get_output_embeddings().weight.shape[0]
             self.match = match_vocabularies(self.tokenizer, draft_tokenizer, rows_t, rows_d)
-            self.draft_step_dtype = self._prepare_draft_steps(draft_model, cfg.draft_step_dtype)
+            self.draft_weights = self._prepare_draft_steps(
+                draft_model, cfg.draft_weights, draft_model.get_output_embeddings()
+            )
             self.draft = CausalLM(draft_model, vocab_rows=self.match.shared)
+            self.draft_bytes = draft_bytes(draft_model)
         self.bundle = None
         if bundle is not None:
             from dynvocab.artifacts import ModelFingerprint, load_bundle
@@ -102,7 +128,7 @@ class Session:
             draft_fp = None if draft_spec is None else ModelFingerprint.of_model(draft_tokenizer, draft_model, cfg.draft)
             self.bundle.check_models(target_fp, draft_fp)
 
-    def _load_eagle(self, folder, target_model, step_dtype: str | None) -> None:
+    def _load_eagle(self, folder, target_model, weights: str | None) -> None:
         """Load an EAGLE head for the target (refused in one line if it was built for another) as the draft; its
         linears get the draft's prepared copies, and its LM head rows the step dtype."""
         from dynvocab.models.eagle import EAGLE1, LayerTap, check_target, load_eagle, read_config
@@ -114,8 +140,12 @@ class Session:
         check_target(eagle_cfg, config.hidden_size, embeddings.shape[0], config.num_hidden_layers)
         model = load_eagle(folder, embeddings, self.device, parse_dtype(self.dtype))
         tap = None if eagle_cfg.kind == EAGLE1 else LayerTap(target_model, eagle_cfg.target_layers(config.num_hidden_layers))
-        self.draft_step_dtype = self._prepare_draft_steps(model, step_dtype)
-        self.draft = EagleDraft(model, self.target, tap, parse_dtype(self.draft_step_dtype))
+        self.draft_weights = self._prepare_draft_steps(model, weights, getattr(model, "lm_head", None))
+        step = INT8 if self.draft_weights == INT8 else parse_dtype(self.draft_weights)
+        self.draft = EagleDraft(model, self.target, tap, step)
+        own_rows = self.draft.step_rows[0]  # EAGLE-1's int8 copy of the target's head is the draft's own
+        extra = getattr(own_rows, "nbytes", 0) if eagle_cfg.kind == EAGLE1 else 0
+        self.draft_bytes = draft_bytes(model, extra)
 
     def _wants_prepack(self, wanted: bool | None) -> bool:
         supported = prepack_supported(self.device, self.dtype)
@@ -123,11 +153,18 @@ class Session:
             raise DynvocabError("--prepack needs float32 on a CPU whose torch has oneDNN; drop --prepack")
         return supported and wanted is not False
 
-    def _prepare_draft_steps(self, model, step_dtype: str | None) -> str:
-        """Give the draft's linears (body and head, so ``hf-assisted`` steps the same way) their prepared copies;
-        returns the step dtype."""
-        if step_dtype is None:
-            step_dtype = "bfloat16" if prepack_supported(self.device, self.dtype) else self.dtype
+    def _prepare_draft_steps(self, model, weights: str | None, head) -> str:
+        """Give the draft's linears (body and head, so ``hf-assisted`` steps the same way) their prepared copies:
+        int8 (``head`` keeps its int8 rows for gathering), or a one-row copy in a dtype; returns the draft-weights
+        value in force."""
+        if weights is None:
+            weights = INT8 if self.dtype == "float32" and int8_supported(self.device) else self.dtype
+        if weights == INT8:
+            if not int8_supported(self.device):
+                raise DynvocabError("--draft-weights int8 needs a CPU whose torch has fbgemm; pass --draft-weights bfloat16")
+            quantize_linears(model, head)
+            return weights
+        step_dtype = weights
         row_dtype = None if step_dtype == self.dtype else parse_dtype(step_dtype)
         if self.prepacked or row_dtype is not None:
             prepack_linears(model, packed=self.prepacked, row_dtype=row_dtype)

@@ -1,0 +1,97 @@
+"""One draft step of the demo draft (its real weights), int8 vs the previous default (float32 model, bfloat16
+one-row copy) vs float32: body (one token after ``--context`` cached tokens) and head over all rows / a 32k
+ranking prefix / a 3k set, through the draft's own head type (``CausalLM._new_head``, one per set so each keeps its packed rows).
+
+    PYTHONPATH=$PWD python scripts/int8_draft_step.py [--threads 1] [--repeats 15] [--json out.json]
+
+Variants are interleaved (each repeat times every variant in turn), medians reported, ratios within one run.
+The 32k head is a prefix of one fixed ranking, as FR-Spec's (int8: its own fbgemm pack once warmed up); the 3k
+head is one packed set reused (a context window's within a cycle; int8: its gathered, dequantized rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+
+from dynvocab.files import write_atomic
+from dynvocab.models import load_model, resolve_model
+from dynvocab.models.prepack import Int8Rows, prepack_linears, quantize_linears, step_weight_bytes
+from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.lm import CausalLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--variants", default="int8,bfloat16,float32")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    base = load_model(resolve_model("demo:draft"), "cpu", "float32")
+    drafts = {}
+    for name in args.variants.split(","):
+        model = copy.deepcopy(base)
+        if name == "int8":
+            quantize_linears(model, model.get_output_embeddings())
+        elif name == "bfloat16":  # the previous default: oneDNN packs for few rows + a bf16 one-row copy
+            prepack_linears(model, packed=True, row_dtype=torch.bfloat16)
+        drafts[name] = (CausalLM(model), step_weight_bytes(model))
+    vocab = drafts[next(iter(drafts))][0].vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ranking = torch.randperm(vocab, generator=gen)
+    window = torch.randperm(vocab, generator=gen)[:3072]
+    sets = {"full": ActiveSet.full(vocab), "32k": ActiveSet.of(ranking[:32768]), "3k": ActiveSet.of(window)}
+    prompt = torch.randint(vocab, (args.context,), generator=gen)
+    token = torch.randint(vocab, (1,), generator=gen)
+    hidden, heads = {}, {}
+    with torch.inference_mode():
+        for name, (lm, _) in drafts.items():
+            lm.reset()
+            lm.step(prompt)
+            hidden[name] = lm.step(token)
+            lm.rollback(args.context)
+            heads[name] = {part: lm._new_head() for part in sets}  # one head per set: each keeps its packed rows
+            for part, s in sets.items():  # warm the packed rows (int8: past PACK_AFTER, the prefix is packed)
+                for _ in range(Int8Rows.PACK_AFTER + 1):
+                    heads[name][part].logits(hidden[name], s)
+
+        def body(lm):
+            lm.step(token)
+            lm.rollback(args.context)
+
+        times = {(n, part): [] for n in drafts for part in ("body", *sets)}
+        for _ in range(args.repeats):
+            for name, (lm, _) in drafts.items():
+                t = time.perf_counter()
+                body(lm)
+                times[(name, "body")].append(time.perf_counter() - t)
+                for part, s in sets.items():
+                    t = time.perf_counter()
+                    heads[name][part].logits(hidden[name], s)
+                    times[(name, part)].append(time.perf_counter() - t)
+    ms = {f"{n}/{p}": 1e3 * statistics.median(v) for (n, p), v in times.items()}
+    out = {"threads": args.threads, "cpu": torch.backends.cpu.get_cpu_capability(), "context": args.context,
+           "ms": ms, "prepared_bytes": {n: b for n, (_, b) in drafts.items()}}
+    for name in drafts:
+        b = ms[f"{name}/body"]
+        heads = "  ".join(f"head {p} {ms[f'{name}/{p}']:6.2f} (share {ms[f'{name}/{p}'] / (b + ms[f'{name}/{p}']):.0%})"
+                          for p in sets)
+        print(f"{name:9s} body {b:7.2f} ms  {heads}  prepared {drafts[name][1] / 2**20:,.0f} MiB")
+    for name in drafts:
+        if name != "bfloat16" and "bfloat16" in drafts:
+            print(f"{name} / bfloat16: body {ms[f'{name}/body'] / ms['bfloat16/body']:.2f}x, "
+                  + ", ".join(f"head {p} {ms[f'{name}/{p}'] / ms[f'bfloat16/{p}']:.2f}x" for p in sets))
+    if args.json:  # whole or not at all
+        write_atomic(args.json, lambda p: p.write_text(json.dumps(out, indent=1) + "\n"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Int8 draft weights (fbgemm, per-row scales): the draft's linears, its head's rows gathered per active set, and an
+EAGLE head's — the output is still the float32 target's own, token for token, with every policy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_qwen2
+from test_eagle_loop import LAYERS, eagle1, eagle3
+from test_loop import VOCAB, make_policy
+from dynvocab.models.eagle import EAGLE1, LayerTap
+from dynvocab.models.prepack import INT8, Int8Linear, Int8Rows, int8_supported, quantize_linears, quantize_rows
+from dynvocab.runtime.active_set import ActiveSet, RowRanges
+from dynvocab.runtime.eagle_draft import EagleDraft
+from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.policies import VocabPolicy
+from dynvocab.runtime.session import ModelConfig, Session
+
+pytestmark = [
+    pytest.mark.skipif(not int8_supported("cpu"), reason="this torch has no fbgemm"),
+    pytest.mark.usefixtures("one_thread"),
+]
+
+
+class RangesPolicy(VocabPolicy):
+    """Random merged ranges of one fixed order per step (DynaSpec's shape of active set)."""
+
+    name = "ranges"
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(VOCAB, generator=self.gen)
+
+    def active_ids(self, step, hidden=None, token=None):
+        cuts = sorted(torch.randperm(VOCAB, generator=self.gen)[:6].tolist())
+        return ActiveSet.of(RowRanges(self.order, tuple(cuts[0::2]), tuple(cuts[1::2])))
+
+    def observe(self, cycle):
+        pass
+
+
+def policy(kind: str, seed: int) -> VocabPolicy:
+    return RangesPolicy(seed) if kind == "ranges" else make_policy(kind, seed)
+
+
+def test_rows_quantize_per_row_and_gather_what_the_full_product_reads():
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 64), torch.randn(300)
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (300,)
+    assert (q.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-6
+    rows = Int8Rows(w, b, keep_rows=True)
+    x = torch.randn(3, 64)
+    full = rows.linear(x)  # [3, 300]
+    want = x @ w.T + b
+    assert full.shape == (3, 300) and (full - want).abs().max() < 0.05 * want.abs().max()
+    ids = torch.tensor([5, 7, 299, 0])
+    r, rb = rows.gather(ids)
+    assert torch.equal(r, q[ids].float() * scale[ids, None]) and torch.equal(rb, b[ids])
+    assert (x @ r.T + rb - full[:, ids]).abs().max() < 0.05 * want.abs().max()  # activation rounding only
+    assert torch.equal(Int8Rows(w, b).q, q)  # unpacked from fbgemm's copy when not kept
+    assert rows.first(200).linear(x).shape == (3, 200)
+
+
+def test_a_ranking_prefix_is_packed_after_repeated_use_and_kept():
+    torch.manual_seed(1)
+    rows = Int8Rows(torch.randn(200, 32), keep_rows=True)
+    order, x = torch.randperm(200), torch.randn(1, 32)
+    for _ in range(Int8Rows.PACK_AFTER - 1):
+        assert rows.prefix_linear(x, order, 50) is None  # a set that does not last is never packed
+    got = rows.prefix_linear(x, order, 50)
+    assert torch.equal(got, rows.linear(x)[:, order[:50]])  # the same int8 rows, the same fbgemm product
+    assert rows.prefix_linear(x, order, 50) is not None and len(rows._prefix_packs) == 1
+
+
+def test_int8_linear_keeps_float_for_gradients_and_casts_back():
+    torch.manual_seed(2)
+    linear = nn.Linear(32, 48)
+    fast = Int8Linear(linear)
+    x = torch.randn(2, 5, 32)
+    with torch.inference_mode():
+        assert fast(x).shape == (2, 5, 48) and fast(x.bfloat16()).dtype == torch.bfloat16
+    xg = torch.randn(1, 32, requires_grad=True)
+    assert torch.equal(fast(xg), linear(xg))
+
+
+@pytest.fixture(scope="module")
+def int8_pair(tiny_pair):
+    target, draft = tiny_pair
+    draft = copy.deepcopy(draft)
+    assert quantize_linears(draft, draft.get_output_embeddings()) > 0
+    return CausalLM(target), CausalLM(draft)
+
+
+@pytest.mark.parametrize(
+    "kind,pack_after",
+    [("full", 32), ("fr", 1), ("fr", 32), ("fr-pa", 1), ("random", 1), ("ranges", 32), ("microspec", 32),
+     ("hybrid", 1)],
+)
+@pytest.mark.parametrize("seed", range(2))
+def test_greedy_with_an_int8_draft_is_the_float32_target_own(int8_pair, kind, seed, pack_after, monkeypatch):
+    """``pack_after`` 1: every prefix of a ranking runs from its own fbgemm pack; 32: from the gathered rows."""
+    monkeypatch.setattr(Int8Rows, "PACK_AFTER", pack_after)
+    target, draft = int8_pair
+    assert isinstance(draft.step_rows[0], Int8Rows)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+    cfg = DecodeConfig(gamma=1 + seed % 5, max_new_tokens=30, branch_below=0.8 if seed % 2 else 0.0)
+    ar = speculative_generate(target, prompt, cfg, set())
+    spec = speculative_generate(target, prompt, cfg, set(), draft, policy(kind, seed))
+    assert spec.token_ids == ar.token_ids
+    assert spec.metrics.new_tokens == len(ar.token_ids)
+
+
+def test_full_and_dynamic_heads_read_the_same_int8_rows(int8_pair):
+    _, draft = int8_pair
+    head = DraftHead(*draft.step_rows)
+    h = torch.randn(1, draft.hidden_size)
+    full, _ = head.logits(h, ActiveSet.full(draft.vocab_size))
+    ids = torch.tensor([3, 50, 7])
+    part, cols = head.logits(h, ActiveSet.of(ids))
+    assert torch.equal(cols, ids) and (part - full[:, ids]).abs().max() < 0.05 * full.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["full", "fr", "ranges"])
+@pytest.mark.parametrize("eagle", ["eagle1", "eagle3"])
+def test_greedy_with_an_int8_eagle_head_is_lossless(kind, eagle):
+    target_model = tiny_qwen2(layers=LAYERS, seed=0)
+    target = CausalLM(target_model)
+    model = eagle1(target_model) if eagle == "eagle1" else eagle3(target_model)
+    quantize_linears(model, getattr(model, "lm_head", None))
+    assert isinstance(model.fc, Int8Linear)
+    tap = None if model.kind == EAGLE1 else LayerTap(target_model, model.config.target_layers(LAYERS))
+    draft = EagleDraft(model, target, tap, INT8)
+    assert isinstance(draft.step_rows[0], Int8Rows)
+    for seed in range(2):
+        prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        cfg = DecodeConfig(gamma=4, max_new_tokens=24, branch_below=0.8)
+        ar = speculative_generate(target, prompt, cfg, set())
+        assert speculative_generate(target, prompt, cfg, set(), draft, policy(kind, seed)).token_ids == ar.token_ids
+    if tap is not None:
+        tap.remove()
+
+
+def test_session_defaults_to_int8_for_float32_on_cpu_and_reports_bytes(tiny_dirs):
+    s = Session(ModelConfig(str(tiny_dirs["target"]), str(tiny_dirs["draft"]), "cpu", "float32"))
+    assert s.draft_weights == INT8
+    body = [m for m in s.draft.body.modules() if isinstance(m, nn.Linear)]
+    assert body and all(isinstance(m, Int8Linear) for m in body)
+    assert isinstance(s.draft.step_rows[0], Int8Rows)
+    b = s.draft_bytes
+    assert b["weights"] > 0 and 0 < b["prepared"] < b["weights"] and b["total"] == b["weights"] + b["prepared"]
+    decode = DecodeConfig(gamma=4, max_new_tokens=24)
+    for strategy in ("full", "microspec"):
+        assert s.generate([5, 9, 13], strategy, decode).token_ids == s.generate([5, 9, 13], "ar", decode).token_ids
