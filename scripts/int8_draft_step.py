@@ -1,5 +1,6 @@
-"""One draft step of the demo draft (its real weights), int8 vs the previous default (float32 model, bfloat16
-one-row copy) vs float32: body (one token after ``--context`` cached tokens) and head over all rows / a 32k
+"""One draft step of the demo draft (its real weights): int8 as the runtime now steps it (int8 weights, its own
+one-token step, runtime/one_token.py), int8 through transformers' forward (``int8-hf``), the previous default
+(float32 model, bfloat16 one-row copy, transformers' forward) and float32: body (one token after ``--context`` cached tokens) and head over all rows / a 32k
 ranking prefix / a 3k set, through the draft's own head type (``CausalLM._new_head``, one per set so each keeps its packed rows).
 
     PYTHONPATH=$PWD python scripts/int8_draft_step.py [--threads 1] [--repeats 15] [--json out.json]
@@ -31,7 +32,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--variants", default="int8,bfloat16,float32")
+    ap.add_argument("--variants", default="int8,int8-hf,bfloat16,float32")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -39,11 +40,12 @@ def main() -> None:
     drafts = {}
     for name in args.variants.split(","):
         model = copy.deepcopy(base)
-        if name == "int8":
+        if name.startswith("int8"):
             quantize_linears(model, model.get_output_embeddings())
         elif name == "bfloat16":  # the previous default: oneDNN packs for few rows + a bf16 one-row copy
             prepack_linears(model, packed=True, row_dtype=torch.bfloat16)
-        drafts[name] = (CausalLM(model), step_weight_bytes(model))
+        lm = CausalLM(model, one_token_steps=name == "int8")  # int8: the new default step; the others transformers'
+        drafts[name] = (lm, step_weight_bytes(model) + lm.fused_bytes)
     vocab = drafts[next(iter(drafts))][0].vocab_size
     gen = torch.Generator().manual_seed(0)
     ranking = torch.randperm(vocab, generator=gen)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.models.prepack import Int8Linear, Int8Rows, PrepackedLinear
+from dynvocab.runtime import one_token
 from dynvocab.runtime.draft import OwnsHead
 from dynvocab.runtime.head import DraftHead, soft_cap
 from dynvocab.runtime.tree import DraftTree
@@ -26,8 +27,13 @@ class CausalLM(OwnsHead):
     searches_per_step = True  # its step is long enough to hide per-step candidate searches
     label = "draft model"
 
-    def __init__(self, model, vocab_rows: int | None = None):
+    def __init__(self, model, vocab_rows: int | None = None, one_token_steps: bool = False):
+        """``one_token_steps``: run one-token passes through :func:`~dynvocab.runtime.one_token.one_token_step`
+        (a draft model's steps, where the model is one it supports) instead of transformers' forward."""
         self.model = model
+        self.one_token_steps = one_token_steps and one_token.supports(model)
+        self._fused: dict = {}  # int8 q/k/v and gate/up stacked for one-token steps (see one_token._fused)
+        self.fused_bytes = one_token.prepare(model, self._fused) if self.one_token_steps else 0
         self.body = getattr(model, model.base_model_prefix)
         head = model.get_output_embeddings()
         rows = vocab_rows or head.weight.shape[0]
@@ -63,6 +69,10 @@ class CausalLM(OwnsHead):
         """
         if self.cache is None:
             self.reset()
+        if self.one_token_steps and tree is None and ids.numel() == 1:
+            hidden = one_token.one_token_step(self.model, ids, self.length, self.cache, self._fused)
+            self.length += 1
+            return hidden
         extra = {}
         if tree is not None:
             extra["position_ids"] = tree.positions(self.length, ids.device)

@@ -116,8 +116,8 @@ class Session:
             self.draft_weights = self._prepare_draft_steps(
                 draft_model, cfg.draft_weights, draft_model.get_output_embeddings()
             )
-            self.draft = CausalLM(draft_model, vocab_rows=self.match.shared)
-            self.draft_bytes = draft_bytes(draft_model)
+            self.draft = CausalLM(draft_model, vocab_rows=self.match.shared, one_token_steps=True)
+            self.draft_bytes = draft_bytes(draft_model, self.draft.fused_bytes)
         self.bundle = None
         if bundle is not None:
             from dynvocab.artifacts import ModelFingerprint, load_bundle
