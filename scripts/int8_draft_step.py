@@ -1,6 +1,8 @@
 """One draft step of the demo draft (its real weights): int8 as the runtime now steps it (int8 weights, its own
-one-token step, runtime/one_token.py), int8 through transformers' forward (``int8-hf``), the previous default
-(float32 model, bfloat16 one-row copy, transformers' forward) and float32: body (one token after ``--context`` cached tokens) and head over all rows / a 32k
+one-token step, runtime/one_token.py), int8 through transformers' forward (``int8-hf``), the previous default on
+an AVX2 CPU (float32 model, bfloat16 one-row copy, transformers' forward: ``bfloat16``), the default on a CPU with
+native bf16 (a bfloat16 model: ``bf16-model`` through transformers' forward, ``bf16-model-1t`` through the
+one-token step) and float32: body (one token after ``--context`` cached tokens) and head over all rows / a 32k
 ranking prefix / a 3k set, through the draft's own head type (``CausalLM._new_head``, one per set so each keeps its packed rows).
 
     PYTHONPATH=$PWD python scripts/int8_draft_step.py [--threads 1] [--repeats 15] [--json out.json]
@@ -32,7 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--variants", default="int8,int8-hf,bfloat16,float32")
+    ap.add_argument("--variants", default="int8,int8-hf,bfloat16,bf16-model,bf16-model-1t,float32")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -42,9 +44,11 @@ def main() -> None:
         model = copy.deepcopy(base)
         if name.startswith("int8"):
             quantize_linears(model, model.get_output_embeddings())
-        elif name == "bfloat16":  # the previous default: oneDNN packs for few rows + a bf16 one-row copy
+        elif name == "bfloat16":  # the previous AVX2 default: oneDNN packs for few rows + a bf16 one-row copy
             prepack_linears(model, packed=True, row_dtype=torch.bfloat16)
-        lm = CausalLM(model, one_token_steps=name == "int8")  # int8: the new default step; the others transformers'
+        elif name.startswith("bf16-model"):  # a CPU with native bf16: the whole model in bfloat16
+            model = model.to(torch.bfloat16)
+        lm = CausalLM(model, one_token_steps=name in ("int8", "bf16-model-1t"))  # the others: transformers' forward
         drafts[name] = (lm, step_weight_bytes(model) + lm.fused_bytes)
     vocab = drafts[next(iter(drafts))][0].vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -87,10 +91,11 @@ def main() -> None:
         heads = "  ".join(f"head {p} {ms[f'{name}/{p}']:6.2f} (share {ms[f'{name}/{p}'] / (b + ms[f'{name}/{p}']):.0%})"
                           for p in sets)
         print(f"{name:9s} body {b:7.2f} ms  {heads}  prepared {drafts[name][1] / 2**20:,.0f} MiB")
-    for name in drafts:
-        if name != "bfloat16" and "bfloat16" in drafts:
-            print(f"{name} / bfloat16: body {ms[f'{name}/body'] / ms['bfloat16/body']:.2f}x, "
-                  + ", ".join(f"head {p} {ms[f'{name}/{p}'] / ms[f'bfloat16/{p}']:.2f}x" for p in sets))
+    for ref in ("bfloat16", "bf16-model"):
+        for name in drafts:
+            if name != ref and ref in drafts:
+                print(f"{name} / {ref}: body {ms[f'{name}/body'] / ms[f'{ref}/body']:.2f}x, "
+                      + ", ".join(f"head {p} {ms[f'{name}/{p}'] / ms[f'{ref}/{p}']:.2f}x" for p in sets))
     if args.json:  # whole or not at all
         write_atomic(args.json, lambda p: p.write_text(json.dumps(out, indent=1) + "\n"))
 

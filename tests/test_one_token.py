@@ -51,6 +51,24 @@ def test_one_token_steps_run_int8_linears_as_their_forward_does():
         torch.testing.assert_close(fast.step(torch.tensor([token])), hf.step(torch.tensor([token])), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not int8_supported("cpu"), reason="this torch has no fbgemm")
+def test_a_bfloat16_int8_draft_keeps_its_cache_in_bfloat16():
+    """A bfloat16 model with int8 linears (the default on a CPU with native bf16): the stacked int8 products return
+    float32, which must not turn the cache float32 under transformers' later passes over it."""
+    model = tiny_qwen2(seed=2).to(torch.bfloat16)
+    quantize_linears(model, model.get_output_embeddings())
+    hf, fast = pair(model)
+    for lm in (hf, fast):
+        lm.reset()
+        lm.step(torch.tensor([1, 2, 3]))
+    for token in (4, 5, 6):
+        a, b = hf.step(torch.tensor([token])), fast.step(torch.tensor([token]))
+        assert b.dtype == torch.bfloat16
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+    assert all(layer.keys.dtype == torch.bfloat16 for layer in fast.cache.layers)
+    torch.testing.assert_close(fast.step(torch.tensor([7, 8])), hf.step(torch.tensor([7, 8])), rtol=2e-2, atol=2e-2)
+
+
 def test_layers_it_does_not_reproduce_are_left_to_transformers():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -38,7 +38,7 @@ DraftWeights = Annotated[
         "--draft-weights",
         help="What the draft's weights are in its passes: int8 (per-output-channel scales, fbgemm; the LM head's "
         "rows too, gathered per active set), or a dtype for a copy its one-token steps read (bfloat16; float32 = "
-        "none). The output stays the target's own. [default: int8 for float32 on CPU, else --dtype]",
+        "none). The output stays the target's own. [default: int8 on a CPU, else --dtype]",
     ),
 ]
 Prepack = Annotated[

@@ -95,7 +95,7 @@ def one_token_step(model, token: torch.Tensor, position: int, cache, fused: dict
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         qkv = None if fused is None else _fused(projections, fused, (i, "qkv"))
         if qkv is not None:
-            q, k, v = qkv.linear(x).split([m.out_features for m in projections], dim=-1)
+            q, k, v = qkv.linear(x).to(x.dtype).split([m.out_features for m in projections], dim=-1)
         else:
             q, k, v = (m(x) for m in projections)
         q = q.view(1, 1, -1, hd).transpose(1, 2)  # [1, heads, 1, hd]
@@ -114,6 +114,6 @@ def one_token_step(model, token: torch.Tensor, position: int, cache, fused: dict
         if gate_up is None:
             h = h + mlp(x)
         else:
-            gate, up = gate_up.linear(x).chunk(2, dim=-1)
+            gate, up = gate_up.linear(x).to(x.dtype).chunk(2, dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
     return body.norm(h)[0]

@@ -43,7 +43,8 @@ class ModelConfig:
     CPU). ``draft_weights``: what the draft's steps read — ``"int8"`` (int8 copies of its linears and head rows with
     per-row scales, every pass; a CPU with fbgemm) or a dtype (a copy in that dtype for its one-token steps; equal
     to ``dtype``: no copy). The draft only proposes, so this never changes the output. ``None``: the default by
-    measurement (docs/bench.md): int8 for float32 on a CPU (no native bf16, AVX2 measured), else ``dtype``. See
+    measurement (docs/bench.md): int8 on a CPU with fbgemm, whatever ``dtype`` (AVX2 and AVX-512 BF16 measured),
+    else ``dtype``. See
     :mod:`dynvocab.models.prepack`.
     """
 
@@ -158,7 +159,7 @@ class Session:
         int8 (``head`` keeps its int8 rows for gathering), or a one-row copy in a dtype; returns the draft-weights
         value in force."""
         if weights is None:
-            weights = INT8 if self.dtype == "float32" and int8_supported(self.device) else self.dtype
+            weights = INT8 if int8_supported(self.device) else self.dtype
         if weights == INT8:
             if not int8_supported(self.device):
                 raise DynvocabError("--draft-weights int8 needs a CPU whose torch has fbgemm; pass --draft-weights bfloat16")
