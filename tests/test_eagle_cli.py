@@ -12,6 +12,7 @@ from cli_helpers import assert_one_line_error, run
 
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
+from dynvocab.models.prepack import int8_supported
 
 PROMPT = "w1 w2 w3 w4 w5 w1 w2"
 STRATEGIES = ("full", "fr", "fr-pa", "microspec", "hybrid")
@@ -119,3 +120,24 @@ def test_eagle_step_bench_shapes():
     fc, q, kv, o, mlp, norms = 3 * 64 * 64, 2 * 64 * 64, 2 * (2 * 64 * 32), 64 * 64, 3 * 64 * 128, 4 * 64
     assert r["layer_params"] == fc + q + kv + o + mlp + norms  # 2d-wide q/k/v, 16-wide heads, 2 kv heads
     assert r["ratio"]["full"] == 1.0 and r["body_ms"] > 0
+
+
+@pytest.mark.skipif(not int8_supported("cpu"), reason="this torch has no fbgemm")
+def test_eagle_step_bench_times_int8_weights_as_the_runtime_steps_them():
+    from dynvocab.bench import eagle_step
+
+    eagle_step.EAGLE_SHAPES["tiny-eagle1"] = dict(kind="eagle", hidden_size=64, intermediate_size=128,
+                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=9000)
+    try:
+        plain = eagle_step.eagle_step_bench("tiny-eagle1", active=(5000, 3072), repeats=2, warmup=1)
+        r = eagle_step.eagle_step_bench("tiny-eagle1", active=(5000, 3072), repeats=2, warmup=1, weights="int8")
+    finally:
+        del eagle_step.EAGLE_SHAPES["tiny-eagle1"]
+    assert plain["weights"] == "float32" and r["weights"] == "int8"
+    assert set(r["step_ms"]) == {"full", "5000", "3072"} and r["layer_params"] == plain["layer_params"]
+    assert r["body_ms"] > 0 and all(t > 0 for t in r["step_ms"].values())
+
+
+def test_eagle_step_refuses_a_step_dtype_other_than_the_dtype():
+    result = run("bench", "--eagle-step", "--device", "cpu", "--dtype", "float32", "--draft-weights", "bfloat16")
+    assert_one_line_error(result, "--eagle-step", "pass --dtype bfloat16")

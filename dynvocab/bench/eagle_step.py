@@ -10,7 +10,9 @@ active set). Shapes:
   vocabulary (its head is a smaller share, so the three points sit closer).
 
 The model is built on the meta device and materialised with random weights (nothing is downloaded); the
-embedding shares the head's memory. The step decodes one token (its own feature fed back, as from the second
+embedding shares the head's memory. ``weights="int8"`` steps it as the runtime steps an int8 draft
+(``--draft-weights int8``): the layer's and fc's linears through fbgemm, the full head and a static 32k prefix
+from fbgemm packs of its int8 rows, a 3k set as its gathered, dequantized rows (a dynamic policy's set). The step decodes one token (its own feature fed back, as from the second
 draft step on) after ``context`` cached positions; the cache is cropped back after each step.
 """
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, interleaved_ms, resolve_dtype
+from dynvocab.models.prepack import INT8, Int8Rows, quantize_linears
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
@@ -72,12 +75,14 @@ def eagle_step_bench(
     warmup: int = 2,
     seed: int = 0,
     threads: int | None = None,
+    weights: str | None = None,
 ) -> dict:
     """Median times of one EAGLE draft step (M = 1) at ``shape`` (:data:`EAGLE_SHAPES`): the layer alone
     (``body_ms``) and the whole step with the head over ``full`` and over a contiguous K-row buffer for each K in
     ``active`` (FR-Spec's slice or a packed dynamic set: the same matmul). Returns ``shape``, ``dims``, ``device``,
     ``dtype``, ``context``, ``repeats``, ``threads``, ``layer_params``, ``head_rows``, ``body_ms``, ``step_ms``
-    and ``ratio`` (step / full step) per head, and ``head_share`` (of the full step)."""
+    and ``ratio`` (step / full step) per head, ``head_share`` (of the full step) and ``weights``. ``weights``:
+    ``"int8"`` for int8 draft weights, else (``None``) ``dtype``'s."""
     if shape not in EAGLE_SHAPES:
         raise ValueError(f"unknown EAGLE shape {shape!r}; known: {sorted(EAGLE_SHAPES)}")
     dev, dt = torch.device(device), resolve_dtype(dtype)
@@ -98,10 +103,19 @@ def eagle_step_bench(
             cache.crop(-1)  # every timed step sees the same cache length
             return head_in
 
-        heads = {"full": weight}
-        for k in (k for k in active if k < vocab):
-            heads[str(k)] = weight[torch.randperm(vocab, device=dev)[:k]].contiguous()  # [k, d] packed rows
-        fns = {"body": body, **{name: (lambda rows=rows: F.linear(body(), rows)) for name, rows in heads.items()}}
+        subsets = {str(k): torch.randperm(vocab, device=dev)[:k] for k in active if k < vocab}
+        if weights == INT8:
+            quantize_linears(model)
+            rows = Int8Rows(weight, keep_rows=True)
+            heads = {"full": rows.linear}
+            for name, ids in subsets.items():  # a static prefix runs from its own pack, a dynamic set gathered
+                static = int(name) > DYNAMIC_ROWS
+                heads[name] = Int8Rows(weight[ids]).linear if static else _gathered(rows.gather(ids)[0])
+        else:
+            heads = {"full": lambda h, w=weight: F.linear(h, w)}
+            for name, ids in subsets.items():
+                heads[name] = lambda h, w=weight[ids].contiguous(): F.linear(h, w)  # [k, d] packed rows
+        fns = {"body": body, **{name: (lambda head=head: head(body())) for name, head in heads.items()}}
         times = interleaved_ms(fns, dev, repeats, warmup, CacheFlusher(dev))
         body_ms = times.pop("body")
         step_ms = times
@@ -121,12 +135,23 @@ def eagle_step_bench(
             "step_ms": step_ms,
             "ratio": {name: t / step_ms["full"] for name, t in step_ms.items()},
             "head_share": max(0.0, 1.0 - body_ms / step_ms["full"]),
+            "weights": weights or str(dt).removeprefix("torch."),
         }
+
+
+DYNAMIC_ROWS = 4096  # int8: sets up to this size are timed as a dynamic policy's (gathered rows), larger as static
+
+
+def _gathered(rows: torch.Tensor):
+    """A head over gathered, dequantized float32 rows [k, d] (what the runtime multiplies for a set that changes
+    every cycle)."""
+    return lambda h: F.linear(h.float(), rows)
 
 
 def render_eagle_step_table(results: list[dict]) -> Table:
     """One row per shape: layer time, full / 32k / 3k step times and their ratios to the full step."""
-    table = Table(title=f"one EAGLE draft step ({results[0]['dtype']} on {results[0]['device']}, "
+    weights = results[0].get("weights", results[0]["dtype"])
+    table = Table(title=f"one EAGLE draft step ({results[0]['dtype']}, {weights} weights, on {results[0]['device']}, "
                         f"{results[0]['threads']} threads)")
     columns = ("shape", "layer params", "head rows", "layer ms", "full ms", "head share", "32k ms (×full)",
                "3k ms (×full)")

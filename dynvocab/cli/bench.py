@@ -24,6 +24,7 @@ from dynvocab.cli.common import (
     set_threads,
     with_strategy_flags,
 )
+from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 
 
@@ -112,7 +113,7 @@ def bench(
         _policy_step_bench(flags.bundle, dtype, json_path, threads)
         return
     if eagle_step:
-        _eagle_step_bench(device, dtype, json_path)
+        _eagle_step_bench(device, dtype, draft_weights, json_path)
         return
     request = BenchRequest(
         models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_weights=draft_weights),
@@ -158,17 +159,22 @@ def _write_json(path: Path, payload: dict) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def _eagle_step_bench(device: str | None, dtype: str | None, json_path: Path | None) -> None:
+def _eagle_step_bench(device: str | None, dtype: str | None, weights: str | None, json_path: Path | None) -> None:
     from dynvocab.bench.eagle_step import EAGLE_SHAPES, eagle_step_bench, render_eagle_step_table
     from dynvocab.models import default_device, default_dtype
+    from dynvocab.models.prepack import INT8, int8_supported
 
     device = device or default_device()
     dtype = dtype or default_dtype(device)
+    if weights is None:  # the runtime's default (Session._prepare_draft_steps)
+        weights = INT8 if int8_supported(device) else dtype
+    if weights not in (INT8, dtype):
+        raise DynvocabError(f"--eagle-step times --draft-weights int8 or {dtype} (the --dtype); pass --dtype {weights}")
     console = Console(stderr=True)
     results = []
     for shape in EAGLE_SHAPES:
         with console.status(f"timing an EAGLE draft step at {shape} shapes…"):
-            results.append(eagle_step_bench(shape, device=device, dtype=dtype))
+            results.append(eagle_step_bench(shape, device=device, dtype=dtype, weights=weights if weights == INT8 else None))
     Console().print(render_eagle_step_table(results))
     if json_path is not None:
         _write_json(json_path, {"eagle_step": results})
