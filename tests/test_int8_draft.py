@@ -77,6 +77,10 @@ def test_a_ranking_prefix_is_packed_after_repeated_use_and_kept():
     got = rows.prefix_linear(x, order, 50)
     assert torch.equal(got, rows.linear(x)[:, order[:50]])  # the same int8 rows, the same fbgemm product
     assert rows.prefix_linear(x, order, 50) is not None and len(rows._prefix_packs) == 1
+    again = order.clone()  # the next prompt's policy: the same ranking in a new tensor uses the kept pack at once
+    assert torch.equal(rows.prefix_linear(x, again, 50), got) and len(rows._prefix_packs) == 1
+    other = torch.cat([order[1:50], order[:1], order[50:]])  # other ids at those positions: not the kept pack
+    assert rows.prefix_linear(x, other, 50) is None
 
 
 def test_int8_linear_keeps_float_for_gradients_and_casts_back():

@@ -199,9 +199,11 @@ class Int8Rows:
         """``x @ W[order[:n]].T (+ bias)`` -> [m, n] float32 from a packed copy kept for ``(order, n)``; None (the
         caller multiplies its gathered rows) until that prefix has been asked for ``PACK_AFTER`` times — a set
         that changes every cycle never is, a ranking's prefix (FR-Spec) soon is, and stays packed across
-        sequences."""
+        sequences, also when the next sequence's policy holds the same ids in a new tensor."""
         key = (order.data_ptr(), n)  # the held ``order`` keeps its memory from being reused under the same key
         hit = self._prefix_packs.pop(key, None)
+        if hit is None:
+            hit = self._same_prefix(order, n)
         if hit is None:
             _, uses = self._prefix_uses.pop(key, (order, 0))
             if uses + 1 < self.PACK_AFTER:
@@ -216,6 +218,15 @@ class Int8Rows:
                 self._prefix_packs.pop(next(iter(self._prefix_packs)))
         self._prefix_packs[key] = hit
         return _linear_dynamic(x, hit[1], (n, self.shape[1]))
+
+    def _same_prefix(self, order: torch.Tensor, n: int):
+        """A pack kept for the same ``n`` ids under another tensor (a policy built anew for the next prompt ranks
+        the same ids in a new tensor), moved to ``order``'s key; None if there is none."""
+        for key, (kept, packed) in list(self._prefix_packs.items()):
+            if key[1] == n and torch.equal(kept[:n], order[:n]):
+                del self._prefix_packs[key]
+                return order, packed
+        return None
 
 
 def _vnni() -> bool:
