@@ -3,7 +3,8 @@ one-token step, runtime/one_token.py), int8 through transformers' forward (``int
 an AVX2 CPU (float32 model, bfloat16 one-row copy, transformers' forward: ``bfloat16``), the default on a CPU with
 native bf16 (a bfloat16 model: ``bf16-model`` through transformers' forward, ``bf16-model-1t`` through the
 one-token step) and float32: body (one token after ``--context`` cached tokens) and head over all rows / a 32k
-ranking prefix / a 3k set, through the draft's own head type (``CausalLM._new_head``, one per set so each keeps its packed rows).
+ranking prefix / a 3k set, through the draft's own head type (``CausalLM._new_head``, one per set so each keeps
+its packed rows).
 
     PYTHONPATH=$PWD python scripts/int8_draft_step.py [--threads 1] [--repeats 15] [--json out.json]
 

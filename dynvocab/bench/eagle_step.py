@@ -12,8 +12,9 @@ active set). Shapes:
 The model is built on the meta device and materialised with random weights (nothing is downloaded); the
 embedding shares the head's memory. ``weights="int8"`` steps it as the runtime steps an int8 draft
 (``--draft-weights int8``): the layer's and fc's linears through fbgemm, the full head and a static 32k prefix
-from fbgemm packs of its int8 rows, a 3k set as its gathered, dequantized rows (a dynamic policy's set). The step decodes one token (its own feature fed back, as from the second
-draft step on) after ``context`` cached positions; the cache is cropped back after each step.
+from fbgemm packs of its int8 rows, a 3k set as its gathered, dequantized rows (a dynamic policy's set). The step
+decodes one token (its own feature fed back, as from the second draft step on) after ``context`` cached positions;
+the cache is cropped back after each step.
 """
 
 from __future__ import annotations
