@@ -307,3 +307,23 @@ def test_summary_reports_policy_and_head_time_per_draft_step():
     assert s["policy_ms_per_step"] == pytest.approx(1.0) and s["head_ms_per_step"] == pytest.approx(50.0)
     ar = summarize_bench([_row("a", "code", "ar", 10, 5.0, 10)], ("ar",))["ar"]["all"]
     assert ar["policy_ms_per_step"] is None and ar["head_ms_per_step"] is None  # no draft steps
+
+
+def test_many_tasks_get_a_line_per_task_and_row():
+    """Spec-Bench's 13 categories: a column each left no room for the row names; a line per task and row does."""
+    from rich.console import Console
+
+    from dynvocab.bench.report import WIDE_TASKS, _per_task_table
+
+    tasks = [f"category-{i}" for i in range(WIDE_TASKS + 9)]
+    stats = {"tokens_per_s": 5.0, "mean_accepted_length": 3.0, "speedup_vs_ar": 2.0, "speedup_vs_full": 1.0}
+    per = [(name, {t: stats for t in tasks}) for name in ("ar", "full", "hybrid")]
+    console = Console(width=100, record=True)
+    console.print(_per_task_table(tasks, per))
+    text = console.export_text()
+    assert all(t in text for t in tasks) and text.count("hybrid") == len(tasks)
+    assert "5.00 · 3.00 (2.00×)" in text and max(len(line) for line in text.splitlines()) <= 100
+    console = Console(width=100, record=True)
+    console.print(_per_task_table(tasks[:2], per))
+    text = console.export_text()
+    assert "hybrid" in text and tasks[1] in text

@@ -132,24 +132,40 @@ def render_tables(results: dict) -> list[Table]:
     tables = [table]
     tasks = [t for t in next(iter(results["summary"].values()), {}) if t != "all"]
     if len(tasks) > 1:
-        per_task = Table(title="per task: tokens/s · mean accepted length (× ar)", title_justify="left")
-        per_task.add_column("row", no_wrap=True)
-        for task in tasks:
-            per_task.add_column(task, justify="right", no_wrap=True)
-        for strategy, per in [*results["summary"].items(), (ORACLE, results.get("oracle") or {})]:
-            if not per:
-                continue
-            cells = []
-            for task in tasks:
-                s = per.get(task)
-                cells.append(
-                    "–" if not s
-                    else f"{s['tokens_per_s']:.2f} · {s['mean_accepted_length']:.2f}"
-                    + (f" ({s['speedup_vs_ar']:.2f}×)" if s.get("speedup_vs_ar") is not None else "")
-                )
-            per_task.add_row(strategy, *cells, style="dim" if strategy == ORACLE else None)
-        tables.append(per_task)
+        per = [*results["summary"].items(), (ORACLE, results.get("oracle") or {})]
+        tables.append(_per_task_table(tasks, [(name, p) for name, p in per if p]))
     return tables
+
+
+WIDE_TASKS = 4  # more tasks than this (Spec-Bench's 13 categories): one line per task and row, not a column each
+
+
+def _per_task_table(tasks: list[str], per: list[tuple[str, dict]]) -> Table:
+    """Tokens/s · MAL (× ar) per task: a column per task for a few tasks, else a line per task and row."""
+    def cell(s: dict | None) -> str:
+        if not s:
+            return "–"
+        ar = f" ({s['speedup_vs_ar']:.2f}×)" if s.get("speedup_vs_ar") is not None else ""
+        return f"{s['tokens_per_s']:.2f} · {s['mean_accepted_length']:.2f}{ar}"
+
+    title = "per task: tokens/s · mean accepted length (× ar)"
+    if len(tasks) > WIDE_TASKS:
+        table = Table(title=title, title_justify="left")
+        for col in ("task", "row", "tok/s · MAL (× ar)", "×full"):
+            table.add_column(col, justify="right" if col.startswith(("tok", "×")) else "left", no_wrap=True)
+        for task in tasks:
+            for i, (name, p) in enumerate(per):
+                s = p.get(task)
+                table.add_row(task if i == 0 else "", name, cell(s), _fmt((s or {}).get("speedup_vs_full"), "{:.2f}×"),
+                              style="dim" if name == ORACLE else None, end_section=i == len(per) - 1)
+        return table
+    table = Table(title=title, title_justify="left")
+    table.add_column("row", no_wrap=True)
+    for task in tasks:
+        table.add_column(task, justify="right", no_wrap=True)
+    for name, p in per:
+        table.add_row(name, *(cell(p.get(task)) for task in tasks), style="dim" if name == ORACLE else None)
+    return table
 
 
 def notes(results: dict) -> list[str]:
