@@ -83,6 +83,19 @@ def test_a_ranking_prefix_is_packed_after_repeated_use_and_kept():
     assert rows.prefix_linear(x, other, 50) is None
 
 
+def test_short_sequences_count_on_toward_a_prefix_pack():
+    """Each prompt's policy holds its ranking in a new tensor; prompts of fewer than PACK_AFTER draft steps still
+    reach a pack together (counted per ids, not per tensor)."""
+    rows = Int8Rows(torch.randn(200, 32), keep_rows=True)
+    order, x = torch.randperm(200), torch.randn(1, 32)
+    half = Int8Rows.PACK_AFTER // 2
+    for _ in range(2):  # two short "prompts", a new tensor each
+        ranking = order.clone()
+        results = [rows.prefix_linear(x, ranking, 50) for _ in range(half)]
+    assert all(r is None for r in results[:-1]) and results[-1] is not None
+    assert len(rows._prefix_packs) == 1 and len(rows._prefix_uses) == 0
+
+
 def test_int8_linear_keeps_float_for_gradients_and_casts_back():
     torch.manual_seed(2)
     linear = nn.Linear(32, 48)

@@ -199,13 +199,11 @@ class Int8Rows:
         """``x @ W[order[:n]].T (+ bias)`` -> [m, n] float32 from a packed copy kept for ``(order, n)``; None (the
         caller multiplies its gathered rows) until that prefix has been asked for ``PACK_AFTER`` times — a set
         that changes every cycle never is, a ranking's prefix (FR-Spec) soon is, and stays packed across
-        sequences, also when the next sequence's policy holds the same ids in a new tensor."""
+        sequences, also when the next sequence's policy holds the same ids in a new tensor (whose calls count on)."""
         key = (order.data_ptr(), n)  # the held ``order`` keeps its memory from being reused under the same key
-        hit = self._prefix_packs.pop(key, None)
+        hit = self._prefix_packs.pop(key, None) or _take_same(self._prefix_packs, order, n)
         if hit is None:
-            hit = self._same_prefix(order, n)
-        if hit is None:
-            _, uses = self._prefix_uses.pop(key, (order, 0))
+            _, uses = self._prefix_uses.pop(key, None) or _take_same(self._prefix_uses, order, n) or (order, 0)
             if uses + 1 < self.PACK_AFTER:
                 self._prefix_uses[key] = (order, uses + 1)
                 if len(self._prefix_uses) > 64:
@@ -216,17 +214,19 @@ class Int8Rows:
             hit = (order, _fbgemm_pack(self.q.index_select(0, ids), self.scale.index_select(0, ids), bias))
             if len(self._prefix_packs) >= self.PREFIX_PACKS:
                 self._prefix_packs.pop(next(iter(self._prefix_packs)))
-        self._prefix_packs[key] = hit
+        self._prefix_packs[key] = (order, hit[1])
         return _linear_dynamic(x, hit[1], (n, self.shape[1]))
 
-    def _same_prefix(self, order: torch.Tensor, n: int):
-        """A pack kept for the same ``n`` ids under another tensor (a policy built anew for the next prompt ranks
-        the same ids in a new tensor), moved to ``order``'s key; None if there is none."""
-        for key, (kept, packed) in list(self._prefix_packs.items()):
-            if key[1] == n and torch.equal(kept[:n], order[:n]):
-                del self._prefix_packs[key]
-                return order, packed
-        return None
+
+def _take_same(table: dict, order: torch.Tensor, n: int) -> tuple | None:
+    """Remove and return the entry of ``table`` (``(data_ptr, n) -> (order, …)``) kept for the same ``n`` ids under
+    another tensor: a policy built anew for the next prompt holds the same ranking in a new tensor, and its prefix
+    keeps its use count and its pack. None if there is none."""
+    for key, entry in list(table.items()):
+        if key[1] == n and torch.equal(entry[0][:n], order[:n]):
+            del table[key]
+            return entry
+    return None
 
 
 def _vnni() -> bool:
