@@ -16,6 +16,17 @@ def pair(model, **kw):
     return CausalLM(model), CausalLM(model, one_token_steps=True, **kw)
 
 
+def int8_pair_after(model, prompt):
+    """``model`` with int8 linears through transformers' forward and through the one-token step, both after
+    ``prompt``."""
+    quantize_linears(model, model.get_output_embeddings())
+    hf, fast = pair(model)
+    for lm in (hf, fast):
+        lm.reset()
+        lm.step(torch.tensor(prompt))
+    return hf, fast
+
+
 @pytest.mark.parametrize("build", [tiny_qwen2, tiny_llama], ids=["qwen2", "llama"])
 def test_one_token_steps_match_transformers_forward(build):
     model = build()
@@ -41,12 +52,7 @@ def test_one_token_steps_match_transformers_forward(build):
 
 @pytest.mark.skipif(not int8_supported("cpu"), reason="this torch has no fbgemm")
 def test_one_token_steps_run_int8_linears_as_their_forward_does():
-    model = tiny_qwen2(seed=1)
-    quantize_linears(model, model.get_output_embeddings())
-    hf, fast = pair(model)
-    for lm in (hf, fast):
-        lm.reset()
-        lm.step(torch.tensor([1, 2, 3]))
+    hf, fast = int8_pair_after(tiny_qwen2(seed=1), [1, 2, 3])
     for token in (4, 5, 6):
         torch.testing.assert_close(fast.step(torch.tensor([token])), hf.step(torch.tensor([token])), rtol=1e-5, atol=1e-5)
 
@@ -55,12 +61,7 @@ def test_one_token_steps_run_int8_linears_as_their_forward_does():
 def test_a_bfloat16_int8_draft_keeps_its_cache_in_bfloat16():
     """A bfloat16 model with int8 linears (the default on a CPU with native bf16): the stacked int8 products return
     float32, which must not turn the cache float32 under transformers' later passes over it."""
-    model = tiny_qwen2(seed=2).to(torch.bfloat16)
-    quantize_linears(model, model.get_output_embeddings())
-    hf, fast = pair(model)
-    for lm in (hf, fast):
-        lm.reset()
-        lm.step(torch.tensor([1, 2, 3]))
+    hf, fast = int8_pair_after(tiny_qwen2(seed=2).to(torch.bfloat16), [1, 2, 3])
     for token in (4, 5, 6):
         a, b = hf.step(torch.tensor([token])), fast.step(torch.tensor([token]))
         assert b.dtype == torch.bfloat16

@@ -162,12 +162,11 @@ def _write_json(path: Path, payload: dict) -> None:
 def _eagle_step_bench(device: str | None, dtype: str | None, weights: str | None, json_path: Path | None) -> None:
     from dynvocab.bench.eagle_step import EAGLE_SHAPES, eagle_step_bench, render_eagle_step_table
     from dynvocab.models import default_device, default_dtype
-    from dynvocab.models.prepack import INT8, int8_supported
+    from dynvocab.models.prepack import INT8, default_draft_weights
 
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    if weights is None:  # the runtime's default (Session._prepare_draft_steps)
-        weights = INT8 if int8_supported(device) else dtype
+    weights = weights or default_draft_weights(device, dtype)
     if weights not in (INT8, dtype):
         raise DynvocabError(f"--eagle-step times --draft-weights int8 or {dtype} (the --dtype); pass --dtype {weights}")
     console = Console(stderr=True)

@@ -111,6 +111,12 @@ def int8_supported(device: str) -> bool:
     )
 
 
+def default_draft_weights(device: str, dtype: str) -> str:
+    """The draft-weights value when none is given: int8 wherever fbgemm runs it (measured faster on AVX2 and on
+    AVX-512 BF16, docs/bench.md), else the model dtype."""
+    return INT8 if int8_supported(device) else dtype
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: ``(q [out, in] int8, scale [out] float32)`` with ``weight ≈ q * scale[:, None]``."""
     w = weight.detach().float()
@@ -201,9 +207,13 @@ class Int8Rows:
         that changes every cycle never is, a ranking's prefix (FR-Spec) soon is, and stays packed across
         sequences, also when the next sequence's policy holds the same ids in a new tensor (whose calls count on)."""
         key = (order.data_ptr(), n)  # the held ``order`` keeps its memory from being reused under the same key
-        hit = self._prefix_packs.pop(key, None) or _take_same(self._prefix_packs, order, n)
+        hit = self._prefix_packs.pop(key, None)
+        counted = self._prefix_uses.pop(key, None)
+        if hit is None and counted is None:  # a tensor not seen before: the same ids may be known under another
+            hit = _take_same(self._prefix_packs, order, n)
+            counted = None if hit is not None else _take_same(self._prefix_uses, order, n)
         if hit is None:
-            _, uses = self._prefix_uses.pop(key, None) or _take_same(self._prefix_uses, order, n) or (order, 0)
+            _, uses = counted or (order, 0)
             if uses + 1 < self.PACK_AFTER:
                 self._prefix_uses[key] = (order, uses + 1)
                 if len(self._prefix_uses) > 64:

@@ -20,6 +20,7 @@ from dynvocab.models import (
 from dynvocab.models.eagle import eagle_checkpoint
 from dynvocab.models.prepack import (
     INT8,
+    default_draft_weights,
     int8_supported,
     prepack_linears,
     prepack_supported,
@@ -159,7 +160,7 @@ class Session:
         int8 (``head`` keeps its int8 rows for gathering), or a one-row copy in a dtype; returns the draft-weights
         value in force."""
         if weights is None:
-            weights = INT8 if int8_supported(self.device) else self.dtype
+            weights = default_draft_weights(self.device, self.dtype)
         if weights == INT8:
             if not int8_supported(self.device):
                 raise DynvocabError("--draft-weights int8 needs a CPU whose torch has fbgemm; pass --draft-weights bfloat16")
