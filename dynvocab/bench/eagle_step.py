@@ -83,7 +83,7 @@ def eagle_step_bench(
     ``active`` (FR-Spec's slice or a packed dynamic set: the same matmul). Returns ``shape``, ``dims``, ``device``,
     ``dtype``, ``context``, ``repeats``, ``threads``, ``layer_params``, ``head_rows``, ``body_ms``, ``step_ms``
     and ``ratio`` (step / full step) per head, ``head_share`` (of the full step) and ``weights``. ``weights``:
-    ``"int8"`` for int8 draft weights, else (``None``) ``dtype``'s."""
+    ``"int8"`` for int8 draft weights, else (``None`` or the dtype's name) ``dtype``'s."""
     if shape not in EAGLE_SHAPES:
         raise ValueError(f"unknown EAGLE shape {shape!r}; known: {sorted(EAGLE_SHAPES)}")
     dev, dt = torch.device(device), resolve_dtype(dtype)
@@ -136,7 +136,7 @@ def eagle_step_bench(
             "step_ms": step_ms,
             "ratio": {name: t / step_ms["full"] for name, t in step_ms.items()},
             "head_share": max(0.0, 1.0 - body_ms / step_ms["full"]),
-            "weights": weights or str(dt).removeprefix("torch."),
+            "weights": INT8 if weights == INT8 else str(dt).removeprefix("torch."),
         }
 
 

@@ -173,8 +173,7 @@ def _eagle_step_bench(device: str | None, dtype: str | None, weights: str | None
     results = []
     for shape in EAGLE_SHAPES:
         with console.status(f"timing an EAGLE draft step at {shape} shapes…"):
-            step = eagle_step_bench(shape, device=device, dtype=dtype, weights=weights if weights == INT8 else None)
-            results.append(step)
+            results.append(eagle_step_bench(shape, device=device, dtype=dtype, weights=weights))
     Console().print(render_eagle_step_table(results))
     if json_path is not None:
         _write_json(json_path, {"eagle_step": results})
