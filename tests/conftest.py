@@ -66,6 +66,25 @@ def tiny_qwen2(vocab: int = 96, layers: int = 2, hidden: int = 32, seed: int = 0
     return model
 
 
+def tiny_gemma3(vocab: int = 96, seed: int = 0, window: int = 8):
+    """A tiny random Gemma-3 causal LM in float32: sliding-window layers of ``window`` positions mixed with global
+    ones (as Gemma-3's 5:1), scaled input embeddings, tied head."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    sliding, full = "sliding_attention", "full_attention"
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=window,
+        layer_types=[sliding, sliding, full, sliding, sliding, full], max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper logits (the tied head is the embedding table), as tiny_qwen2 does
+        model.model.embed_tokens.weight.mul_(4.0)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_pair():
     """(target, draft): same vocabulary, different random weights; the draft is a perturbed copy of the target."""

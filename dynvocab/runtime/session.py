@@ -140,7 +140,7 @@ class Session:
         embeddings = target_model.get_input_embeddings().weight.detach()  # [V, d]
         eagle_cfg = read_config(folder)
         check_target(eagle_cfg, config.hidden_size, embeddings.shape[0], config.num_hidden_layers)
-        model = load_eagle(folder, embeddings, self.device, parse_dtype(self.dtype))
+        model = load_eagle(folder, embeddings, self.device, parse_dtype(self.dtype)).pair_with(target_model)
         tap = None if eagle_cfg.kind == EAGLE1 else LayerTap(target_model, eagle_cfg.target_layers(config.num_hidden_layers))
         self.draft_weights = self._prepare_draft_steps(model, weights, getattr(model, "lm_head", None))
         step = INT8 if self.draft_weights == INT8 else parse_dtype(self.draft_weights)

@@ -1,7 +1,8 @@
 """Start an EAGLE head from its target: real weight shapes and statistics, not a trained head.
 
-- EAGLE-1: the target's last decoder layer (without ``input_layernorm``), its embeddings, and ``fc`` as
-  [0 | I] (the feature passes through). A runnable head with real weight shapes and statistics, not a trained one.
+- EAGLE-1: the target's last decoder layer (without ``input_layernorm``; of another family's layer, its
+  projections only), its embeddings (scaled as the target scales them), and ``fc`` as [0 | I] (the feature passes
+  through). A runnable head with real weight shapes and statistics, not a trained one.
 - EAGLE-3: only where the shapes allow. The layer's q/k/v read ``cat(input_layernorm(embedding), hidden_norm(h))``
   (2d wide), so the target's last-layer q/k/v fill the hidden half and the embedding half keeps its random start;
   o_proj, the MLP and the norms are copied as they are; ``norm`` is the target's final norm; ``lm_head`` is the
@@ -22,10 +23,18 @@ def init_eagle1_from_target(model: EagleModel, target_model) -> EagleModel:
     if model.kind != EAGLE1:
         raise DynvocabError("init_eagle1_from_target builds EAGLE-1 heads")
     body = getattr(target_model, target_model.base_model_prefix)
-    last = body.layers[-1].state_dict()
+    last = {k: v for k, v in body.layers[-1].state_dict().items() if not k.startswith("input_layernorm")}
     with torch.no_grad():
-        model.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("input_layernorm")})
+        layer = model.layers[0]
+        if set(last) == set(layer.state_dict()):
+            layer.load_state_dict(last)
+        else:  # another family's layer (Gemma-3: sandwich norms of another form): its projections only
+            own = layer.state_dict()
+            for name, tensor in own.items():
+                if name.endswith("_proj.weight") and name in last and last[name].shape == tensor.shape:
+                    tensor.copy_(last[name])
         model.embed_tokens.weight.copy_(body.embed_tokens.weight)
+        model.pair_with(target_model)
         d = model.config.hidden_size
         model.fc.weight.zero_()
         model.fc.weight[:, d:].copy_(torch.eye(d))
@@ -64,6 +73,7 @@ def init_eagle3_from_target(head: EagleModel, target_model, draft_ids: torch.Ten
     if weight.shape[1] == d:
         head.lm_head.weight.copy_(weight[draft_ids.to(weight.device)].float())
         copied.append("lm_head.weight")
+    head.pair_with(target_model)
     embed = body.embed_tokens.weight
     if head.embed_tokens.weight.shape == embed.shape:
         head.embed_tokens.weight.copy_(embed.float())

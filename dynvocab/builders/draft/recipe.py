@@ -52,7 +52,7 @@ def attention_mask(n: int, step: int, device) -> torch.Tensor:
 def forward_step(model: EagleModel, ids, features, positions, cache, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """``EagleModel.forward`` with an explicit attention mask (its own builds a causal one): (feature, head input),
     each [B, n, d]. ``tests/test_train_draft.py`` checks that step 0 equals ``model(...)``."""
-    embeds = model.embed_tokens(ids).to(model.fc.weight.dtype)  # [B, n, d]
+    embeds = model.embed(ids)  # [B, n, d]
     rope = model.rotary_emb(embeds, position_ids=positions)
     kwargs = dict(attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, position_embeddings=rope)
     if model.kind == EAGLE1:

@@ -138,6 +138,8 @@ def config_like(layer_config, kind: str = EAGLE1, **overrides) -> EagleConfig:
     """An :class:`EagleConfig` shaped like a target's decoder layer (``layer_config``: its transformers config):
     a new head for that target, e.g. to train or to initialise from its last layer."""
     rope = getattr(layer_config, "rope_parameters", None) or {}
+    if "full_attention" in rope:  # one set per layer type (Gemma-3): the head attends to its whole context
+        rope = rope["full_attention"]
     scaling = None
     if rope.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -149,7 +151,7 @@ def config_like(layer_config, kind: str = EAGLE1, **overrides) -> EagleConfig:
         vocab_size=layer_config.vocab_size, head_dim=getattr(layer_config, "head_dim", None),
         rms_norm_eps=layer_config.rms_norm_eps, rope_theta=theta,
         rope_scaling=scaling, max_position_embeddings=layer_config.max_position_embeddings,
-        hidden_act=layer_config.hidden_act,
+        hidden_act=getattr(layer_config, "hidden_act", None) or layer_config.hidden_activation,  # Gemma's name
     )
     return replace(cfg, **overrides)
 

@@ -109,6 +109,19 @@ class EagleModel(nn.Module):
             with torch.no_grad():
                 self.set_draft_vocab(torch.arange(cfg.draft_vocab))
         self.rotary_emb = rotary_embedding(cfg.arch, self.layer_config)
+        self.embed_scale = 1.0  # the target's input-embedding scale (Gemma: sqrt(d)), set by :meth:`pair_with`
+
+    def pair_with(self, target_model) -> "EagleModel":
+        """Embed tokens as ``target_model`` does: the head shares the target's embedding table, and a target that
+        scales it (Gemma's ``Gemma3TextScaledWordEmbedding``: × sqrt(d)) scales it here too. The scale is the
+        target's, not the checkpoint's, so the published layouts stay as they are. Returns the head."""
+        self.embed_scale = float(getattr(target_model.get_input_embeddings(), "embed_scale", 1.0))
+        return self
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [b, n, d] in the head's dtype, scaled as the target scales its own."""
+        embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        return embeds if self.embed_scale == 1.0 else embeds * self.embed_scale
 
     @property
     def kind(self) -> str:
@@ -150,7 +163,7 @@ class EagleModel(nn.Module):
         them); EAGLE-1 always applies ``fc``."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)  # [b, n, d]
+        embeds = self.embed(input_ids)  # [b, n, d]
         features = features.to(self.fc.weight.dtype)
         make_mask = create_sliding_window_causal_mask if self.config.sliding_window else create_causal_mask
         mask = make_mask(

@@ -1,0 +1,107 @@
+"""A Gemma-3-shaped target (sliding-window and global layers mixed, scaled input embeddings, tied head) in the one
+loop: every draft kind is lossless at temperature 0 with tree leaves, where the sequence runs well past the
+sliding window, so the caches' rollback (a sliding layer keeps only its last positions) is exercised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_gemma3
+from test_loop import VOCAB, make_policy
+from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
+from dynvocab.runtime.eagle_draft import EagleDraft
+from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.tree import DraftTree
+
+WINDOW = 8  # far shorter than prompt + 40 new tokens
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_gemma3(seed=0, window=WINDOW)
+
+
+def perturbed(model, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p) * p.std())
+    return model
+
+
+@pytest.fixture(scope="module", params=["model", EAGLE1, EAGLE3])
+def setup(request, target_model):
+    """(target CausalLM, draft) for one draft kind over the Gemma-3-shaped target."""
+    target = CausalLM(target_model)
+    if request.param == "model":
+        yield target, CausalLM(perturbed(tiny_gemma3(seed=0, window=WINDOW), 1))
+        return
+    cfg = config_like(target_model.config, request.param)
+    if request.param == EAGLE1:
+        yield target, EagleDraft(init_eagle1_from_target(EagleModel(cfg).eval(), target_model), target)
+        return
+    head = EagleModel(cfg).eval()
+    init_eagle3_from_target(head, target_model, torch.arange(VOCAB))
+    tap = LayerTap(target_model, head.config.target_layers(target_model.config.num_hidden_layers))
+    yield target, EagleDraft(head, target, tap)
+    tap.remove()
+
+
+@pytest.mark.parametrize("kind", ["full", "fr", "random", "microspec"])
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_is_lossless_past_the_window(setup, kind, seed):
+    target, draft = setup
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist()
+    cfg = DecodeConfig(gamma=1 + seed % 5, max_new_tokens=40, branch_below=0.8 if seed % 2 else 0.0)
+    ar = speculative_generate(target, prompt, cfg, set())
+    spec = speculative_generate(target, prompt, cfg, set(), draft, make_policy(kind, seed))
+    assert spec.token_ids == ar.token_ids
+
+
+def test_ar_equals_a_pass_without_cache(target_model):
+    """The reference itself: one-token decoding through the sliding caches = full recomputation each token."""
+    target = CausalLM(target_model)
+    prompt = [5, 17, 3, 9, 40, 2, 11, 60, 7, 1, 33, 8]
+    ar = speculative_generate(target, prompt, DecodeConfig(max_new_tokens=30), set())
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(30):
+            ids.append(int(target_model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ar.token_ids == ids[len(prompt):]
+
+
+def test_a_tree_pass_past_the_window_scores_each_row_as_its_own_sequence(target_model):
+    """Root, chain and leaves in one pass over sliding layers: each row's logits are those of a pass over exactly
+    its own sequence (the prefix, its ancestors, itself), and rollback keeping a leaf leaves the cache as a pass
+    over the accepted sequence would."""
+    lm = CausalLM(target_model)
+    prefix = list(range(3, 3 + 2 * WINDOW))
+    chain, leaves = [20, 21, 22], {1: 30, 2: 31}
+    tree = DraftTree(chain, leaves)
+    lm.reset()
+    lm.step(torch.tensor(prefix[:-1]))
+    hidden = lm.step(torch.tensor(tree.inputs(prefix[-1])), tree)
+    logits = lm.logits(hidden)  # [1 + 3 + 2, V]
+    with torch.no_grad():
+        def last(seq):
+            return target_model(torch.tensor([seq])).logits[0, -1]
+
+        torch.testing.assert_close(logits[2], last(prefix + chain[:2]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[tree.leaf_row(1)], last(prefix + chain[:1] + [30]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[tree.leaf_row(2)], last(prefix + chain[:2] + [31]), atol=1e-4, rtol=1e-4)
+    n = len(prefix)
+    lm.rollback(n + 1, keep=n - 1 + tree.leaf_row(1))  # accepted: d_1, then the leaf at depth 1 (as the loop does)
+    nxt = lm.logits(lm.step(torch.tensor([50])))[0]
+    with torch.no_grad():
+        torch.testing.assert_close(nxt, last(prefix + chain[:1] + [30, 50]), atol=1e-4, rtol=1e-4)
+
+
+def test_the_head_embeds_tokens_as_the_target_does(target_model):
+    head = init_eagle1_from_target(EagleModel(config_like(target_model.config, EAGLE1)), target_model)
+    ids = torch.tensor([[4, 8, 15]])
+    torch.testing.assert_close(head.embed(ids), target_model.get_input_embeddings()(ids))
+    assert head.embed_scale == pytest.approx(target_model.config.hidden_size ** 0.5)
