@@ -123,3 +123,12 @@ def test_conversion_stops_at_a_mismatch_before_transformers_loads(fake_model, tm
     assert not (tmp_path / "cache" / "demo" / f"fake-{bad.sha256[:12]}").exists()
     left = [p.name for p in (tmp_path / "cache" / "demo").iterdir() if not p.name.endswith(".lock")]
     assert left == []  # nothing but the conversion lock file: no entry, no temp folder
+
+
+def test_a_demo_target_without_a_demo_draft_is_refused_before_loading():
+    demo.check_demo_pair("demo:target", "demo:draft")
+    demo.check_demo_pair("demo:gemma", "demo:gemma")
+    demo.check_demo_pair("demo:gemma", "/some/eagle-head")  # a head trained for it: checked when it loads
+    with pytest.raises(DynvocabError, match="EAGLE head trained for it") as err:
+        demo.check_demo_pair("demo:gemma", "demo:draft")
+    assert "\n" not in str(err.value)

@@ -5,6 +5,8 @@ Llama-3-8B, 525M head parameters against ~250M in the layer (MicroSpec reports â
 active set). Shapes:
 
 - ``demo-eagle1``: an EAGLE-1 head for the demo target (Qwen2.5-Coder-1.5B: d 1,536, V 151,936, a Qwen2 layer);
+- ``gemma3-270m-eagle1`` / ``gemma3-270m-eagle3``: heads for the 262k demo target (Gemma-3-270M: d 640, V 262,144;
+  EAGLE-3 over a 32,768-id draft vocabulary), where the head is nearly the whole step;
 - ``llama3-8b-eagle1``: EAGLE-1 for Llama-3-8B (d 4,096, V 128,256, ~250M layer parameters);
 - ``llama3.1-8b-eagle3``: EAGLE-3 for Llama-3.1-8B, the same layer with 2d-wide q/k/v and a 32,000-id draft
   vocabulary (its head is a smaller share, so the three points sit closer).
@@ -29,9 +31,13 @@ from dynvocab.models.prepack import INT8, Int8Rows, quantize_linears
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
+GEMMA3_270M = dict(hidden_size=640, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                   vocab_size=262144, rope_theta=1000000.0, hidden_act="gelu_pytorch_tanh", max_position_embeddings=32768)
 EAGLE_SHAPES = {
     "demo-eagle1": dict(kind="eagle", arch="qwen2", hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
                         num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=32768),
+    "gemma3-270m-eagle1": dict(kind="eagle", **GEMMA3_270M),
+    "gemma3-270m-eagle3": dict(kind="eagle3", draft_vocab_size=32768, **GEMMA3_270M),
     "llama3-8b-eagle1": dict(kind="eagle", **LLAMA3_8B),
     "llama3.1-8b-eagle3": dict(kind="eagle3", draft_vocab_size=32000, **LLAMA3_8B),
 }

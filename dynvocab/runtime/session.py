@@ -17,6 +17,7 @@ from dynvocab.models import (
     resolve_model,
     tokenizer_fingerprint,
 )
+from dynvocab.models.demo import check_demo_pair
 from dynvocab.models.eagle import eagle_checkpoint
 from dynvocab.models.prepack import (
     INT8,
@@ -88,6 +89,8 @@ class Session:
         say = status or (lambda msg: None)
         self.device = cfg.device or default_device()
         self.dtype = cfg.dtype or default_dtype(self.device)
+        if need_draft:
+            check_demo_pair(cfg.target, cfg.draft)
         target_spec = resolve_model(cfg.target)
         draft_spec = resolve_model(cfg.draft) if need_draft else None
         self.prepacked = self._wants_prepack(cfg.prepack)  # refused before anything is loaded
