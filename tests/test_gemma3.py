@@ -4,6 +4,8 @@ sliding window, so the caches' rollback (a sliding layer keeps only its last pos
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -105,3 +107,52 @@ def test_the_head_embeds_tokens_as_the_target_does(target_model):
     ids = torch.tensor([[4, 8, 15]])
     torch.testing.assert_close(head.embed(ids), target_model.get_input_embeddings()(ids))
     assert head.embed_scale == pytest.approx(target_model.config.hidden_size ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    """A tiny Gemma-3 target saved with a real BPE tokenizer, and a small corpus file."""
+    from tiny_models import make_tokenizer, sentences
+
+    root = tmp_path_factory.mktemp("gemma3")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    model = tiny_gemma3(vocab=len(tokenizer), seed=0, window=WINDOW)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    corpus = root / "docs.txt"
+    corpus.write_text("\n".join(sentences(40, seed=3)) + "\n")
+    return root / "target", corpus
+
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_train_draft_on_a_gemma3_target_then_draft_losslessly(gemma_dir, tmp_path, arch):
+    from cli_helpers import run
+
+    target, corpus = gemma_dir
+    out = tmp_path / arch
+    common = ("--max-docs", 12, "--max-tokens", 24, "--device", "cpu", "--threads", 1)
+    result = run("train-draft", "--target", target, "--corpus", corpus, "--out", out, "--arch", arch,
+                 "--draft-vocab", 64, "--epochs", 1, *common)
+    assert result.exit_code == 0, result.output
+
+    def generate(strategy):
+        result = run("generate", "Def fast draft(x): return the model and the token", "--target", target,
+                     "--draft", out, "--no-chat-template", "--quiet", "--dtype", "float32", "--strategy", strategy,
+                     "--max-new-tokens", 24, "--json", "--threads", 1)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output.strip().splitlines()[-1])["token_ids"]
+
+    ar = generate("ar")
+    assert len(ar) == 24
+    for strategy in ("full", "microspec"):
+        assert generate(strategy) == ar, strategy
+
+
+def test_speculators_layout_is_refused_for_a_scaled_embedding(gemma_dir, tmp_path):
+    from cli_helpers import assert_one_line_error, run
+
+    target, corpus = gemma_dir
+    result = run("train-draft", "--target", target, "--corpus", corpus, "--out", tmp_path / "spec", "--format",
+                 "speculators", "--draft-vocab", 64, "--max-docs", 4, "--device", "cpu", "--threads", 1)
+    assert_one_line_error(result, "scales its input embeddings")

@@ -153,6 +153,7 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     model = load_model(spec, device, cfg.features.dtype)
+    _check_layout_fits(cfg, model, target)
     layers = len(getattr(model, model.base_model_prefix).layers)
     head_cfg = _head_config(model, kind, cfg, layers)
     entering = head_cfg.target_layers(layers) if kind == EAGLE3 else None
@@ -214,6 +215,17 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
 
     ranks.on_main(publish)  # every rank returns once the head is written
     return TrainDraftReport(out, info)
+
+
+def _check_layout_fits(cfg: TrainDraftConfig, model, target: str) -> None:
+    """Refuse a layout whose readers would run the head otherwise than it was trained: speculators and vLLM embed
+    the head's tokens without a target's embedding scale (Gemma's sqrt(d)), which the head here is trained with."""
+    scale = float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))
+    if cfg.layout == "speculators" and scale != 1.0:
+        raise DynvocabError(
+            f"{target} scales its input embeddings (× {scale:.2f}) and speculators' readers do not; "
+            "use --format eagle (dynvocab runs it, pairing the scale from the target)"
+        )
 
 
 def _describe(cfg: TrainDraftConfig) -> dict:
