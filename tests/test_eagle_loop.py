@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_qwen2
-from test_loop import VOCAB, make_policy, pooled_chi_square
+from test_loop import VOCAB, greedy_case, make_policy, pooled_chi_square
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
 from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
@@ -61,9 +61,7 @@ def setup(request, target_model):
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_is_lossless(setup, kind, seed):
     target, draft = setup
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
-    cfg = DecodeConfig(gamma=1 + seed % 5, max_new_tokens=30, branch_below=0.8 if seed % 2 else 0.0)
+    prompt, cfg = greedy_case(seed)
     ar = speculative_generate(target, prompt, cfg, set())
     spec = speculative_generate(target, prompt, cfg, set(), draft, make_policy(kind, seed))
     assert spec.token_ids == ar.token_ids

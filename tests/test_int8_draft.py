@@ -11,7 +11,7 @@ from torch import nn
 
 from conftest import tiny_qwen2
 from test_eagle_loop import LAYERS, eagle1, eagle3
-from test_loop import VOCAB, make_policy
+from test_loop import VOCAB, greedy_case, make_policy
 from dynvocab.models.eagle import EAGLE1, LayerTap
 from dynvocab.models.prepack import (
     INT8,
@@ -134,9 +134,7 @@ def test_greedy_with_an_int8_draft_is_the_float32_target_own(int8_pair, kind, se
     monkeypatch.setattr(Int8Rows, "PACK_AFTER", pack_after)
     target, draft = int8_pair
     assert isinstance(draft.step_rows[0], Int8Rows)
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
-    cfg = DecodeConfig(gamma=1 + seed % 5, max_new_tokens=30, branch_below=0.8 if seed % 2 else 0.0)
+    prompt, cfg = greedy_case(seed)
     ar = speculative_generate(target, prompt, cfg, set())
     spec = speculative_generate(target, prompt, cfg, set(), draft, policy(kind, seed))
     assert spec.token_ids == ar.token_ids

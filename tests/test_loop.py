@@ -50,6 +50,14 @@ def tiny_graph(seed: int):
     return GraphTable(indptr, indices, torch.rand(indices.numel(), generator=gen))
 
 
+def greedy_case(seed: int, max_prompt: int = 12, max_new_tokens: int = 30) -> tuple[list[int], DecodeConfig]:
+    """A random prompt (1 to ``max_prompt`` - 1 tokens) and greedy settings for ``seed``: γ 1..5, runner-up leaves on
+    odd seeds."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (int(torch.randint(1, max_prompt, (1,), generator=gen)),), generator=gen).tolist()
+    return prompt, DecodeConfig(gamma=1 + seed % 5, max_new_tokens=max_new_tokens, branch_below=0.8 if seed % 2 else 0.0)
+
+
 def make_policy(kind: str, seed: int) -> VocabPolicy:
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
     return {

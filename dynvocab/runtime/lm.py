@@ -41,6 +41,9 @@ class CausalLM(OwnsHead):
         self.weight = head.weight[:rows].detach()  # [V, d]
         self.bias = None if getattr(head, "bias", None) is None else head.bias[:rows].detach()
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        text = model.config.get_text_config()
+        self.layer_types = list(getattr(text, "layer_types", None) or ["full_attention"])  # per layer
+        self.sliding_window = getattr(text, "sliding_window", None)  # of the "sliding_attention" layers
         self.device = self.weight.device
         self.dtype = self.weight.dtype
         self.cache = None
@@ -85,15 +88,14 @@ class CausalLM(OwnsHead):
         """The tree pass's attention mask: one 4-D mask, or — for a model with sliding-window layers (Gemma-3,
         Mistral) — one per layer type, each sized to what that type's cache layer holds (transformers' models take
         such a mapping in place of their own ``create_causal_mask`` / ``create_sliding_window_causal_mask``)."""
-        config = self.model.config.get_text_config()
-        types = getattr(config, "layer_types", None) or ["full_attention"]
+        types = self.layer_types
         if set(types) == {"full_attention"}:
             return tree.attention_mask(self.length, self.dtype, device)
         n = len(tree.chain) + 1 + len(tree.depths)
         masks = {}
         for kind in set(types):
             layer = types.index(kind)
-            window = getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
+            window = self.sliding_window if kind == "sliding_attention" else None
             _, kv_offset = self.cache.get_mask_sizes(n, layer)  # the first position the layer's keys hold
             masks[kind] = tree.attention_mask(self.length, self.dtype, device, window, kv_offset)
         return masks

@@ -41,6 +41,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 from dynvocab.models import default_device, load_model, load_tokenizer, resolve_model
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
+from dynvocab.models.eagle.modules import embedding_scale
 
 ARCHS = {"eagle1": EAGLE1, "eagle3": EAGLE3}
 FORMATS = ("eagle", "speculators")
@@ -220,7 +221,7 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
 def _check_layout_fits(cfg: TrainDraftConfig, model, target: str) -> None:
     """Refuse a layout whose readers would run the head otherwise than it was trained: speculators and vLLM embed
     the head's tokens without a target's embedding scale (Gemma's sqrt(d)), which the head here is trained with."""
-    scale = float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))
+    scale = embedding_scale(model)
     if cfg.layout == "speculators" and scale != 1.0:
         raise DynvocabError(
             f"{target} scales its input embeddings (× {scale:.2f}) and speculators' readers do not; "

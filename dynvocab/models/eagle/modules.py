@@ -73,6 +73,12 @@ def _eagle3_layer_class(arch: str):
     return Eagle3DecoderLayer
 
 
+def embedding_scale(target_model) -> float:
+    """The factor ``target_model`` multiplies its embedding rows by (Gemma's ``Gemma3TextScaledWordEmbedding``:
+    sqrt(d)); 1.0 for a target that embeds plainly."""
+    return float(getattr(target_model.get_input_embeddings(), "embed_scale", 1.0))
+
+
 class EagleModel(nn.Module):
     """An EAGLE head. Its state dict has the published key names of its kind (EAGLE repo layout):
     EAGLE-1: ``embed_tokens``, ``fc``, ``layers.0.*``; EAGLE-3: ``embed_tokens``, ``fc``, ``midlayer.*``, ``norm``,
@@ -115,7 +121,7 @@ class EagleModel(nn.Module):
         """Embed tokens as ``target_model`` does: the head shares the target's embedding table, and a target that
         scales it (Gemma's ``Gemma3TextScaledWordEmbedding``: × sqrt(d)) scales it here too. The scale is the
         target's, not the checkpoint's, so the published layouts stay as they are. Returns the head."""
-        self.embed_scale = float(getattr(target_model.get_input_embeddings(), "embed_scale", 1.0))
+        self.embed_scale = embedding_scale(target_model)
         return self
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
