@@ -69,9 +69,17 @@ def test_rows_quantize_per_row_and_gather_what_the_full_product_reads():
     want = x @ w.T + b
     assert full.shape == (3, 300) and (full - want).abs().max() < 0.05 * want.abs().max()
     ids = torch.tensor([5, 7, 299, 0])
-    r, rb = rows.gather(ids)
-    assert torch.equal(r, q[ids].float() * scale[ids, None]) and torch.equal(rb, b[ids])
-    assert (x @ r.T + rb - full[:, ids]).abs().max() < 0.05 * want.abs().max()  # activation rounding only
+    for int8 in (False, True):
+        rows.gathers_int8 = int8
+        r, rs, rb = rows.gather(ids)
+        if int8:
+            assert torch.equal(r, q[ids]) and torch.equal(rs, scale[ids].bfloat16())
+        else:
+            assert torch.equal(r, q[ids].float() * scale[ids, None]) and rs is None
+        assert torch.equal(rb, b[ids])
+        got = rows.matmul(x, r, rs, rb)  # [3, 4] float32
+        assert got.dtype == torch.float32
+        assert (got - full[:, ids]).abs().max() < 0.05 * want.abs().max()  # activation rounding only
     assert torch.equal(Int8Rows(w, b).q, q)  # unpacked from fbgemm's copy when not kept
     assert rows.first(200).linear(x).shape == (3, 200)
 
@@ -79,6 +87,7 @@ def test_rows_quantize_per_row_and_gather_what_the_full_product_reads():
 def test_a_ranking_prefix_is_packed_after_repeated_use_and_kept():
     torch.manual_seed(1)
     rows = Int8Rows(torch.randn(200, 32), keep_rows=True)
+    rows.gathers_int8 = False  # the path of CPUs that multiply gathered rows as float32
     order, x = torch.randperm(200), torch.randn(1, 32)
     for _ in range(Int8Rows.PACK_AFTER - 1):
         assert rows.prefix_linear(x, order, 50) is None  # a set that does not last is never packed
@@ -95,6 +104,7 @@ def test_short_sequences_count_on_toward_a_prefix_pack():
     """Each prompt's policy holds its ranking in a new tensor; prompts of fewer than PACK_AFTER draft steps still
     reach a pack together (counted per ids, not per tensor)."""
     rows = Int8Rows(torch.randn(200, 32), keep_rows=True)
+    rows.gathers_int8 = False
     order, x = torch.randperm(200), torch.randn(1, 32)
     half = Int8Rows.PACK_AFTER // 2
     for _ in range(2):  # two short "prompts", a new tensor each
@@ -129,9 +139,14 @@ def int8_pair(tiny_pair):
      ("hybrid", 1)],
 )
 @pytest.mark.parametrize("seed", range(2))
-def test_greedy_with_an_int8_draft_is_the_float32_target_own(int8_pair, kind, seed, pack_after, monkeypatch):
-    """``pack_after`` 1: every prefix of a ranking runs from its own fbgemm pack; 32: from the gathered rows."""
+@pytest.mark.parametrize("gathers_int8", [False, True], ids=["float32-gathers", "int8-gathers"])
+def test_greedy_with_an_int8_draft_is_the_float32_target_own(
+    int8_pair, kind, seed, pack_after, gathers_int8, monkeypatch
+):
+    """``pack_after`` 1: every prefix of a ranking runs from its own fbgemm pack; 32: from the gathered rows.
+    ``gathers_int8``: gathered rows kept as int8 (AVX-512 BF16 CPUs) or dequantized to float32 (elsewhere)."""
     monkeypatch.setattr(Int8Rows, "PACK_AFTER", pack_after)
+    monkeypatch.setattr(Int8Rows, "gathers_int8", gathers_int8)
     target, draft = int8_pair
     assert isinstance(draft.step_rows[0], Int8Rows)
     prompt, cfg = greedy_case(seed)
@@ -141,7 +156,9 @@ def test_greedy_with_an_int8_draft_is_the_float32_target_own(int8_pair, kind, se
     assert spec.metrics.new_tokens == len(ar.token_ids)
 
 
-def test_full_and_dynamic_heads_read_the_same_int8_rows(int8_pair):
+@pytest.mark.parametrize("gathers_int8", [False, True], ids=["float32-gathers", "int8-gathers"])
+def test_full_and_dynamic_heads_read_the_same_int8_rows(int8_pair, gathers_int8, monkeypatch):
+    monkeypatch.setattr(Int8Rows, "gathers_int8", gathers_int8)
     _, draft = int8_pair
     head = DraftHead(*draft.step_rows)
     h = torch.randn(1, draft.hidden_size)
@@ -149,6 +166,13 @@ def test_full_and_dynamic_heads_read_the_same_int8_rows(int8_pair):
     ids = torch.tensor([3, 50, 7])
     part, cols = head.logits(h, ActiveSet.of(ids))
     assert torch.equal(cols, ids) and (part - full[:, ids]).abs().max() < 0.05 * full.abs().max()
+    order = torch.randperm(draft.vocab_size)
+    ranges = RowRanges(order, (0, 40), (10, 45))  # two ranges: gathered by position; one range: a slice
+    for r in (ranges, RowRanges(order, (5,), (30,))):
+        part, cols = head.logits(h, ActiveSet.of(r))
+        assert torch.equal(cols, r.ids) and (part - full[:, r.ids]).abs().max() < 0.05 * full.abs().max()
+    if gathers_int8:
+        assert head.segments[0].rows.dtype == torch.int8
 
 
 @pytest.mark.parametrize("kind", ["full", "fr", "ranges"])
@@ -204,7 +228,7 @@ def test_activations_keep_all_8_bits_where_vnni_sums_in_int32(monkeypatch):
     rows = Int8Rows(torch.randn(256, 128, generator=gen))
     x = torch.randn(4, 128, generator=gen)
     x[:, 7] *= 40  # one outlier channel, as Qwen2's activations have
-    ref = x @ rows.gather(torch.arange(256))[0].T
+    ref = x @ (rows.q.float() * rows.scale[:, None]).T
     default = (rows.linear(x) - ref).abs().mean()
     monkeypatch.setattr(prepack, "REDUCE_RANGE", True)
     seven_bits = (rows.linear(x) - ref).abs().mean()

@@ -117,7 +117,7 @@ def eagle_step_bench(
             heads = {"full": rows.linear}
             for name, ids in subsets.items():  # a static prefix runs from its own pack, a dynamic set gathered
                 static = int(name) > DYNAMIC_ROWS
-                heads[name] = Int8Rows(weight[ids]).linear if static else _gathered(rows.gather(ids)[0])
+                heads[name] = Int8Rows(weight[ids]).linear if static else _gathered(rows, ids)
         else:
             heads = {"full": lambda h, w=weight: F.linear(h, w)}
             for name, ids in subsets.items():
@@ -149,10 +149,11 @@ def eagle_step_bench(
 DYNAMIC_ROWS = 4096  # int8: sets up to this size are timed as a dynamic policy's (gathered rows), larger as static
 
 
-def _gathered(rows: torch.Tensor):
-    """A head over gathered, dequantized float32 rows [k, d] (what the runtime multiplies for a set that changes
-    every cycle)."""
-    return lambda h: F.linear(h.float(), rows)
+def _gathered(rows: Int8Rows, ids: torch.Tensor):
+    """A head over the rows ``ids`` gathered as the runtime keeps them for a set that changes every cycle (int8
+    with their scales where the CPU multiplies int8 rows fast, else dequantized float32)."""
+    packed = rows.gather(ids)
+    return lambda h: rows.matmul(h, *packed)
 
 
 def render_eagle_step_table(results: list[dict]) -> Table:

@@ -136,6 +136,19 @@ def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.quantized.linear_prepack(qw, bias)
 
 
+def _int8_gathered_matmul() -> bool:
+    """True where gathered int8 rows are multiplied as int8: a CPU with AVX-512 BF16, where
+    ``aten._weight_int8pack_mm`` (int8 rows, per-row bfloat16 scales, bfloat16 activations) ran a one-row product
+    over 2,048–4,096 gathered rows 5–25× faster than the float32 copy of the same rows (AMD EPYC, 2 threads:
+    151,936 × 896 head, 4,096 rows: 0.11 ms with the int8 gather against 0.60 ms; docs/bench.md). Elsewhere (AVX2)
+    that kernel ran 3–7× slower than float32 ``F.linear`` at one row, so gathered rows stay float32 there."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe()) and hasattr(torch, "_weight_int8pack_mm")
+
+
+INT8_GATHERED = _int8_gathered_matmul()
+
+
 class Int8Rows:
     """A weight [out, in] as int8 rows with per-row float32 scales: a whole-matrix product through fbgemm, and any
     subset of rows gathered for a head over an active set.
@@ -143,10 +156,13 @@ class Int8Rows:
     ``linear(x)``: ``x @ W_q.T + bias`` for any number of rows (fbgemm, float32 out). ``gather(ids)``: the rows
     ``q[ids] * scale[ids]`` dequantized to float32 [n, in] and their bias — the same values ``linear`` multiplies,
     so a head over a subset computes what the full head computes at those rows (up to fbgemm's activation
-    rounding). ``prefix_linear(x, order, n)``: the first ``n`` rows of a fixed order (a ranking's prefix, FR-Spec),
-    packed for fbgemm once per ``(order, n)`` and kept (a few, least recently used dropped), so a static set runs
-    at int8 speed; a set that changes every cycle is multiplied as gathered float32 rows instead, because packing
-    costs far more than a step (3,072 rows: ~14 ms to pack against ~0.9 ms for a float32 product, AVX2).
+    rounding). Gathered rows are kept as int8 with bfloat16 scales and multiplied by ``aten._weight_int8pack_mm``
+    where the CPU has AVX-512 BF16 (``gathers_int8``, :data:`INT8_GATHERED`), else dequantized to float32.
+    ``prefix_linear(x, order, n)`` (float32 gathers only): the first ``n`` rows of a fixed order (a ranking's
+    prefix, FR-Spec), packed for fbgemm once per ``(order, n)`` and kept (a few, least recently used dropped), so a
+    static set runs at int8 speed; a set that changes every cycle is multiplied as gathered float32 rows instead,
+    because packing costs far more than a step (3,072 rows: ~14 ms to pack against ~0.9 ms for a float32 product,
+    AVX2). With int8 gathers a prefix is a slice of the packed int8 rows and needs no such copy.
     """
 
     PREFIX_PACKS = 8
@@ -164,8 +180,18 @@ class Int8Rows:
         self._prefix_uses: dict = {}  # (data_ptr, n) -> (order, calls) for prefixes not packed yet
         self.limit = self.shape[0]  # rows ``linear`` returns (a draft trims padded head rows)
 
-    packs_prefixes = True  # ``prefix_linear`` may answer (a float head has no such path)
+    gathers_int8 = INT8_GATHERED  # gathered rows stay int8 (see :func:`_int8_gathered_matmul`)
     PACK_AFTER = 32  # calls over one prefix before it is packed: packing costs ~30 float32 steps over its rows
+
+    @property
+    def packs_prefixes(self) -> bool:
+        """Whether ``prefix_linear`` may answer: only where gathered rows are float32 (an int8 slice is as fast)."""
+        return not self.gathers_int8
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The dtype of gathered rows: int8, or float32 where they are dequantized."""
+        return torch.int8 if self.gathers_int8 else torch.float32
 
     def first(self, rows: int) -> "Int8Rows":
         """The same rows (shared, nothing copied), with ``linear`` returning only the first ``rows`` columns."""
@@ -196,10 +222,20 @@ class Int8Rows:
         out = _linear_dynamic(x, self.packed, self.shape)
         return out if self.limit == self.shape[0] else out[..., : self.limit]
 
-    def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows ``ids`` [n] dequantized, [n, in] float32, and their bias [n] (or None)."""
+    def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Rows ``ids`` [n] as the heads keep them: ``(rows [n, in], scales [n] or None, bias [n] or None)`` —
+        int8 rows with bfloat16 scales where ``gathers_int8``, else dequantized float32 rows and no scales."""
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        if self.gathers_int8:
+            return self.q.index_select(0, ids), self.scale.index_select(0, ids).to(torch.bfloat16), bias
         rows = self.q.index_select(0, ids).float().mul_(self.scale.index_select(0, ids)[:, None])
-        return rows, None if self.bias is None else self.bias.index_select(0, ids)
+        return rows, None, bias
+
+    def matmul(
+        self, x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [m, in]`` times gathered ``rows`` (as :meth:`gather` returns them) -> [m, n] float32."""
+        return gathered_matmul(x, rows, scales, bias)
 
     def prefix_linear(self, x: torch.Tensor, order: torch.Tensor, n: int) -> torch.Tensor | None:
         """``x @ W[order[:n]].T (+ bias)`` -> [m, n] float32 from a packed copy kept for ``(order, n)``; None (the
@@ -226,6 +262,22 @@ class Int8Rows:
                 self._prefix_packs.pop(next(iter(self._prefix_packs)))
         self._prefix_packs[key] = (order, hit[1])
         return _linear_dynamic(x, hit[1], (n, self.shape[1]))
+
+
+def gathered_matmul(
+    x: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x [m, in] @ (rows * scales[:, None]).T + bias`` -> [m, n] float32: int8 ``rows`` with bfloat16 ``scales``
+    through ``aten._weight_int8pack_mm`` (bfloat16 activations, one call per row of ``x``: the kernel ran 4-row
+    inputs slower than four 1-row calls here), float ``rows`` (``scales`` None) through ``F.linear``."""
+    if scales is None:
+        return F.linear(x.to(rows.dtype), rows, bias).float()
+    xb = x.to(torch.bfloat16)
+    if xb.shape[0] == 1:
+        out = torch._weight_int8pack_mm(xb, rows, scales).float()
+    else:
+        out = torch.cat([torch._weight_int8pack_mm(r[None], rows, scales) for r in xb]).float()
+    return out if bias is None else out + bias
 
 
 def _take_same(table: dict, order: torch.Tensor, n: int) -> tuple | None:
