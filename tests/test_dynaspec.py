@@ -94,7 +94,7 @@ def test_mismatched_router_is_refused():
 
 NEEDS_BUNDLE = (
     "strategy 'dynaspec' needs --bundle B with stages clusters, router; build one with "
-    "`dynvocab build-index --stages clusters --out B` and `dynvocab train-router --bundle B`"
+    "`dynvocab build-index --stages clusters --out B` and `dynvocab train-router --selector router --bundle B`"
 )
 
 

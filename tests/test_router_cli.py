@@ -108,7 +108,7 @@ def test_stale_router_and_missing_stages_are_refused(trained, clusters_bundle, t
         make_policy("dynaspec", StrategyOptions(), ctx)
     assert str(err.value) == (
         f"strategy 'dynaspec' needs bundle stages clusters, router; {clusters_bundle} lacks router "
-        f"(it has: freq, clusters); add them with `dynvocab train-router --bundle {clusters_bundle}`"
+        f"(it has: freq, clusters); add them with `dynvocab train-router --selector router --bundle {clusters_bundle}`"
     )
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, List, Optional
 import typer
 from rich.table import Table
 
-from dynvocab.builders.router import RouterConfig, TrainRouterConfig
+from dynvocab.builders.router import SELECTORS, RouterConfig, SelectorConfig, TrainRouterConfig
 from dynvocab.cli.build import RichReporter
 from dynvocab.cli.common import Device, Draft, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
@@ -25,8 +25,12 @@ def _override(cfg, **values):
 
 @one_line_errors
 def train_router(
-    bundle: Annotated[Path, typer.Option("--bundle", help="Bundle with a clusters stage; the router stage is added to it.")],
+    bundle: Annotated[Path, typer.Option("--bundle", help="Bundle built for the draft (with a clusters stage for the router); the trained stages are added to it.")],
     draft: Draft = "demo:draft",
+    selector: Annotated[
+        str, typer.Option(help=f"Selectors to train on one data pass, comma-separated: {', '.join(SELECTORS)} "
+                               "(DynaSpec's cluster router; the low-rank scorer; the centroid blocks).")
+    ] = "router",
     target: Annotated[
         Optional[str], typer.Option(help="Target model; when given, the bundle must have been built for it too.")
     ] = None,
@@ -43,11 +47,15 @@ def train_router(
     lr: Annotated[Optional[float], typer.Option(help=f"AdamW learning rate (default {RouterConfig.lr:g}).")] = None,
     k_max: Annotated[Optional[int], typer.Option(min=1, help=f"Cluster budget k_max the recall report centres on (default {RouterConfig.k_max}).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the initialisation and the batch order.")] = None,
+    rank: Annotated[Optional[int], typer.Option(min=1, help=f"lowrank: rank r of the scorer (default {SelectorConfig.rank}).")] = None,
+    block_size: Annotated[Optional[int], typer.Option(min=1, help=f"centroids: ids per block (default {SelectorConfig.block_size}).")] = None,
+    selector_epochs: Annotated[Optional[int], typer.Option(min=1, help=f"lowrank / centroids: training epochs (default {SelectorConfig.epochs}).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the bundle here instead of updating --bundle in place.")] = None,
     device: Device = None,
     dtype: Annotated[Optional[str], typer.Option(help=f"The draft's dtype for the data pass (default {_DEFAULTS.dtype}).")] = None,
 ) -> None:
-    """Train DynaSpec's router (cluster meta-classifier) on the draft's top-L predictions; add it to the bundle."""
+    """Train vocabulary selectors on the draft's top-L predictions (DynaSpec's cluster router, the lowrank and
+    centroids candidate selectors) from one data pass; add them to the bundle with their held-out recall."""
     from dynvocab.builders.router import train_router as run
 
     check_dtype_device(device, dtype)
@@ -58,12 +66,17 @@ def train_router(
         corpus=_override(_DEFAULTS.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
         router=_override(RouterConfig(), max_tokens=max_tokens, epochs=epochs, top_l=top_l, width=hidden,
                          batch_size=batch_size, lr=lr, k_max=k_max, seed=seed),
+        selectors=tuple(dict.fromkeys(k.strip() for k in selector.split(",") if k.strip())),
+        selector=_override(SelectorConfig(), rank=rank, block_size=block_size, epochs=selector_epochs, seed=seed),
         device=device,
         dtype=dtype or _DEFAULTS.dtype,
     )
     with RichReporter(err_console) as reporter:
         report = run(bundle, draft, target, cfg, out, reporter)
-    err_console.print(_recall_table(report.recall, cfg.router.k_max))
+    if report.recall:
+        err_console.print(_recall_table(report.recall, cfg.router.k_max))
+    for kind, sel in report.selectors.items():
+        err_console.print(_selector_table(kind, sel))
     sched = report.recall.get("schedule")
     if sched:
         err_console.print(
@@ -71,7 +84,7 @@ def train_router(
             f"top-1 recall {sched['top1_recall']:.1%}", highlight=False,
         )
     err_console.print(
-        f"wrote {report.path} · router stage · {report.docs:,} docs · {report.train_rows:,} train positions · "
+        f"wrote {report.path} · {', '.join(cfg.selectors)} · {report.docs:,} docs · {report.train_rows:,} train positions · "
         f"data {report.collect_s:.1f} s · training {report.train_s:.1f} s · total {report.seconds:.1f} s",
         highlight=False,
     )
@@ -87,4 +100,17 @@ def _recall_table(recall: dict, k_max: int) -> Table:
         mark = " (k_max)" if int(k) == k_max else ""
         static = f"{r['static_top1_recall']:.1%}" if "static_top1_recall" in r else "-"
         table.add_row(f"{k}{mark}", f"{r['cluster_recall']:.1%}", f"{r['top1_recall']:.1%}", static, f"{r['mean_shortlist']:,.0f}")
+    return table
+
+
+def _selector_table(kind: str, sel: dict) -> Table:
+    unit = "candidate ids" if kind == "lowrank" else "blocks"
+    table = Table(title=f"held-out {kind} recall of the draft's top-1 / top-2 (untrained in brackets)")
+    for col in (unit, "ids", "top-1 recall", "top-2 recall"):
+        table.add_column(col, justify="right")
+    for b, r in sel["recall"].items():
+        u = sel["untrained_recall"].get(b, {})
+        mark = " (default)" if int(b) == sel["budget"] else ""
+        table.add_row(f"{int(b):,}{mark}", f"{r['ids']:,.0f}", f"{r['top1_recall']:.1%} ({u.get('top1_recall', 0):.1%})",
+                      f"{r['top2_recall']:.1%} ({u.get('top2_recall', 0):.1%})")
     return table

@@ -20,6 +20,9 @@ from typing import Callable, Iterable, Sequence, TypeVar
 import torch
 
 from dynvocab.artifacts.router import STAGE as ROUTER_STAGE
+from dynvocab.artifacts.selectors import SELECTOR_STAGES
+
+TRAINED_STAGES = (ROUTER_STAGE, *SELECTOR_STAGES)  # stages train-router writes
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.base import VocabPolicy
 
@@ -204,11 +207,12 @@ def require_stages(entry: Strategy, bundle) -> None:
 
 
 def _adding(stages: Sequence[str], path) -> str:
-    """The commands that add ``stages`` to the bundle at ``path``: build-index, and train-router for the router."""
-    built = [s for s in stages if s != ROUTER_STAGE]
+    """The commands that add ``stages`` to the bundle at ``path``: build-index, and train-router for the selectors."""
+    trained = [s for s in stages if s in TRAINED_STAGES]
+    built = [s for s in stages if s not in TRAINED_STAGES]
     commands = [f"`dynvocab build-index --stages {','.join(built)} --out {path}`"] if built else []
-    if ROUTER_STAGE in stages:
-        commands.append(f"`dynvocab train-router --bundle {path}`")
+    if trained:
+        commands.append(f"`dynvocab train-router --selector {','.join(trained)} --bundle {path}`")
     return " and ".join(commands)
 
 

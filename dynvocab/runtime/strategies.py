@@ -13,6 +13,7 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy
+from dynvocab.runtime.policies.candidates import CentroidConfig, CentroidPolicy, LowRankConfig, LowRankPolicy
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
 from dynvocab.runtime.policies.frequency import PositionAwareConfig
@@ -106,6 +107,14 @@ def _dynaspec(options: StrategyOptions, ctx: PolicyContext) -> DynaSpecPolicy:
     return DynaSpecPolicy.from_context(options.config(DynaSpecConfig), ctx)
 
 
+def _lowrank(options: StrategyOptions, ctx: PolicyContext) -> LowRankPolicy:
+    return LowRankPolicy.from_context(options.config(LowRankConfig), ctx)
+
+
+def _centroids(options: StrategyOptions, ctx: PolicyContext) -> CentroidPolicy:
+    return CentroidPolicy.from_context(options.config(CentroidConfig), ctx)
+
+
 def _evospec(options: StrategyOptions, ctx: PolicyContext) -> EvoSpecPolicy:
     return EvoSpecPolicy.from_context(options.config(EvoSpecConfig), ctx)
 
@@ -160,6 +169,14 @@ register(Strategy(
 register(Strategy(
     "dynaspec", DynaSpecConfig, _dynaspec, stages=("clusters", "router"),
     flags=(Flag("k_max", "clusters routed at draft steps 0 and 1 (k_max).", min=1),),
+))
+register(Strategy(
+    "lowrank", LowRankConfig, _lowrank, stages=("lowrank",),
+    flags=(Flag("candidates", "lowrank: candidate ids per draft step (default: the bundle stage's budget).", min=1),),
+))
+register(Strategy(
+    "centroids", CentroidConfig, _centroids, stages=("centroids",),
+    flags=(Flag("blocks", "centroids: vocabulary blocks per draft step (default: the bundle stage's budget).", min=1),),
 ))
 register(Strategy(
     "microspec", MicroSpecConfig, _microspec,

@@ -1,4 +1,7 @@
-"""Stage ``router``: train DynaSpec's meta-classifier on the draft's own predictions and add it to a bundle.
+"""Stages ``router``, ``lowrank``, ``centroids``: train vocabulary selectors on the draft's own predictions.
+
+The first is DynaSpec's meta-classifier over the bundle's clusters, the other two the field's learned
+fixed-size candidate selectors (:mod:`dynvocab.artifacts.selectors`); one data pass serves all three.
 
 Data (DynaSpec appendix A.2, with teacher forcing instead of running EAGLE-2): one forward pass of the draft
 over each training document gives, at every position i, the final hidden state h_i and the draft's top-L
@@ -12,12 +15,15 @@ how often the draft's own top-1 token falls inside the top-k clusters' union, wi
 - :mod:`.data`: the draft's teacher-forced pass (:class:`RouterData`) and the held-out split.
 - :mod:`.fit`: labels, the loss and the training loop (:class:`RouterConfig`).
 - :mod:`.recall`: the held-out recall report at each cluster budget.
+- :mod:`.selectors`: the candidate selectors trained on the same data (``lowrank``, ``centroids``): SVD and
+  balanced-block initialisation, their loss, and their held-out recall of the draft's top-1 and top-2.
 - :mod:`.stage`: the command that ties them together and rewrites the bundle.
 
 Documents are encoded by :func:`dynvocab.builders.corpus.encode_documents`, as train-draft encodes them.
 """
 
 from dynvocab.builders.router.fit import RouterConfig
-from dynvocab.builders.router.stage import RouterReport, TrainRouterConfig, train_router
+from dynvocab.builders.router.selectors import SelectorConfig
+from dynvocab.builders.router.stage import SELECTORS, RouterReport, TrainRouterConfig, train_router
 
-__all__ = ["RouterConfig", "RouterReport", "TrainRouterConfig", "train_router"]
+__all__ = ["SELECTORS", "RouterConfig", "RouterReport", "SelectorConfig", "TrainRouterConfig", "train_router"]

@@ -1,4 +1,6 @@
-"""The ``train-router`` command: check the bundle and models, collect, train, evaluate, rewrite the bundle."""
+"""The ``train-router`` command: check the bundle and models, collect the draft's teacher-forced predictions once,
+train each selector asked for on them (DynaSpec's router, the ``lowrank`` and ``centroids`` candidate selectors),
+evaluate them on held-out documents, rewrite the bundle."""
 
 from __future__ import annotations
 
@@ -11,12 +13,17 @@ import torch
 
 from dynvocab.artifacts import ClusterTable, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.router import STAGE, RouterTable, clusters_checksum
+from dynvocab.artifacts.selectors import CentroidScorer, LowRankScorer, SelectorTable
 from dynvocab.builders.corpus import CorpusConfig, check_sources, encode_documents
 from dynvocab.builders.models import fingerprint
 from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.builders.router.data import collect, split
 from dynvocab.builders.router.fit import RouterConfig, mean_loss, positive_counts, train
 from dynvocab.builders.router.recall import evaluate, report_budgets
+from dynvocab.builders.router.selectors import (
+    CENTROID_BUDGETS, CENTROIDS, LOWRANK, LOWRANK_BUDGETS, SelectorConfig, balanced_blocks, block_of, centroid_init,
+    default_budget, fit as fit_selector, recall as selector_recall, svd_init,
+)
 from dynvocab.errors import DynvocabError
 from dynvocab.models import default_device, load_model, load_tokenizer, resolve_model
 
@@ -27,6 +34,8 @@ class TrainRouterConfig:
 
     corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(max_docs=160))
     router: RouterConfig = field(default_factory=RouterConfig)
+    selectors: tuple[str, ...] = (STAGE,)  # which to train on the one data pass: router, lowrank, centroids
+    selector: SelectorConfig = field(default_factory=SelectorConfig)
     device: str | None = None  # None: cuda when visible, else cpu
     dtype: str = "float32"  # the draft's dtype for the data pass (bf16 prefill is slow on CPUs without AMX)
 
@@ -42,9 +51,10 @@ class RouterReport:
     collect_s: float
     train_s: float
     seconds: float
-    losses: list[float]  # mean train loss per epoch
+    losses: list[float]  # mean train loss per epoch (router)
     heldout_loss: float
-    recall: dict  # see :func:`dynvocab.builders.router.recall.evaluate`
+    recall: dict  # the router's, see :func:`dynvocab.builders.router.recall.evaluate` ({} when not trained)
+    selectors: dict = field(default_factory=dict)  # lowrank / centroids: budget, recall, losses, seconds
 
 
 def check_config(rc: RouterConfig) -> None:
@@ -71,25 +81,44 @@ def _check_model(bundle, given: ModelFingerprint, role: str) -> None:
         )
 
 
+SELECTORS = (STAGE, LOWRANK, CENTROIDS)
+
+
+def check_selectors(cfg: "TrainRouterConfig") -> None:
+    """Refuse unknown selectors and settings that cannot train (one line naming the option)."""
+    unknown = [k for k in cfg.selectors if k not in SELECTORS]
+    if unknown or not cfg.selectors:
+        raise DynvocabError(f"--selector takes one or more of {', '.join(SELECTORS)} (got {', '.join(unknown) or 'none'})")
+    sc = cfg.selector
+    for option, value, least in (("--rank", sc.rank, 1), ("--block-size", sc.block_size, 1),
+                                 ("--positives", sc.positives, 1), ("--selector-epochs", sc.epochs, 1)):
+        if value < least:
+            raise DynvocabError(f"{option} must be at least {least} (got {value})")
+
+
 def train_router(
     bundle_path: str | Path, draft: str, target: str | None = None, cfg: TrainRouterConfig = TrainRouterConfig(),
     out: str | Path | None = None, reporter: Reporter = SilentReporter(),
 ) -> RouterReport:
-    """Train the router for ``draft`` on the bundle's clusters and write it as the ``router`` stage.
+    """Train the selectors ``cfg.selectors`` for ``draft`` on one teacher-forced data pass and write each as its
+    stage (``router``, ``lowrank``, ``centroids``).
 
     The bundle at ``out`` (default: the input bundle) is rewritten atomically with every other stage kept. The
-    bundle must hold a ``clusters`` stage built for this draft (and for ``target``, when one is given).
+    router needs a ``clusters`` stage built for this draft; every selector needs a bundle built for this draft (and
+    for ``target``, when one is given).
     """
     t0 = time.perf_counter()
     rc = cfg.router
     check_config(rc)
+    check_selectors(cfg)
     if cfg.corpus.max_docs < rc.holdout_every:
         raise DynvocabError(
             f"--max-docs {cfg.corpus.max_docs} is too few: every {rc.holdout_every}th document is held out; "
             f"pass at least {rc.holdout_every}"
         )
     bundle = load_bundle(bundle_path, verify=True)
-    bundle.require("clusters")
+    if STAGE in cfg.selectors:
+        bundle.require("clusters")
     out = Path(out) if out is not None else bundle.path
     if not out.parent.is_dir():
         raise DynvocabError(f"folder {out.parent} does not exist; create it or pick another --out")
@@ -101,13 +130,9 @@ def train_router(
     if target is not None:
         t_spec = resolve_model(target)
         _check_model(bundle, fingerprint(t_spec, load_tokenizer(t_spec)), "target")
-    clusters = ClusterTable.from_bundle(bundle)
-    m = clusters.num_clusters
     vocab_rows = min(d_fp.head_rows, bundle.fingerprints["target"].head_rows)  # ids both models share
     if rc.top_l > vocab_rows:
         raise DynvocabError(f"--top-l {rc.top_l} exceeds the draft's {vocab_rows} token ids")
-    assign = clusters.assign.long()
-    sizes = torch.bincount(assign[:vocab_rows], minlength=m)  # [M] draftable ids per cluster
 
     device = cfg.device or default_device()
     with reporter.task(f"loading draft {draft} ({cfg.dtype}, {device})", total=None):
@@ -118,48 +143,105 @@ def train_router(
         data = collect(model, docs, rc.top_l, vocab_rows, advance)
     collect_s = time.perf_counter() - start
     embedding = model.get_input_embeddings().weight.detach().float().cpu()  # [V, d_e]
+    head = model.get_output_embeddings().weight[:vocab_rows].detach().float().cpu()  # [V, d]
     del model
     n_docs = int(data.doc.max()) + 1
     train_data, held = split(data, rc.holdout_every)
     del data
-    positives = float(positive_counts(held, assign, m).sum()) / held.rows
     reporter.log(
         f"data: {n_docs:,} documents · {train_data.rows:,} train + {held.rows:,} held-out positions · "
-        f"top-{rc.top_l} → {positives:.1f} positive clusters per position · {collect_s:.1f} s"
+        f"{collect_s:.1f} s"
     )
+    stages = {}
+    report = {"losses": [], "heldout_loss": 0.0, "recall": {}, "selectors": {}, "train_s": 0.0,
+              "corpus": {**cfg.corpus.describe(), "docs": n_docs}, "collect_s": collect_s}
+    if STAGE in cfg.selectors:
+        stages[STAGE] = _train_cluster_router(bundle, rc, train_data, held, embedding, vocab_rows, reporter, report)
+    for kind in (LOWRANK, CENTROIDS):
+        if kind in cfg.selectors:
+            stages[kind] = _train_selector(kind, cfg.selector, head, train_data, held, reporter, report)
+    keep = [bundle.load_stage(s) for s in bundle.stages if s not in stages]
+    with reporter.task(f"writing {out.name}", total=None):
+        write_bundle(out, keep + list(stages.values()), bundle.fingerprints["target"], bundle.fingerprints["draft"])
+    return RouterReport(out, n_docs, train_data.rows, held.rows, collect_s, report["train_s"],
+                        time.perf_counter() - t0, report["losses"], report["heldout_loss"], report["recall"],
+                        report["selectors"])
 
-    start = time.perf_counter()
+
+def _info(t0: float, report: dict, train_data, held, losses: list[float], **extra) -> dict:
+    return {
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "corpus": report["corpus"],
+        "collect_seconds": round(report["collect_s"], 2),
+        "train_positions": train_data.rows,
+        "heldout_positions": held.rows,
+        "losses": [round(x, 5) for x in losses],
+        **{k: _rounded(v) for k, v in extra.items()},
+    }
+
+
+def _train_cluster_router(bundle, rc: RouterConfig, train_data, held, embedding, vocab_rows, reporter, report) -> Stage:
+    """DynaSpec's router over the bundle's clusters (its stage; the report's router fields filled in)."""
+    t0 = time.perf_counter()
+    clusters = ClusterTable.from_bundle(bundle)
+    m = clusters.num_clusters
+    assign = clusters.assign.long()
+    sizes = torch.bincount(assign[:vocab_rows], minlength=m)  # [M] draftable ids per cluster
+    positives = float(positive_counts(held, assign, m).sum()) / held.rows
+    reporter.log(f"router: top-{rc.top_l} → {positives:.1f} positive clusters per position")
     batches = rc.epochs * math.ceil(train_data.rows / rc.batch_size)
     with reporter.task(f"training router ({rc.epochs} epochs, batches)", total=batches) as advance:
         module, losses = train(rc, train_data, embedding, assign, m, advance)
-    train_s = time.perf_counter() - start
+    train_s = time.perf_counter() - t0
     heldout_loss = mean_loss(module, held, embedding, assign)
-    reporter.log(
-        f"training: {train_s:.1f} s · loss {losses[0]:.3f} → {losses[-1]:.3f} (held-out {heldout_loss:.3f})"
-    )
+    reporter.log(f"training: {train_s:.1f} s · loss {losses[0]:.3f} → {losses[-1]:.3f} (held-out {heldout_loss:.3f})")
     static_order = positive_counts(train_data, assign, m).argsort(descending=True)  # [M] most often positive first
     recall = evaluate(module, held, embedding, assign, sizes, report_budgets(rc.k_max), static_order)
-
+    report.update(losses=losses, heldout_loss=heldout_loss, recall=recall, train_s=report["train_s"] + train_s)
     config = {**rc.as_dict(), "clusters_sha256": clusters_checksum(bundle), "vocab_rows": vocab_rows}
     table = RouterTable.from_module(module, config)
-    info = {
-        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "seconds": round(time.perf_counter() - t0, 2),
-        "corpus": {**cfg.corpus.describe(), "docs": n_docs},
-        "train_positions": train_data.rows,
-        "heldout_positions": held.rows,
-        "collect_seconds": round(collect_s, 2),
-        "train_seconds": round(train_s, 2),
-        "losses": [round(x, 5) for x in losses],
-        "heldout_loss": round(heldout_loss, 5),
-        "recall": _rounded(recall),
-    }
-    stages = [bundle.load_stage(s) for s in bundle.stages if s != STAGE]
-    stages.append(Stage(STAGE, table.to_tensors(), table.config, info))
-    with reporter.task(f"writing {out.name}", total=None):
-        write_bundle(out, stages, bundle.fingerprints["target"], bundle.fingerprints["draft"])
-    return RouterReport(out, n_docs, train_data.rows, held.rows, collect_s, train_s, time.perf_counter() - t0,
-                        losses, heldout_loss, recall)
+    info = _info(t0, report, train_data, held, losses, train_seconds=train_s, heldout_loss=heldout_loss, recall=recall)
+    return Stage(STAGE, table.to_tensors(), table.config, info)
+
+
+def _train_selector(kind: str, sc: SelectorConfig, head: torch.Tensor, train_data, held, reporter, report) -> Stage:
+    """A candidate selector initialised from the head's rows ``head`` [V, d] and trained on the data: its stage,
+    with the default budget set by held-out recall (the report's ``selectors[kind]`` filled in)."""
+    t0 = time.perf_counter()
+    unit = sizes = None
+    if kind == LOWRANK:
+        rank = min(sc.rank, head.shape[1])
+        with reporter.task(f"lowrank: SVD init (rank {rank})", total=None):
+            scorer = LowRankScorer(*svd_init(head, rank))
+        budgets = LOWRANK_BUDGETS
+    else:
+        with reporter.task(f"centroids: balanced blocks of {sc.block_size}", total=sc.cluster_iters) as advance:
+            order = balanced_blocks(head, sc.block_size, sc.cluster_iters, sc.seed, advance)
+        unit = block_of(order, sc.block_size)
+        sizes = torch.bincount(unit)
+        scorer = CentroidScorer(centroid_init(head, order, sc.block_size))
+        budgets = CENTROID_BUDGETS
+    before = selector_recall(kind, scorer, held, budgets, unit, sizes)
+    batches = sc.epochs * math.ceil(train_data.rows / sc.batch_size)
+    with reporter.task(f"training {kind} ({sc.epochs} epochs, batches)", total=batches) as advance:
+        losses = fit_selector(kind, scorer, sc, train_data, unit, advance)
+    recall = selector_recall(kind, scorer, held, budgets, unit, sizes)
+    budget = default_budget(recall)
+    seconds = time.perf_counter() - t0
+    report["selectors"][kind] = {"budget": budget, "recall": recall, "untrained_recall": before,
+                                 "losses": losses, "seconds": seconds}
+    report["train_s"] += seconds
+    b = recall[str(budget)]
+    reporter.log(
+        f"{kind}: {seconds:.1f} s · loss {losses[0]:.3f} → {losses[-1]:.3f} · default budget {budget} "
+        f"({b['ids']:,.0f} ids): top-1 recall {b['top1_recall']:.1%}, top-2 {b['top2_recall']:.1%}"
+    )
+    config = {**sc.as_dict(), "budget": budget}
+    table = SelectorTable.lowrank(scorer, config) if kind == LOWRANK else SelectorTable.centroids(
+        scorer, order, sc.block_size, config)
+    info = _info(t0, report, train_data, held, losses, recall=recall, untrained_recall=before)
+    return Stage(kind, table.tensors, table.config, info)
 
 
 def _rounded(obj):

@@ -20,6 +20,7 @@ from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.policies.groups import Groups
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,8 @@ class DynaSpecPolicy(VocabPolicy):
         self.device = torch.device(device)
         self.router = router.module(self.device)
         self.embedding = embedding  # [V, d_e], any dtype; rows are cast to float32 when read
-        assign = clusters.assign[:vocab_size].long()  # [V'] cluster of each draftable id
-        order = torch.argsort(assign, stable=True)  # [V'] ids grouped by cluster, ascending within a cluster
-        sizes = torch.bincount(assign, minlength=m)  # [M]
-        self.order = order.to(self.device)  # the head packs W[order] once; a cluster is a slice of it
-        ends = sizes.cumsum(0)  # [M] cluster c is order[ends[c] - sizes[c] : ends[c]]
-        self.bounds = torch.stack([ends - sizes, ends]).to(self.device)  # [2, M] (start, end) per cluster
         eos = torch.empty(0, dtype=torch.long) if eos is None else eos.long()
-        eos = eos[eos < vocab_size]
-        self.eos = eos.to(self.device)  # [E]
-        self.eos_cluster = assign[eos].to(self.device)  # [E]
+        self.groups = Groups(clusters.assign[:vocab_size], m, eos, self.device)
         self.router_s = 0.0  # time spent routing (router MLP + top-k + union)
         self.calls = 0
 
@@ -108,24 +101,12 @@ class DynaSpecPolicy(VocabPolicy):
     def select(self, scores: torch.Tensor, k: int) -> tuple[RowRanges, torch.Tensor]:
         """The union of the top-``k`` clusters of ``scores`` [M] as row ranges of the cluster-grouped order, and
         the EOS ids outside them, LongTensor [e]: two disjoint segments."""
-        top = scores.topk(min(k, scores.numel())).indices  # [k], best first
-        picked = torch.zeros(scores.numel(), dtype=torch.bool, device=self.device)
-        picked[top] = True
-        starts, ends = self._ranges(picked)
-        return RowRanges(self.order, starts, ends), self.eos[~picked[self.eos_cluster]]
+        return self.groups.select(scores.topk(min(k, scores.numel())).indices)
 
-    def _ranges(self, picked: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The picked clusters (bitmap [M]) as merged row ranges, as ``merge_ranges`` gives them, computed on the
-        device from the cluster bounds: one read of the final ranges instead of a Python pass over k clusters."""
-        bounds = self.bounds[:, picked & (self.bounds[1] > self.bounds[0])]  # [2, k'] non-empty, in cluster order
-        if bounds.shape[1] == 0:
-            return (), ()
-        breaks = bounds[0, 1:] != bounds[1, :-1]  # [k'-1] a gap before the next picked cluster
-        first = torch.cat([breaks.new_ones(1), breaks])  # [k'] starts a merged range
-        last = torch.cat([breaks, breaks.new_ones(1)])  # [k'] ends one
-        flat = torch.cat([bounds[0, first], bounds[1, last]]).tolist()  # the one host read: [starts…, ends…]
-        half = len(flat) // 2
-        return tuple(flat[:half]), tuple(flat[half:])
+    @property
+    def order(self) -> torch.Tensor:
+        """[V] ids grouped by cluster: the order the head packs once."""
+        return self.groups.order
 
     def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> ActiveSet:
         """The active set at draft step ``step`` for the draft's ``hidden`` [1, d] and last fed ``token``:
