@@ -46,6 +46,8 @@ def test_policy_step_bench_reports_the_driven_policys_sets_and_costs(monkeypatch
     policies, scripts = [], []
 
     def scripted(name, tables):
+        if name != "scripted":  # the full head's reference row
+            return real_policy(name, tables)
         policies.append(Scripted())
         return policies[-1]
 
@@ -53,7 +55,7 @@ def test_policy_step_bench_reports_the_driven_policys_sets_and_costs(monkeypatch
         scripts.append(real_script(*args, **kwargs))
         return scripts[-1]
 
-    real_script = policy_step.scripted_cycles
+    real_script, real_policy = policy_step.scripted_cycles, policy_step._policy
     monkeypatch.setattr(policy_step, "_policy", scripted)
     monkeypatch.setattr(policy_step, "scripted_cycles", keep_script)
     warmup, cycles, gamma = 2, 4, 3
@@ -83,12 +85,15 @@ def test_policy_step_bench_runs_every_dynamic_policy():
     result = policy_step_bench(dtypes=("float32",), cycles=4, warmup_cycles=2, target=TINY, threads=1)
     res = result["dtypes"]["float32"]
     assert res["eagle"]["step_ms"] == res["eagle"]["body_ms"] + res["eagle"]["head_ms"] > 0
-    assert set(res["policies"]) == set(policy_rows())
+    assert set(res["policies"]) == {"full", *policy_rows()}
     for name, r in res["policies"].items():
         assert abs(r["policy_ms"] - r["active_ms"] - r["observe_ms"]) < 1e-9
         assert r["head_ms"] > 0 and 0 < r["mean_active"] <= TINY["vocab_size"]
         assert r["share_of_eagle_step"] == r["policy_ms"] / res["eagle"]["step_ms"]
-    assert render_policy_table(result).row_count == len(policy_rows())
+    assert render_policy_table(result).row_count == len(policy_rows()) + 1
+    full_head = res["policies"]["full"]["head_ms"]
+    for r in res["policies"].values():
+        assert r["step_vs_full_head"] == pytest.approx((r["active_ms"] + r["head_ms"]) / full_head)
 
 
 def test_policy_step_bench_reads_a_bundle(tmp_path, tiny_dirs, corpus_jsonl):  # noqa: F811
@@ -102,7 +107,8 @@ def test_policy_step_bench_reads_a_bundle(tmp_path, tiny_dirs, corpus_jsonl):  #
     assert result.exit_code == 0, result.output
     result = run("train-router", "--bundle", out, "--draft", tiny_dirs[1], "--target", tiny_dirs[0], "--corpus",
                  corpus_jsonl, "--max-docs", 20, "--max-tokens", 16, "--epochs", 1, "--hidden", 16, "--k-max", 3,
-                 "--device", "cpu")
+                 "--device", "cpu", "--selector", "router,lowrank,centroids", "--rank", 4, "--block-size", 16,
+                 "--selector-epochs", 1)
     assert result.exit_code == 0, result.output
     with load_bundle(out) as bundle:
         vocab = bundle.fingerprints["target"].head_rows
@@ -110,5 +116,5 @@ def test_policy_step_bench_reads_a_bundle(tmp_path, tiny_dirs, corpus_jsonl):  #
                                    target={**TINY, "vocab_size": vocab}, threads=1)
     assert result["tables"] == "bundle"
     rows = result["dtypes"]["float32"]["policies"]
-    assert set(rows) == set(policy_rows())
+    assert set(rows) == {"full", *policy_rows()}
     assert all(0 < r["mean_active"] <= vocab for r in rows.values())

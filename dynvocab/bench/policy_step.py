@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from dynvocab.artifacts import FreqTable, HnswParams, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
+from dynvocab.models.prepack import INT8, Int8Rows
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.hybrid import HybridConfig
@@ -154,9 +155,22 @@ def synthetic_bundle(path: Path, vocab: int, rows: torch.Tensor, g: torch.Genera
             "indices": torch.randint(vocab, (vocab * fanout,), generator=g, dtype=torch.int32),
             "probs": torch.full((vocab * fanout,), 1.0 / fanout),
         }, {}),
+        *_synthetic_selectors(vocab, dim, g),
     ]
     fingerprint = ModelFingerprint(vocab, "synthetic", rows.shape[0], dim, "synthetic")
     return write_bundle(path, stages, fingerprint, None)
+
+
+def _synthetic_selectors(vocab: int, dim: int, g: torch.Generator, rank: int = 64, block: int = 128) -> list[Stage]:
+    """Random ``lowrank`` (rank 64, 2,048 candidates) and ``centroids`` (blocks of 128, 32 of them) stages."""
+    from dynvocab.artifacts.selectors import CentroidScorer, LowRankScorer, SelectorTable
+
+    low = SelectorTable.lowrank(
+        LowRankScorer(torch.randn(rank, dim, generator=g), torch.randn(vocab, rank, generator=g)), {"budget": 2048})
+    blocks = -(-vocab // block)
+    cen = SelectorTable.centroids(CentroidScorer(torch.randn(blocks, dim, generator=g)),
+                                  torch.randperm(vocab, generator=g), block, {"budget": 32})
+    return [Stage(t.kind, t.tensors, t.config) for t in (low, cen)]
 
 
 def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Target | None, _Draft]:
@@ -169,6 +183,9 @@ def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Targe
         return torch.randn(params.num_elements, params.hidden, generator=g)
 
     router = bundle.config("router") if bundle.has("router") else {"hidden_dim": dim, "embed_dim": dim}
+    for stage in ("lowrank", "centroids"):  # a bundle with selectors only: the hidden size they read
+        if not bundle.has("router") and bundle.has(stage):
+            router = {"hidden_dim": bundle.config(stage)["hidden_dim"], "embed_dim": dim}
     embedding = torch.randn(vocab, int(router["embed_dim"]), generator=g)
     index_rows = rows("draft_hnsw") if bundle.has("draft_hnsw") else None
     draft = _Draft(vocab, int(router["hidden_dim"]), embedding, shares_target_head=False, index_rows=index_rows)
@@ -266,11 +283,12 @@ def policy_step_bench(
     threads: int | None = None,
     target: dict = DEMO_TARGET,
 ) -> dict:
-    """Each policy's own ms per draft step and its head's ms per step, beside an EAGLE-1 step with a 3k-row head,
-    per dtype (``policies``: bench rows, default :func:`policy_rows`; ``target``: other shapes, e.g. tiny ones for
+    """Each policy's own ms per draft step and its head's ms per step, beside the full head (row ``full``) and an
+    EAGLE-1 step with a 3k-row head, per dtype of the head's rows (``"int8"``: int8 rows with per-row scales, as an
+    int8 draft keeps them) (``policies``: bench rows, default :func:`policy_rows`; ``target``: other shapes, e.g. tiny ones for
     tests). Returns ``{"tables", "target", "cycles", "gamma", "threads", "dtypes": {dtype: {"eagle": {"body_ms",
     "head_ms", "step_ms"}, "policies": {name: {"policy_ms", "active_ms", "observe_ms", "head_ms", "mean_active",
-    "share_of_eagle_step"}}}}}``."""
+    "share_of_eagle_step", "step_vs_full_head"}}}}}``."""
     policies = policy_rows() if policies is None else policies
     vocab = target["vocab_size"]
     with cpu_threads(threads), bench_context(bundle, vocab, target["hidden_size"], seed) as ctx:
@@ -281,14 +299,16 @@ def policy_step_bench(
         out = {"tables": "bundle" if bundle is not None else "synthetic", "target": target, "cycles": cycles,
                "gamma": gamma, "threads": torch.get_num_threads(), "dtypes": {}}
         for name in dtypes:
-            dt = resolve_dtype(name)
+            int8 = name == INT8
+            dt = torch.float32 if int8 else resolve_dtype(name)  # int8 rows take float32 activations
             eagle = eagle_step_ms(dt, seed=seed, target=target)
             # [V, d] the head an EAGLE-1 draft reads (with a bundle: the width of the draft its tables were built for)
             weight = torch.randn(vocab, ctx.draft.hidden_size).to(dt)
+            source = Int8Rows(weight, keep_rows=True) if int8 else weight
             rows = {}
-            for p in policies:
+            for p in ("full", *policies):
                 policy = _policy(p, ctx)
-                head = DraftHead(weight)
+                head = DraftHead(source)
                 run_policy(policy, script[:warmup_cycles], head, prompt)
                 r = run_policy(policy, script[warmup_cycles:], head)
                 policy.close()
@@ -302,6 +322,9 @@ def policy_step_bench(
                     "mean_active": sum(len(s) for s in r["sets"]) / steps,
                     "share_of_eagle_step": policy_ms / eagle["step_ms"],
                 }
+            full_head = rows["full"]["head_ms"]
+            for r in rows.values():
+                r["step_vs_full_head"] = (r["active_ms"] + r["head_ms"]) / full_head if full_head else None
             out["dtypes"][name] = {"eagle": eagle, "policies": rows}
         return out
 
@@ -317,8 +340,8 @@ def render_policy_table(result: dict):
               f"γ={result['gamma']} · {result['cycles']} cycles · {result['threads']} threads",
         title_justify="left",
     )
-    for col in ("dtype", "policy", "active ids", "policy ms/step", "active_ids", "observe", "head ms/step",
-                "EAGLE-1 step ms (3k)", "policy / step"):
+    for col in ("head rows", "policy", "active ids", "policy ms/step", "active_ids", "observe", "head ms/step",
+                "selector + head (× full head)", "EAGLE-1 step ms (3k)", "policy / step"):
         table.add_column(col, justify="left" if col in ("dtype", "policy") else "right", no_wrap=True)
     for dtype, res in result["dtypes"].items():
         eagle = res["eagle"]
@@ -326,6 +349,7 @@ def render_policy_table(result: dict):
             table.add_row(
                 dtype, name, f"{r['mean_active']:,.0f}", f"{r['policy_ms']:.3f}", f"{r['active_ms']:.3f}",
                 f"{r['observe_ms']:.3f}", "–" if r["head_ms"] is None else f"{r['head_ms']:.3f}",
+                f"{r['active_ms'] + r['head_ms']:.3f} ({r['step_vs_full_head']:.2f}×)",
                 f"{eagle['step_ms']:.2f}", f"{100 * r['share_of_eagle_step']:.1f}%",
             )
     return table

@@ -110,7 +110,7 @@ def bench(
         return
     flags.check()
     if policy_steps:
-        _policy_step_bench(flags.bundle, dtype, json_path, threads)
+        _policy_step_bench(flags.bundle, dtype, draft_weights, json_path, threads)
         return
     if eagle_step:
         _eagle_step_bench(device, dtype, draft_weights, json_path)
@@ -138,13 +138,19 @@ def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None,
         console.print(f"wrote {json_path}")
 
 
-def _policy_step_bench(bundle: str | None, dtype: str | None, json_path: Path | None, threads: int | None) -> None:
+def _policy_step_bench(
+    bundle: str | None, dtype: str | None, weights: str | None, json_path: Path | None, threads: int | None
+) -> None:
     from dynvocab.artifacts.bundle import load_bundle
     from dynvocab.bench.policy_step import policy_step_bench, render_policy_table
+    from dynvocab.models.prepack import INT8, default_draft_weights
 
     console = Console(stderr=True)
     opened = load_bundle(bundle) if bundle else None
+    weights = weights or default_draft_weights("cpu", dtype or "float32")
     dtypes = (dtype,) if dtype else ("bfloat16", "float32")
+    if weights == INT8:  # the int8 rows an int8 draft's head reads, first
+        dtypes = (INT8, *dtypes)
     with console.status("timing policy steps…"):
         result = policy_step_bench(opened, dtypes=dtypes, threads=threads)
     Console().print(render_policy_table(result))
