@@ -233,3 +233,28 @@ def test_activations_keep_all_8_bits_where_vnni_sums_in_int32(monkeypatch):
     monkeypatch.setattr(prepack, "REDUCE_RANGE", True)
     seven_bits = (rows.linear(x) - ref).abs().mean()
     assert default < 0.7 * seven_bits
+
+
+@pytest.mark.parametrize("gathers_int8", [False, True], ids=["float32-gathers", "int8-gathers"])
+def test_a_static_ranking_is_packed_when_the_policy_is_built(int8_pair, gathers_int8, monkeypatch, tmp_path):
+    """fr's ranking is gathered (and, where gathered rows are float32, its prefix packed for fbgemm) when the policy
+    is built: the first draft step copies no row and runs from the pack, not after PACK_AFTER calls."""
+    from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy as build_policy
+
+    monkeypatch.setattr(Int8Rows, "gathers_int8", gathers_int8)
+    target, draft = int8_pair
+    rows = draft.head_rows
+    rows._prefix_packs.clear(), rows._prefix_uses.clear(), rows.ordered._kept.clear()
+    path = tmp_path / "map.pt"
+    torch.save(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:40].tolist(), path)
+    ctx = PolicyContext(draft.vocab_size, set(), "cpu", None, draft, target)
+    policy = build_policy("fr", StrategyOptions(token_map=str(path)), ctx)
+    assert len(rows.ordered._kept) == 1 and len(rows._prefix_packs) == (0 if gathers_int8 else 1)
+    draft.reset()
+    h = torch.randn(1, draft.hidden_size)
+    part, cols = draft.head_logits(h, policy.active_ids(0))
+    assert draft.rows_copied == 0 and torch.equal(cols, policy.ids) and not rows._prefix_uses  # no counting: packed
+    full, _ = draft.head_logits(h, ActiveSet.full(draft.vocab_size))
+    assert (part - full[:, cols]).abs().max() < 0.05 * full.abs().max()
+    again = build_policy("fr", StrategyOptions(token_map=str(path)), ctx)  # the next prompt's: a new tensor, kept rows
+    assert again.ranking is not policy.ranking and len(rows.ordered._kept) == 1

@@ -18,13 +18,14 @@ def test_pa_budget_follows_dynaspec():
     assert pa_budget(3, 10) == 1
 
 
-def test_fr_pa_prefixes_share_one_tensor_and_keep_eos():
+def test_fr_pa_prefixes_are_ranges_of_one_order_and_keep_eos():
     ranking = torch.arange(100, 200)
     policy = PositionAwareFrequencyPolicy(ranking, k_max=60, always=torch.tensor([5]))
     sets = [policy.active_ids(t) for t in range(4)]
     assert [s.size for s in sets] == [60, 60, 20, 15]
     assert all(s.contains(5) for s in sets)
-    assert all(s.segments[0].data_ptr() == sets[0].segments[0].data_ptr() for s in sets)
+    assert all(s.segments[0].order is policy.ranking and s.segments[0].starts == (0,) for s in sets)
+    assert set(policy.prefixes) >= {60, 20, 15}
 
 
 def test_fr_returns_the_same_object_each_step():

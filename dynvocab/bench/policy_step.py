@@ -111,6 +111,9 @@ class _Draft:
     adaptable: None = None  # no online alignment
     device: torch.device = torch.device("cpu")
 
+    def prepare_rows(self, order: torch.Tensor, prefixes=()) -> None:
+        """Nothing to pack: the bench's heads are its own (their warm-up cycles pack what the policy returns)."""
+
 
 @contextmanager
 def bench_context(bundle, vocab: int, dim: int, seed: int) -> Iterator[PolicyContext]:

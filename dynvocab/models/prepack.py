@@ -136,6 +136,30 @@ def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.quantized.linear_prepack(qw, bias)
 
 
+class OrderedRows:
+    """A row source's rows of fixed orders, gathered once and kept across sequences (a few, least recently used
+    dropped): a ranking (FR-Spec), DynaSpec's cluster order, the centroid blocks. An order is recognised by its
+    tensor, or by its ids when a policy built anew for the next prompt holds the same order in a new tensor."""
+
+    KEEP = 4
+
+    def __init__(self, source):
+        self.source = source
+        self._kept: list[tuple[torch.Tensor, tuple]] = []  # (order, (rows, scales, bias)), most recent last
+
+    def get(self, order: torch.Tensor) -> tuple[tuple, bool]:
+        """``((rows [N, d], scales [N] or None, bias [N] or None), copied)`` for ``order`` [N]."""
+        for i, (kept, rows) in enumerate(self._kept):
+            if kept is order or (kept.shape == order.shape and torch.equal(kept, order)):
+                self._kept.append(self._kept.pop(i))
+                return rows, False
+        rows = self.source.gather(order)
+        self._kept.append((order, rows))
+        if len(self._kept) > self.KEEP:
+            self._kept.pop(0)
+        return rows, True
+
+
 def _int8_gathered_matmul() -> bool:
     """True where gathered int8 rows are multiplied as int8: a CPU with AVX-512 BF16, where
     ``aten._weight_int8pack_mm`` (int8 rows, per-row bfloat16 scales, bfloat16 activations) ran a one-row product
@@ -178,6 +202,7 @@ class Int8Rows:
         self._q: torch.Tensor | None = q if keep_rows else None  # the int8 rows, kept or unpacked from fbgemm's copy when a gather needs them
         self._prefix_packs: dict = {}  # (data_ptr, n) -> (order, packed); insertion order = use order
         self._prefix_uses: dict = {}  # (data_ptr, n) -> (order, calls) for prefixes not packed yet
+        self.ordered = OrderedRows(self)  # rows of fixed orders, kept across sequences (shared by ``first`` views)
         self.limit = self.shape[0]  # rows ``linear`` returns (a draft trims padded head rows)
 
     gathers_int8 = INT8_GATHERED  # gathered rows stay int8 (see :func:`_int8_gathered_matmul`)
@@ -237,6 +262,24 @@ class Int8Rows:
         """``x [m, in]`` times gathered ``rows`` (as :meth:`gather` returns them) -> [m, n] float32."""
         return gathered_matmul(x, rows, scales, bias)
 
+    def prefix_pack(self, order: torch.Tensor, n: int) -> None:
+        """Pack the first ``n`` rows of ``order`` for fbgemm now (a policy's static ranking, at its build), so
+        :meth:`prefix_linear` answers from the first call."""
+        key = (order.data_ptr(), n)
+        if key in self._prefix_packs or _take_same(self._prefix_packs, order, n) is not None:
+            return
+        self._prefix_uses.pop(key, None)
+        self._store_pack(key, order, n)
+
+    def _store_pack(self, key: tuple, order: torch.Tensor, n: int):
+        ids = order[:n]
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        packed = _fbgemm_pack(self.q.index_select(0, ids), self.scale.index_select(0, ids), bias)
+        if len(self._prefix_packs) >= self.PREFIX_PACKS:
+            self._prefix_packs.pop(next(iter(self._prefix_packs)))
+        self._prefix_packs[key] = (order, packed)
+        return packed
+
     def prefix_linear(self, x: torch.Tensor, order: torch.Tensor, n: int) -> torch.Tensor | None:
         """``x @ W[order[:n]].T (+ bias)`` -> [m, n] float32 from a packed copy kept for ``(order, n)``; None (the
         caller multiplies its gathered rows) until that prefix has been asked for ``PACK_AFTER`` times — a set
@@ -255,11 +298,7 @@ class Int8Rows:
                 if len(self._prefix_uses) > 64:
                     self._prefix_uses.pop(next(iter(self._prefix_uses)))
                 return None
-            ids = order[:n]
-            bias = None if self.bias is None else self.bias.index_select(0, ids)
-            hit = (order, _fbgemm_pack(self.q.index_select(0, ids), self.scale.index_select(0, ids), bias))
-            if len(self._prefix_packs) >= self.PREFIX_PACKS:
-                self._prefix_packs.pop(next(iter(self._prefix_packs)))
+            hit = (order, self._store_pack(key, order, n))
         self._prefix_packs[key] = (order, hit[1])
         return _linear_dynamic(x, hit[1], (n, self.shape[1]))
 

@@ -12,6 +12,7 @@ from typing import Protocol, Sequence
 import torch
 
 from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.head import prepare_order, row_source
 
 
 class Draft(Protocol):
@@ -73,6 +74,10 @@ class Draft(Protocol):
         """The draft's logits [m, n] (float32) over the ``active`` ids for head inputs ``hidden`` [m, d], and the
         target id of each column [n] (None when the columns are all target ids in order)."""
 
+    def prepare_rows(self, order: torch.Tensor, prefixes: Sequence[int] = ()) -> None:
+        """Pack the head's rows of a policy's fixed id ``order`` (and its ``prefixes``) now, when the policy is
+        built, not at its first draft step; kept across sequences."""
+
     def rollback(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (a draft may keep fewer; ``length`` says how many
         it kept, and the loop feeds the rest again)."""
@@ -107,3 +112,23 @@ class OwnsHead:
     def rows_copied(self) -> int:
         """Head rows gathered into packed buffers since the last reset."""
         return 0 if self._head is None else self._head.rows_copied
+
+    _rows = None
+
+    @property
+    def head_rows(self):
+        """The head's rows as one row source for the draft's life (:func:`~dynvocab.runtime.head.row_source` of
+        ``step_rows``): the rows of fixed orders it keeps outlive a sequence's head."""
+        if self._rows is None:
+            self._rows = row_source(*self.step_rows)
+        return self._rows
+
+    def _row_source(self):
+        """The row source the head multiplies target ids from (None where its rows are not target ids)."""
+        return self.head_rows
+
+    def prepare_rows(self, order: torch.Tensor, prefixes: Sequence[int] = ()) -> None:
+        """Pack the head's rows of a policy's fixed id ``order`` (and its ``prefixes``) now: see :class:`Draft`."""
+        source = self._row_source()
+        if source is not None:
+            prepare_order(source, order, tuple(prefixes))

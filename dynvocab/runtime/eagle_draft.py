@@ -79,8 +79,12 @@ class EagleDraft(OwnsHead):
 
     def _new_head(self) -> "DraftHead | MappedHead":
         if self.kind == EAGLE1:  # the target's own head: its rows are target ids
-            return DraftHead(*self.step_rows, self.softcap)
+            return DraftHead(self.head_rows, None, self.softcap)
         return MappedHead(self.step_rows[0], self.model.draft_to_target(), self.target.vocab_size)
+
+    def _row_source(self):
+        """EAGLE-1's rows are target ids (the target's head); EAGLE-3's are its draft vocabulary's: None."""
+        return super()._row_source() if self.kind == EAGLE1 else None
 
     @property
     def hidden_size(self) -> int:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from dynvocab.kernels._triton import triton_available
 from dynvocab.kernels.gathered_head import gathered_logits
+from dynvocab.models.prepack import OrderedRows
 from dynvocab.runtime.slots import SlotTable, grown
 from dynvocab.runtime.active_set import ActiveSet, RowRanges, Segment, segment_size
 
@@ -43,6 +44,7 @@ class FloatRows:
         self.bias = bias
         self.shape, self.device, self.dtype = weight.shape, weight.device, weight.dtype
         self.row_dtype = weight.dtype
+        self.ordered = OrderedRows(self)  # rows of fixed orders, kept across sequences
 
     def linear(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [m, V] in the rows' dtype."""
@@ -55,6 +57,22 @@ class FloatRows:
     def matmul(self, hidden: torch.Tensor, rows: torch.Tensor, scales: None, bias: torch.Tensor | None) -> torch.Tensor:
         """Logits [m, n] of hidden states [m, d] over gathered ``rows`` [n, d]."""
         return F.linear(hidden.to(rows.dtype), rows, bias)
+
+
+def ordered_rows(source, order: torch.Tensor) -> tuple[tuple, bool]:
+    """``source``'s rows of the fixed ``order``, gathered on first use and kept on the source (:class:`OrderedRows`);
+    returns ``(rows, scales, bias)`` and whether they were gathered now."""
+    return source.ordered.get(order)
+
+
+def prepare_order(source, order: torch.Tensor, prefixes: tuple[int, ...] = ()) -> None:
+    """Gather ``source``'s rows of ``order`` now and, where the source keeps packed prefixes (int8 rows multiplied
+    through fbgemm, :attr:`~dynvocab.models.prepack.Int8Rows.packs_prefixes`), pack each prefix length in
+    ``prefixes``: a policy's static ranking, so that its first draft step costs what every later one does."""
+    ordered_rows(source, order)
+    if source.packs_prefixes:
+        for n in prefixes:
+            source.prefix_pack(order, n)
 
 
 def row_source(weight, bias: torch.Tensor | None = None):
@@ -182,8 +200,12 @@ class RangeHead:
         """Logits [m, n] over the ranges' ids for hidden states [m, d], and those ids [n]."""
         if ranges.order is not self.order:
             self.order = ranges.order
-            self.rows, self.row_scale, self.row_bias = self.source.gather(ranges.order)  # [N, d], once per order
-            self.rows_copied += ranges.order.numel()
+            (self.rows, self.row_scale, self.row_bias), copied = ordered_rows(self.source, ranges.order)  # [N, d]
+            self.rows_copied += ranges.order.numel() if copied else 0
+        if self.source.packs_prefixes and ranges.starts == (0,):  # a ranking's prefix: its kept int8 pack
+            out = self.source.prefix_linear(hidden, ranges.order, ranges.ends[0])
+            if out is not None:
+                return soft_cap(out.float(), self.softcap), ranges.ids
         if self.fused:
             logits = gathered_logits(hidden.contiguous(), self.rows, ranges.positions)  # [m, n] float32, one launch
         elif self.row_scale is not None:

@@ -120,7 +120,7 @@ class CausalLM(OwnsHead):
         """A draft model reads no target features (see :class:`~dynvocab.runtime.draft.Draft`)."""
 
     def _new_head(self) -> DraftHead:
-        return DraftHead(*self.step_rows, self.softcap)
+        return DraftHead(self.head_rows, None, self.softcap)
 
     @property
     def step_rows(self) -> tuple[torch.Tensor | Int8Rows, torch.Tensor | None]:

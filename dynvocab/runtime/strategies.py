@@ -87,16 +87,24 @@ def _full(options: StrategyOptions, ctx: PolicyContext) -> FullPolicy:
     return FullPolicy(ctx.vocab_size)
 
 
+def _prepared(policy, ctx: PolicyContext):
+    """``policy`` with its static ranking's rows packed in the draft's head now (its prefixes: int8 packs where the
+    draft keeps them), so the first draft step costs what every later one does."""
+    if ctx.draft is not None:
+        ctx.draft.prepare_rows(policy.ranking, policy.prefixes)
+    return policy
+
+
 def _fr(options: StrategyOptions, ctx: PolicyContext) -> FrequencyPolicy:
     ranking, eos = frequency_ranking(options, ctx, "fr"), ctx.eos
     missing = eos[~torch.isin(eos, ranking)]
-    return FrequencyPolicy(torch.cat([ranking, missing]), device=ctx.device)  # EOS stays draftable
+    return _prepared(FrequencyPolicy(torch.cat([ranking, missing]), device=ctx.device), ctx)  # EOS stays draftable
 
 
 def _fr_pa(options: StrategyOptions, ctx: PolicyContext) -> PositionAwareFrequencyPolicy:
     ranking = frequency_ranking(options, ctx, "fr-pa")
     k_max = options.config(PositionAwareConfig).k_max
-    return PositionAwareFrequencyPolicy(ranking, k_max, always=ctx.eos, device=ctx.device)
+    return _prepared(PositionAwareFrequencyPolicy(ranking, k_max, always=ctx.eos, device=ctx.device), ctx)
 
 
 def _microspec(options: StrategyOptions, ctx: PolicyContext) -> MicroSpecPolicy:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.budget import pa_budget
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
 
 
@@ -18,8 +18,14 @@ class FrequencyPolicy(VocabPolicy):
 
     def __init__(self, ranking: torch.Tensor, size: int | None = None, device: torch.device | str = "cpu"):
         self.ranking = ranking.to(device)  # [K] token ids, most frequent first, on the draft head's device
-        self.ids = self.ranking[: size or ranking.numel()]
-        self.active = ActiveSet.of(self.ids)
+        self.size = min(size or ranking.numel(), ranking.numel())
+        self.ids = self.ranking[: self.size]
+        self.active = ActiveSet.of(RowRanges(self.ranking, (0,), (self.size,)))  # a prefix of one packed order
+
+    @property
+    def prefixes(self) -> tuple[int, ...]:
+        """The prefix lengths of ``ranking`` the policy returns (the draft packs them when the policy is built)."""
+        return (self.size,)
 
     def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
         """The same top-K set at every step."""
@@ -54,9 +60,14 @@ class PositionAwareFrequencyPolicy(VocabPolicy):
         self.k_max = k_max
         self._views: dict[int, ActiveSet] = {}
 
+    @property
+    def prefixes(self) -> tuple[int, ...]:
+        """The prefix lengths of ``ranking`` the policy returns over a chain of up to 16 draft steps."""
+        return tuple(sorted({pa_budget(self.k_max, t) for t in range(16)}))
+
     def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
-        """A prefix of the ranking; prefixes are views of one tensor, so the packed head slices, not copies."""
+        """A prefix of the ranking: a range of one packed order, so the head slices its rows, copying none."""
         k = pa_budget(self.k_max, step)
         if k not in self._views:
-            self._views[k] = ActiveSet.of(self.ranking[:k])
+            self._views[k] = ActiveSet.of(RowRanges(self.ranking, (0,), (k,)))
         return self._views[k]
