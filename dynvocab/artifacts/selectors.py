@@ -126,5 +126,20 @@ class SelectorTable:
         return cls(kind, tensors, config)
 
 
+def random_selectors(
+    vocab: int, dim: int, generator: torch.Generator, rank: int = 64, candidates: int = 2048, block: int = 128,
+    blocks: int = 32,
+) -> tuple["SelectorTable", "SelectorTable"]:
+    """A ``lowrank`` and a ``centroids`` table of random weights at these sizes (default budgets ``candidates``
+    ids and ``blocks`` blocks): what the benches time a selector's step with, when no trained one is at hand."""
+    g = generator
+    low = SelectorTable.lowrank(
+        LowRankScorer(torch.randn(rank, dim, generator=g) * dim**-0.5, torch.randn(vocab, rank, generator=g)),
+        {"budget": candidates})
+    cen = SelectorTable.centroids(CentroidScorer(torch.randn(-(-vocab // block), dim, generator=g)),
+                                  torch.randperm(vocab, generator=g), block, {"budget": blocks})
+    return low, cen
+
+
 def _snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}

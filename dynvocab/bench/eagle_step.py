@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, interleaved_ms, resolve_dtype
+from dynvocab.models.eagle import EAGLE1
 from dynvocab.models.prepack import INT8, Int8Rows, quantize_linears
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -44,7 +45,7 @@ EAGLE_SHAPES = {
 
 
 def _random_head(shape: dict, dev: torch.device, dt: torch.dtype, seed: int):
-    from dynvocab.models.eagle import EAGLE1, EagleConfig, EagleModel
+    from dynvocab.models.eagle import EagleConfig, EagleModel
 
     cfg = EagleConfig(**shape)
     with torch.device("meta"):
@@ -122,6 +123,8 @@ def eagle_step_bench(
             heads = {"full": lambda h, w=weight: F.linear(h, w)}
             for name, ids in subsets.items():
                 heads[name] = lambda h, w=weight[ids].contiguous(): F.linear(h, w)  # [k, d] packed rows
+        if cfg.kind == EAGLE1:  # the learned candidate selectors over the target's vocabulary
+            heads.update(_candidate_heads(rows if weights == INT8 else weight, vocab, dev, seed))
         fns = {"body": body, **{name: (lambda head=head: head(body())) for name, head in heads.items()}}
         times = interleaved_ms(fns, dev, repeats, warmup, CacheFlusher(dev))
         body_ms = times.pop("body")
@@ -146,6 +149,32 @@ def eagle_step_bench(
         }
 
 
+def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts: int = 8) -> dict:
+    """``lowrank`` (rank 64, 2,048 ids) and ``centroids`` (32 blocks of 128) steps as the runtime runs them: the
+    policy selects from one of ``contexts`` random hidden states in turn (a set that changes every step, as in a
+    run), the draft head (:class:`~dynvocab.runtime.head.DraftHead` over the step's rows) multiplies the set."""
+    from dynvocab.artifacts.selectors import random_selectors
+    from dynvocab.runtime.head import DraftHead
+    from dynvocab.runtime.policies.candidates import CentroidPolicy, LowRankPolicy
+
+    dim = source.shape[1]
+    gen = torch.Generator().manual_seed(seed + 7)
+    low, cen = random_selectors(vocab, dim, gen)
+    eos = torch.empty(0, dtype=torch.long)
+    states = torch.randn(contexts, 1, dim, generator=gen).to(dev)
+    out = {}
+    for name, policy in (("lowrank", LowRankPolicy(low, 2048, vocab, eos, dev)),
+                         ("centroids", CentroidPolicy(cen, 32, vocab, eos, dev))):
+        head, turn = DraftHead(source), [0]
+
+        def step(h, policy=policy, head=head, turn=turn):
+            turn[0] += 1
+            return head.logits(h, policy.active_ids(1, states[turn[0] % contexts]))[0]
+
+        out[name] = step
+    return out
+
+
 DYNAMIC_ROWS = 4096  # int8: sets up to this size are timed as a dynamic policy's (gathered rows), larger as static
 
 
@@ -162,12 +191,12 @@ def render_eagle_step_table(results: list[dict]) -> Table:
     table = Table(title=f"one EAGLE draft step ({results[0]['dtype']}, {weights} weights, on {results[0]['device']}, "
                         f"{results[0]['threads']} threads)")
     columns = ("shape", "layer params", "head rows", "layer ms", "full ms", "head share", "32k ms (×full)",
-               "3k ms (×full)")
+               "3k ms (×full)", "lowrank ms (×full)", "centroids ms (×full)")
     for col in columns:
         table.add_column(col, justify="left" if col == "shape" else "right")
     for r in results:
         cells = []
-        for k in ("32768", "3072"):
+        for k in ("32768", "3072", "lowrank", "centroids"):
             cells.append("–" if k not in r["step_ms"] else f"{r['step_ms'][k]:.2f} ({r['ratio'][k]:.2f}×)")
         table.add_row(r["shape"], f"{r['layer_params'] / 1e6:.0f}M", f"{r['head_rows']:,}", f"{r['body_ms']:.2f}",
                       f"{r['step_ms']['full']:.2f}", f"{100 * r['head_share']:.0f}%", *cells)

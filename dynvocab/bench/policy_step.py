@@ -164,16 +164,11 @@ def synthetic_bundle(path: Path, vocab: int, rows: torch.Tensor, g: torch.Genera
     return write_bundle(path, stages, fingerprint, None)
 
 
-def _synthetic_selectors(vocab: int, dim: int, g: torch.Generator, rank: int = 64, block: int = 128) -> list[Stage]:
+def _synthetic_selectors(vocab: int, dim: int, g: torch.Generator) -> list[Stage]:
     """Random ``lowrank`` (rank 64, 2,048 candidates) and ``centroids`` (blocks of 128, 32 of them) stages."""
-    from dynvocab.artifacts.selectors import CentroidScorer, LowRankScorer, SelectorTable
+    from dynvocab.artifacts.selectors import random_selectors
 
-    low = SelectorTable.lowrank(
-        LowRankScorer(torch.randn(rank, dim, generator=g), torch.randn(vocab, rank, generator=g)), {"budget": 2048})
-    blocks = -(-vocab // block)
-    cen = SelectorTable.centroids(CentroidScorer(torch.randn(blocks, dim, generator=g)),
-                                  torch.randperm(vocab, generator=g), block, {"budget": 32})
-    return [Stage(t.kind, t.tensors, t.config) for t in (low, cen)]
+    return [Stage(t.kind, t.tensors, t.config) for t in random_selectors(vocab, dim, g)]
 
 
 def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Target | None, _Draft]:
