@@ -75,21 +75,29 @@ def test_online_align_is_refused(tiny_dirs, heads, bundle):  # noqa: F811
     assert_one_line_error(result, "EAGLE", "--online-align")
 
 
-def test_hybrid_searches_per_step_only_for_a_draft_model(tiny_dirs, heads, bundle):  # noqa: F811
-    """By default the hybrid's per-step candidates (draft-head HNSW search, graph successors) run for a draft model
-    and not for an EAGLE head, whose few-millisecond step they would dominate (docs/bench.md); asked for, an
-    EAGLE-1 head searches the target's index (its head is the target's)."""
+@pytest.mark.parametrize("share", [0.0, 1e9], ids=["search-costs-too-much", "search-pays"])
+def test_hybrid_searches_per_step_where_it_measures_cheaper_than_the_head(tiny_dirs, heads, bundle, share, monkeypatch):  # noqa: F811
+    """The hybrid's per-step candidates (draft-head HNSW search, graph successors) run by default where the search
+    measures under SEARCH_SHARE of the draft's full head, whatever the draft's kind; asked for, they run anyway,
+    and an EAGLE-1 head searches the target's index (its head is the target's)."""
+    from dynvocab.runtime.policies import step_search
     from dynvocab.runtime.policies.hybrid import HybridConfig
     from dynvocab.runtime.session import ModelConfig, Session
     from dynvocab.runtime.strategies import StrategyOptions, make_policy
+
+    monkeypatch.setattr(step_search, "SEARCH_SHARE", share)
 
     def hybrid(draft, cfg=HybridConfig()):
         session = Session(ModelConfig(target=str(tiny_dirs[0]), draft=str(draft), device="cpu", dtype="float32"),
                           bundle=str(bundle))
         return make_policy("hybrid", StrategyOptions(configs=(cfg,)), session.policy_context())
 
-    model, eagle = hybrid(tiny_dirs[1]), hybrid(heads[EAGLE1])
-    assert model.draft_hnsw is not None and (model.hcfg.step_neighbours, model.hcfg.step_successors) == (16, 8)
-    assert eagle.draft_hnsw is None and (eagle.hcfg.step_neighbours, eagle.hcfg.step_successors) == (0, 0)
+    pays = share > 0
+    for draft in (tiny_dirs[1], heads[EAGLE1]):
+        policy = hybrid(draft)
+        assert (policy.draft_hnsw is not None) == pays
+        assert (policy.hcfg.step_neighbours, policy.hcfg.step_successors) == ((16, 8) if pays else (0, 0))
     asked = hybrid(heads[EAGLE1], HybridConfig(step_neighbours=4))
-    assert asked.draft_hnsw is asked.hnsw is not None and asked.hcfg.step_successors == 0
+    assert asked.draft_hnsw is asked.hnsw is not None and asked.hcfg.step_neighbours == 4
+    assert asked.hcfg.step_successors == (8 if pays else 0)
+    assert step_search._MEASURED and all(v[2] > 0 and v[3] > 0 for v in step_search._MEASURED.values())

@@ -107,7 +107,6 @@ class _Draft:
     embedding: torch.Tensor  # [V, d_e]
     shares_target_head: bool  # True: its per-step search uses the target's index (the synthetic tables)
     index_rows: torch.Tensor | None  # [V', d] the head rows a bundle's draft_hnsw covers
-    searches_per_step: bool = True  # as a draft model: the hybrid row times its per-step candidates
     adaptable: None = None  # no online alignment
     device: torch.device = torch.device("cpu")
 

@@ -48,11 +48,6 @@ class Draft(Protocol):
         alignment does not apply."""
 
     @property
-    def searches_per_step(self) -> bool:
-        """Whether per-step candidate searches (the hybrid's) pay for this draft by default: a draft model's step
-        hides them, an EAGLE head's short step does not."""
-
-    @property
     def hf_model(self) -> torch.nn.Module | None:
         """The transformers model that transformers' own assisted generation can drive, or None."""
 

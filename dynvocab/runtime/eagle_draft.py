@@ -39,7 +39,6 @@ class EagleDraft(OwnsHead):
 
     index_rows = None  # no bundle stage indexes an EAGLE head's rows (EAGLE-1's are the target's: ``hnsw``)
     adaptable = None  # online LoRA alignment adapts a draft model, not an EAGLE head
-    searches_per_step = False  # a step of a few ms: a per-step search costs more than it saves (docs/bench.md)
     hf_model = None  # transformers' assisted generation cannot drive an EAGLE head
 
     def __init__(

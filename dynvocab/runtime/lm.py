@@ -24,7 +24,6 @@ class CausalLM(OwnsHead):
     """
 
     shares_target_head = False  # a draft model has a head of its own
-    searches_per_step = True  # its step is long enough to hide per-step candidate searches
     label = "draft model"
 
     def __init__(self, model, vocab_rows: int | None = None, one_token_steps: bool = False):

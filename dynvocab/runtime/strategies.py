@@ -19,6 +19,7 @@ from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
 from dynvocab.runtime.policies.frequency import PositionAwareConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.policies.step_search import search_pays
 from dynvocab.runtime.registry import (
     Flag,
     PolicyContext,
@@ -129,9 +130,10 @@ def _evospec(options: StrategyOptions, ctx: PolicyContext) -> EvoSpecPolicy:
 
 def _hybrid(options: StrategyOptions, ctx: PolicyContext) -> HybridPolicy:
     """The hybrid with the bundle's graph and HNSW indexes (target head, draft head) when it has them, its
-    per-step candidates decided for the draft (see :meth:`HybridConfig.for_draft`)."""
+    per-step candidates left unset decided by measurement: on where the draft-head search costs less than a
+    quarter of the draft's full head (:mod:`~dynvocab.runtime.policies.step_search`), else off."""
     ranking = frequency_ranking(options, ctx, "hybrid")
-    cfg = options.config(HybridConfig).for_draft(searches_per_step=ctx.draft is None or ctx.draft.searches_per_step)
+    asked = options.config(HybridConfig)
     graph = hnsw = draft_hnsw = None
     if ctx.bundle is not None:
         from dynvocab.artifacts import GraphTable, load_hnsw
@@ -140,8 +142,13 @@ def _hybrid(options: StrategyOptions, ctx: PolicyContext) -> HybridPolicy:
             graph = GraphTable.from_bundle(ctx.bundle)
         if ctx.bundle.has("hnsw") and ctx.target is not None:
             hnsw = load_hnsw(ctx.bundle, ctx.target.weight)[0]
-        if ctx.draft is not None and cfg.searches_per_step(ctx.device):
+        if ctx.draft is not None and asked.searches_per_step(ctx.device):
             draft_hnsw = _draft_head_index(ctx, hnsw)
+    neighbours = asked.for_draft(searches_per_step=True).step_neighbours
+    pays = draft_hnsw is not None and search_pays(ctx.draft, draft_hnsw, neighbours)
+    cfg = asked.for_draft(searches_per_step=pays)
+    if not cfg.step_neighbours:
+        draft_hnsw = None
     return HybridPolicy(
         cfg, ctx.vocab_size, ctx.device, ranking, pinned=ctx.eos, graph=graph, hnsw=hnsw, draft_hnsw=draft_hnsw
     )
@@ -204,14 +211,14 @@ register(Strategy(
         Flag(
             "step_neighbours",
             "per draft step, HNSW neighbours of the draft hidden state among the draft's head rows (bundle stage "
-            "draft_hnsw; 0 = off; CPU devices only: on a GPU it would cost a host sync per step). Default: 16 for "
-            "a draft model, 0 for an EAGLE head.",
+            "draft_hnsw; 0 = off; CPU devices only: on a GPU it would cost a host sync per step). Default: 16 where "
+            "the search measures under a quarter of the draft's full head, else 0.",
             min=0,
         ),
         Flag(
             "step_successors",
-            "per draft step, graph successors of the token just fed (bundle stage graph; 0 = off). Default: 8 for "
-            "a draft model, 0 for an EAGLE head.",
+            "per draft step, graph successors of the token just fed (bundle stage graph; 0 = off). Default: 8 where "
+            "the per-step search pays (see --step-neighbours), else 0.",
             min=0,
         ),
     ),

@@ -28,7 +28,8 @@ CENTROID_BUDGETS = (2, 4, 8, 16, 32, 64, 128)  # candidate blocks reported
 class SelectorConfig:
     """How the candidate selectors are built and trained."""
 
-    rank: int = 64  # lowrank: r (SpecVocab: hidden / 8)
+    rank: int = 128  # lowrank: r (SpecVocab: hidden / 8; held-out top-1 recall at 2,048 ids on the demo draft,
+    # trained on 24 documents: rank 64 89.7%, rank 128 94.7%)
     block_size: int = 128  # centroids: ids per block (Gemma-4: V / 2,048)
     cluster_iters: int = 4  # centroids: rounds of balanced assignment and centroid update
     epochs: int = 4
@@ -130,9 +131,17 @@ def fit(
     unit: torch.Tensor | None = None, advance: Advance = lambda n: None,
 ) -> list[float]:
     """Train ``scorer`` in place on ``data`` (``unit`` [V]: the block of each id, centroids only); returns the mean
-    loss of each epoch and leaves the scorer in eval mode."""
+    loss of each epoch and leaves the scorer in eval mode.
+
+    The low-rank scorer trains its query projection only: its token factors (and bias) stay the SVD's. Trained
+    too, the V × r factors fit the training documents and lost the tokens they never saw as positives — held-out
+    content words: on the demo draft (24 training documents, rank 128) top-1 recall at 2,048 ids was 86.2% with
+    every parameter trained, 94.7% with the projection alone, 84.3% untrained (training positions: 100% / 97.5%)."""
     torch.manual_seed(cfg.seed)
-    opt = torch.optim.Adam(scorer.parameters(), lr=cfg.lr)
+    if kind == LOWRANK:
+        scorer.rows.requires_grad_(False)
+        scorer.bias.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in scorer.parameters() if p.requires_grad], lr=cfg.lr)
     steps = max(1, cfg.epochs * math.ceil(data.rows / cfg.batch_size))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -9,8 +9,9 @@
   tokens, found without its full head: the top-``step_neighbours`` rows of an HNSW index over the draft's
   LM head for the draft hidden state (bundle stage ``draft_hnsw``) and the ``step_successors`` most likely
   graph successors of the token just fed (stage ``graph``). They catch content words that are neither frequent
-  nor in the context yet, the main cause of rejections with a small active set. For a draft model only, by
-  default: an EAGLE head's step is a few milliseconds, which the per-step work would dominate. On a GPU the index search
+  nor in the context yet, the main cause of rejections with a small active set. By default only where the search
+  measures under a quarter of the draft's full head (:mod:`.step_search`): an int8 head or an EAGLE head's
+  few-millisecond step would be dominated by it. On a GPU the index search
   would need the hidden state on the host at every step (a sync costing more than the whole head there), so
   it runs on CPU devices only unless ``step_search_on_gpu`` is set.
 - **Neighbours on misses** (EvoSpec): when the target's token at the first rejected position was outside the
@@ -57,10 +58,9 @@ class HybridConfig:
     step_search_on_gpu: bool = False  # run the per-step HNSW search on CUDA devices too (a host sync per step)
 
     def for_draft(self, searches_per_step: bool) -> HybridConfig:
-        """This config with the per-step candidates left unset (None) decided for the draft
-        (:attr:`~dynvocab.runtime.draft.Draft.searches_per_step`): 16 HNSW neighbours and 8 graph successors for a
-        draft model, none for an EAGLE head, whose step is a few milliseconds and gained no MAL from them
-        (docs/bench.md, trained heads on the demo target)."""
+        """This config with the per-step candidates left unset (None) decided: 16 HNSW neighbours and 8 graph
+        successors where the per-step search pays for the draft (measured against its full head,
+        :func:`~dynvocab.runtime.policies.step_search.search_pays`), none where it does not."""
         neighbours, successors = (16, 8) if searches_per_step else (0, 0)
         return replace(
             self,
