@@ -110,6 +110,10 @@ class _Draft:
     adaptable: None = None  # no online alignment
     device: torch.device = torch.device("cpu")
 
+    def head_logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, None]:
+        """The full head the hybrid's per-step search is weighed against: the random embedding as tied rows."""
+        return F.linear(hidden.float(), self.embedding.float()), None
+
     def prepare_rows(self, order: torch.Tensor, prefixes=()) -> None:
         """Nothing to pack: the bench's heads are its own (their warm-up cycles pack what the policy returns)."""
 
