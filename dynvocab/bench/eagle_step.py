@@ -163,8 +163,8 @@ def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts:
     eos = torch.empty(0, dtype=torch.long)
     states = torch.randn(contexts, 1, dim, generator=gen).to(dev)
     out = {}
-    for name, policy in (("lowrank", LowRankPolicy(low, 2048, vocab, eos, dev)),
-                         ("centroids", CentroidPolicy(cen, 32, vocab, eos, dev))):
+    for name, policy in (("lowrank", LowRankPolicy(LowRankPolicy.prepare(low, vocab, eos, dev), 2048)),
+                         ("centroids", CentroidPolicy(CentroidPolicy.prepare(cen, vocab, eos, dev), 32))):
         head, turn = DraftHead(source), [0]
 
         def step(h, policy=policy, head=head, turn=turn):

@@ -74,6 +74,20 @@ class CentroidConfig:
     blocks: int | None = None
 
 
+_PREPARED: dict = {}  # (id(bundle), kind, vocab_size, device) -> (bundle, prepared): built once per session
+
+
+def _prepared(ctx, kind: str, build):
+    """``build(table)`` for the bundle's selector ``kind``, made once per bundle, vocabulary and device and kept:
+    each prompt's policy then starts from the same scorer and order (quantized and packed once; the head keeps the
+    rows of the same order)."""
+    key = (id(ctx.bundle), kind, ctx.vocab_size, str(ctx.device))
+    hit = _PREPARED.get(key)
+    if hit is None or hit[0] is not ctx.bundle:
+        hit = _PREPARED[key] = (ctx.bundle, build(_table(ctx, kind)))
+    return hit[1]
+
+
 def _table(ctx, kind: str) -> SelectorTable:
     """The bundle's selector stage ``kind``, checked against the draft (hidden size) in one line."""
     if ctx.draft is None:
@@ -93,26 +107,32 @@ class LowRankPolicy(VocabPolicy):
 
     name = LOWRANK
 
-    def __init__(self, table: SelectorTable, k: int, vocab_size: int, eos: torch.Tensor, device: torch.device | str):
-        self.device = torch.device(device)
-        n = min(int(table.config["vocab_rows"]), vocab_size)
+    def __init__(self, scorer: tuple, k: int):
+        """``scorer``: :meth:`prepare`'s. ``k``: candidate ids per step."""
         if k < 1:
             raise DynvocabError(f"lowrank needs at least 1 candidate (got {k})")
+        self.proj, self.score, self.device, n, self.budget = scorer
         self.k = min(k, n)
+        self.selector_s = 0.0
+        self.calls = 0
+
+    @staticmethod
+    def prepare(table: SelectorTable, vocab_size: int, eos: torch.Tensor, device: torch.device | str) -> tuple:
+        """The scorer of ``table`` for a draft of ``vocab_size`` ids: ``(proj [r, d], z -> scores [1, V], device,
+        V, default budget)``, EOS pinned among the candidates."""
+        device = torch.device(device)
+        n = min(int(table.config["vocab_rows"]), vocab_size)
         t = table.tensors
-        self.proj = t["proj"].to(self.device)  # [r, d]
         bias = t["bias"][:n].clone()
         eos = eos[eos < n]
         bias[eos] = torch.finfo(torch.float32).max / 4  # EOS always among the candidates
-        self.score = _scorer_rows(t["rows"][:n], bias, self.device)
-        self.selector_s = 0.0
-        self.calls = 0
+        return t["proj"].to(device), _scorer_rows(t["rows"][:n], bias, device), device, n, int(table.config["budget"])
 
     @classmethod
     def from_context(cls, cfg: LowRankConfig, ctx) -> "LowRankPolicy":
         """Build from the session's :class:`~dynvocab.runtime.registry.PolicyContext` (bundle stage ``lowrank``)."""
-        table = _table(ctx, LOWRANK)
-        return cls(table, cfg.candidates or int(table.config["budget"]), ctx.vocab_size, ctx.eos, ctx.device)
+        scorer = _prepared(ctx, LOWRANK, lambda table: cls.prepare(table, ctx.vocab_size, ctx.eos, ctx.device))
+        return cls(scorer, cfg.candidates or scorer[4])
 
     @torch.inference_mode()
     def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> ActiveSet:
@@ -133,28 +153,36 @@ class CentroidPolicy(VocabPolicy):
 
     name = CENTROIDS
 
-    def __init__(self, table: SelectorTable, c: int, vocab_size: int, eos: torch.Tensor, device: torch.device | str):
-        self.device = torch.device(device)
+    def __init__(self, scorer: tuple, c: int):
+        """``scorer``: :meth:`prepare`'s. ``c``: blocks per step."""
         if c < 1:
             raise DynvocabError(f"centroids needs at least 1 block (got {c})")
+        self.groups, self.centroids, self.bias, self.budget = scorer
+        self.device = self.groups.device
+        self.c = min(c, self.centroids.shape[0])
+        self.selector_s = 0.0
+        self.calls = 0
+
+    @staticmethod
+    def prepare(table: SelectorTable, vocab_size: int, eos: torch.Tensor, device: torch.device | str) -> tuple:
+        """The blocks and scorer of ``table`` for a draft of ``vocab_size`` ids: ``(Groups, centroids [B, d],
+        bias [B], default budget)``."""
+        device = torch.device(device)
         t = table.tensors
         order, size = t["order"].long(), int(table.config["block_size"])
         block = torch.empty_like(order)
         block[order] = torch.arange(order.numel()) // size  # [V_sel] block of each id
         n = min(order.numel(), vocab_size)
-        num_blocks = int(table.config["num_blocks"])
-        self.groups = Groups(block[:n], num_blocks, eos, self.device)
-        self.centroids = t["centroids"].to(self.device)  # [B, d]
-        self.bias = t["bias"].to(self.device)  # [B]
-        self.c = min(c, num_blocks)
-        self.selector_s = 0.0
-        self.calls = 0
+        groups = Groups(block[:n], int(table.config["num_blocks"]), eos, device)
+        return groups, t["centroids"].to(device), t["bias"].to(device), int(table.config["budget"])
 
     @classmethod
     def from_context(cls, cfg: CentroidConfig, ctx) -> "CentroidPolicy":
-        """Build from the session's :class:`~dynvocab.runtime.registry.PolicyContext` (bundle stage ``centroids``)."""
-        table = _table(ctx, CENTROIDS)
-        return cls(table, cfg.blocks or int(table.config["budget"]), ctx.vocab_size, ctx.eos, ctx.device)
+        """Build from the session's :class:`~dynvocab.runtime.registry.PolicyContext` (bundle stage ``centroids``);
+        the draft packs the block order's rows now."""
+        scorer = _prepared(ctx, CENTROIDS, lambda table: cls.prepare(table, ctx.vocab_size, ctx.eos, ctx.device))
+        ctx.draft.prepare_rows(scorer[0].order)
+        return cls(scorer, cfg.blocks or scorer[3])
 
     @torch.inference_mode()
     def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> ActiveSet:

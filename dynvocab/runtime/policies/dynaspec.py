@@ -89,7 +89,9 @@ class DynaSpecPolicy(VocabPolicy):
                 f"the router in {bundle.path} expects hidden size {router.config['hidden_dim']}, the draft has {hidden}; "
                 f"retrain it with `dynvocab train-router --bundle {bundle.path} --draft …`"
             )
-        return cls(cfg, ClusterTable.from_bundle(bundle), router, embedding, ctx.vocab_size, ctx.eos, ctx.device)
+        policy = cls(cfg, ClusterTable.from_bundle(bundle), router, embedding, ctx.vocab_size, ctx.eos, ctx.device)
+        ctx.draft.prepare_rows(policy.order)  # the cluster order's rows, packed now and kept across prompts
+        return policy
 
     @torch.inference_mode()
     def scores(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
