@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,23 +99,31 @@ def train(
     with torch.no_grad():  # start from the clusters' prior positive rate: the first steps learn context, not base rates
         rate = (positive_counts(data, assign, num_clusters) / data.rows).clamp(1e-6, 1 - 1e-6)
         module.fc2.bias.copy_(torch.log(rate / (1 - rate)))
-    steps_per_epoch = math.ceil(data.rows / cfg.batch_size)
-    opt = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.epochs * steps_per_epoch))
-    gen = torch.Generator().manual_seed(cfg.seed)
-    losses = []
     module.train()
-    for _ in range(cfg.epochs):
-        order = torch.randperm(data.rows, generator=gen)
+    losses = run_epochs(module.parameters(), cfg.lr, cfg.weight_decay, cfg.epochs, cfg.batch_size, data.rows,
+                        cfg.seed, lambda rows: bce_loss(module, data, rows, embedding, assign), advance)
+    return module.eval(), losses
+
+
+def run_epochs(
+    parameters, lr: float, weight_decay: float, epochs: int, batch_size: int, rows: int, seed: int,
+    loss_of: Callable[[torch.Tensor], torch.Tensor], advance: Advance = lambda n: None,
+) -> list[float]:
+    """AdamW with cosine decay to 0 over ``epochs`` shuffled passes of ``rows`` rows in batches; ``loss_of(batch
+    row indices)`` is a batch's mean loss. Returns the mean loss of each epoch."""
+    opt = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * math.ceil(rows / batch_size)))
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(epochs):
         total = 0.0
-        for s in range(0, data.rows, cfg.batch_size):
-            rows = order[s : s + cfg.batch_size]
-            loss = bce_loss(module, data, rows, embedding, assign)
+        for batch in torch.randperm(rows, generator=gen).split(batch_size):
+            loss = loss_of(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
-            total += loss.item() * rows.numel()
+            total += loss.item() * batch.numel()
             advance(1)
-        losses.append(total / data.rows)
-    return module.eval(), losses
+        losses.append(total / rows)
+    return losses

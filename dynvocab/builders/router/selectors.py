@@ -8,7 +8,6 @@ the top-L ids' units, weighted 1/rank (the top-1 counts most: it is what the dra
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, CentroidScorer, LowRankScorer
 from dynvocab.builders.progress import Advance
 from dynvocab.builders.router.data import RouterData
+from dynvocab.builders.router.fit import run_epochs
 
 RECALL_TARGET = 0.99  # a selector's default budget: the smallest whose held-out top-1 recall reaches this
 LOWRANK_BUDGETS = (256, 512, 1024, 2048, 4096, 8192, 16384)  # candidate ids reported
@@ -34,7 +34,7 @@ class SelectorConfig:
     cluster_iters: int = 4  # centroids: rounds of balanced assignment and centroid update
     epochs: int = 4
     batch_size: int = 256
-    lr: float = 2e-3  # Adam, cosine decay to 0
+    lr: float = 2e-3  # Adam (AdamW without decay), cosine decay to 0
     positives: int = 4  # the draft's top-P ids each position trains towards (weighted 1/rank)
     seed: int = 0
 
@@ -141,25 +141,14 @@ def fit(
     if kind == LOWRANK:
         scorer.rows.requires_grad_(False)
         scorer.bias.requires_grad_(False)
-    opt = torch.optim.Adam([p for p in scorer.parameters() if p.requires_grad], lr=cfg.lr)
-    steps = max(1, cfg.epochs * math.ceil(data.rows / cfg.batch_size))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    gen = torch.Generator().manual_seed(cfg.seed)
     positives = min(cfg.positives, data.top.shape[1])
-    losses = []
+
+    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+        return selector_loss(scorer(data.hidden[rows]), units_of(kind, data.top[rows, :positives], unit))
+
     scorer.train()
-    for _ in range(cfg.epochs):
-        total = 0.0
-        for rows in torch.randperm(data.rows, generator=gen).split(cfg.batch_size):
-            target = units_of(kind, data.top[rows, :positives], unit)
-            loss = selector_loss(scorer(data.hidden[rows]), target)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += loss.item() * rows.numel()
-            advance(1)
-        losses.append(total / data.rows)
+    losses = run_epochs([p for p in scorer.parameters() if p.requires_grad], cfg.lr, 0.0, cfg.epochs,
+                        cfg.batch_size, data.rows, cfg.seed, loss_of, advance)
     scorer.eval()
     return losses
 
