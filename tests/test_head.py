@@ -113,3 +113,13 @@ def test_row_ranges_match_the_full_head_on_their_ids():
         assert active.contains(int(order[35])) and not active.contains(int(order[25]))
     assert merge_ranges([5, 0], [10, 5]) == ((0,), (10,))
     assert head.rows_copied == 40 + 5  # the order packed once; the extra segment once
+
+
+def test_row_ranges_positions_cover_each_range_in_order():
+    from dynvocab.runtime.active_set import RowRanges
+
+    order = torch.arange(100).flip(0)
+    ranges = RowRanges(order, (3, 10, 50), (5, 11, 54))
+    assert ranges.positions.tolist() == [3, 4, 10, 50, 51, 52, 53]
+    assert torch.equal(ranges.ids, order[ranges.positions])
+    assert RowRanges(order, (), ()).positions.numel() == 0

@@ -22,7 +22,7 @@ from dynvocab.models.prepack import (
     quantize_linears,
     quantize_rows,
 )
-from dynvocab.runtime.active_set import ActiveSet, RowRanges
+from dynvocab.runtime.active_set import ActiveSet, Gathered, RowRanges
 from dynvocab.runtime.eagle_draft import EagleDraft
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
@@ -173,6 +173,10 @@ def test_full_and_dynamic_heads_read_the_same_int8_rows(int8_pair, gathers_int8,
         assert torch.equal(cols, r.ids) and (part - full[:, r.ids]).abs().max() < 0.05 * full.abs().max()
     if gathers_int8:
         assert head.segments[0].rows.dtype == torch.int8
+    fresh = Gathered(torch.tensor([9, 2, 40]))  # a selector's ids, gathered at each step
+    part, cols = head.logits(h, ActiveSet.of(fresh, torch.tensor([5])))
+    assert torch.equal(cols, torch.tensor([9, 2, 40, 5]))
+    assert (part - full[:, cols]).abs().max() < 0.05 * full.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["full", "fr", "ranges"])

@@ -1,7 +1,8 @@
 """The active vocabulary of one draft step: the one type a policy returns, the head computes over, and bench reads.
 
-A set is the full vocabulary, or disjoint segments: id tensors, or :class:`RowRanges` (ranges of one fixed id
-order, DynaSpec's clusters). Segments are what lets the draft's head reuse packed rows: a policy that returns the
+A set is the full vocabulary, or disjoint segments: id tensors, :class:`RowRanges` (ranges of one fixed id
+order: DynaSpec's clusters, the centroid blocks, a ranking's prefix), or :class:`Gathered` (ids chosen anew at
+every step, a selector's top-k). Segments are what lets the draft's head reuse packed rows: a policy that returns the
 same tensor object for a segment (or a prefix view of a ranking the head packed in order) tells the head that
 segment did not change, so it copies nothing.
 """
@@ -37,9 +38,11 @@ class RowRanges:
     @functools.cached_property
     def positions(self) -> torch.Tensor:
         """Rows of ``W[order]`` the ranges cover, LongTensor [n] on ``order``'s device (built from the host's
-        ranges: a copy to the device, no read back)."""
-        spans = [torch.arange(a, b) for a, b in zip(self.starts, self.ends)]
-        idx = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
+        ranges in a few vector ops: a copy to the device, no read back)."""
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        lengths = torch.tensor(self.ends, dtype=torch.long) - starts
+        offsets = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths)  # [n] start - done
+        idx = offsets + torch.arange(offsets.numel())
         return idx.to(self.order.device, non_blocking=True)
 
     @functools.cached_property
@@ -51,6 +54,25 @@ class RowRanges:
     def device(self) -> torch.device:
         """Where the ids live."""
         return self.order.device
+
+
+@dataclass(frozen=True, eq=False)
+class Gathered:
+    """An active segment chosen anew at every step (a selector's top-k ids): the head gathers its rows straight from
+    the head's rows each step, with no packed buffer to keep up to date (the packed head's slot table costs more
+    than the gather when most ids change: 16,384 of 151,936 int8 rows, d 896)."""
+
+    ids: torch.Tensor  # [n] token ids
+
+    @property
+    def size(self) -> int:
+        """Number of ids in the segment."""
+        return self.ids.numel()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the ids live."""
+        return self.ids.device
 
 
 def merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -68,16 +90,16 @@ def merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, ...], t
     return tuple(out_s), tuple(out_e)
 
 
-Segment = Union[torch.Tensor, RowRanges]
+Segment = Union[torch.Tensor, RowRanges, Gathered]
 
 
 def _segment_ids(segment: Segment) -> torch.Tensor:
-    return segment.ids if isinstance(segment, RowRanges) else segment
+    return segment if isinstance(segment, torch.Tensor) else segment.ids
 
 
 def segment_size(segment: Segment) -> int:
     """Number of ids in one segment."""
-    return segment.size if isinstance(segment, RowRanges) else segment.numel()
+    return segment.numel() if isinstance(segment, torch.Tensor) else segment.size
 
 
 class ActiveSet:
@@ -101,8 +123,8 @@ class ActiveSet:
 
     @classmethod
     def of(cls, *segments: Segment) -> "ActiveSet":
-        """The union of disjoint ``segments`` (LongTensors [n] or :class:`RowRanges`). A segment keeps its
-        position even when empty: the head packs the rows of each position apart."""
+        """The union of disjoint ``segments`` (LongTensors [n], :class:`RowRanges` or :class:`Gathered`). A segment
+        keeps its position even when empty: the head packs the rows of each position apart."""
         return cls(segments, None)
 
     @property

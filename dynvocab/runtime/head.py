@@ -24,7 +24,7 @@ from dynvocab.kernels._triton import triton_available
 from dynvocab.kernels.gathered_head import gathered_logits
 from dynvocab.models.prepack import OrderedRows
 from dynvocab.runtime.slots import SlotTable, grown
-from dynvocab.runtime.active_set import ActiveSet, RowRanges, Segment, segment_size
+from dynvocab.runtime.active_set import ActiveSet, Gathered, RowRanges, Segment, segment_size
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -231,6 +231,22 @@ class RangeHead:
         return self.source.matmul(hidden, rows, scales, bias)
 
 
+class GatherHead:
+    """Logits over a :class:`~dynvocab.runtime.active_set.Gathered` segment: its rows gathered from the row source at
+    each step (int8 rows with their scales where the source keeps them so) and multiplied once."""
+
+    def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
+        self.source = row_source(weight, bias)
+        self.softcap = softcap
+        self.rows_copied = 0
+
+    def logits(self, hidden: torch.Tensor, segment: Gathered) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [m, n] over the segment's ids for hidden states [m, d], and those ids [n]."""
+        rows, scales, bias = self.source.gather(segment.ids)
+        self.rows_copied += segment.size
+        return soft_cap(self.source.matmul(hidden, rows, scales, bias).float(), self.softcap), segment.ids
+
+
 class DraftHead:
     """The draft head over an :class:`~dynvocab.runtime.active_set.ActiveSet`: the full vocabulary, or its
     disjoint segments (id tensors or :class:`RowRanges`).
@@ -246,7 +262,7 @@ class DraftHead:
         int8 rows with per-row scales); every segment and the full head read the same source."""
         self.source = row_source(weight, bias)
         self.softcap = softcap
-        self.segments: list[PackedHead | RangeHead] = []  # the packed rows of each segment position
+        self.segments: list[PackedHead | RangeHead | GatherHead] = []  # the packed rows of each segment position
 
     @property
     def rows_copied(self) -> int:
@@ -256,7 +272,7 @@ class DraftHead:
     def _logits(self, i: int, hidden: torch.Tensor, segment: Segment):
         if segment.device != self.source.device:  # a policy that ignored PolicyContext.device
             raise ValueError(f"active ids on {segment.device}, the draft head on {self.source.device}")
-        kind = RangeHead if isinstance(segment, RowRanges) else PackedHead
+        kind = RangeHead if isinstance(segment, RowRanges) else GatherHead if isinstance(segment, Gathered) else PackedHead
         while len(self.segments) <= i:
             self.segments.append(kind(self.source, None, self.softcap))
         if not isinstance(self.segments[i], kind):  # a policy that changed the kind of a segment

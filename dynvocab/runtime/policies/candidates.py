@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, SelectorTable
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.active_set import ActiveSet, Gathered
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.groups import Groups
 
@@ -141,7 +141,7 @@ class LowRankPolicy(VocabPolicy):
             raise ValueError("lowrank scores the draft hidden state; the loop must pass it")
         start = time.perf_counter()
         scores = self.score(hidden.to(self.device, torch.float32) @ self.proj.T)[0]  # [V]
-        active = ActiveSet.of(top_ids(scores, self.k))
+        active = ActiveSet.of(Gathered(top_ids(scores, self.k)))
         self.selector_s += time.perf_counter() - start
         self.calls += 1
         return active
