@@ -127,7 +127,7 @@ class SelectorTable:
 
 
 def random_selectors(
-    vocab: int, dim: int, generator: torch.Generator, rank: int = 64, candidates: int = 2048, block: int = 128,
+    vocab: int, dim: int, generator: torch.Generator, rank: int = 256, candidates: int = 4096, block: int = 128,
     blocks: int = 32,
 ) -> tuple["SelectorTable", "SelectorTable"]:
     """A ``lowrank`` and a ``centroids`` table of random weights at these sizes (default budgets ``candidates``

@@ -150,7 +150,7 @@ def eagle_step_bench(
 
 
 def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts: int = 8) -> dict:
-    """``lowrank`` (rank 64, 2,048 ids) and ``centroids`` (32 blocks of 128) steps as the runtime runs them: the
+    """``lowrank`` (rank 256, 4,096 ids) and ``centroids`` (32 blocks of 128) steps as the runtime runs them: the
     policy selects from one of ``contexts`` random hidden states in turn (a set that changes every step, as in a
     run), the draft head (:class:`~dynvocab.runtime.head.DraftHead` over the step's rows) multiplies the set."""
     from dynvocab.artifacts.selectors import random_selectors
@@ -163,7 +163,7 @@ def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts:
     eos = torch.empty(0, dtype=torch.long)
     states = torch.randn(contexts, 1, dim, generator=gen).to(dev)
     out = {}
-    for name, policy in (("lowrank", LowRankPolicy(LowRankPolicy.prepare(low, vocab, eos, dev), 2048)),
+    for name, policy in (("lowrank", LowRankPolicy(LowRankPolicy.prepare(low, vocab, eos, dev), 4096)),
                          ("centroids", CentroidPolicy(CentroidPolicy.prepare(cen, vocab, eos, dev), 32))):
         head, turn = DraftHead(source), [0]
 

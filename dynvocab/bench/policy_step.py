@@ -168,7 +168,7 @@ def synthetic_bundle(path: Path, vocab: int, rows: torch.Tensor, g: torch.Genera
 
 
 def _synthetic_selectors(vocab: int, dim: int, g: torch.Generator) -> list[Stage]:
-    """Random ``lowrank`` (rank 64, 2,048 candidates) and ``centroids`` (blocks of 128, 32 of them) stages."""
+    """Random ``lowrank`` (rank 256, 4,096 candidates) and ``centroids`` (blocks of 128, 32 of them) stages."""
     from dynvocab.artifacts.selectors import random_selectors
 
     return [Stage(t.kind, t.tensors, t.config) for t in random_selectors(vocab, dim, g)]
