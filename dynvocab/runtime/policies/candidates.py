@@ -13,7 +13,6 @@ Their sets have one size at every step (k ids; c blocks), as graph capture on a 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -113,8 +112,6 @@ class LowRankPolicy(VocabPolicy):
             raise DynvocabError(f"lowrank needs at least 1 candidate (got {k})")
         self.proj, self.score, self.device, n, self.budget = scorer
         self.k = min(k, n)
-        self.selector_s = 0.0
-        self.calls = 0
 
     @staticmethod
     def prepare(table: SelectorTable, vocab_size: int, eos: torch.Tensor, device: torch.device | str) -> tuple:
@@ -139,12 +136,8 @@ class LowRankPolicy(VocabPolicy):
         """The top-k ids of the low-rank scores of ``hidden`` [1, d]."""
         if hidden is None:
             raise ValueError("lowrank scores the draft hidden state; the loop must pass it")
-        start = time.perf_counter()
         scores = self.score(hidden.to(self.device, torch.float32) @ self.proj.T)[0]  # [V]
-        active = ActiveSet.of(Gathered(top_ids(scores, self.k)))
-        self.selector_s += time.perf_counter() - start
-        self.calls += 1
-        return active
+        return ActiveSet.of(Gathered(top_ids(scores, self.k)))
 
 
 class CentroidPolicy(VocabPolicy):
@@ -160,8 +153,6 @@ class CentroidPolicy(VocabPolicy):
         self.groups, self.centroids, self.bias, self.budget = scorer
         self.device = self.groups.device
         self.c = min(c, self.centroids.shape[0])
-        self.selector_s = 0.0
-        self.calls = 0
 
     @staticmethod
     def prepare(table: SelectorTable, vocab_size: int, eos: torch.Tensor, device: torch.device | str) -> tuple:
@@ -189,9 +180,5 @@ class CentroidPolicy(VocabPolicy):
         """The top-c blocks of ``hidden`` [1, d] as row ranges, and the EOS ids outside them."""
         if hidden is None:
             raise ValueError("centroids scores the draft hidden state; the loop must pass it")
-        start = time.perf_counter()
         scores = F.linear(hidden.to(self.device, torch.float32), self.centroids, self.bias)[0]  # [B]
-        active = ActiveSet.of(*self.groups.select(scores.topk(self.c, sorted=False).indices))
-        self.selector_s += time.perf_counter() - start
-        self.calls += 1
-        return active
+        return ActiveSet.of(*self.groups.select(scores.topk(self.c, sorted=False).indices))
