@@ -10,7 +10,8 @@ from conftest import tiny_qwen2
 from test_loop import VOCAB, greedy_case, make_policy, pooled_chi_square
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
-from dynvocab.runtime.eagle_draft import EagleDraft, MappedHead
+from dynvocab.runtime.eagle_draft import EagleDraft
+from dynvocab.runtime.mapped_head import MappedHead
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
