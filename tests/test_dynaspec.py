@@ -13,6 +13,7 @@ from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
+from dynvocab.runtime.draft_model import DraftModel
 
 VOCAB = 96
 
@@ -108,7 +109,7 @@ def test_make_policy_needs_the_stages():
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
     target, draft = tiny_pair
-    return CausalLM(target), CausalLM(draft)
+    return CausalLM(target), DraftModel(draft)
 
 
 @pytest.mark.parametrize(("seed", "position_aware"), [(0, True), (1, True), (2, True), (3, False)])

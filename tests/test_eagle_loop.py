@@ -10,7 +10,7 @@ from conftest import tiny_qwen2
 from test_loop import VOCAB, greedy_case, make_policy, pooled_chi_square
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
-from dynvocab.runtime.eagle_draft import EagleDraft
+from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.mapped_head import MappedHead
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.lm import CausalLM
@@ -50,11 +50,11 @@ def setup(request, target_model):
     """(target CausalLM, EagleDraft) for one kind."""
     target = CausalLM(target_model)
     if request.param == EAGLE1:
-        yield target, EagleDraft(eagle1(target_model), target)
+        yield target, Eagle1Draft(eagle1(target_model), target)
         return
     model = eagle3(target_model)
     tap = LayerTap(target_model, model.config.target_layers(LAYERS))
-    yield target, EagleDraft(model, target, tap)
+    yield target, Eagle3Draft(model, target, tap)
     tap.remove()
 
 
@@ -73,9 +73,9 @@ def test_the_draft_is_sometimes_right(target_model):
     """An EAGLE-1 head initialised from the target's last layer is often right on a tiny target, so the lossless
     tests above cross accepted and rejected drafts."""
     target = CausalLM(target_model)
-    draft = EagleDraft(eagle1(target_model), target)
+    draft = Eagle1Draft(eagle1(target_model), target)
     g = speculative_generate(target, [3, 1, 4, 1, 5], DecodeConfig(gamma=4, max_new_tokens=40), set(), draft,
-                             FullPolicy(draft.vocab_size))
+                             FullPolicy(draft.info.vocab_size))
     assert g.metrics.mean_accepted_length > 1.0, g.cycle_lengths
     assert any(n < 5 for n in g.cycle_lengths), g.cycle_lengths
 
@@ -91,7 +91,7 @@ def test_cache_rolls_back_to_a_fresh_pass(setup):
     cached = draft.step(torch.tensor(seq[draft.length:]))[-1]
     with torch.no_grad():
         out = target.model(torch.tensor([seq[:-1]]), output_hidden_states=True)
-    if draft.kind == EAGLE1:
+    if isinstance(draft, Eagle1Draft):
         feats = out.hidden_states[-1][0]  # the final normed hidden states
     else:
         feats = draft.tap.features()  # the pass above ran through the tap
@@ -120,10 +120,10 @@ def test_sampling_follows_the_target_distribution(target_model, kind):
     """First sampled token over many seeds, with an EAGLE draft over a subset, vs the target's p (chi-square)."""
     target = CausalLM(target_model)
     if kind == EAGLE1:
-        draft = EagleDraft(eagle1(target_model), target)
+        draft = Eagle1Draft(eagle1(target_model), target)
     else:
         model = eagle3(target_model)
-        draft = EagleDraft(model, target, LayerTap(target_model, model.config.target_layers(LAYERS)))
+        draft = Eagle3Draft(model, target, LayerTap(target_model, model.config.target_layers(LAYERS)))
     prompt = [5, 9, 13]
     cfg_s = SamplingConfig(temperature=1.5)
     with torch.no_grad():

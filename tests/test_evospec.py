@@ -15,6 +15,7 @@ from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever, assemble_candidates
 from dynvocab.runtime import strategies
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions
+from dynvocab.runtime.draft_model import DraftModel
 
 VOCAB = 96
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +40,7 @@ def random_graph(vocab: int = VOCAB, max_degree: int = 6, seed: int = 0) -> Grap
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
     target, draft = tiny_pair
-    return CausalLM(target), CausalLM(draft)
+    return CausalLM(target), DraftModel(draft)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,7 @@ def bundle_for(tmp_path, pair, tables, stages=("freq", "hnsw", "graph")):
 def test_from_context_reads_the_bundle_and_keeps_eos_in_the_core(tmp_path, pair, tables):
     target, draft = pair
     bundle = bundle_for(tmp_path, pair, tables)
-    ctx = PolicyContext(VOCAB, {95}, "cpu", bundle, draft, target)
+    ctx = PolicyContext(VOCAB, {95}, "cpu", bundle, draft.info, target)
     policy = EvoSpecPolicy.from_context(EvoSpecConfig(static_size=20, synchronous=True), ctx)
     core, _ = policy.active_ids(0).segments
     assert torch.equal(core[:20], tables[0][:20]) and 95 in core.tolist()
@@ -186,10 +187,10 @@ def test_from_context_reads_the_bundle_and_keeps_eos_in_the_core(tmp_path, pair,
 def test_make_policy_names_what_is_missing(tmp_path, pair, tables):
     target, draft = pair
     with pytest.raises(DynvocabError, match="needs --bundle"):
-        strategies.make_policy("evospec", StrategyOptions(), PolicyContext(VOCAB, {95}, "cpu", None, draft, target))
+        strategies.make_policy("evospec", StrategyOptions(), PolicyContext(VOCAB, {95}, "cpu", None, draft.info, target))
     bundle = bundle_for(tmp_path, pair, tables, stages=("freq", "graph"))
     with pytest.raises(DynvocabError, match="lacks hnsw") as err:
-        strategies.make_policy("evospec", StrategyOptions(), PolicyContext(VOCAB, {95}, "cpu", bundle, draft, target))
+        strategies.make_policy("evospec", StrategyOptions(), PolicyContext(VOCAB, {95}, "cpu", bundle, draft.info, target))
     assert "\n" not in str(err.value)
 
 

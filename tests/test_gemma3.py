@@ -13,10 +13,11 @@ from conftest import tiny_gemma3
 from test_loop import VOCAB, greedy_case, make_policy
 from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
-from dynvocab.runtime.eagle_draft import EagleDraft
+from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.draft_model import DraftModel
 
 WINDOW = 8  # far shorter than prompt + 40 new tokens
 
@@ -39,16 +40,16 @@ def setup(request, target_model):
     """(target CausalLM, draft) for one draft kind over the Gemma-3-shaped target."""
     target = CausalLM(target_model)
     if request.param == "model":
-        yield target, CausalLM(perturbed(tiny_gemma3(seed=0, window=WINDOW), 1))
+        yield target, DraftModel(perturbed(tiny_gemma3(seed=0, window=WINDOW), 1))
         return
     cfg = config_like(target_model.config, request.param)
     if request.param == EAGLE1:
-        yield target, EagleDraft(init_eagle1_from_target(EagleModel(cfg).eval(), target_model), target)
+        yield target, Eagle1Draft(init_eagle1_from_target(EagleModel(cfg).eval(), target_model), target)
         return
     head = EagleModel(cfg).eval()
     init_eagle3_from_target(head, target_model, torch.arange(VOCAB))
     tap = LayerTap(target_model, head.config.target_layers(target_model.config.num_hidden_layers))
-    yield target, EagleDraft(head, target, tap)
+    yield target, Eagle3Draft(head, target, tap)
     tap.remove()
 
 

@@ -23,12 +23,13 @@ from dynvocab.models.prepack import (
     quantize_rows,
 )
 from dynvocab.runtime.active_set import ActiveSet, Gathered, RowRanges
-from dynvocab.runtime.eagle_draft import EagleDraft
+from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import VocabPolicy
 from dynvocab.runtime.session import ModelConfig, Session
+from dynvocab.runtime.draft_model import DraftModel
 
 pytestmark = [
     pytest.mark.skipif(not int8_supported("cpu"), reason="this torch has no fbgemm"),
@@ -130,7 +131,7 @@ def int8_pair(tiny_pair):
     target, draft = tiny_pair
     draft = copy.deepcopy(draft)
     assert quantize_linears(draft, draft.get_output_embeddings()) > 0
-    return CausalLM(target), CausalLM(draft)
+    return CausalLM(target), DraftModel(draft)
 
 
 @pytest.mark.parametrize(
@@ -187,8 +188,8 @@ def test_greedy_with_an_int8_eagle_head_is_lossless(kind, eagle):
     model = eagle1(target_model) if eagle == "eagle1" else eagle3(target_model)
     quantize_linears(model, getattr(model, "lm_head", None))
     assert isinstance(model.fc, Int8Linear)
-    tap = None if model.kind == EAGLE1 else LayerTap(target_model, model.config.target_layers(LAYERS))
-    draft = EagleDraft(model, target, tap, INT8)
+    tap = None if eagle == "eagle1" else LayerTap(target_model, model.config.target_layers(LAYERS))
+    draft = Eagle1Draft(model, target, INT8) if tap is None else Eagle3Draft(model, target, tap)
     assert isinstance(draft.step_rows[0], Int8Rows)
     for seed in range(2):
         prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -251,7 +252,7 @@ def test_a_static_ranking_is_packed_when_the_policy_is_built(int8_pair, gathers_
     rows._prefix_packs.clear(), rows._prefix_uses.clear(), rows.ordered._kept.clear()
     path = tmp_path / "map.pt"
     torch.save(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:40].tolist(), path)
-    ctx = PolicyContext(draft.vocab_size, set(), "cpu", None, draft, target)
+    ctx = PolicyContext(draft.vocab_size, set(), "cpu", None, draft.info, target)
     policy = build_policy("fr", StrategyOptions(token_map=str(path)), ctx)
     assert len(rows.ordered._kept) == 1 and len(rows._prefix_packs) == (0 if gathers_int8 else 1)
     draft.reset()

@@ -15,6 +15,7 @@ from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAware
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
+from dynvocab.runtime.draft_model import DraftModel
 
 VOCAB = 96
 
@@ -73,7 +74,7 @@ def make_policy(kind: str, seed: int) -> VocabPolicy:
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
     target, draft = tiny_pair
-    return CausalLM(target), CausalLM(draft)
+    return CausalLM(target), DraftModel(draft)
 
 
 @pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random", "microspec", "hybrid"])
@@ -199,7 +200,7 @@ def test_padded_vocabularies_are_matched_on_shared_ids():
     with torch.no_grad():
         padded.lm_head.weight[VOCAB:] = 0.0  # padding rows carry no token, as in real padded heads
     target = CausalLM(padded)
-    draft = CausalLM(tiny_qwen2(vocab=VOCAB, seed=6), vocab_rows=VOCAB)
+    draft = DraftModel(tiny_qwen2(vocab=VOCAB, seed=6), vocab_rows=VOCAB)
     cfg = DecodeConfig(gamma=3, max_new_tokens=20)
     ar = speculative_generate(target, [1, 2], cfg, set())
     assert max(ar.token_ids) < VOCAB

@@ -15,6 +15,7 @@ from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
+from dynvocab.runtime.draft_model import DraftModel
 
 
 def build(dirs, corpus, out, stages, clusters=8):
@@ -71,10 +72,11 @@ def test_train_router_adds_the_stage_and_keeps_the_others(trained, clusters_bund
 
 def test_trained_router_is_lossless_in_the_loop(trained, tiny_dirs):  # noqa: F811
     bundle = load_bundle(trained)
-    models = [CausalLM(load_model(resolve_model(str(d)), "cpu", "float32")) for d in tiny_dirs]
-    target, draft = models
+    target_dir, draft_dir = tiny_dirs
+    target = CausalLM(load_model(resolve_model(str(target_dir)), "cpu", "float32"))
+    draft = DraftModel(load_model(resolve_model(str(draft_dir)), "cpu", "float32"))
     eos = {load_tokenizer(resolve_model(str(tiny_dirs[0]))).eos_token_id}
-    ctx = PolicyContext(draft.vocab_size, eos, "cpu", bundle, draft, target)
+    ctx = PolicyContext(draft.vocab_size, eos, "cpu", bundle, draft.info, target)
     for seed in range(2):
         prompt = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
         policy = DynaSpecPolicy.from_context(DynaSpecConfig(k_max=3), ctx)
@@ -99,11 +101,11 @@ def test_stale_router_and_missing_stages_are_refused(trained, clusters_bundle, t
         if stage.name == "router":
             stage.config["clusters_sha256"] = "0" * 64
     stale = write_bundle(tmp_path / "stale.safetensors", stages, source.fingerprints["target"], source.fingerprints["draft"])
-    draft = CausalLM(load_model(resolve_model(str(tiny_dirs[1])), "cpu", "float32"))
-    ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(stale), draft)
+    draft = DraftModel(load_model(resolve_model(str(tiny_dirs[1])), "cpu", "float32"))
+    ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(stale), draft.info)
     with pytest.raises(DynvocabError, match="trained for other clusters"):
         DynaSpecPolicy.from_context(DynaSpecConfig(), ctx)
-    ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(clusters_bundle), draft)
+    ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(clusters_bundle), draft.info)
     with pytest.raises(DynvocabError) as err:
         make_policy("dynaspec", StrategyOptions(), ctx)
     assert str(err.value) == (

@@ -19,6 +19,7 @@ from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.candidates import CentroidConfig, LowRankConfig, top_ids
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
+from dynvocab.runtime.draft_model import DraftModel
 
 
 def test_svd_init_is_the_best_rank_r_approximation():
@@ -95,7 +96,9 @@ def test_train_router_adds_trained_selectors_with_their_recall(selectors_bundle)
 
 @pytest.fixture(scope="module")
 def pair(tiny_dirs):  # noqa: F811
-    return [CausalLM(load_model(resolve_model(str(d)), "cpu", "float32")) for d in tiny_dirs]
+    target_dir, draft_dir = tiny_dirs
+    return [CausalLM(load_model(resolve_model(str(target_dir)), "cpu", "float32")),
+            DraftModel(load_model(resolve_model(str(draft_dir)), "cpu", "float32"))]
 
 
 @pytest.mark.parametrize("strategy,config", [
@@ -105,7 +108,7 @@ def pair(tiny_dirs):  # noqa: F811
 def test_selectors_are_lossless_in_the_loop(selectors_bundle, pair, tiny_dirs, strategy, config):  # noqa: F811
     target, draft = pair
     eos = {load_tokenizer(resolve_model(str(tiny_dirs[0]))).eos_token_id}
-    ctx = PolicyContext(draft.vocab_size, eos, "cpu", load_bundle(selectors_bundle), draft, target)
+    ctx = PolicyContext(draft.vocab_size, eos, "cpu", load_bundle(selectors_bundle), draft.info, target)
     sizes = set()
     for seed in range(3):
         prompt = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -127,7 +130,7 @@ def test_selectors_are_lossless_in_the_loop(selectors_bundle, pair, tiny_dirs, s
 
 def test_a_selector_for_another_draft_is_refused(selectors_bundle, pair, tiny_dirs):  # noqa: F811
     target, _ = pair
-    ctx = PolicyContext(target.vocab_size, set(), "cpu", load_bundle(selectors_bundle), target)  # hidden 32, not 16
+    ctx = PolicyContext(target.vocab_size, set(), "cpu", load_bundle(selectors_bundle), DraftModel(target.model).info)  # hidden 32, not 16
     with pytest.raises(DynvocabError, match="reads hidden size 16, the draft has 32"):
         make_policy("lowrank", StrategyOptions(), ctx)
 

@@ -11,6 +11,7 @@ from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
 from dynvocab.runtime.tree import DraftTree
 from dynvocab.runtime.verify import verify_tree_greedy
+from dynvocab.runtime.draft_model import DraftModel
 
 VOCAB = 96
 
@@ -61,7 +62,7 @@ def test_tree_mask_and_positions():
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
     target, draft = tiny_pair
-    return CausalLM(target), CausalLM(draft)
+    return CausalLM(target), DraftModel(draft)
 
 
 def test_tree_pass_equals_chain_passes_and_rollback_keeps_the_leaf(pair):

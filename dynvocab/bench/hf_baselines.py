@@ -129,11 +129,11 @@ def hf_generate(session, row: str, prompt_ids: list[int], decode: DecodeConfig, 
     if not prompt_ids:
         raise DynvocabError("the prompt is empty; pass some text")
     target = session.target.model
-    draft = session.draft.hf_model if session.draft is not None else None
+    draft = session.draft.info.hf_model if session.draft is not None else None
     if row == "hf-assisted" and session.draft is None:
         raise DynvocabError("hf-assisted needs a draft model; pass --draft")
     if row == "hf-assisted" and draft is None:
-        raise DynvocabError(f"hf-assisted needs a draft model; transformers cannot assist with an {session.draft.label}")
+        raise DynvocabError(f"hf-assisted needs a draft model; transformers cannot assist with an {session.draft.info.label}")
     eos = sorted(session.eos_ids)
     sampling = decode.temperature > 0
     cfg = GenerationConfig(

@@ -34,7 +34,10 @@ import torch.nn.functional as F
 from dynvocab.artifacts import FreqTable, HnswParams, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
 from dynvocab.models.prepack import INT8, Int8Rows
-from dynvocab.runtime.head import DraftHead
+from dynvocab.errors import DynvocabError
+from dynvocab.runtime.draft import DraftInfo
+from dynvocab.runtime.drafts import lookup_kind
+from dynvocab.runtime.head import DraftHead, FloatRows
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategies
@@ -54,6 +57,7 @@ VARIANTS = {  # bench-only rows: a registered strategy with other options
     "hybrid-nosearch": ("hybrid", StrategyOptions(configs=(HybridConfig(step_neighbours=0),))),
 }
 HEAD_ROWS = 3072
+SYNTHETIC_KIND = "eagle1"  # the draft whose stand-in reads synthetic tables: EAGLE-1, sharing the target's head
 
 
 @torch.inference_mode()
@@ -98,40 +102,24 @@ class _Target:
     weight: torch.Tensor  # [n, d]
 
 
-@dataclass(frozen=True)
-class _Draft:
-    """What the policies' factories read of a draft (see :mod:`dynvocab.runtime.draft`), with random weights."""
-
-    vocab_size: int
-    hidden_size: int
-    embedding: torch.Tensor  # [V, d_e]
-    shares_target_head: bool  # True: its per-step search uses the target's index (the synthetic tables)
-    index_rows: torch.Tensor | None  # [V', d] the head rows a bundle's draft_hnsw covers
-    adaptable: None = None  # no online alignment
-    device: torch.device = torch.device("cpu")
-
-    def head_logits(self, hidden: torch.Tensor, active) -> tuple[torch.Tensor, None]:
-        """The full head the hybrid's per-step search is weighed against: the random embedding as tied rows."""
-        return F.linear(hidden.float(), self.embedding.float()), None
-
-    def prepare_rows(self, order: torch.Tensor, prefixes=()) -> None:
-        """Nothing to pack: the bench's heads are its own (their warm-up cycles pack what the policy returns)."""
-
-
 @contextmanager
-def bench_context(bundle, vocab: int, dim: int, seed: int) -> Iterator[PolicyContext]:
+def bench_context(bundle, vocab: int, dim: int, seed: int, kind: str = SYNTHETIC_KIND) -> Iterator[PolicyContext]:
     """A :class:`PolicyContext` over ``bundle``'s tables, else over synthetic tables of demo sizes written as a
-    bundle (kept while the context is open), with stand-in models of random weights shaped as the tables expect."""
+    bundle (kept while the context is open), with stand-in models of random weights shaped as the tables expect:
+    for synthetic tables, the stand-in of draft ``kind`` (a registered :class:`~dynvocab.runtime.drafts.DraftKind`)."""
     g = torch.Generator().manual_seed(seed)
     eos = {vocab - 1}
     if bundle is not None:
         target, draft = _stand_ins(bundle, vocab, dim, g)
         yield PolicyContext(vocab, eos, "cpu", bundle, draft, target)
         return
+    entry = lookup_kind(kind)
+    if entry.stand_in is None:
+        raise DynvocabError(f"draft kind '{kind}' offers no stand-in for bench --policy-steps")
     with tempfile.TemporaryDirectory(prefix="dynvocab-policy-step-") as folder:
         rows = torch.randn(min(4096, vocab), dim, generator=g)  # [n, d] a small index: retrieval's cost, not its recall
         path = synthetic_bundle(Path(folder) / "synthetic.safetensors", vocab, rows, g)
-        draft = _Draft(vocab, dim, torch.randn(vocab, dim, generator=g), shares_target_head=True, index_rows=None)
+        draft = entry.stand_in(vocab, dim, g)
         with load_bundle(path) as synthetic:
             yield PolicyContext(vocab, eos, "cpu", synthetic, draft, _Target(rows))
 
@@ -174,7 +162,7 @@ def _synthetic_selectors(vocab: int, dim: int, g: torch.Generator) -> list[Stage
     return [Stage(t.kind, t.tensors, t.config) for t in random_selectors(vocab, dim, g)]
 
 
-def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Target | None, _Draft]:
+def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Target | None, DraftInfo]:
     """Models with random weights shaped as ``bundle``'s stages expect them: the target's head as its ``hnsw``
     index covers it, the draft's hidden size and embedding as its router reads them, the draft's head rows as its
     ``draft_hnsw`` covers them."""
@@ -187,9 +175,11 @@ def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Targe
     for stage in ("lowrank", "centroids"):  # a bundle with selectors only: the hidden size they read
         if not bundle.has("router") and bundle.has(stage):
             router = {"hidden_dim": bundle.config(stage)["hidden_dim"], "embed_dim": dim}
+    hidden = int(router["hidden_dim"])
     embedding = torch.randn(vocab, int(router["embed_dim"]), generator=g)
     index_rows = rows("draft_hnsw") if bundle.has("draft_hnsw") else None
-    draft = _Draft(vocab, int(router["hidden_dim"]), embedding, shares_target_head=False, index_rows=index_rows)
+    head = FloatRows(torch.randn(vocab, hidden, generator=g))  # the draft's own head, as a draft model's
+    draft = DraftInfo("stand-in draft model", vocab, hidden, torch.device("cpu"), embedding, head, index_rows=index_rows)
     return (_Target(rows("hnsw")) if bundle.has("hnsw") else None), draft
 
 
@@ -283,21 +273,22 @@ def policy_step_bench(
     seed: int = 0,
     threads: int | None = None,
     target: dict = DEMO_TARGET,
+    kind: str = SYNTHETIC_KIND,
 ) -> dict:
     """Each policy's own ms per draft step and its head's ms per step, beside the full head (row ``full``) and an
     EAGLE-1 step with a 3k-row head, per dtype of the head's rows (``"int8"``: int8 rows with per-row scales, as an
     int8 draft keeps them) (``policies``: bench rows, default :func:`policy_rows`; ``target``: other shapes, e.g. tiny ones for
-    tests). Returns ``{"tables", "target", "cycles", "gamma", "threads", "dtypes": {dtype: {"eagle": {"body_ms",
+    tests; ``kind``: the draft kind whose stand-in the policies read over synthetic tables). Returns ``{"tables", "kind", "target", "cycles", "gamma", "threads", "dtypes": {dtype: {"eagle": {"body_ms",
     "head_ms", "step_ms"}, "policies": {name: {"policy_ms", "active_ms", "observe_ms", "head_ms", "mean_active",
     "share_of_eagle_step", "step_vs_full_head"}}}}}``."""
     policies = policy_rows() if policies is None else policies
     vocab = target["vocab_size"]
-    with cpu_threads(threads), bench_context(bundle, vocab, target["hidden_size"], seed) as ctx:
+    with cpu_threads(threads), bench_context(bundle, vocab, target["hidden_size"], seed, kind) as ctx:
         ranking = FreqTable.from_bundle(ctx.bundle).ranking
         ranking = ranking[ranking < vocab]
         script = scripted_cycles(ctx, ranking, warmup_cycles + cycles, gamma, seed)
         prompt = torch.cat([ranking[:200], ctx.eos])
-        out = {"tables": "bundle" if bundle is not None else "synthetic", "target": target, "cycles": cycles,
+        out = {"tables": "bundle" if bundle is not None else "synthetic", "kind": ctx.draft.label, "target": target, "cycles": cycles,
                "gamma": gamma, "threads": torch.get_num_threads(), "dtypes": {}}
         for name in dtypes:
             int8 = name == INT8

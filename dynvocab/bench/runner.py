@@ -24,7 +24,7 @@ from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summar
 from dynvocab.bench.prompts import PromptRow
 from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.session import Session
-from dynvocab.runtime.strategies import StrategyOptions, make_policy, parse_strategies
+from dynvocab.runtime.strategies import StrategyOptions, lookup, make_policy, parse_strategies
 from dynvocab.bench.tasks import HISTORY_CHARS, BenchItem, as_item
 
 
@@ -56,7 +56,7 @@ def parse_rows(text: str) -> list[str]:
 
 def needs_draft(strategies) -> bool:
     """Whether any row needs the draft model."""
-    return any(s not in ("ar", "hf-lookup") for s in strategies)
+    return any(s == "hf-assisted" if s in HF_ROWS else lookup(s).drafts for s in strategies)
 
 
 def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple[BenchConfig, list[str]]:
@@ -64,13 +64,13 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
     note when ``skip`` (``--quick``). Returns the config to run and the notes."""
     keep, notes = [], []
     for name in cfg.strategies:
-        if name == "hf-assisted" and session.draft is not None and session.draft.hf_model is None:
-            msg = f"hf-assisted needs a draft model; transformers cannot assist with an {session.draft.label}"
+        if name == "hf-assisted" and session.draft is not None and session.draft.info.hf_model is None:
+            msg = f"hf-assisted needs a draft model; transformers cannot assist with an {session.draft.info.label}"
             if not skip:
                 raise DynvocabError(msg)
             notes.append(f"skipped {name}: {msg}")
             continue
-        if name in ("ar", *HF_ROWS) or session.draft is None:
+        if name in HF_ROWS or session.draft is None or not lookup(name).drafts:
             keep.append(name)
             continue
         try:
@@ -92,8 +92,8 @@ def generate_row(
     if strategy in HF_ROWS:
         token_ids, metrics = hf_generate(session, strategy, prompt_ids, decode, cfg.lookup_tokens)
         return token_ids, {**metrics, **{key: None for key in EXTRA_KEYS}}
-    if strategy == "ar":
-        result = session.generate(prompt_ids, "ar", decode, cfg.options, timing=True)
+    if not lookup(strategy).drafts:
+        result = session.generate(prompt_ids, strategy, decode, cfg.options, timing=True)
         return result.token_ids, {**result.metrics.as_dict(), **{key: None for key in EXTRA_KEYS}}
     recorders: list[PolicyRecorder] = []
 
@@ -183,7 +183,7 @@ def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -
             "dtype": session.dtype,
             "draft_weights": session.draft_weights,
             "draft_bytes": session.draft_bytes,
-            "draft": None if session.draft is None else session.draft.label,
+            "draft": None if session.draft is None else session.draft.info.label,
             "prepacked": session.prepacked,
             "coverage": cfg.coverage,
             "recall_ks": list(cfg.recall_ks) if cfg.coverage else [],

@@ -25,6 +25,7 @@ from dynvocab.cli.common import (
     with_strategy_flags,
 )
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.drafts import kind_names
 from dynvocab.files import write_atomic
 
 
@@ -88,6 +89,14 @@ def bench(
             "head at the demo target's shapes (bfloat16 and float32; the --bundle's tables, else synthetic ones).",
         ),
     ] = False,
+    draft_kind: Annotated[
+        Optional[str],
+        typer.Option(
+            "--draft-kind",
+            help=f"With --policy-steps over synthetic tables: the draft kind whose random-weight stand-in the "
+            f"policies read (registered: {kind_names()}; default eagle1).",
+        ),
+    ] = None,
     eagle_step: Annotated[
         bool,
         typer.Option(
@@ -110,7 +119,7 @@ def bench(
         return
     flags.check()
     if policy_steps:
-        _policy_step_bench(flags.bundle, dtype, draft_weights, json_path, threads)
+        _policy_step_bench(flags.bundle, dtype, draft_weights, json_path, threads, draft_kind)
         return
     if eagle_step:
         _eagle_step_bench(device, dtype, draft_weights, json_path)
@@ -139,10 +148,11 @@ def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None,
 
 
 def _policy_step_bench(
-    bundle: str | None, dtype: str | None, weights: str | None, json_path: Path | None, threads: int | None
+    bundle: str | None, dtype: str | None, weights: str | None, json_path: Path | None, threads: int | None,
+    kind: str | None = None,
 ) -> None:
     from dynvocab.artifacts.bundle import load_bundle
-    from dynvocab.bench.policy_step import policy_step_bench, render_policy_table
+    from dynvocab.bench.policy_step import SYNTHETIC_KIND, policy_step_bench, render_policy_table
     from dynvocab.models.prepack import INT8, default_draft_weights
 
     console = Console(stderr=True)
@@ -152,7 +162,7 @@ def _policy_step_bench(
     if weights == INT8:  # the int8 rows an int8 draft's head reads, first
         dtypes = (INT8, *dtypes)
     with console.status("timing policy steps…"):
-        result = policy_step_bench(opened, dtypes=dtypes, threads=threads)
+        result = policy_step_bench(opened, dtypes=dtypes, threads=threads, kind=kind or SYNTHETIC_KIND)
     Console().print(render_policy_table(result))
     if json_path is not None:
         _write_json(json_path, result)

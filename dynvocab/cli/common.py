@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW
+from dynvocab.runtime.drafts import kind_names
 from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, strategy_flags
 
 err_console = Console(stderr=True)
@@ -26,7 +27,10 @@ err_console = Console(stderr=True)
 Target = Annotated[
     str, typer.Option(help="Target model: hub id, local folder, .gguf file, or demo:target.")
 ]
-Draft = Annotated[str, typer.Option(help="Draft model: hub id, local folder, .gguf file, or demo:draft.")]
+Draft = Annotated[str, typer.Option(
+    help="The draft: a draft model (hub id, local folder, .gguf file, demo:draft) or a draft head (folder or hub id); "
+    f"its kind is recognised among the registered ones ({kind_names()}).",
+)]
 Device = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when a GPU is visible).")]
 Dtype = Annotated[
     Optional[str],

@@ -27,7 +27,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError, Interrupted
 from dynvocab.runtime.prompts import encode_prompt
-from dynvocab.runtime.strategies import check_bundle_stages, check_strategy, strategy_names
+from dynvocab.runtime.strategies import check_bundle_stages, check_strategy, lookup, strategy_names
 
 
 @one_line_errors
@@ -65,7 +65,7 @@ def generate(
     set_threads(threads)
     session = Session(
         ModelConfig(target, draft, device, dtype, prepack=prepack, draft_weights=draft_weights),
-        need_draft=strategy != "ar",
+        need_draft=lookup(strategy).drafts,
         status=status_printer(quiet),
         bundle=flags.bundle,
     )

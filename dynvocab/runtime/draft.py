@@ -1,13 +1,17 @@
-"""The draft interface: what the speculative loop asks of a draft, whichever kind runs behind it.
+"""The draft boundary: what the speculative loop drives (:class:`Proposer`) apart from what policies read
+(:class:`DraftInfo`), whichever kind of draft runs behind it.
 
-Two kinds implement it: an independent draft model (:class:`~dynvocab.runtime.lm.CausalLM`) and an EAGLE head
-(:class:`~dynvocab.runtime.eagle_draft.EagleDraft`), which also reads the target's features. The loop never asks
-which one it runs (as vLLM's engine never asks which proposer it drives).
+Each kind (a draft model, an EAGLE-1/2 head, an EAGLE-3 head, or one a plugin brings) is one entry in the draft
+registry (:mod:`dynvocab.runtime.drafts`) whose loader returns a :class:`Proposer`. The loop never asks which kind
+it drives (as vLLM's engine never asks which proposer it runs), and policies read only the proposer's frozen
+:class:`DraftInfo`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import inspect
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -15,45 +19,42 @@ from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.head import prepare_order, row_source
 
 
-class Draft(Protocol):
-    """A proposer with a KV cache that rolls back and a head it owns. ``length``: committed and drafted tokens it
-    has consumed. Whatever a policy, the loop or bench needs to know about a draft, the draft answers here."""
+@dataclass(frozen=True, eq=False)
+class DraftInfo:
+    """What a policy may read of a draft: fixed for the draft's life.
 
-    length: int
+    ``rows``: the draft head's rows as a row source (:mod:`dynvocab.runtime.rows`) whose row ``i`` is target id
+    ``i`` — what a policy packs a fixed order of at build, what a per-step search is weighed against — or None
+    where the head's rows are not target ids (EAGLE-3's own draft vocabulary).
+    """
+
+    label: str  # what the draft is, for people (reports, tables)
+    vocab_size: int  # how many target ids a policy may name (active sets are target ids)
+    hidden_size: int  # width of the hidden state ``step`` returns: what the head and the policies read
     device: torch.device
+    embedding: torch.Tensor  # [V, d_e] the draft's input embeddings by token id (DynaSpec's router reads them)
+    rows: object | None = None  # RowSource [V, d] of the head over target ids, or None
+    shares_target_head: bool = False  # the head is the target's own LM head (EAGLE-1): its HNSW index is the target's
+    index_rows: torch.Tensor | None = None  # [V', d] the head rows a bundle's ``draft_hnsw`` stage indexes, or None
+    adaptable: object | None = None  # the draft CausalLM whose attention projections online LoRA alignment adapts, or None
+    hf_model: torch.nn.Module | None = None  # the model transformers' assisted generation can drive, or None
 
-    @property
-    def vocab_size(self) -> int:
-        """How many target ids a vocabulary policy may name (active sets are target ids)."""
+    def prepare_rows(self, order: torch.Tensor, prefixes: Sequence[int] = ()) -> None:
+        """Pack the head's rows of a policy's fixed id ``order`` (and its ``prefixes``) now, when the policy is
+        built, not at its first draft step; kept on the row source across sequences. Nothing where ``rows`` is
+        None."""
+        if self.rows is not None:
+            prepare_order(self.rows, order, tuple(prefixes))
 
-    @property
-    def hidden_size(self) -> int:
-        """Width of the hidden state ``step`` returns: what the head and the policies read."""
 
-    @property
-    def embedding(self) -> torch.Tensor:
-        """The draft's input embeddings by token id, [V, d_e] (DynaSpec's router reads them)."""
+@runtime_checkable
+class Proposer(Protocol):
+    """What the loop drives: a draft with a KV cache that rolls back and a head over active sets.
 
-    @property
-    def shares_target_head(self) -> bool:
-        """Whether the head is the target's own LM head (EAGLE-1): its HNSW index is then the target's."""
+    ``length``: committed and drafted tokens it has consumed. ``info``: what policies read of it."""
 
-    @property
-    def index_rows(self) -> torch.Tensor | None:
-        """The head rows a bundle's ``draft_hnsw`` stage indexes, [V, d] (a draft model's head), or None."""
-
-    @property
-    def adaptable(self) -> torch.nn.Module | None:
-        """The transformers model whose attention projections online LoRA alignment may adapt; None where
-        alignment does not apply."""
-
-    @property
-    def hf_model(self) -> torch.nn.Module | None:
-        """The transformers model that transformers' own assisted generation can drive, or None."""
-
-    @property
-    def label(self) -> str:
-        """What the draft is, for people (reports, tables)."""
+    info: DraftInfo
+    length: int
 
     @property
     def rows_copied(self) -> int:
@@ -69,10 +70,6 @@ class Draft(Protocol):
         """The draft's logits [m, n] (float32) over the ``active`` ids for head inputs ``hidden`` [m, d], and the
         target id of each column [n] (None when the columns are all target ids in order)."""
 
-    def prepare_rows(self, order: torch.Tensor, prefixes: Sequence[int] = ()) -> None:
-        """Pack the head's rows of a policy's fixed id ``order`` (and its ``prefixes``) now, when the policy is
-        built, not at its first draft step; kept across sequences."""
-
     def rollback(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (a draft may keep fewer; ``length`` says how many
         it kept, and the loop feeds the rest again)."""
@@ -83,14 +80,38 @@ class Draft(Protocol):
         the target's features of those positions."""
 
 
+PROPOSER_METHODS = ("reset", "step", "head_logits", "rollback", "observe")
+
+
+def protocol_gaps(draft) -> list[str]:
+    """What ``draft`` lacks of :class:`Proposer`: missing members, methods whose parameters differ from the
+    protocol's, an ``info`` that is not a :class:`DraftInfo`; [] when it conforms."""
+    gaps = [name for name in ("info", "length", "rows_copied", *PROPOSER_METHODS) if not hasattr(draft, name)]
+    for name in PROPOSER_METHODS:
+        if name in gaps:
+            continue
+        want = list(inspect.signature(getattr(Proposer, name)).parameters)[1:]
+        have = list(inspect.signature(getattr(draft, name)).parameters)
+        if have[: len(want)] != want or any(
+            inspect.signature(getattr(draft, name)).parameters[p].default is inspect.Parameter.empty
+            for p in have[len(want):]
+        ):
+            gaps.append(f"{name}{tuple(have)} (the protocol: {tuple(want)})")
+    if "info" not in gaps and not isinstance(draft.info, DraftInfo):
+        gaps.append(f"info is a {type(draft.info).__name__}, not a DraftInfo")
+    return gaps
+
+
 class OwnsHead:
-    """The head-owning half of a :class:`Draft`: ``head_logits`` runs the head ``_new_head()`` builds, once per
-    sequence (``_forget_head()`` at ``reset``), so its packed rows live exactly as long as the sequence."""
+    """The head-owning half of a :class:`Proposer`: ``head_logits`` runs the head ``_new_head()`` builds, once
+    per sequence (``_forget_head()`` at ``reset``), so its packed rows live exactly as long as the sequence; the
+    head's rows are one row source for the draft's life (the rows of fixed orders it keeps outlive a sequence)."""
 
     _head = None
+    _rows = None
 
     def _new_head(self):
-        """A fresh head over this draft's step rows (:class:`~dynvocab.runtime.head.DraftHead` or alike)."""
+        """A fresh head over this draft's rows (:class:`~dynvocab.runtime.head.DraftHead` or alike)."""
         raise NotImplementedError
 
     def _forget_head(self) -> None:
@@ -108,22 +129,9 @@ class OwnsHead:
         """Head rows gathered into packed buffers since the last reset."""
         return 0 if self._head is None else self._head.rows_copied
 
-    _rows = None
-
     @property
     def head_rows(self):
-        """The head's rows as one row source for the draft's life (:func:`~dynvocab.runtime.head.row_source` of
-        ``step_rows``): the rows of fixed orders it keeps outlive a sequence's head."""
+        """The head's rows as one row source (:func:`~dynvocab.runtime.rows.row_source` of ``step_rows``)."""
         if self._rows is None:
             self._rows = row_source(*self.step_rows)
         return self._rows
-
-    def _row_source(self):
-        """The row source the head multiplies target ids from (None where its rows are not target ids)."""
-        return self.head_rows
-
-    def prepare_rows(self, order: torch.Tensor, prefixes: Sequence[int] = ()) -> None:
-        """Pack the head's rows of a policy's fixed id ``order`` (and its ``prefixes``) now: see :class:`Draft`."""
-        source = self._row_source()
-        if source is not None:
-            prepare_order(source, order, tuple(prefixes))

@@ -1,5 +1,6 @@
-"""An EAGLE head as a draft (the :class:`~dynvocab.runtime.draft.Draft` interface) and the head over its own
-draft vocabulary (EAGLE-3).
+"""EAGLE heads as proposers: EAGLE-1/2 (predicting through the target's own LM head) and EAGLE-3 (a head over
+its own draft vocabulary, reading three of the target's layers), one class each over shared feature bookkeeping,
+and their registry entries.
 
 The head's cache position ``t - 1`` pairs token ``x_t`` with the feature of position ``t - 1`` (cnets1.py /
 cnets.py: the input ids are shifted one left of the features): the target's feature when the target has run that
@@ -11,50 +12,33 @@ accepted tokens are fed again with the target's features (as EAGLE does), in one
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
-from dynvocab.models.eagle import EAGLE1, EagleModel, LayerTap
-from dynvocab.models.prepack import INT8, Int8Linear, Int8Rows
-from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.draft import OwnsHead
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, checkpoint_of_kind
+from dynvocab.runtime.draft import DraftInfo, OwnsHead
+from dynvocab.runtime.draft_registry import DraftKind, LoadedDraft, LoadRequest
+from dynvocab.runtime.draft_weights import draft_bytes, module_rows, prepare_draft_weights, tensor_rows
 from dynvocab.runtime.head import DraftHead
-from dynvocab.runtime.mapped_head import MappedHead
 from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.mapped_head import MappedHead
 from dynvocab.runtime.slots import grown
 
 
 class EagleDraft(OwnsHead):
-    """An EAGLE-1/2 or EAGLE-3 head drafting for ``target``.
+    """What EAGLE-1 and EAGLE-3 heads share: the target's features by position, the head's own last feature, a
+    one-layer KV cache that drops entries made from the head's own features at rollback.
 
-    ``weight`` [rows, d] / ``bias``: the head's LM head — EAGLE-1: the target's own (its rows are target ids);
-    EAGLE-3: the head's ``lm_head`` over its draft vocabulary (see :class:`MappedHead`). ``tap`` keeps the
-    target's hidden states entering EAGLE-3's three layers (None for EAGLE-1, which reads the final hidden state).
-    ``step_dtype``: the dtype of the head rows its steps multiply (a copy when it differs from the weights';
-    an ``lm_head`` prepared with a one-row copy, :mod:`dynvocab.models.prepack`, brings its own), or ``"int8"``:
-    int8 rows with per-row scales (EAGLE-1: quantized from the target's head, a copy of the head's own; EAGLE-3:
-    its ``lm_head``'s, when its linears were quantized).
+    Subclasses say where features come from (:meth:`_features`), which rows the head multiplies (``step_rows``)
+    and which head runs over them (:meth:`_new_head`), and build :attr:`info`.
     """
 
-    index_rows = None  # no bundle stage indexes an EAGLE head's rows (EAGLE-1's are the target's: ``hnsw``)
-    adaptable = None  # online LoRA alignment adapts a draft model, not an EAGLE head
-    hf_model = None  # transformers' assisted generation cannot drive an EAGLE head
-
-    def __init__(
-        self, model: EagleModel, target: CausalLM, tap: LayerTap | None = None,
-        step_dtype: torch.dtype | str | None = None,
-    ):
+    def __init__(self, model: EagleModel, target: CausalLM):
         self.model = model
         self.target = target
-        self.tap = tap
-        self.kind = model.kind
         self.device = target.device
-        self.dtype = model.fc.weight.dtype
-        if self.kind == EAGLE1:
-            self.weight, self.bias, self.softcap = target.weight, target.bias, target.softcap
-        else:
-            self.weight, self.bias, self.softcap = model.lm_head.weight.detach(), None, None
         self.features = target.weight.new_empty(0, model.config.feature_size)  # [cap, f] by target position
         self.n_features = 0  # positions [0, n_features) hold the target's features
         self.own: torch.Tensor | None = None  # [1, d] the head's last output feature
@@ -62,53 +46,10 @@ class EagleDraft(OwnsHead):
         self.cache = None
         self.length = 0  # tokens consumed
         self.trusted = 0  # tokens consumed whose cache entries came from the target's features
-        self.step_rows = self._step_rows(step_dtype)  # ([rows, d], [rows] or None): what the head's steps multiply
 
-    def _step_rows(self, dtype: torch.dtype | str | None) -> tuple[torch.Tensor | Int8Rows, torch.Tensor | None]:
-        if dtype == INT8:
-            lm_head = getattr(self.model, "lm_head", None)
-            if self.kind != EAGLE1 and isinstance(lm_head, Int8Linear):
-                return lm_head.int8, None
-            return Int8Rows(self.weight, self.bias, keep_rows=True), None
-        row_weight = getattr(getattr(self.model, "lm_head", None), "row_weight", None)
-        if dtype is None or dtype == self.weight.dtype:
-            return self.weight, self.bias
-        weight = row_weight if self.kind != EAGLE1 and row_weight is not None else self.weight.to(dtype)
-        return weight, None if self.bias is None else self.bias.to(dtype)
-
-    def _new_head(self) -> "DraftHead | MappedHead":
-        if self.kind == EAGLE1:  # the target's own head: its rows are target ids
-            return DraftHead(self.head_rows, None, self.softcap)
-        return MappedHead(self.step_rows[0], self.model.draft_to_target(), self.target.vocab_size)
-
-    def _row_source(self):
-        """EAGLE-1's rows are target ids (the target's head); EAGLE-3's are its draft vocabulary's: None."""
-        return super()._row_source() if self.kind == EAGLE1 else None
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of the head's input."""
-        return self.weight.shape[1]
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        """The head's token embeddings (the target's) [V, d]."""
-        return self.model.embed_tokens.weight.detach()
-
-    @property
-    def shares_target_head(self) -> bool:
-        """EAGLE-1 predicts through the target's own LM head; EAGLE-3 has an ``lm_head`` of its own."""
-        return self.kind == EAGLE1
-
-    @property
-    def label(self) -> str:
-        """For people: which EAGLE head."""
-        return "EAGLE-1 head" if self.kind == EAGLE1 else "EAGLE-3 head"
-
-    @property
-    def vocab_size(self) -> int:
-        """Target ids a policy may name (the target's head rows)."""
-        return self.target.vocab_size
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's features [pass, f] of its last pass, whose final hidden states are ``hidden``."""
+        raise NotImplementedError
 
     def reset(self) -> None:
         """Forget the sequence and the target's features."""
@@ -120,10 +61,10 @@ class EagleDraft(OwnsHead):
     @torch.inference_mode()
     def observe(self, start: int, hidden: torch.Tensor | None, rows: Sequence[int] | None) -> None:
         """Keep the target's features of positions ``start, start + 1, …`` from the rows ``rows`` of its last
-        pass (EAGLE-1: the final hidden states ``hidden`` [pass, d]; EAGLE-3: the tapped layer inputs)."""
+        pass (with final hidden states ``hidden`` [pass, d]; :meth:`_features` says which the head reads)."""
         if hidden is None:
             return
-        feats = self.tap.features() if self.tap is not None else hidden  # [pass, f]
+        feats = self._features(hidden)  # [pass, f]
         if rows is not None:
             feats = feats[torch.as_tensor(list(rows), dtype=torch.long, device=feats.device)]
         end = start + feats.shape[0]
@@ -189,4 +130,103 @@ class EagleDraft(OwnsHead):
         self.length = self.trusted = keep
 
 
-__all__ = ["EagleDraft"]
+class Eagle1Draft(EagleDraft):
+    """An EAGLE-1/2 head: its features are the target's final hidden states and it predicts through the target's
+    own LM head, so its rows are target ids (int8 rows of it, a copy the draft owns, when its ``weights`` are int8;
+    a copy in another step dtype; None: the target's rows as they are)."""
+
+    def __init__(self, model: EagleModel, target: CausalLM, weights: str | None = None):
+        super().__init__(model, target)
+        self.softcap = target.softcap
+        self.step_rows = tensor_rows(target.weight, target.bias, weights)  # ([V, d], [V] or None)
+        self.info = DraftInfo(
+            label="EAGLE-1 head", vocab_size=target.vocab_size, hidden_size=target.weight.shape[1],
+            device=target.device, embedding=model.embed_tokens.weight.detach(), rows=self.head_rows,
+            shares_target_head=True,
+        )
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def _new_head(self) -> DraftHead:
+        return DraftHead(self.head_rows, None, self.softcap)
+
+
+class Eagle3Draft(EagleDraft):
+    """An EAGLE-3 head: its features are the target's hidden states entering three layers (``tap``) and its
+    ``lm_head`` covers its own draft vocabulary (:class:`~dynvocab.runtime.mapped_head.MappedHead` answers in target
+    ids); policies see no rows of target ids (``info.rows`` is None)."""
+
+    def __init__(self, model: EagleModel, target: CausalLM, tap: LayerTap):
+        super().__init__(model, target)
+        self.tap = tap
+        self.step_rows = module_rows(model.lm_head)  # ([Vd, d], None)
+        self.info = DraftInfo(
+            label="EAGLE-3 head", vocab_size=target.vocab_size, hidden_size=model.lm_head.weight.shape[1],
+            device=target.device, embedding=model.embed_tokens.weight.detach(),
+        )
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tap.features()
+
+    def _new_head(self) -> MappedHead:
+        return MappedHead(self.step_rows[0], self.model.draft_to_target(), self.target.vocab_size)
+
+
+def _load_head(request: LoadRequest):
+    """The EAGLE checkpoint ``request.found`` loaded for the target (refused in one line if it was built for
+    another), its linears given the draft's prepared copies; returns (model, its config, weights in force)."""
+    from dynvocab.models import parse_dtype
+    from dynvocab.models.eagle import check_target, load_eagle, read_config
+
+    config = request.target_model.config.get_text_config()
+    embeddings = request.target_model.get_input_embeddings().weight.detach()  # [V, d]
+    cfg = read_config(request.found)
+    check_target(cfg, config.hidden_size, embeddings.shape[0], config.num_hidden_layers)
+    model = load_eagle(request.found, embeddings, request.device, parse_dtype(request.dtype))
+    model = model.pair_with(request.target_model)
+    weights = prepare_draft_weights(
+        model, getattr(model, "lm_head", None), request.draft_weights, request.device, request.dtype,
+        request.prepacked,
+    )
+    return model, cfg, weights
+
+
+def load_eagle1(request: LoadRequest) -> LoadedDraft:
+    """An EAGLE-1/2 head for the target; its int8 copy of the target's head counts as the draft's own bytes."""
+    model, _, weights = _load_head(request)
+    draft = Eagle1Draft(model, request.target, weights)
+    return LoadedDraft(draft, weights, draft_bytes(model, getattr(draft.step_rows[0], "nbytes", 0)))
+
+
+def load_eagle3(request: LoadRequest) -> LoadedDraft:
+    """An EAGLE-3 head for the target, with the tap on the target layers it reads."""
+    model, cfg, weights = _load_head(request)
+    layers = request.target_model.config.get_text_config().num_hidden_layers
+    draft = Eagle3Draft(model, request.target, LayerTap(request.target_model, cfg.target_layers(layers)))
+    return LoadedDraft(draft, weights, draft_bytes(model))
+
+
+def _stand_in(label: str, shares_target_head: bool):
+    def make(vocab: int, hidden: int, generator: torch.Generator) -> DraftInfo:
+        from dynvocab.runtime.head import FloatRows
+
+        rows = torch.randn(vocab, hidden, generator=generator)  # the head's rows, tied to its embedding
+        return DraftInfo(
+            label, vocab, hidden, torch.device("cpu"), rows, FloatRows(rows) if shares_target_head else None,
+            shares_target_head=shares_target_head,
+        )
+
+    return make
+
+
+EAGLE1_KIND = DraftKind(
+    "eagle1", "EAGLE-1 head", functools.partial(checkpoint_of_kind, kind=EAGLE1), load_eagle1, priority=10,
+    stand_in=_stand_in("EAGLE-1 head", True), help="an EAGLE-1/2 head (EAGLE or SGLang layout) for the target",
+)
+EAGLE3_KIND = DraftKind(
+    "eagle3", "EAGLE-3 head", functools.partial(checkpoint_of_kind, kind=EAGLE3), load_eagle3, priority=10,
+    stand_in=_stand_in("EAGLE-3 head", False), help="an EAGLE-3 head (EAGLE, SGLang or speculators layout)",
+)
+
+__all__ = ["EAGLE1_KIND", "EAGLE3_KIND", "Eagle1Draft", "Eagle3Draft", "EagleDraft"]

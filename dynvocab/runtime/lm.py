@@ -1,30 +1,22 @@
-"""A causal LM split into its body (with a KV cache we can roll back) and its output head: the target, and a draft
-model behind the :class:`~dynvocab.runtime.draft.Draft` interface (the draft owns a head over active sets)."""
+"""A causal LM split into its body (with a KV cache we can roll back) and its output head: the target, and the body
+of a draft model (:class:`~dynvocab.runtime.draft_model.DraftModel` adds the head over active sets)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from dynvocab.models.prepack import Int8Linear, Int8Rows, PrepackedLinear
 from dynvocab.runtime import one_token
-from dynvocab.runtime.draft import OwnsHead
-from dynvocab.runtime.head import DraftHead, soft_cap
+from dynvocab.runtime.head import soft_cap
 from dynvocab.runtime.tree import DraftTree
 
 
-class CausalLM(OwnsHead):
+class CausalLM:
     """Wraps a transformers causal LM: ``step`` runs the body over new tokens, ``logits`` applies the head.
 
     Splitting body and head lets the draft compute logits over a subset of rows and lets the target
-    return hidden states without ``output_hidden_states`` (which would keep every layer's activations). As a
-    draft, ``head_logits`` runs its own :class:`~dynvocab.runtime.head.DraftHead` over the head's rows — the
-    one-row copy in the step dtype when the head was prepared with one, or its int8 rows with per-row scales when the
-    draft's weights are int8 (:mod:`dynvocab.models.prepack`).
+    return hidden states without ``output_hidden_states`` (which would keep every layer's activations).
     """
-
-    shares_target_head = False  # a draft model has a head of its own
-    label = "draft model"
 
     def __init__(self, model, vocab_rows: int | None = None, one_token_steps: bool = False):
         """``one_token_steps``: run one-token passes through :func:`~dynvocab.runtime.one_token.one_token_step`
@@ -61,7 +53,6 @@ class CausalLM(OwnsHead):
         if hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()
         self.length = 0
-        self._forget_head()
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
@@ -115,48 +106,10 @@ class CausalLM(OwnsHead):
             self.cache.crop(-remove)
             self.length = length
 
-    def observe(self, start: int, hidden, rows) -> None:
-        """A draft model reads no target features (see :class:`~dynvocab.runtime.draft.Draft`)."""
-
-    def _new_head(self) -> DraftHead:
-        return DraftHead(self.head_rows, None, self.softcap)
-
-    @property
-    def step_rows(self) -> tuple[torch.Tensor | Int8Rows, torch.Tensor | None]:
-        """The head's rows [V, d] (and bias) for draft steps: its int8 rows (bias inside) when its weights are int8,
-        the prepared one-row copy if there is one, else the head itself."""
-        head = self.model.get_output_embeddings()
-        rows = self.vocab_size
-        if isinstance(head, Int8Linear):
-            return head.int8.first(rows), None
-        if isinstance(head, PrepackedLinear) and head.row_weight is not None:
-            return head.row_weight[:rows], None if head.row_bias is None else head.row_bias[:rows]
-        return self.weight, self.bias
-
     @property
     def hidden_size(self) -> int:
         """Width of the final hidden state (the head's input)."""
         return self.weight.shape[1]
-
-    @property
-    def embedding(self) -> torch.Tensor:
-        """The input embeddings [V, d_e]."""
-        return self.model.get_input_embeddings().weight.detach()
-
-    @property
-    def index_rows(self) -> torch.Tensor:
-        """Every row of the output head, [V_padded, d] (what a bundle's ``draft_hnsw`` indexes)."""
-        return self.model.get_output_embeddings().weight.detach()
-
-    @property
-    def adaptable(self) -> torch.nn.Module:
-        """The transformers model itself (LoRA alignment adapts its attention projections)."""
-        return self.model
-
-    @property
-    def hf_model(self) -> torch.nn.Module:
-        """The transformers model (transformers' assisted generation can drive it)."""
-        return self.model
 
     def finish(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply the model's final logit soft-capping, if it has one."""

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.draft import Draft
+from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.metrics import Metrics, Tally
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
@@ -97,7 +97,7 @@ def speculative_generate(
     prompt_ids: list[int],
     cfg: DecodeConfig,
     eos_ids: set[int],
-    draft: Draft | None = None,
+    draft: Proposer | None = None,
     policy: VocabPolicy | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     timing: bool = False,
@@ -115,7 +115,7 @@ def speculative_generate(
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     speculative = draft is not None and cfg.gamma > 0
     if speculative and policy is None:
-        policy = FullPolicy(draft.vocab_size)
+        policy = FullPolicy(draft.info.vocab_size)
     timer = SectionTimer(device, timing)
     tally = Tally(cfg.gamma if speculative else 0)
     m = tally.m

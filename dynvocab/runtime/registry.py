@@ -24,6 +24,7 @@ from dynvocab.artifacts.selectors import SELECTOR_STAGES
 
 TRAINED_STAGES = (ROUTER_STAGE, *SELECTOR_STAGES)  # stages train-router writes
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.policies.base import VocabPolicy
 
 C = TypeVar("C")
@@ -37,7 +38,7 @@ class PolicyContext:
     eos_ids: set[int]
     device: torch.device | str = "cpu"
     bundle: object | None = None  # dynvocab.artifacts.Bundle, already checked against the models
-    draft: object | None = None  # the Draft (runtime/draft.py): its embedding, hidden size, head index rows, …
+    draft: DraftInfo | None = None  # what policies read of the draft: its embedding, hidden size, head rows, …
     target: object | None = None  # the target CausalLM (read-only: its LM head, for retrieval)
     tokenizer_sha256: str | None = None  # dynvocab.models.tokenizer_fingerprint of the shared tokenizer
 
@@ -104,6 +105,7 @@ class Strategy:
     stages: tuple[str, ...] = ()  # bundle stages it cannot run without (checked before any model loads)
     flags: tuple[Flag, ...] = ()  # options that set fields of ``config``
     dynamic: bool = True  # its active set follows the context: ``bench --policy-steps`` times its work per step
+    drafts: bool = True  # it runs a draft (False: the target decodes alone, and the factory returns None)
 
     def __post_init__(self):
         fields = {f.name for f in dataclasses.fields(self.config)} if self.config is not None else set()

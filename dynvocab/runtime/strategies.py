@@ -37,6 +37,7 @@ from dynvocab.runtime.registry import (
     strategy_names,
     unregister,
 )
+from dynvocab.runtime.plugins import STRATEGIES, load_plugins
 from dynvocab.runtime.token_map import load_token_map
 
 FR_SIZE = 32768  # FR-Spec's K when the ranking comes from a bundle
@@ -174,7 +175,7 @@ def _draft_head_index(ctx: PolicyContext, target_index):
 K_PRE = Flag("k_pre", "target top-K_pre per prompt position joining the stream.", min=1)
 K_VER = Flag("k_ver", "target top-K_ver per verified position joining the stream.", min=1)
 
-register(Strategy("ar", None, _ar, dynamic=False))
+register(Strategy("ar", None, _ar, dynamic=False, drafts=False))
 register(Strategy("full", None, _full, dynamic=False))
 register(Strategy("fr", None, _fr, dynamic=False))
 register(Strategy(
@@ -223,6 +224,8 @@ register(Strategy(
         ),
     ),
 ))
+
+load_plugins(STRATEGIES, register, Strategy)  # strategies that installed packages bring
 
 __all__ = [
     "FR_SIZE",

@@ -39,6 +39,7 @@ builders' work: :mod:`dynvocab.builders.draft.init`.
 
 from dynvocab.models.eagle.checkpoint import (
     LAYOUTS,
+    checkpoint_of_kind,
     config_from_json,
     config_to_json,
     detect_kind,
@@ -58,6 +59,7 @@ __all__ = [
     "KINDS",
     "LAYOUTS",
     "LayerTap",
+    "checkpoint_of_kind",
     "EagleConfig",
     "EagleModel",
     "check_target",

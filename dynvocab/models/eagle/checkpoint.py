@@ -31,6 +31,8 @@ verbatim (``conversion/llama.py:77-80``) and taps the INPUT of layer i (``common
 
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 
@@ -306,6 +308,20 @@ def eagle_checkpoint(spec) -> Path | None:
     except Exception:  # not reachable or not a hub model: the draft-model loader reports it in one line
         return None
     return folder if detect_kind(folder) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _checkpoint_kind(spec) -> tuple[Path, str] | None:
+    folder = eagle_checkpoint(spec)
+    return None if folder is None else (folder, detect_kind(folder))
+
+
+def checkpoint_of_kind(spec, kind: str) -> Path | None:
+    """The local folder of the EAGLE checkpoint of ``kind`` (:data:`EAGLE1` or :data:`EAGLE3`) that ``spec`` names,
+    else None (another kind, or no EAGLE checkpoint): the draft registry's recogniser of each EAGLE kind. A hub
+    checkpoint is fetched once for all kinds asked."""
+    found = _checkpoint_kind(spec)
+    return found[0] if found is not None and found[1] == kind else None
 
 
 def read_config(folder: str | Path) -> EagleConfig:

@@ -273,7 +273,7 @@ class EvoSpecPolicy(VocabPolicy):
         ranking = ranking[ranking < ctx.vocab_size][: cfg.static_size]
         eos = ctx.eos
         core = torch.cat([ranking, eos[~torch.isin(eos, ranking)]])  # EOS stays draftable so drafts can end
-        return cls(cfg, core, index, graph, ctx.vocab_size, ctx.device, draft=ctx.draft if cfg.online_align else None)
+        return cls(cfg, core, index, graph, ctx.vocab_size, ctx.device, draft=ctx.draft.adaptable if cfg.online_align else None)
 
     # -- the policy interface -----------------------------------------------------------------------------
     def prefill(self, prompt_ids: torch.Tensor, target_logits, target_hidden) -> None:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from dynvocab.artifacts import mips_search
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.draft import DraftInfo
 
 SEARCH_SHARE = 0.25  # the per-step search may cost at most this share of the draft's full head
 _MEASURED: dict = {}  # (id(draft), id(index), k) -> (draft, index, search ms, head ms)
@@ -30,23 +30,23 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def search_costs(draft, index, neighbours: int, repeats: int = 7) -> tuple[float, float]:
+def search_costs(draft: DraftInfo, index, neighbours: int, repeats: int = 7) -> tuple[float, float]:
     """``(search ms, full head ms)`` per draft step for ``draft`` and its head's HNSW ``index`` (the search of
-    ``neighbours`` rows for one hidden state, the draft's head over its whole vocabulary), measured once and kept."""
+    ``neighbours`` rows for one hidden state, the product over every row of the draft's head, ``draft.rows``),
+    measured once and kept."""
     key = (id(draft), id(index), neighbours)
     if key not in _MEASURED:
         gen = torch.Generator().manual_seed(0)
         hidden = torch.randn(repeats, 1, draft.hidden_size, generator=gen)
         queries = iter(hidden.repeat(2, 1, 1))
         search = _median_ms(lambda: mips_search(index, next(queries), neighbours), repeats)
-        full = ActiveSet.full(draft.vocab_size)
-        h = hidden[0].to(draft.device)
-        head = _median_ms(lambda: draft.head_logits(h, full), max(3, repeats // 2))
+        h = hidden[0].to(draft.device, draft.rows.dtype)
+        head = _median_ms(lambda: draft.rows.linear(h), max(3, repeats // 2))
         _MEASURED[key] = (draft, index, search, head)
     return _MEASURED[key][2:]
 
 
-def search_pays(draft, index, neighbours: int) -> bool:
+def search_pays(draft: DraftInfo, index, neighbours: int) -> bool:
     """Whether a per-step search of ``neighbours`` rows costs less than :data:`SEARCH_SHARE` of ``draft``'s full
     head (see :func:`search_costs`)."""
     search, head = search_costs(draft, index, neighbours)
