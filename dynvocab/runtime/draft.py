@@ -90,12 +90,15 @@ def protocol_gaps(draft) -> list[str]:
     for name in PROPOSER_METHODS:
         if name in gaps:
             continue
+        method = getattr(draft, name)
+        if not callable(method):
+            gaps.append(f"{name} is not a method")
+            continue
         want = list(inspect.signature(getattr(Proposer, name)).parameters)[1:]
-        have = list(inspect.signature(getattr(draft, name)).parameters)
-        if have[: len(want)] != want or any(
-            inspect.signature(getattr(draft, name)).parameters[p].default is inspect.Parameter.empty
-            for p in have[len(want):]
-        ):
+        params = inspect.signature(method).parameters
+        have = list(params)
+        extra_required = any(params[p].default is inspect.Parameter.empty for p in have[len(want):])
+        if have[: len(want)] != want or extra_required:
             gaps.append(f"{name}{tuple(have)} (the protocol: {tuple(want)})")
     if "info" not in gaps and not isinstance(draft.info, DraftInfo):
         gaps.append(f"info is a {type(draft.info).__name__}, not a DraftInfo")
