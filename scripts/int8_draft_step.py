@@ -3,7 +3,7 @@ one-token step, runtime/one_token.py), int8 through transformers' forward (``int
 an AVX2 CPU (float32 model, bfloat16 one-row copy, transformers' forward: ``bfloat16``), the default on a CPU with
 native bf16 (a bfloat16 model: ``bf16-model`` through transformers' forward, ``bf16-model-1t`` through the
 one-token step) and float32: body (one token after ``--context`` cached tokens) and head over all rows / a 32k
-ranking prefix / a 3k set, through the draft's own head type (``CausalLM._new_head``, one per set so each keeps
+ranking prefix / a 3k set, through the draft's own head type (``DraftModel._new_head``, one per set so each keeps
 its packed rows).
 
     PYTHONPATH=$PWD python scripts/int8_draft_step.py [--threads 1] [--repeats 15] [--json out.json]
@@ -27,7 +27,7 @@ from dynvocab.files import write_atomic
 from dynvocab.models import load_model, resolve_model
 from dynvocab.models.prepack import Int8Rows, prepack_linears, quantize_linears, step_weight_bytes
 from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.draft_model import DraftModel
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
             prepack_linears(model, packed=True, row_dtype=torch.bfloat16)
         elif name.startswith("bf16-model"):  # a CPU with native bf16: the whole model in bfloat16
             model = model.to(torch.bfloat16)
-        lm = CausalLM(model, one_token_steps=name in ("int8", "bf16-model-1t"))  # the others: transformers' forward
+        lm = DraftModel(model, one_token_steps=name in ("int8", "bf16-model-1t"))  # the others: transformers' forward
         drafts[name] = (lm, step_weight_bytes(model) + lm.fused_bytes)
     vocab = drafts[next(iter(drafts))][0].vocab_size
     gen = torch.Generator().manual_seed(0)
