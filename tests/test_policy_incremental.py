@@ -21,7 +21,7 @@ class RebuildMicroSpec(MicroSpecPolicy):
 
     def _refresh(self) -> None:
         self._touched = []
-        mask = self.state.active_mask().clone()
+        mask = self.state.counts > 0
         mask[self.pinned] = True
         self.member, self.ids = mask, torch.nonzero(mask).flatten()
 
@@ -31,7 +31,7 @@ class RebuildHybrid(HybridPolicy):
 
     def _refresh(self) -> None:
         self._touched = []
-        mask = self.state.active_mask() & (self.core_rank >= self.core.numel())
+        mask = (self.state.counts > 0) & (self.core_rank >= self.core.numel())
         self.member, self.ids = mask, torch.nonzero(mask).flatten()
 
 
