@@ -80,11 +80,14 @@ def test_draft_head_segments_concatenate_and_keep_their_own_buffers(weight):
     h = torch.randn(1, 16)
     core = torch.arange(100, 160)
     for step, k in enumerate((60, 60, 20, 15)):
-        window = torch.tensor([3, 5, 7 + step])
+        window = torch.tensor([3, 5, 7 + step])  # one id replaced per step, in the slot of the one it replaces
+        expected = [3, 5, 7 + step] + list(range(100, 100 + k))  # the window's ids, then the core's prefix
         logits, cols = head.logits(h, ActiveSet.of(window, core[:k]))
-        assert cols.tolist() == window.tolist() + core[:k].tolist() or sorted(cols[:3].tolist()) == sorted(window.tolist())
-        torch.testing.assert_close(logits, h @ weight[cols].T)
-    assert head.segments[1].rows_copied == 60  # the core was packed once; its prefixes are slices
+        assert cols.tolist() == expected
+        torch.testing.assert_close(logits, h @ weight[expected].T)
+        assert head.segments[0].rows_copied == 3 + step  # packed once, then only the entering id's row
+        assert head.segments[1].rows_copied == 60  # the core was packed once; its prefixes are slices
+    assert len(head.segments) == 2
     active = ActiveSet.of(window, core[:15])
     assert active.size == 18
     assert active.contains(114) and not active.contains(115)
