@@ -16,6 +16,7 @@ def weight():
 
 def check(head, weight, hidden, ids):
     logits, cols = head.logits(hidden, ids)
+    ids = ids if isinstance(ids, torch.Tensor) else ids.ids
     assert sorted(cols.tolist()) == sorted(ids.tolist())
     torch.testing.assert_close(logits, hidden @ weight[cols].T)
 
@@ -50,16 +51,21 @@ def test_incremental_updates_copy_only_changed_rows(weight):
 
 
 def test_prefix_views_of_a_ranking_do_not_copy(weight):
+    from dynvocab.runtime.active_set import Prefix
+
     head = PackedHead(weight)
     ranking = torch.randperm(200)[:90]
     h = torch.randn(1, 16)
-    check(head, weight, h, ranking)
-    copied = head.rows_copied
-    for k in (90, 45, 30, 90):
-        logits, cols = head.logits(h, ranking[:k])
+    check(head, weight, h, Prefix(ranking, 60))
+    assert head.rows_copied == 60
+    for k in (60, 45, 30, 60, 75, 20, 90, 10):  # shorter prefixes are slices; a longer one copies only its new rows
+        logits, cols = head.logits(h, Prefix(ranking, k))
         assert cols.tolist() == ranking[:k].tolist()
         torch.testing.assert_close(logits, h @ weight[ranking[:k]].T)
-    assert head.rows_copied == copied
+    assert head.rows_copied == 90
+    logits, cols = head.logits(h, ranking[:30].clone())  # a bare tensor is a changed set: brought up to date
+    assert sorted(cols.tolist()) == sorted(ranking[:30].tolist()) and head.rows_copied == 90
+    torch.testing.assert_close(logits, h @ weight[cols].T)
 
 
 def test_softcap_applies(weight):

@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 import torch
 
 from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.head import prepare_order, row_source
+from dynvocab.runtime.rows import prepare_order, row_source
 
 
 class Draft(Protocol):
