@@ -26,7 +26,7 @@ import torch
 from dynvocab.files import write_atomic
 from dynvocab.models import load_model, resolve_model
 from dynvocab.models.prepack import Int8Rows, prepack_linears, quantize_linears, step_weight_bytes
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.active_set import ActiveSet, Prefix
 from dynvocab.runtime.draft_model import DraftModel
 
 
@@ -55,7 +55,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     ranking = torch.randperm(vocab, generator=gen)
     window = torch.randperm(vocab, generator=gen)[:3072]
-    sets = {"full": ActiveSet.full(vocab), "32k": ActiveSet.of(ranking[:32768]), "3k": ActiveSet.of(window)}
+    sets = {  # a ranking's prefix and a kept window: sets whose keys say the head may reuse its packed rows
+        "full": ActiveSet.full(vocab),
+        "32k": ActiveSet.of(Prefix(ranking, min(32768, vocab))),
+        "3k": ActiveSet.of(Prefix.whole(window)),
+    }
     prompt = torch.randint(vocab, (args.context,), generator=gen)
     token = torch.randint(vocab, (1,), generator=gen)
     hidden, heads = {}, {}

@@ -31,7 +31,8 @@ from dynvocab.runtime.drafts import (
     unregister,
 )
 from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
-from dynvocab.runtime.head import DraftHead, FloatRows
+from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.rows import FloatRows
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.strategies import Strategy, strategy_names
 from dynvocab.runtime.strategies import register as register_strategy

@@ -96,19 +96,19 @@ def report(policy, emitted, logits=None, hidden=None, accepted=None, gamma=3):
 
 def test_an_oov_token_triggers_retrieval_and_joins_the_dynamic_segment(tables):
     policy = make_policy(tables, synchronous=True)
-    core, dyn = policy.active_ids(0).segments
+    core, dyn = policy.active_ids(0).id_segments()
     assert core is policy.core and dyn.numel() == 0
     oov = int(tables[0][50])  # far outside the 30-id core
     logits = torch.zeros(4, VOCAB)
     logits[1, oov] = 5.0
     policy.observe(report(policy, [int(core[0]), oov], logits=logits))
     assert policy.stats.oov_events == 1
-    assert policy.active_ids(1).segments[1].numel() == 0  # updates wait for the next cycle
-    core2, dyn2 = policy.active_ids(0).segments
+    assert policy.active_ids(1).id_segments()[1].numel() == 0  # updates wait for the next cycle
+    core2, dyn2 = policy.active_ids(0).id_segments()
     assert core2 is core  # the static core is one tensor object for the whole generation
     assert oov in dyn2.tolist() and 0 < dyn2.numel() <= 6
     assert not torch.isin(dyn2, core).any()
-    assert policy.active_ids(0).segments[1] is dyn2  # unchanged: the same object, so the head copies nothing
+    assert policy.active_ids(0).id_segments()[1] is dyn2  # unchanged: the same object, so the head copies nothing
     # The token is active now: emitting it again raises no event, and counts as a hit in the cache.
     policy.observe(report(policy, [oov]))
     assert policy.stats.oov_events == 1 and oov in policy.cache.t2
@@ -121,7 +121,7 @@ def test_the_dynamic_segment_respects_its_budget_over_many_events(tables):
         policy.active_ids(0)
         tok = int(torch.randint(0, VOCAB, (1,), generator=gen))
         policy.observe(report(policy, [tok], logits=torch.randn(4, VOCAB, generator=gen)))
-        _, dyn = policy.active_ids(0).segments
+        _, dyn = policy.active_ids(0).id_segments()
         assert dyn.numel() <= 16 and dyn.unique().numel() == dyn.numel()
         assert not torch.isin(dyn, policy.core).any()
         expected = policy.in_core.copy()  # the active set is core ∪ dynamic
@@ -144,7 +144,7 @@ def test_async_retrieval_gives_the_synchronous_result_once_flushed(tables):
                 p.observe(cycle)
             background.apply_ready(wait=True)
             sync.apply_ready()
-            assert torch.equal(sync.active_ids(1).segments[1], background.active_ids(1).segments[1])
+            assert torch.equal(sync.active_ids(1).id_segments()[1], background.active_ids(1).id_segments()[1])
         assert background._worker.thread.is_alive()
     finally:
         background.close()
@@ -178,7 +178,7 @@ def test_from_context_reads_the_bundle_and_keeps_eos_in_the_core(tmp_path, pair,
     bundle = bundle_for(tmp_path, pair, tables)
     ctx = PolicyContext(VOCAB, {95}, "cpu", bundle, draft.info, target)
     policy = EvoSpecPolicy.from_context(EvoSpecConfig(static_size=20, synchronous=True), ctx)
-    core, _ = policy.active_ids(0).segments
+    core, _ = policy.active_ids(0).id_segments()
     assert torch.equal(core[:20], tables[0][:20]) and 95 in core.tolist()
     again = EvoSpecPolicy.from_context(EvoSpecConfig(static_size=20), ctx)
     assert again.retriever.index is policy.retriever.index  # loaded once per bundle

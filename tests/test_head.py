@@ -16,6 +16,7 @@ def weight():
 
 def check(head, weight, hidden, ids):
     logits, cols = head.logits(hidden, ids)
+    ids = ids if isinstance(ids, torch.Tensor) else ids.ids
     assert sorted(cols.tolist()) == sorted(ids.tolist())
     torch.testing.assert_close(logits, hidden @ weight[cols].T)
 
@@ -50,16 +51,21 @@ def test_incremental_updates_copy_only_changed_rows(weight):
 
 
 def test_prefix_views_of_a_ranking_do_not_copy(weight):
+    from dynvocab.runtime.active_set import Prefix
+
     head = PackedHead(weight)
     ranking = torch.randperm(200)[:90]
     h = torch.randn(1, 16)
-    check(head, weight, h, ranking)
-    copied = head.rows_copied
-    for k in (90, 45, 30, 90):
-        logits, cols = head.logits(h, ranking[:k])
+    check(head, weight, h, Prefix(ranking, 60))
+    assert head.rows_copied == 60
+    for k in (60, 45, 30, 60, 75, 20, 90, 10):  # shorter prefixes are slices; a longer one copies only its new rows
+        logits, cols = head.logits(h, Prefix(ranking, k))
         assert cols.tolist() == ranking[:k].tolist()
         torch.testing.assert_close(logits, h @ weight[ranking[:k]].T)
-    assert head.rows_copied == copied
+    assert head.rows_copied == 90
+    logits, cols = head.logits(h, ranking[:30].clone())  # a bare tensor is a changed set: brought up to date
+    assert sorted(cols.tolist()) == sorted(ranking[:30].tolist()) and head.rows_copied == 90
+    torch.testing.assert_close(logits, h @ weight[cols].T)
 
 
 def test_softcap_applies(weight):
@@ -80,11 +86,14 @@ def test_draft_head_segments_concatenate_and_keep_their_own_buffers(weight):
     h = torch.randn(1, 16)
     core = torch.arange(100, 160)
     for step, k in enumerate((60, 60, 20, 15)):
-        window = torch.tensor([3, 5, 7 + step])
+        window = torch.tensor([3, 5, 7 + step])  # one id replaced per step, in the slot of the one it replaces
+        expected = [3, 5, 7 + step] + list(range(100, 100 + k))  # the window's ids, then the core's prefix
         logits, cols = head.logits(h, ActiveSet.of(window, core[:k]))
-        assert cols.tolist() == window.tolist() + core[:k].tolist() or sorted(cols[:3].tolist()) == sorted(window.tolist())
-        torch.testing.assert_close(logits, h @ weight[cols].T)
-    assert head.segments[1].rows_copied == 60  # the core was packed once; its prefixes are slices
+        assert cols.tolist() == expected
+        torch.testing.assert_close(logits, h @ weight[expected].T)
+        assert head.segments[0].rows_copied == 3 + step  # packed once, then only the entering id's row
+        assert head.segments[1].rows_copied == 60  # the core was packed once; its prefixes are slices
+    assert len(head.segments) == 2
     active = ActiveSet.of(window, core[:15])
     assert active.size == 18
     assert active.contains(114) and not active.contains(115)

@@ -1,4 +1,7 @@
-"""MicroSpec's device-side sliding window against a plain-Python deque model (torch path and Triton kernel)."""
+"""MicroSpec's device-side sliding window against a plain-Python deque model (torch path and Triton kernel).
+
+The policies read the window through what ``push`` returns (the evicted entries) and ``counts`` (an id is in the
+set where its count is positive), so the tests check exactly those."""
 
 from collections import Counter, deque
 
@@ -39,7 +42,9 @@ def run_against_deque(state: WindowState, steps: int, seed: int) -> None:
         expected = torch.tensor([counts[t] for t in range(VOCAB)], dtype=torch.int32)
         assert torch.equal(state.counts.cpu(), expected)
         assert state.filled == len(window)
-        assert state.active_ids().tolist() == sorted(set(counts))
+        changed = torch.cat([evicted.long().clamp(min=0), tokens[-state.window:].to(evicted.device)])  # rechecked
+        member = torch.tensor([counts[t] > 0 for t in changed.tolist()])
+        assert torch.equal((state.counts[changed.to(state.counts.device)] > 0).cpu(), member)
 
 
 @pytest.mark.parametrize("window", [1, 7, 32])
@@ -73,15 +78,19 @@ def test_push_kernel_matches_reference(dtype):
 def test_window_default_size_and_reset():
     state = WindowState(151936)
     assert state.window == 3072
-    state.push(torch.arange(5000))
-    assert state.filled == 3072 and state.active_ids().numel() == 3072
-    assert state.active_ids()[0] == 5000 - 3072
+    evicted = state.push(torch.arange(5000))
+    assert evicted.tolist() == [-1] * 3072  # a push longer than the window keeps its last 3072 entries
+    expected = torch.zeros(151936, dtype=torch.int32)
+    expected[5000 - 3072 : 5000] = 1
+    assert state.filled == 3072 and torch.equal(state.counts, expected)
+    assert state.push(torch.tensor([7])).tolist() == [5000 - 3072]  # the oldest entry goes first
     state.reset()
-    assert state.filled == 0 and state.active_ids().numel() == 0 and (state.ring == -1).all()
+    assert state.filled == 0 and int(state.counts.abs().sum()) == 0 and (state.ring == -1).all()
+    assert state.push(torch.tensor([7])).tolist() == [-1]
 
 
-def test_push_and_masks_never_read_the_device(monkeypatch):
-    """No .item()/.tolist()/nonzero/bool() of a tensor in push or active_mask."""
+def test_push_and_membership_never_read_the_device(monkeypatch):
+    """No .item()/.tolist()/nonzero/bool() of a tensor in push or in the policies' membership test."""
     state = WindowState(VOCAB, window=16, use_kernel=False)
 
     def forbidden(*args, **kwargs):
@@ -91,7 +100,8 @@ def test_push_and_masks_never_read_the_device(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     monkeypatch.setattr(torch, "nonzero", forbidden)
     for length in (3, 16, 40, 0, 9):
-        state.push(torch.randint(0, VOCAB, (length,)))
-        state.active_mask()
+        tokens = torch.randint(0, VOCAB, (length,))
+        evicted = state.push(tokens)
+        member = state.counts[torch.cat([evicted.long().clamp(min=0), tokens])] > 0
     monkeypatch.undo()
-    assert state.filled == 16
+    assert state.filled == 16 and member.shape == (9 + 9,)

@@ -117,13 +117,14 @@ def test_hybrid_segments_are_disjoint_and_the_core_shrinks_with_position():
     policy.prefill(torch.tensor([1, 2, 105, 150]), torch.randn(3, vocab), None)
     sizes = []
     for step in range(4):
-        dyn, core, extra = policy.active_ids(step).segments
+        dyn, core, extra = policy.active_ids(step).id_segments()
         assert extra.numel() == 0  # no graph, no draft-head index: no per-step candidates
         assert not set(dyn.tolist()) & set(core.tolist())
         assert 7 in core.tolist() and {1, 2} <= set(dyn.tolist())
         sizes.append(core.numel())
     assert sizes == [61, 61, 20, 15]
-    assert policy.active_ids(3).segments[1] is policy.active_ids(3).segments[1]  # cached views: packed once, sliced after
+    again = policy.active_ids(3).id_segments()[1]
+    assert policy.active_ids(3).id_segments()[1] is again  # cached views: packed once, sliced after
 
 
 def test_hybrid_pushes_neighbours_of_a_missed_token():
@@ -146,7 +147,7 @@ def test_hybrid_pushes_neighbours_of_a_missed_token():
         position=1, draft_tokens=[12, 13], draft_top=[], accepted=0, emitted=[40],
         target_logits=logits, target_hidden=torch.zeros(3, 2), active_sets=sets))
     assert policy.misses == 1
-    dyn = set(policy.active_ids(0).segments[0].tolist())
+    dyn = set(policy.active_ids(0).id_segments()[0].tolist())
     assert {40, 30, 41, 42} <= dyn
 
 
@@ -168,7 +169,7 @@ def test_hybrid_step_candidates_find_the_draft_argmax_outside_the_active_set():
     for seed in range(20):
         hidden = torch.randn(1, dim, generator=torch.Generator().manual_seed(seed))
         best = int((hidden @ head.T).argmax())
-        dyn, core, extra = policy.active_ids(0, hidden, 10).segments
+        dyn, core, extra = policy.active_ids(0, hidden, 10).id_segments()
         segments = [set(dyn.tolist()), set(core.tolist()), set(extra.tolist())]
         assert sum(map(len, segments)) == len(set.union(*segments))  # disjoint
         assert 250 in segments[2] and 20 not in segments[2]  # successors join unless already active

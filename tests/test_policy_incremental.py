@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from dynvocab.artifacts import GraphTable
+from dynvocab.bench.scripted import ScriptedCycle, ScriptedDraft, run_script
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
@@ -21,7 +20,7 @@ class RebuildMicroSpec(MicroSpecPolicy):
 
     def _refresh(self) -> None:
         self._touched = []
-        mask = self.state.active_mask().clone()
+        mask = self.state.counts > 0
         mask[self.pinned] = True
         self.member, self.ids = mask, torch.nonzero(mask).flatten()
 
@@ -31,7 +30,7 @@ class RebuildHybrid(HybridPolicy):
 
     def _refresh(self) -> None:
         self._touched = []
-        mask = self.state.active_mask() & (self.core_rank >= self.core.numel())
+        mask = (self.state.counts > 0) & (self.core_rank >= self.core.numel())
         self.member, self.ids = mask, torch.nonzero(mask).flatten()
 
 
@@ -45,7 +44,7 @@ def graph(seed: int) -> GraphTable:
     )
 
 
-def script(seed: int, cycles: int = 60) -> list[CycleReport]:
+def script(seed: int, cycles: int = 60) -> list[ScriptedCycle]:
     """Cycles whose drafts mostly repeat a small pool (sets change a little) and sometimes jump (they change a lot)."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -55,24 +54,21 @@ def script(seed: int, cycles: int = 60) -> list[CycleReport]:
         k = int(torch.randint(GAMMA + 1, (1,), generator=g))
         logits = torch.randn(GAMMA + 1, VOCAB, generator=g)
         tops = [torch.randint(VOCAB, (2,), generator=g) for _ in range(GAMMA)]
-        out.append(CycleReport(10 + c, tokens[:GAMMA], tops, k, tokens[: k + 1], logits, torch.randn(GAMMA + 1, DIM)))
+        hidden = torch.randn(GAMMA, 1, DIM, generator=g)
+        out.append(ScriptedCycle(tokens[:GAMMA], k, tokens[k], logits, torch.randn(GAMMA + 1, DIM), hidden, tops))
     return out
 
 
-def run(policy, cycles: list[CycleReport], head: DraftHead) -> list:
-    """Per draft step: the active segments' ids and the head's column ids."""
+def run(policy, cycles: list[ScriptedCycle], head: DraftHead) -> list:
+    """Per draft step, driven by the loop's own cycle: the active segments' ids and the head's column ids."""
     g = torch.Generator().manual_seed(1)
-    policy.prefill(torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]), torch.randn(7, VOCAB, generator=g), None)
-    seen = []
-    for cyc in cycles:
-        sets = []
-        for j in range(GAMMA):
-            active = policy.active_ids(j, torch.randn(1, DIM, generator=g), cyc.draft_tokens[j])
-            _, cols = head.logits(torch.randn(1, DIM, generator=g), active)
-            seen.append(([s.tolist() for s in active.id_segments()], cols.tolist()))
-            sets.append(active)
-        policy.observe(dataclasses.replace(cyc, active_sets=sets))
-    return seen
+    prompt = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    policy.prefill(prompt, torch.randn(7, VOCAB, generator=g), None)
+    draft = ScriptedDraft(head)
+    results = run_script(policy, cycles, prompt.tolist(), draft)
+    sets = [active for r in results for active in r.draft.sets]
+    assert len(sets) == len(draft.columns) == GAMMA * len(cycles)
+    return [([s.tolist() for s in a.id_segments()], cols.tolist()) for a, cols in zip(sets, draft.columns)]
 
 
 @pytest.mark.parametrize("window", [16, 64, 3072])

@@ -66,9 +66,9 @@ def test_policy_step_bench_reports_the_driven_policys_sets_and_costs(monkeypatch
     # every step of every cycle, warm-up included, reached the policy once, in order, fed the drafted chain
     assert [(c, j) for c, j, _, _ in policy.calls] == [(c, j) for c in range(warmup + cycles) for j in range(gamma)]
     for c, j, token, hidden in policy.calls:
-        assert torch.equal(hidden, script[c]["draft_hidden"][j])
+        assert torch.equal(hidden, script[c].draft_hidden[j])
         if j:
-            assert token == script[c]["draft_tokens"][j - 1]
+            assert token == script[c].draft_tokens[j - 1]
     # mean set size over the timed cycles only, both segments of a split set counted
     timed = [10 * (c + 1) + j for c in range(warmup, warmup + cycles) for j in range(gamma)]
     assert r["mean_active"] == pytest.approx(sum(timed) / len(timed))

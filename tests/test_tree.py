@@ -27,7 +27,7 @@ def test_leaf_at_the_stopping_depth_is_accepted_with_its_own_next_token():
     # The target takes 1, then 5 (not 2): the leaf at depth 1 is accepted; its row (index 4) says 7 comes next.
     verdict = verify_tree_greedy(tree, onehot([1, 5, 0, 0, 7, 0]))
     assert verdict.path == [1, 5] and verdict.next_token == 7
-    assert verdict.chain_accepted == 1 and verdict.leaf_row == 4 and verdict.rows == [0, 1, 4]
+    assert verdict.accepted_chain == 1 and verdict.leaf_row == 4 and verdict.rows == [0, 1, 4]
 
 
 def test_leaf_elsewhere_or_wrong_is_not_accepted():

@@ -9,11 +9,9 @@ Methods, for M hidden states and ``rows`` active rows of W [V, d]:
 - ``fused``: the Triton ``gathered_logits`` kernel reading ``W[idx]`` in place (CUDA only).
 - ``packed``: ``F.linear`` over a pre-packed contiguous buffer of the rows (what the runtime's ``PackedHead``
   multiplies).
-- ``repack``: refilling that buffer with all ``rows`` rows through ``gather_rows`` (the Triton kernel on CUDA):
-  the worst case, since the runtime's incremental updates copy only the rows that changed (with ``index_select``).
 
-Achieved GB/s counts the bytes an op must move: W rows read + h read + logits written (``repack``: rows read
-and written), so methods compare on one scale; ``index_select`` moves more than it is credited with.
+Achieved GB/s counts the bytes an op must move: W rows read + h read + logits written, so methods compare on one
+scale; ``index_select`` moves more than it is credited with.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from rich.table import Table
 
 from dynvocab.kernels._triton import triton_available
 from dynvocab.bench.draft_step import draft_step_bench
-from dynvocab.kernels.gather_rows import gather_rows_auto
 from dynvocab.kernels.gathered_head import gathered_logits
 from dynvocab.bench.timing import (
     CacheFlusher,
@@ -37,14 +34,13 @@ from dynvocab.bench.timing import (
 
 __all__ = ["METHODS", "draft_step_bench", "render_kernel_table", "run_kernel_bench"]
 
-METHODS = ("full", "static", "index_select", "fused", "packed", "repack")
+METHODS = ("full", "static", "index_select", "fused", "packed")
 METHOD_TITLES = {
     "full": "full head",
     "static": "static slice",
     "index_select": "index_select+mm",
     "fused": "fused kernel",
     "packed": "packed buffer",
-    "repack": "repack (all rows)",
 }
 
 
@@ -80,7 +76,7 @@ def run_kernel_bench(
     ``threads`` (CPU intra-op threads in use; the ``threads`` argument sets them for the run), ``bandwidth_gbps``
     (measured device copy), ``theoretical_gbps`` (CUDA properties, else None), ``methods``, ``notes``, and
     ``results``: one row per (method, m, rows) with ``time_ms`` (median), ``gbps`` and ``bw_frac`` (achieved /
-    measured bandwidth). ``repack`` rows have ``m = None`` (no hidden states).
+    measured bandwidth).
     """
     with cpu_threads(threads):
         return _run_kernel_bench(_resolve_device(device), resolve_dtype(dtype), vocab, dim, sizes, ms, repeats,
@@ -104,7 +100,7 @@ def _run_kernel_bench(dev: torch.device, dt: torch.dtype, vocab: int, dim: int, 
     bandwidth = copy_bandwidth_gbps(dev)
     results = []
 
-    def record(method: str, m: int | None, rows: int, fn, nbytes: int) -> None:
+    def record(method: str, m: int, rows: int, fn, nbytes: int) -> None:
         t = time_ms(fn, dev, repeats, warmup, flush)
         gbps = nbytes / (t * 1e-3) / 1e9
         results.append({"method": method, "m": m, "rows": rows, "time_ms": t, "gbps": gbps,
@@ -116,10 +112,6 @@ def _run_kernel_bench(dev: torch.device, dt: torch.dtype, vocab: int, dim: int, 
     with torch.inference_mode():
         ids = {s: torch.randperm(vocab, generator=gen)[:s].to(dev) for s in sizes}  # [s] random active rows
         packed = {s: weight.index_select(0, ids[s]) for s in sizes}  # [s, d] pre-packed buffers
-        for s in sizes:
-            slots = torch.arange(s, device=dev)
-            record("repack", None, s, lambda s=s, slots=slots: gather_rows_auto(weight, ids[s], packed[s], slots),
-                   2 * s * dim * esize)
         for m in ms:
             h = torch.randn(m, dim, generator=gen).to(dev, dt)  # [M, d]
             record("full", m, vocab, lambda: F.linear(h, weight), head_bytes(vocab, m, esize))
@@ -170,16 +162,13 @@ def render_kernel_table(result: dict) -> Table:
     for method in methods:
         table.add_column(METHOD_TITLES.get(method, method), justify="right")
     by_key = {(r["method"], r["m"], r["rows"]): r for r in result["results"]}
-    ms = sorted({r["m"] for r in result["results"] if r["m"] is not None})
+    ms = sorted({r["m"] for r in result["results"]})
     sizes = sorted({r["rows"] for r in result["results"] if r["method"] != "full"})
     for m in ms:
         for s in sizes:
             cells = []
             for method in methods:
-                if method == "full":
-                    key = (method, m, result["vocab"])
-                else:
-                    key = (method, None if method == "repack" else m, s)
+                key = (method, m, result["vocab"] if method == "full" else s)
                 cells.append(_cell(by_key.get(key)))
             table.add_row(str(m), str(s), *cells)
         table.add_section()

@@ -22,10 +22,10 @@ frequent ids and accept a random prefix, so sets change as they do in a run.
 from __future__ import annotations
 
 import tempfile
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
@@ -34,13 +34,16 @@ import torch.nn.functional as F
 from dynvocab.artifacts import FreqTable, HnswParams, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
 from dynvocab.models.prepack import INT8, Int8Rows
+from dynvocab.bench.scripted import ScriptedCycle, ScriptedDraft, run_script
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.cycle import Sections
 from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.drafts import lookup_kind
-from dynvocab.runtime.head import DraftHead, FloatRows
-from dynvocab.runtime.policies.base import CycleReport
+from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.rows import FloatRows
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategies
+from dynvocab.runtime.timing import SectionTimer
 
 DEMO_TARGET = {  # Qwen2.5-Coder-1.5B: the demo target, whose head an EAGLE-1 draft shares
     "hidden_size": 1536,
@@ -199,15 +202,16 @@ def _policy(row: str, ctx: PolicyContext):
     return make_policy(name, options, ctx)
 
 
-def scripted_cycles(ctx: PolicyContext, ranking: torch.Tensor, cycles: int, gamma: int, seed: int) -> list[dict]:
+def scripted_cycles(ctx: PolicyContext, ranking: torch.Tensor, cycles: int, gamma: int, seed: int) -> list[ScriptedCycle]:
     """A reproducible run of ``cycles`` draft-verify cycles: drafted tokens (mostly frequent ids of ``ranking``),
-    the accepted prefix, target logits [γ+1, V] and hidden states [γ+1, d], the draft's hidden states per step."""
+    the accepted prefix and the next token, target logits [γ+1, V] and hidden states [γ+1, d], the draft's hidden
+    states per step and its top alternatives."""
     g = torch.Generator().manual_seed(seed + 1)
     vocab = ctx.vocab_size
     target_dim = ctx.target.weight.shape[1] if ctx.target is not None else ctx.draft.hidden_size
     frequent = ranking[:4096]
     out = []
-    for c in range(cycles):
+    for _ in range(cycles):
         pick = torch.randint(frequent.numel(), (gamma + 1,), generator=g)
         tokens = frequent[pick]
         rare = torch.rand(gamma + 1, generator=g) < 0.15
@@ -215,48 +219,38 @@ def scripted_cycles(ctx: PolicyContext, ranking: torch.Tensor, cycles: int, gamm
         accepted = int(torch.randint(gamma + 1, (1,), generator=g))
         logits = torch.randn(gamma + 1, vocab, generator=g)  # [γ+1, V]
         logits[torch.arange(gamma + 1), torch.tensor(tokens)] += 8.0  # the target agrees with the script
-        out.append({
-            "position": 64 + c * gamma,
-            "draft_tokens": tokens[:gamma],
-            "accepted": accepted,
-            "emitted": tokens[: accepted + 1],
-            "target_logits": logits,
-            "target_hidden": torch.randn(gamma + 1, target_dim, generator=g),
-            "draft_hidden": torch.randn(gamma, 1, ctx.draft.hidden_size, generator=g),
-            "draft_top": [torch.randint(vocab, (3,), generator=g) for _ in range(gamma)],
-        })
+        out.append(ScriptedCycle(
+            draft_tokens=tokens[:gamma],
+            accepted=accepted,
+            next_token=tokens[accepted],
+            target_logits=logits,
+            target_hidden=torch.randn(gamma + 1, target_dim, generator=g),
+            draft_hidden=torch.randn(gamma, 1, ctx.draft.hidden_size, generator=g),
+            draft_top=[torch.randint(vocab, (3,), generator=g) for _ in range(gamma)],
+        ))
     return out
 
 
-def run_policy(policy, script: list[dict], head: DraftHead | None = None, prompt: torch.Tensor | None = None) -> dict:
-    """Drive ``policy`` through ``script``; returns the active sets per step (``sets``, lists of sorted ids) and
-    the seconds spent in ``active_ids`` (``active_s``), ``observe`` (``observe_s``) and the head (``head_s``)."""
+BENCH_SECTIONS = Sections(active="active_s", observe="observe_s")  # active_ids and observe timed apart
+
+
+def run_policy(policy, script: list[ScriptedCycle], head: DraftHead | None = None, prompt: torch.Tensor | None = None,
+               tokens: list[int] | None = None) -> dict:
+    """Drive ``policy`` through ``script`` with the loop's own cycle (:func:`~dynvocab.bench.scripted.run_script`)
+    after the committed ``tokens`` (default: ``prompt``; they grow in place); returns the active sets per step
+    (``sets``, lists of sorted ids) and the seconds spent in ``active_ids`` (``active_s``), ``observe``
+    (``observe_s``) and the head (``head_s``)."""
     if prompt is not None:
-        logits = script[0]["target_logits"][:1].expand(prompt.numel() - 1, -1) if policy.prefill_logits else None
+        logits = script[0].target_logits[:1].expand(prompt.numel() - 1, -1) if policy.prefill_logits else None
         policy.prefill(prompt, logits, None)
-    sets, active_s, observe_s, head_s, steps = [], 0.0, 0.0, 0.0, 0
-    for cyc in script:
-        tops, cycle_sets = [], []
-        for j in range(len(cyc["draft_tokens"])):
-            fed = cyc["draft_tokens"][j - 1] if j else cyc["emitted"][0]
-            hidden = cyc["draft_hidden"][j]  # [1, d]
-            t0 = time.perf_counter()
-            ids = policy.active_ids(j, hidden, fed)
-            t1 = time.perf_counter()
-            if head is not None:
-                head.logits(hidden, ids)
-            head_s += time.perf_counter() - t1
-            active_s += t1 - t0
-            sets.append(_sorted_ids(ids))
-            cycle_sets.append(ids)
-            tops.append(cyc["draft_top"][j])
-            steps += 1
-        report = CycleReport(cyc["position"], cyc["draft_tokens"], tops if policy.draft_topk else [],
-                             cyc["accepted"], cyc["emitted"], cyc["target_logits"], cyc["target_hidden"], cycle_sets)
-        t0 = time.perf_counter()
-        policy.observe(report)
-        observe_s += time.perf_counter() - t0
-    return {"sets": sets, "active_s": active_s, "observe_s": observe_s, "head_s": head_s, "steps": steps}
+    if tokens is None:
+        tokens = prompt.tolist() if prompt is not None else script[0].draft_tokens[:1]
+    times = SimpleNamespace(**{name: 0.0 for name in ("draft_s", "head_s", "active_s", "observe_s", "verify_s")})
+    timer = SectionTimer(torch.device("cpu"), True)
+    results = run_script(policy, script, tokens, ScriptedDraft(head), timer, BENCH_SECTIONS, times)
+    sets = [_sorted_ids(active) for r in results for active in r.draft.sets]
+    return {"sets": sets, "active_s": times.active_s, "observe_s": times.observe_s, "head_s": times.head_s,
+            "steps": len(sets)}
 
 
 def _sorted_ids(active) -> list[int]:
@@ -301,8 +295,9 @@ def policy_step_bench(
             for p in ("full", *policies):
                 policy = _policy(p, ctx)
                 head = DraftHead(source)
-                run_policy(policy, script[:warmup_cycles], head, prompt)
-                r = run_policy(policy, script[warmup_cycles:], head)
+                tokens = prompt.tolist()
+                run_policy(policy, script[:warmup_cycles], head, prompt, tokens)
+                r = run_policy(policy, script[warmup_cycles:], head, tokens=tokens)
                 policy.close()
                 steps = max(1, r["steps"])
                 policy_ms = 1e3 * (r["active_s"] + r["observe_s"]) / steps

@@ -10,21 +10,15 @@ CPU. Their timings live in :mod:`dynvocab.bench.microbench`. Public entry points
   times it too (``gathered_logits_auto``: the kernel on CUDA, the reference elsewhere).
 - ``WindowState``: MicroSpec's sliding window (ring + token counts) on the device; the microspec and hybrid
   policies push to it every cycle, one ``window_push`` launch on CUDA.
-- ``gather_rows(src, src_idx, dst, dst_idx)``: row copies into a packed buffer; only ``bench --kernels`` calls it
-  (the ``repack`` row).
 """
 
 from dynvocab.kernels._triton import interpreting, triton_available
-from dynvocab.kernels.gather_rows import gather_rows, gather_rows_auto, gather_rows_reference
 from dynvocab.kernels.gathered_head import gathered_logits, gathered_logits_auto, gathered_logits_reference
 from dynvocab.kernels.window_state import W_MAX, WindowState, window_push, window_push_reference
 
 __all__ = [
     "W_MAX",
     "WindowState",
-    "gather_rows",
-    "gather_rows_auto",
-    "gather_rows_reference",
     "gathered_logits",
     "gathered_logits_auto",
     "gathered_logits_reference",

@@ -8,8 +8,8 @@ entries it evicts and adds.
 Implementation: on CUDA a push is one Triton kernel (``window_push_kernel``: a ring write plus atomic count
 updates); elsewhere, and as the reference the tests check the kernel against, it is a few torch index and
 ``scatter_add_`` ops. Either way the write position is host arithmetic on the push length, so no step reads a
-device value back (no ``.item()``, ``.tolist()`` or ``nonzero``) except ``active_ids``, which the caller asks
-for explicitly.
+device value back (no ``.item()``, ``.tolist()`` or ``nonzero``). Callers read the set from ``counts`` (the
+policies test ``counts[ids] > 0`` for the ids a push returned as evicted and the ids it pushed).
 """
 
 from __future__ import annotations
@@ -95,11 +95,3 @@ class WindowState:
         self._pos = (self._pos + n) % self.window
         self.filled = min(self.window, self.filled + n)
         return evicted
-
-    def active_mask(self) -> torch.Tensor:
-        """Bitmap [V] of the active set: tokens that occur in the window."""
-        return self.counts > 0
-
-    def active_ids(self) -> torch.Tensor:
-        """Sorted ids [n] of the active set (``nonzero``: a host sync on CUDA)."""
-        return torch.nonzero(self.active_mask()).flatten()

@@ -200,8 +200,8 @@ class Int8Rows:
         self.bias = None if bias is None else bias.detach().float()  # [out]
         self.packed = _fbgemm_pack(q, self.scale, self.bias)
         self._q: torch.Tensor | None = q if keep_rows else None  # the int8 rows, kept or unpacked from fbgemm's copy when a gather needs them
-        self._prefix_packs: dict = {}  # (data_ptr, n) -> (order, packed); insertion order = use order
-        self._prefix_uses: dict = {}  # (data_ptr, n) -> (order, calls) for prefixes not packed yet
+        self._prefix_packs: dict = {}  # (id(order), n) -> (order, packed); insertion order = use order
+        self._prefix_uses: dict = {}  # (id(order), n) -> (order, calls) for prefixes not packed yet
         self.ordered = OrderedRows(self)  # rows of fixed orders, kept across sequences (shared by ``first`` views)
         self.limit = self.shape[0]  # rows ``linear`` returns (a draft trims padded head rows)
 
@@ -265,7 +265,7 @@ class Int8Rows:
     def prefix_pack(self, order: torch.Tensor, n: int) -> None:
         """Pack the first ``n`` rows of ``order`` for fbgemm now (a policy's static ranking, at its build), so
         :meth:`prefix_linear` answers from the first call."""
-        key = (order.data_ptr(), n)
+        key = (id(order), n)  # the entry holds ``order``: its id is not reused while the key is kept
         if key in self._prefix_packs or _take_same(self._prefix_packs, order, n) is not None:
             return
         self._prefix_uses.pop(key, None)
@@ -285,7 +285,7 @@ class Int8Rows:
         caller multiplies its gathered rows) until that prefix has been asked for ``PACK_AFTER`` times — a set
         that changes every cycle never is, a ranking's prefix (FR-Spec) soon is, and stays packed across
         sequences, also when the next sequence's policy holds the same ids in a new tensor (whose calls count on)."""
-        key = (order.data_ptr(), n)  # the held ``order`` keeps its memory from being reused under the same key
+        key = (id(order), n)  # the entry holds ``order``: its id is not reused while the key is kept
         hit = self._prefix_packs.pop(key, None)
         counted = self._prefix_uses.pop(key, None)
         if hit is None and counted is None:  # a tensor not seen before: the same ids may be known under another
@@ -320,7 +320,7 @@ def gathered_matmul(
 
 
 def _take_same(table: dict, order: torch.Tensor, n: int) -> tuple | None:
-    """Remove and return the entry of ``table`` (``(data_ptr, n) -> (order, …)``) kept for the same ``n`` ids under
+    """Remove and return the entry of ``table`` (``(id(order), n) -> (order, …)``) kept for the same ``n`` ids under
     another tensor: a policy built anew for the next prompt holds the same ranking in a new tensor, and its prefix
     keeps its use count and its pack. None if there is none."""
     for key, entry in list(table.items()):

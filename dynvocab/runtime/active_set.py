@@ -1,10 +1,17 @@
 """The active vocabulary of one draft step: the one type a policy returns, the head computes over, and bench reads.
 
-A set is the full vocabulary, or disjoint segments: id tensors, :class:`RowRanges` (ranges of one fixed id
-order: DynaSpec's clusters, the centroid blocks, a ranking's prefix), or :class:`Gathered` (ids chosen anew at
-every step, a selector's top-k). Segments are what lets the draft's head reuse packed rows: a policy that returns the
-same tensor object for a segment (or a prefix view of a ranking the head packed in order) tells the head that
-segment did not change, so it copies nothing.
+A set is the full vocabulary, or disjoint segments. Each segment says what it is by its :class:`SegmentKey`, and the
+heads decide what they may reuse from that key alone:
+
+- :class:`Prefix` ``(ranking, n)``: the first ``n`` ids of a ranking the policy keeps (key: the ranking object and
+  ``n``). A head packs the ranking's prefix in order once; a shorter prefix of it is a slice, the same key copies
+  nothing. A set a policy keeps until it replaces it (a context window) is a prefix of itself
+  (:meth:`Prefix.whole`); a new set is a new tensor, so a new key, and the head copies only the rows that changed.
+- :class:`RowRanges` ``(order, starts, ends)``: ranges of a fixed id order (key: the order object): DynaSpec's
+  clusters, the centroid blocks, a ranking's prefix as one range from 0. The rows of the order are gathered once and
+  kept on the row source; each step multiplies only the ranges.
+- :class:`Gathered` and a bare id tensor: changed (key :data:`CHANGED`, which equals no key). A selector's top-k is
+  gathered anew each step; a bare tensor's rows are brought up to date incrementally (only changed rows copied).
 """
 
 from __future__ import annotations
@@ -15,18 +22,107 @@ from typing import Union
 
 import torch
 
+PREFIX, RANGES, CHANGED_KIND = "prefix", "ranges", "changed"
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentKey:
+    """What a segment is, as a head reads it to decide which of its packed rows it may reuse.
+
+    ``kind``: :data:`PREFIX` (the first ``n`` ids of the ranking ``of``), :data:`RANGES` (ranges of the fixed order
+    ``of``) or :data:`CHANGED_KIND` (nothing to reuse). ``of`` is an object the policy keeps unchanged while it
+    names it (the ranking or order tensor itself); keys compare it by identity, never by value, so comparing keys
+    reads no device. A changed key equals no key, itself included.
+    """
+
+    kind: str
+    of: object = None
+    n: int = 0
+
+    @classmethod
+    def prefix(cls, ranking: object, n: int) -> "SegmentKey":
+        """The first ``n`` ids of ``ranking``."""
+        return cls(PREFIX, ranking, n)
+
+    @classmethod
+    def ranges(cls, order: object) -> "SegmentKey":
+        """Ranges of the fixed ``order`` (which ranges is the segment's, not the key's)."""
+        return cls(RANGES, order)
+
+    @property
+    def order(self) -> "SegmentKey":
+        """The key of the whole ranking or order this key names a part of (for caches kept per ranking)."""
+        return self if self.n == 0 else SegmentKey(self.kind, self.of)
+
+    def same_order(self, other: "SegmentKey | None") -> bool:
+        """Whether ``other`` names a part of the same ranking or order (any prefix length)."""
+        return other is not None and self.kind != CHANGED_KIND and self.kind == other.kind and self.of is other.of
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SegmentKey) and self.same_order(other) and self.n == other.n
+
+    def __hash__(self) -> int:
+        return hash((self.kind, id(self.of), self.n))
+
+
+CHANGED = SegmentKey(CHANGED_KIND)  # a segment with nothing to reuse: a bare id tensor, a :class:`Gathered` one
+
+
+@dataclass(frozen=True, eq=False)
+class Prefix:
+    """An active segment given as the first ``n`` ids of ``ranking`` [K], a LongTensor the policy keeps unchanged for
+    as long as it names prefixes of it (a new ranking is a new tensor). Key: the ranking object and ``n``."""
+
+    ranking: torch.Tensor  # [K] token ids
+    n: int
+
+    def __post_init__(self):
+        if not 0 <= self.n <= self.ranking.numel():
+            raise ValueError(f"a prefix of {self.n} ids of a ranking of {self.ranking.numel()}")
+
+    @classmethod
+    def whole(cls, ids: torch.Tensor) -> "Prefix":
+        """A set the policy keeps until it replaces it by a new tensor: the whole of ``ids`` [n]."""
+        return cls(ids, ids.numel())
+
+    @functools.cached_property
+    def key(self) -> SegmentKey:
+        """:meth:`SegmentKey.prefix` of the ranking."""
+        return SegmentKey.prefix(self.ranking, self.n)
+
+    @functools.cached_property
+    def ids(self) -> torch.Tensor:
+        """The token ids, LongTensor [n]: the ranking itself when whole, else a view of it (no copy)."""
+        return self.ranking if self.n == self.ranking.numel() else self.ranking[: self.n]
+
+    @property
+    def size(self) -> int:
+        """Number of ids in the segment."""
+        return self.n
+
+    @property
+    def device(self) -> torch.device:
+        """Where the ids live."""
+        return self.ranking.device
+
 
 @dataclass(frozen=True, eq=False)
 class RowRanges:
     """An active segment given as ranges of a fixed id order: ``order[starts[i]:ends[i]]`` for every i.
 
-    ``order`` must be the same tensor at every step (the head packs ``W[order]`` once, keyed by it); the ranges
-    must not overlap. Sorted, adjacent ranges merged, they cost one matmul each.
+    ``order`` must be the same tensor at every step (the head packs ``W[order]`` once, keyed by it: the key is
+    :meth:`SegmentKey.ranges` of it); the ranges must not overlap. Sorted, adjacent ranges merged, they cost one
+    matmul each. A ranking's prefix is one range from 0.
     """
 
     order: torch.Tensor  # [N] token ids, e.g. grouped by cluster
     starts: tuple[int, ...]
     ends: tuple[int, ...]
+
+    @functools.cached_property
+    def key(self) -> SegmentKey:
+        """:meth:`SegmentKey.ranges` of the order."""
+        return SegmentKey.ranges(self.order)
 
     @functools.cached_property
     def ids(self) -> torch.Tensor:
@@ -64,6 +160,8 @@ class Gathered:
 
     ids: torch.Tensor  # [n] token ids
 
+    key = CHANGED  # nothing to reuse
+
     @property
     def size(self) -> int:
         """Number of ids in the segment."""
@@ -90,7 +188,12 @@ def merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, ...], t
     return tuple(out_s), tuple(out_e)
 
 
-Segment = Union[torch.Tensor, RowRanges, Gathered]
+Segment = Union[torch.Tensor, Prefix, RowRanges, Gathered]
+
+
+def segment_key(segment: Segment) -> SegmentKey:
+    """What ``segment`` is, for a head's reuse: its :class:`SegmentKey`; a bare id tensor is :data:`CHANGED`."""
+    return CHANGED if isinstance(segment, torch.Tensor) else segment.key
 
 
 def _segment_ids(segment: Segment) -> torch.Tensor:
@@ -123,8 +226,9 @@ class ActiveSet:
 
     @classmethod
     def of(cls, *segments: Segment) -> "ActiveSet":
-        """The union of disjoint ``segments`` (LongTensors [n], :class:`RowRanges` or :class:`Gathered`). A segment
-        keeps its position even when empty: the head packs the rows of each position apart."""
+        """The union of disjoint ``segments`` (:class:`Prefix`, :class:`RowRanges`, :class:`Gathered`, or bare
+        LongTensors [n], which are changed sets). A segment keeps its position even when empty: the head packs the
+        rows of each position apart."""
         return cls(segments, None)
 
     @property
@@ -152,7 +256,8 @@ class ActiveSet:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
     def id_segments(self) -> list[torch.Tensor]:
-        """The id tensor of each segment (:class:`RowRanges` expanded); [] for the full vocabulary."""
+        """The id tensor of each segment (:class:`Prefix` and :class:`RowRanges` expanded); [] for the full
+        vocabulary."""
         return [_segment_ids(s) for s in self.segments]
 
     def contains(self, token: int) -> bool:

@@ -16,7 +16,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.head import prepare_order, row_source
+from dynvocab.runtime.rows import prepare_order, row_source
 
 
 @dataclass(frozen=True, eq=False)

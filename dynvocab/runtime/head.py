@@ -1,18 +1,16 @@
-"""The draft's LM head restricted to an active set of rows, kept in a packed, contiguous buffer.
+"""The draft's LM head restricted to an active set of rows, kept in packed, contiguous buffers.
 
-The buffer is updated incrementally: rows of tokens that left the active set are overwritten by rows of
-tokens that entered, so a sliding-window policy that changes a few dozen ids per cycle copies a few dozen
-rows, not thousands. A policy that returns nested prefixes of one ranking (FR-Spec, position-aware FR) is
-packed once in ranking order; each prefix is then a slice of the buffer. A policy whose set is a union of
-fixed groups (DynaSpec's clusters) returns :class:`RowRanges`: the rows are packed once in group order and
-each step multiplies only the chosen ranges, so a set that changes completely between steps copies nothing.
+Each segment of an :class:`~dynvocab.runtime.active_set.ActiveSet` says what it is by its
+:class:`~dynvocab.runtime.active_set.SegmentKey`, and the heads here decide what they reuse from that key alone. A
+:class:`~dynvocab.runtime.active_set.Prefix` is packed in ranking order once, and each shorter prefix of the same
+ranking is a slice of the buffer; a set the policy replaces (a new key) is brought up to date incrementally: rows of
+tokens that left are overwritten by rows of tokens that entered, so a sliding-window policy that changes a few dozen
+ids per cycle copies a few dozen rows, not thousands. :class:`~dynvocab.runtime.active_set.RowRanges` (DynaSpec's
+clusters, the centroid blocks, FR-Spec's prefixes) are rows of a fixed order gathered once and kept on the row source,
+and each step multiplies only the chosen ranges, so a set that changes completely between steps copies nothing.
 
-The rows come from a row source: :class:`FloatRows` (the head's float weight, or a one-row copy in a step dtype)
-or :class:`~dynvocab.models.prepack.Int8Rows` (int8 rows with per-row scales). Both answer ``linear`` (the full
-head), ``gather`` (rows of given ids as the packed buffers hold them: float rows, or int8 rows with their scales),
-``matmul`` (hidden states times gathered rows) and ``prefix_linear`` (a kept fast path for a ranking's prefix, or
-None); the heads below never ask which one they read. So an int8 draft's dynamic sets are multiplied as int8 rows
-where the CPU has a fast kernel for them (:data:`~dynvocab.models.prepack.INT8_GATHERED`).
+The rows come from a :class:`~dynvocab.runtime.rows.RowSource` (float rows, a one-row dtype copy, or int8 rows with
+per-row scales), chosen once at load; the heads never ask which one they read.
 """
 
 from __future__ import annotations
@@ -22,9 +20,20 @@ import torch.nn.functional as F
 
 from dynvocab.kernels._triton import triton_available
 from dynvocab.kernels.gathered_head import gathered_logits
-from dynvocab.models.prepack import OrderedRows
+from dynvocab.runtime.active_set import (
+    CHANGED,
+    PREFIX,
+    ActiveSet,
+    Gathered,
+    Prefix,
+    RowRanges,
+    Segment,
+    SegmentKey,
+    segment_key,
+    segment_size,
+)
+from dynvocab.runtime.rows import ordered_rows, row_source
 from dynvocab.runtime.slots import SlotTable, grown
-from dynvocab.runtime.active_set import ActiveSet, Gathered, RowRanges, Segment, segment_size
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -32,52 +41,6 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     if not cap:
         return logits
     return torch.tanh(logits / cap) * cap
-
-
-class FloatRows:
-    """The head's rows as a float tensor ``weight`` [V, d] (and ``bias`` [V]): a row source for the heads below."""
-
-    packs_prefixes = False  # no faster path than a slice of the packed buffer
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight
-        self.bias = bias
-        self.shape, self.device, self.dtype = weight.shape, weight.device, weight.dtype
-        self.row_dtype = weight.dtype
-        self.ordered = OrderedRows(self)  # rows of fixed orders, kept across sequences
-
-    def linear(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [m, V] in the rows' dtype."""
-        return F.linear(hidden.to(self.dtype), self.weight, self.bias)
-
-    def gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-        """Rows ``ids`` [n] -> ([n, d], no scales, bias [n] or None)."""
-        return self.weight.index_select(0, ids), None, None if self.bias is None else self.bias.index_select(0, ids)
-
-    def matmul(self, hidden: torch.Tensor, rows: torch.Tensor, scales: None, bias: torch.Tensor | None) -> torch.Tensor:
-        """Logits [m, n] of hidden states [m, d] over gathered ``rows`` [n, d]."""
-        return F.linear(hidden.to(rows.dtype), rows, bias)
-
-
-def ordered_rows(source, order: torch.Tensor) -> tuple[tuple, bool]:
-    """``source``'s rows of the fixed ``order``, gathered on first use and kept on the source (:class:`OrderedRows`);
-    returns ``(rows, scales, bias)`` and whether they were gathered now."""
-    return source.ordered.get(order)
-
-
-def prepare_order(source, order: torch.Tensor, prefixes: tuple[int, ...] = ()) -> None:
-    """Gather ``source``'s rows of ``order`` now and, where the source keeps packed prefixes (int8 rows multiplied
-    through fbgemm, :attr:`~dynvocab.models.prepack.Int8Rows.packs_prefixes`), pack each prefix length in
-    ``prefixes``: a policy's static ranking, so that its first draft step costs what every later one does."""
-    ordered_rows(source, order)
-    if source.packs_prefixes:
-        for n in prefixes:
-            source.prefix_pack(order, n)
-
-
-def row_source(weight, bias: torch.Tensor | None = None):
-    """``weight`` as a row source: a tensor becomes :class:`FloatRows`; a row source (int8) is returned as it is."""
-    return FloatRows(weight, bias) if isinstance(weight, torch.Tensor) else weight
 
 
 class PackedHead:
@@ -88,7 +51,8 @@ class PackedHead:
     """
 
     def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
-        """``weight``: the head's rows [V, d] (a tensor, with ``bias``) or a row source (:func:`row_source`)."""
+        """``weight``: the head's rows [V, d] (a tensor, with ``bias``) or a
+        :class:`~dynvocab.runtime.rows.RowSource` (:func:`~dynvocab.runtime.rows.row_source`)."""
         self.source = row_source(weight, bias)
         self.softcap = softcap
         vocab, dim = self.source.shape
@@ -97,8 +61,9 @@ class PackedHead:
         self.rows = torch.empty(0, dim, dtype=src.row_dtype, device=src.device)  # [cap, d] packed rows
         self.row_bias = torch.empty(0, dtype=src.dtype, device=src.device) if src.bias is not None else None
         self.row_scale: torch.Tensor | None = None  # [cap] per-row scales of int8 rows
-        self._ordered: torch.Tensor | None = None  # ids packed in order by the last repack (prefixes reuse it)
-        self._last: torch.Tensor | None = None  # the ids tensor of the previous call
+        self._key: SegmentKey = CHANGED  # the key of the segment the rows [0, used) hold
+        self._used = 0  # rows the last segment multiplied
+        self._in_order: SegmentKey | None = None  # a ranking's prefix packed in ranking order (its prefixes slice)
         self.rows_copied = 0
 
     @property
@@ -139,38 +104,50 @@ class PackedHead:
         """Make the packed rows hold exactly the set ``ids`` [n] (order free), copying only changed rows."""
         self._copy(*self.slots.update(ids))
 
-    def logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [m, n] over the ids ``ids`` [n] for hidden states [m, d], and the token id of each column [n]."""
-        ordered = self._ordered
-        if ids is self._last:
-            n = ids.numel()  # the same active set as the previous step
-        elif (
-            ordered is not None
-            and ids.data_ptr() == ordered.data_ptr()
-            and ids.numel() <= ordered.numel()
-        ):
-            n = ids.numel()  # a prefix of the ranking packed in order: a slice of the buffer
-        elif self.n == 0 or 2 * ids.numel() > self.source.shape[0]:
-            self.repack(ids)
-            self._ordered, n = ids, ids.numel()
-        else:
-            self.update(ids)
-            self._ordered, n = None, self.n
-        self._last = ids
-        if self._ordered is not None and self.source.packs_prefixes:  # a ranking's prefix: a kept int8 pack
-            out = self.source.prefix_linear(hidden, self._ordered, n)
+    def logits(self, hidden: torch.Tensor, segment: torch.Tensor | Prefix) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [m, n] over the segment's ids (a :class:`~dynvocab.runtime.active_set.Prefix` or a bare id tensor
+        [n], a changed set) for hidden states [m, d], and the token id of each column [n]."""
+        n = self._bring(segment)
+        if self._in_order is not None and self.source.packs_prefixes:  # a ranking's prefix: a kept int8 pack
+            out = self.source.prefix_linear(hidden, self._in_order.of, n)
             if out is not None:
                 return self._finish(out), self.slots.ids[:n]
         bias = None if self.row_bias is None else self.row_bias[:n]
         scales = None if self.row_scale is None else self.row_scale[:n]
         return self._finish(self.source.matmul(hidden, self.rows[:n], scales, bias)), self.slots.ids[:n]
 
+    def _bring(self, segment: torch.Tensor | Prefix) -> int:
+        """Make the rows ``[0, n)`` hold the segment's ids, deciding from its key alone; returns ``n``.
+
+        The same key as the last call: nothing to do. A prefix of the ranking packed in order: a slice when no
+        longer, else its next rows appended in order. Otherwise the rows are repacked in the segment's order (the
+        buffer is empty, or the set is over half the vocabulary) or updated, copying only the rows that changed.
+        """
+        key = segment_key(segment)
+        if key == self._key:
+            return self._used
+        ids = segment if isinstance(segment, torch.Tensor) else segment.ids
+        n = ids.numel()
+        if key.same_order(self._in_order):
+            if n > self._in_order.n:
+                self.update(ids)  # the packed prefix is live at [0, k): the entering ids fill [k, n) in order
+                self._in_order = key
+        elif self.n == 0 or 2 * n > self.source.shape[0]:
+            self.repack(ids)
+            self._in_order = key if key.kind == PREFIX else None
+        else:
+            self.update(ids)
+            self._in_order = None
+        self._key, self._used = key, n
+        return n
+
     def _finish(self, logits: torch.Tensor) -> torch.Tensor:
         return soft_cap(logits.float(), self.softcap)
 
 
 class RangeHead:
-    """Logits over :class:`RowRanges` of one fixed order: ``W[order]`` is packed once, each range is a slice.
+    """Logits over :class:`RowRanges` of one fixed order: ``W[order]`` is packed once (taken from the row source's
+    kept orders when the segment's key names another order), each range is a slice.
 
     On CUDA (``fused``) every range is computed in one launch of the fused gathered-rows kernel over the ranges'
     row positions, reading the packed rows in place. Elsewhere float rows are multiplied one merged range at a
@@ -192,14 +169,14 @@ class RangeHead:
         has_bias = self.source.bias is not None
         on_cuda = self.source.device.type == "cuda"
         self.fused = on_cuda and not has_bias and triton_available() if fused is None else fused
-        self.order: torch.Tensor | None = None
+        self._key: SegmentKey = CHANGED  # the order whose rows ``rows`` holds
         self.rows = self.row_scale = self.row_bias = None
         self.rows_copied = 0
 
     def logits(self, hidden: torch.Tensor, ranges: RowRanges) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [m, n] over the ranges' ids for hidden states [m, d], and those ids [n]."""
-        if ranges.order is not self.order:
-            self.order = ranges.order
+        if ranges.key != self._key:
+            self._key = ranges.key
             (self.rows, self.row_scale, self.row_bias), copied = ordered_rows(self.source, ranges.order)  # [N, d]
             self.rows_copied += ranges.order.numel() if copied else 0
         if self.source.packs_prefixes and ranges.starts == (0,):  # a ranking's prefix: its kept int8 pack
@@ -249,17 +226,19 @@ class GatherHead:
 
 class DraftHead:
     """The draft head over an :class:`~dynvocab.runtime.active_set.ActiveSet`: the full vocabulary, or its
-    disjoint segments (id tensors or :class:`RowRanges`).
+    disjoint segments.
 
-    Each segment position has its own packed rows (:class:`PackedHead`, or :class:`RangeHead` for
-    :class:`RowRanges`), so a policy can combine a set that changes every
-    cycle (a context window) with nested prefixes of a fixed ranking (a static core that shrinks with the
-    draft position) and neither segment copies rows the other one changed.
+    Each segment position has its own head: :class:`PackedHead` for a
+    :class:`~dynvocab.runtime.active_set.Prefix` or a bare id tensor, :class:`RangeHead` for :class:`RowRanges`,
+    :class:`GatherHead` for :class:`Gathered`. So a policy can combine a set that changes every cycle (a context
+    window) with nested prefixes of a fixed ranking (a static core that shrinks with the draft position) and
+    neither segment copies rows the other one changed; each decides its reuse from its segment's key.
     """
 
     def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
-        """``weight``: the head's rows [V, d] (a tensor, with ``bias``) or a row source (:func:`row_source`:
-        int8 rows with per-row scales); every segment and the full head read the same source."""
+        """``weight``: the head's rows [V, d] (a tensor, with ``bias``) or a
+        :class:`~dynvocab.runtime.rows.RowSource` (:func:`~dynvocab.runtime.rows.row_source`); every segment and
+        the full head read the same source."""
         self.source = row_source(weight, bias)
         self.softcap = softcap
         self.segments: list[PackedHead | RangeHead | GatherHead] = []  # the packed rows of each segment position

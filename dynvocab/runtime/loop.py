@@ -1,16 +1,18 @@
 """The speculative decoding loop: the one loop every strategy, `generate` and `bench` run.
 
-Each cycle: for each of up to γ draft steps the draft runs its body over the new token, the policy names the
-active ids (an :class:`~dynvocab.runtime.active_set.ActiveSet`), and the draft's own head computes logits only
-over them; the target scores the draft in one pass over its full vocabulary, :func:`~dynvocab.runtime.verify.verify`
-accepts tokens (greedy or exact rejection sampling), both KV caches roll back to the accepted prefix, and the
-policy observes the cycle. The loop only decodes: counters go to a :class:`~dynvocab.runtime.metrics.Tally`, and
-section times are opt-in and read once per cycle (:mod:`dynvocab.runtime.timing`).
+Each cycle (:func:`~dynvocab.runtime.cycle.run_cycle`): for each of up to γ draft steps the draft runs its body
+over the new token, the policy names the active ids (an :class:`~dynvocab.runtime.active_set.ActiveSet`), and the
+draft's own head computes logits only over them; the target scores the draft in one pass over its full vocabulary,
+:func:`~dynvocab.runtime.verify.verify` accepts tokens (greedy or exact rejection sampling), both KV caches roll
+back to the accepted prefix, and the policy observes the cycle. The host reads the device once per draft step and
+once per cycle (:func:`~dynvocab.runtime.host.to_host`). The loop only decodes: counters go to a
+:class:`~dynvocab.runtime.metrics.Tally`, and section times are opt-in and read once per cycle
+(:mod:`dynvocab.runtime.timing`).
 ``gamma = 0`` with no draft is plain autoregressive decoding by the target.
 
 Cache invariant: before a cycle the target's cache holds every committed token but the last one; the draft's
 cache holds some prefix of the committed tokens and catches up at its first draft step. The draft is either kind
-behind :class:`~dynvocab.runtime.draft.Draft` (a draft model, an EAGLE head): after each target pass the loop
+behind :class:`~dynvocab.runtime.draft.Proposer` (a draft model, an EAGLE head): after each target pass the loop
 hands it the committed rows (``observe``), which an EAGLE head reads its features from and a draft model ignores.
 """
 
@@ -22,15 +24,14 @@ from typing import Callable
 
 import torch
 
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.cycle import CycleResult, CycleSetup, TargetVerifier, run_cycle
 from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.metrics import Metrics, Tally
-from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.full import FullPolicy
 from dynvocab.runtime.timing import SectionTimer
-from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify
+from dynvocab.runtime.verify import SamplingConfig
 
 
 DEFAULT_GAMMA = 6  # the longest draft: EvoSpec's speculation horizon
@@ -72,23 +73,20 @@ class Generation:
     cycle_lengths: list[int] = field(default_factory=list)
 
 
-def _draft_choice(
-    row: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator, ranked: bool
-) -> tuple[int, int | None, float, torch.Tensor | None]:
-    """The draft's pick from its logits ``row`` [n]: (column, runner-up column, its probability, q).
-
-    Greedy picks the argmax and ``q`` is None; sampling draws from ``q``. The runner-up (greedy only) and the
-    probability are computed only when ``ranked`` (early stop or branching needs them); else they are None and 1.
-    """
-    if not sampling.greedy:
-        q = probs_from_logits(row, sampling)  # [n]
-        col = int(torch.multinomial(q, 1, generator=generator))
-        return col, None, float(q[col]), q
-    if not ranked:
-        return int(row.argmax()), None, 1.0, None
-    top = torch.softmax(row, dim=-1).topk(min(2, row.numel()))
-    runner_up = int(top.indices[1]) if row.numel() > 1 else None
-    return int(top.indices[0]), runner_up, float(top.values[0]), None
+def _prefill(target: CausalLM, prompt_ids: list[int], draft: Proposer | None, policy: VocabPolicy | None) -> None:
+    """Run the target (and the draft) over the prompt but its last token; show the policy the prompt."""
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=target.device)
+    target.reset()
+    prefix_hidden = target.step(prompt[:-1]) if prompt.numel() > 1 else None  # [L-1, d]
+    if draft is not None:
+        draft.reset()
+        draft.observe(0, prefix_hidden, None)
+    if policy is not None:
+        wants_logits = policy.prefill_logits and prefix_hidden is not None
+        prompt_logits = target.logits(prefix_hidden) if wants_logits else None  # [L-1, V]
+        policy.prefill(prompt, prompt_logits, prefix_hidden)
+    if draft is not None and prompt.numel() > 1:
+        draft.step(prompt[:-1])
 
 
 @torch.inference_mode()
@@ -110,111 +108,42 @@ def speculative_generate(
     """
     if not prompt_ids:
         raise ValueError("prompt_ids is empty")
-    device = target.device
-    sampling = cfg.sampling
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    speculative = draft is not None and cfg.gamma > 0
-    if speculative and policy is None:
-        policy = FullPolicy(draft.info.vocab_size)
-    timer = SectionTimer(device, timing)
-    tally = Tally(cfg.gamma if speculative else 0)
-    m = tally.m
-
     start = time.perf_counter()
-    t0 = timer.mark()
-    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    target.reset()
-    prefix_hidden = target.step(prompt[:-1]) if prompt.numel() > 1 else None  # [L-1, d]
-    if speculative:
-        draft.reset()
-        draft.observe(0, prefix_hidden, None)
-    if policy is not None:
-        prefill_logits = None
-        if policy.prefill_logits and prefix_hidden is not None:
-            prefill_logits = target.logits(prefix_hidden)
-        policy.prefill(prompt, prefill_logits, prefix_hidden)
-    if speculative and prompt.numel() > 1:
-        draft.step(prompt[:-1])
-    timer.add("prefill_s", t0)
-
-    branch = sampling.greedy and cfg.branch_below > 0  # tree leaves: greedy verification only
-    ranked = branch or cfg.stop_below > 0
-    tokens = list(prompt_ids)
-    out: list[int] = []
-    stopped = False
-    lengths = []
+    speculative = draft is not None and cfg.gamma > 0
+    draft = draft if speculative else None
+    policy = FullPolicy(draft.info.vocab_size) if speculative and policy is None else policy
+    setup = _setup(target, cfg, eos_ids, draft, policy, SectionTimer(target.device, timing))
+    tally = Tally(cfg.gamma if speculative else 0)
+    t0 = setup.timer.mark()
+    _prefill(target, prompt_ids, draft, policy)
+    setup.timer.add("prefill_s", t0)
+    tokens, out, lengths, stopped = list(prompt_ids), [], [], False
     while len(out) < cfg.max_new_tokens and not stopped:
-        n = len(tokens)
-        gamma = min(cfg.gamma, cfg.max_new_tokens - len(out) - 1) if speculative else 0
-
-        t_draft = timer.mark()
-        steps: list[DraftStep] = []
-        sets: list[ActiveSet] = []  # the active set of each draft step
-        tops: list[torch.Tensor] = []
-        leaves: dict[int, int] = {}
-        feed = torch.tensor(tokens[draft.length:] if gamma else [], dtype=torch.long, device=device)
-        for j in range(gamma):
-            hidden = draft.step(feed)[-1:]  # [1, d]
-            t_policy = timer.mark()
-            active = policy.active_ids(j, hidden, int(feed[-1]))
-            t_head = timer.mark()
-            logits, cols = draft.head_logits(hidden, active)  # [1, n_active], [n_active] or None
-            timer.add("policy_s", t_policy, t_head)
-            timer.add("head_s", t_head)
-            sets.append(active)
-            tally.step(active.size)
-            row = logits[0]
-            col, runner_up, confidence, q = _draft_choice(row, sampling, generator, ranked)
-            token = col if cols is None else int(cols[col])
-            steps.append(DraftStep(token, cols, q))
-            if branch and runner_up is not None and confidence < cfg.branch_below:
-                leaves[j] = runner_up if cols is None else int(cols[runner_up])
-            if policy.draft_topk:
-                top = row.topk(min(policy.draft_topk, row.numel())).indices
-                tops.append(top if cols is None else cols[top])
-            if confidence < cfg.stop_below:
-                break
-            feed = torch.tensor([token], dtype=torch.long, device=device)
-        timer.add("draft_s", t_draft)
-
-        t_verify = timer.mark()
-        tree = DraftTree([s.token for s in steps], leaves)
-        pass_ids = torch.tensor(tree.inputs(tokens[-1]), dtype=torch.long, device=device)
-        hidden = target.step(pass_ids, tree if leaves else None)  # [1 + drafted + leaves, d]
-        logits = target.logits(hidden)  # [1 + drafted + leaves, V]
-        verdict = verify(tree, steps, logits, sampling, generator)
-        k = len(verdict.path)
-        emitted = verdict.path + [verdict.next_token]
-        emitted = emitted[: cfg.max_new_tokens - len(out)]
-        for i, tok in enumerate(emitted):
-            if tok in eos_ids:
-                emitted, stopped = emitted[: i + 1], True
-                break
-        kept = None if verdict.leaf_row is None else n - 1 + verdict.leaf_row
-        target.rollback(n + verdict.chain_accepted, keep=kept)
-        if speculative:
-            draft.rollback(min(draft.length, n + verdict.chain_accepted))
-            draft.observe(n - 1, hidden, verdict.rows)  # the committed rows: root, accepted path
-        timer.add("verify_s", t_verify)
-
-        drafted = tree.chain
-        tally.cycle(len(drafted), verdict.chain_accepted, k, emitted, sets, len(leaves), verdict.leaf_row is not None)
-        lengths.append(len(emitted))
-        tokens.extend(emitted)
-        out.extend(emitted)
-        if policy is not None:
-            t_policy = timer.mark()
-            rows = slice(0, len(drafted) + 1)  # the chain's rows; an accepted leaf's row replaces its sibling's
-            if verdict.leaf_row is not None:
-                rows = verdict.rows + list(range(k + 1, len(drafted) + 1))
-            policy.observe(CycleReport(
-                n, verdict.path + drafted[k:], tops, k, emitted, logits[rows], hidden[rows], sets,
-                leaf=verdict.leaf_row is not None,
-            ))
-            timer.add("policy_s", t_policy)
-        timer.flush(m)
+        left = cfg.max_new_tokens - len(out)
+        result = run_cycle(setup, tokens, min(cfg.gamma, left - 1) if speculative else 0, left)
+        _count(tally, result)
+        setup.timer.flush(tally.m)
+        stopped = result.eos
+        lengths.append(len(result.emitted))
+        tokens += result.emitted
+        out += result.emitted
         if on_tokens is not None:
-            on_tokens(emitted)
-
+            on_tokens(result.emitted)
     metrics = tally.finish(time.perf_counter() - start, speculative, draft.rows_copied if speculative else 0)
     return Generation(out, metrics, stopped, lengths)
+
+
+def _setup(target: CausalLM, cfg: DecodeConfig, eos_ids: set[int], draft: Proposer | None, policy: VocabPolicy | None,
+           timer: SectionTimer) -> CycleSetup:
+    """The generation's fixed parts: the draft, the target as verifier, the policy, the sampling state."""
+    generator = torch.Generator(device=target.device).manual_seed(cfg.seed)
+    verifier = TargetVerifier(target, cfg.sampling, generator)
+    return CycleSetup(draft, verifier, policy, cfg.sampling, generator, timer, cfg.stop_below, cfg.branch_below,
+                      frozenset(eos_ids))
+
+
+def _count(tally: Tally, result: CycleResult) -> None:
+    """Feed one cycle's host values to the tally."""
+    verdict, drafted = result.verdict, result.draft
+    tally.cycle(len(drafted.steps), verdict.accepted_chain, verdict.accepted, result.emitted, drafted.sets,
+                len(drafted.leaves), verdict.leaf_row is not None)

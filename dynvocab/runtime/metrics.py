@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
+from dynvocab.runtime.host import to_host
+
 
 @dataclass
 class Metrics:
@@ -45,8 +49,9 @@ class Metrics:
 class Tally:
     """The loop's counters for one generation, turned into :class:`Metrics` by :meth:`finish`.
 
-    Fed once per draft step (the active set's size, a host int) and once per cycle (host ints the verification
-    already read), so counting never waits on a device.
+    Fed once per cycle with host values the verification already read; the one device-side count (whether a
+    recovered token lay in its step's active set) stays on the device until :meth:`finish` reads it, so counting
+    never waits on a device inside the loop.
     """
 
     def __init__(self, gamma: int):
@@ -55,32 +60,41 @@ class Tally:
         self.accepted_at = [0] * gamma
         self.active_total = 0
         self.covered = self.counted = 0
+        self._hits: list[torch.Tensor] = []  # device booleans: a recovered token inside its step's active set
 
-    def step(self, active_size: int) -> None:
-        """One draft step over an active set of ``active_size`` ids."""
-        self.m.draft_steps += 1
-        self.active_total += active_size
-
-    def cycle(self, drafted: int, chain_accepted: int, path: int, emitted: list[int], sets: list, leaves: int,
+    def cycle(self, drafted: int, accepted_chain: int, accepted: int, emitted: list[int], sets: list, leaves: int,
               leaf_hit: bool) -> None:
-        """One verified cycle: ``drafted`` chain tokens of which ``chain_accepted`` were accepted, ``path`` tokens
-        accepted in all (an accepted leaf included), ``emitted`` tokens, the draft steps' active ``sets``.
+        """One verified cycle: ``drafted`` chain tokens (one draft step each, over the active ``sets``) of which
+        ``accepted_chain`` were accepted, ``accepted`` draft tokens kept in all (an accepted leaf included),
+        ``emitted`` tokens, ``leaves`` runner-up leaves verified.
 
-        Hit rate: accepted tokens were drafted from the active set; the correction at position k < γ is a hit
+        Hit rate: accepted tokens were drafted from the active set; the recovered token at position k < γ is a hit
         when it was inside the active set of draft step k. A bonus after full acceptance had no step.
         """
+        self.m.draft_steps += len(sets)
+        self.active_total += sum(s.size for s in sets)
         for j in range(drafted):
             self.drafted_at[j] += 1
-            self.accepted_at[j] += j < chain_accepted  # an accepted leaf counts in leaf_hits, not here
-        in_steps = min(path + 1, drafted, len(emitted))
+            self.accepted_at[j] += j < accepted_chain  # an accepted leaf counts in leaf_hits, not here
+        in_steps = min(accepted + 1, drafted, len(emitted))
         self.counted += in_steps
-        self.covered += min(path, in_steps)
-        if path < in_steps:
-            self.covered += sets[path].contains(emitted[path])
+        self.covered += min(accepted, in_steps)
+        if accepted < in_steps:
+            self._count_hit(sets[accepted], emitted[accepted])
         self.m.cycles += 1
         self.m.new_tokens += len(emitted)
         self.m.leaves += leaves
         self.m.leaf_hits += leaf_hit
+
+    def _count_hit(self, active, token: int) -> None:
+        """Count ``token`` as a hit when it is in ``active`` (an :class:`~dynvocab.runtime.active_set.ActiveSet`):
+        decided on the host for the full vocabulary, else kept as a device boolean."""
+        if active.is_full:
+            self.covered += 0 <= token < active.vocab
+            return
+        ids = active.id_segments()
+        if ids:
+            self._hits.append((torch.cat(ids) == token).any())
 
     def finish(self, wall_s: float, speculative: bool, rows_copied: int = 0) -> Metrics:
         """The generation's metrics after ``wall_s`` seconds."""
@@ -89,6 +103,9 @@ class Tally:
         m.mean_accepted_length = m.new_tokens / m.cycles if m.cycles else 0.0
         m.tokens_per_s = m.new_tokens / wall_s if wall_s > 0 else 0.0
         m.accept_by_position = [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        if self._hits:
+            self.covered += to_host(torch.stack(self._hits).sum())
+            self._hits.clear()
         if speculative:
             m.mean_active_vocab = self.active_total / m.draft_steps if m.draft_steps else None
             m.active_hit_rate = self.covered / self.counted if self.counted else None

@@ -86,7 +86,8 @@ def one_token_step(model, token: torch.Tensor, position: int, cache, fused: dict
     ``fused``: where int8 q/k/v and gate/up products stacked into one are kept between steps (None: none)."""
     body = getattr(model, model.base_model_prefix)
     h = body.embed_tokens(token.view(1, 1))  # [1, 1, d]
-    cos, sin = body.rotary_emb(h, torch.tensor([[position]], device=h.device))  # [1, 1, hd] each
+    at = torch.arange(position, position + 1, device=h.device).view(1, 1)  # made on the device: no host copy
+    cos, sin = body.rotary_emb(h, at)  # [1, 1, hd] each
     cos, sin = cos[:, None], sin[:, None]  # [1, 1, 1, hd]: broadcast over heads
     for i, layer in enumerate(body.layers):
         attn = layer.self_attn

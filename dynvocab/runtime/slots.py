@@ -3,12 +3,15 @@
 Slots freed by tokens that left are reused by tokens that entered, new slots are appended when more enter than
 leave, and when the set shrinks live rows past the new end move into the holes below it, so the active rows are
 always ``[0, n)``. Each update yields a list of copies ``rows[dst] = W[src]``, and only rows that changed are
-copied. Planning reads the sizes of ``nonzero`` results, a host sync on CUDA, once per update.
+copied. Planning reads three counts (slots freed, tokens entering, holes to fill) in one host read per
+update; the index lists are then taken with ``nonzero_static`` at those sizes, which needs no further wait.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dynvocab.runtime.host import to_host
 
 
 def grown(t: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -48,8 +51,8 @@ class SlotTable:
         self._inside[ids] = True
         leaving = ~self._inside[self.active]  # [n] live slots whose token is not in ids
         self._inside[ids] = False
-        fresh = ids[self.slot_of[ids] < 0]  # [f] tokens that entered
-        return self._apply(leaving, fresh)
+        entering = self.slot_of[ids] < 0  # [n'] tokens that enter
+        return self._apply(leaving, ids, entering)
 
     def assign(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Make slot ``i`` hold ``ids[i]`` (distinct), whatever was live before; returns the copies ``(dst, src)``."""
@@ -62,26 +65,29 @@ class SlotTable:
         self.slot_of[ids] = dst
         return dst, ids
 
-    def _apply(self, leaving: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``leaving`` [n]: which live slots lose their token; ``fresh`` [f]: tokens to add."""
-        stale = torch.nonzero(leaving).flatten()  # [s] freed slots, ascending
-        self.slot_of[self.ids[stale]] = -1
+    def _apply(
+        self, leaving: torch.Tensor, ids: torch.Tensor, entering: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``leaving`` [n]: which live slots lose their token; ``entering`` [n']: which of ``ids`` are added."""
         n_old = self.n
-        n_new = n_old - stale.numel() + fresh.numel()
+        stale_n, fresh_n, low_n = _counts(leaving, entering, n_old)
+        stale = torch.nonzero_static(leaving, size=stale_n).flatten()  # [s] freed slots, ascending
+        fresh = ids[torch.nonzero_static(entering, size=fresh_n).flatten()]  # [f] tokens that entered
+        self.slot_of[self.ids[stale]] = -1
+        n_new = n_old - stale_n + fresh_n
         self._reserve(n_new)
-        if fresh.numel() >= stale.numel():
+        if fresh_n >= stale_n:
             tail = torch.arange(n_old, n_new, device=stale.device)
             dst, src = torch.cat([stale, tail]), fresh
         else:
-            holes = stale[fresh.numel():]
+            holes = stale[fresh_n:]  # ascending: the first ``low_n`` lie below the new end
             self.ids[holes] = -1
             # Keep the rows compact: live rows past the new end move into the holes below it.
-            low_holes = holes[holes < n_new]
             tail = torch.arange(n_new, n_old, device=stale.device)
-            movers = tail[self.ids[tail] >= 0]
+            movers = tail[torch.nonzero_static(self.ids[tail] >= 0, size=low_n).flatten()]
             moved = self.ids[movers]
             self.ids[movers] = -1
-            dst = torch.cat([stale[: fresh.numel()], low_holes])
+            dst = torch.cat([stale[:fresh_n], holes[:low_n]])
             src = torch.cat([fresh, moved])
         self.ids[dst] = src
         self.slot_of[src] = dst
@@ -94,3 +100,14 @@ class SlotTable:
         ids = self.ids.new_full((max(n, 2 * self.capacity),), -1)
         ids[: self.capacity] = self.ids
         self.ids = ids
+
+
+def _counts(leaving: torch.Tensor, entering: torch.Tensor, n_old: int) -> tuple[int, int, int]:
+    """One host read: slots freed ``s``, tokens entering ``f`` and, when the set shrinks, the holes left below the
+    new end ``n_old - s + f`` (the freed slots past the ``f`` lowest, which the entering tokens reuse)."""
+    stale, fresh = leaving.sum(), entering.sum()
+    freed_below = torch.cat([leaving.new_zeros(1, dtype=torch.long), leaving.long().cumsum(0)])  # [n + 1]
+    n_new = (n_old - stale + fresh).clamp(0, n_old)
+    low = (freed_below.index_select(0, n_new.view(1))[0] - fresh).clamp(min=0)
+    s, f, m = to_host(torch.stack([stale, fresh, low]))
+    return s, f, m

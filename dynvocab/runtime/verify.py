@@ -1,5 +1,10 @@
 """Verification of a draft against the target: :func:`verify` for greedy decoding (a draft tree, :mod:`.tree`)
-and exact rejection sampling (a chain), one :class:`Verdict` either way.
+and exact rejection sampling (a chain), one :class:`Verdict` either way, read to the host once per cycle
+(:func:`~dynvocab.runtime.host.to_host`).
+
+Glossary (vLLM's rejection sampler): **accepted** tokens are the draft tokens the target kept; at the first
+rejection the target's own token there is the **recovered** token; after a fully accepted draft the target's token
+at the next position is the **bonus** token. Each cycle emits the accepted tokens plus one recovered or bonus token.
 
 Notation follows Leviathan et al. (2023): ``p`` is the target distribution, ``q`` the draft's. The draft's
 ``q`` is only supported on its active vocabulary; tokens outside it have q = 0, so the residual
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvocab.runtime.host import to_host
 from dynvocab.runtime.tree import DraftTree
 
 
@@ -52,69 +58,86 @@ class DraftStep:
 def verify_sampling(
     steps: list[DraftStep], target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
 ) -> tuple[int, int]:
-    """Exact rejection sampling: accept x_j with prob min(1, p(x_j)/q(x_j)); on rejection resample.
+    """Exact rejection sampling: accept x_j with prob min(1, p(x_j)/q(x_j)); at the first rejection draw the
+    recovered token from the residual ``norm(max(0, p - q))``, after full acceptance the bonus token from p.
+
+    Computed on the device for every step at once and read to the host in one conversion.
 
     Args:
         steps: the γ drafted tokens with their draft distributions.
         target_logits: [γ+1, V] target logits.
     Returns:
-        (number accepted k, the token emitted at position k: a resample from the residual, or a bonus from p).
+        (accepted: the number of draft tokens kept, the recovered or bonus token after them).
     """
     p = probs_from_logits(target_logits, cfg)  # [γ+1, V]
-    device = p.device
-    uniforms = torch.rand(len(steps), generator=generator, device=device).tolist() if steps else []
-    for j, step in enumerate(steps):
-        q_all = _dense_q(step, p.shape[-1], device)  # [V]
-        x = step.token
-        px, qx = float(p[j, x]), float(q_all[x])
-        if qx > 0 and uniforms[j] * qx < px:
-            continue
-        residual = (p[j] - q_all).clamp_(min=0.0)
-        total = residual.sum()
-        dist = residual / total if total > 0 else p[j]
-        return j, int(torch.multinomial(dist, 1, generator=generator))
-    return len(steps), int(torch.multinomial(p[len(steps)], 1, generator=generator))
+    gamma, device = len(steps), p.device
+    if gamma:
+        q = torch.stack([_dense_q(step, p.shape[-1], device) for step in steps])  # [γ, V]
+        rows = torch.arange(gamma, device=device)
+        x = torch.tensor([step.token for step in steps], dtype=torch.long, device=device)  # [γ]
+        px, qx = p[rows, x], q[rows, x]  # [γ] each
+        uniforms = torch.rand(gamma, generator=generator, device=device)
+        kept = (qx > 0) & (uniforms * qx < px)  # [γ]
+        accepted = kept.long().cumprod(0).sum().view(1)  # [1] the first rejection, or γ
+        residual = (p[:gamma] - q).clamp_(min=0.0)  # [γ, V]
+        total = residual.sum(dim=-1, keepdim=True)
+        p = torch.cat([torch.where(total > 0, residual / total, p[:gamma]), p[gamma:]])  # [γ+1, V]: where to draw
+    else:
+        accepted = torch.zeros(1, dtype=torch.long, device=device)
+    token = torch.multinomial(p.index_select(0, accepted), 1, generator=generator)[0]  # [1], no host index
+    n, token = to_host(torch.cat([accepted, token]))
+    return n, token
 
 
 def _dense_q(step: DraftStep, vocab: int, device) -> torch.Tensor:
-    q = torch.zeros(vocab, device=device)
+    """The draft distribution over the target's ``vocab`` ids [V]; support ids at or past ``vocab`` (a padded draft
+    head) land in a spare slot that is dropped, so nothing waits on the device."""
+    q = torch.zeros(vocab + 1, device=device)
     if step.support is None:
         n = min(step.q.numel(), vocab)
         q[:n] = step.q[:n]
     else:
-        keep = step.support < vocab
-        q[step.support[keep]] = step.q[keep]
-    return q
+        q[step.support.clamp(max=vocab)] = step.q.to(q.dtype)
+    return q[:vocab]
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What verification kept: the accepted path, the next token and where they came from (greedy or sampling)."""
+    """What verification kept: the accepted draft tokens and the target's token after them (greedy or sampling)."""
 
-    path: list[int]  # accepted draft tokens: a chain prefix, possibly ending in a leaf
-    next_token: int  # the target's token after the path (correction or bonus)
-    chain_accepted: int  # chain tokens in ``path``
+    path: list[int]  # the accepted draft tokens: a chain prefix, possibly ending in a leaf
+    next_token: int  # the target's token after the path: recovered (after a rejection) or bonus
     leaf_row: int | None = None  # the accepted leaf's row in the pass, or None
+
+    @property
+    def accepted(self) -> int:
+        """How many draft tokens the target kept (an accepted leaf included)."""
+        return len(self.path)
+
+    @property
+    def accepted_chain(self) -> int:
+        """How many of the accepted tokens are chain tokens (``accepted`` less an accepted leaf)."""
+        return self.accepted - (self.leaf_row is not None)
 
     @property
     def rows(self) -> list[int]:
         """Logit rows along the path: row i predicts ``path[i]``; the last one predicts ``next_token``."""
-        rows = list(range(self.chain_accepted + 1))
+        rows = list(range(self.accepted_chain + 1))
         return rows if self.leaf_row is None else rows + [self.leaf_row]
 
 
 def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
     """Accept the longest chain prefix matching the target's argmax, then the leaf at the stopping depth if it
-    matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs`."""
-    choice = target_logits.argmax(dim=-1).tolist()
+    matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs` (one host read)."""
+    choice = to_host(target_logits.argmax(dim=-1))
     k = 0
     while k < len(tree.chain) and tree.chain[k] == choice[k]:
         k += 1
     leaf = tree.leaves.get(k) if k < len(tree.chain) else None
     if leaf is not None and leaf == choice[k]:
         row = tree.leaf_row(k)
-        return Verdict(tree.chain[:k] + [leaf], choice[row], k, row)
-    return Verdict(tree.chain[:k], choice[k], k)
+        return Verdict(tree.chain[:k] + [leaf], choice[row], row)
+    return Verdict(tree.chain[:k], choice[k])
 
 
 def verify(
@@ -125,5 +148,5 @@ def verify(
     the tree (:func:`verify_tree_greedy`), sampling runs exact rejection sampling over the chain's ``steps``."""
     if cfg.greedy:
         return verify_tree_greedy(tree, target_logits)
-    k, token = verify_sampling(steps, target_logits, cfg, generator)
-    return Verdict(tree.chain[:k], token, k)
+    accepted, token = verify_sampling(steps, target_logits, cfg, generator)
+    return Verdict(tree.chain[:accepted], token)

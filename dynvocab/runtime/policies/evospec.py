@@ -40,7 +40,7 @@ import torch
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 from dynvocab.runtime.policies.arc import ARCCache
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.active_set import ActiveSet, Prefix
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class EvoSpecPolicy(VocabPolicy):
         self.in_core[core.cpu().numpy()] = True
         self.dynamic = torch.empty(0, dtype=torch.long, device=self.device)  # [n ≤ dynamic_size]
         self._dynamic_np = np.empty(0, dtype=np.int64)  # the same ids on the host
-        self.active = ActiveSet.of(self.core, self.dynamic)
+        self.active = self._active_set()
         self.cache = ARCCache(cfg.dynamic_size, cfg.ghost_size, cfg.arc_p, cfg.min_residency, cfg.warmup_events)
         self.retriever = Retriever(index, graph, self.in_core, cfg)
         self.stats = EvoSpecStats()
@@ -327,7 +327,12 @@ class EvoSpecPolicy(VocabPolicy):
             self._version = self.cache.version
             self._dynamic_np = np.asarray(self.cache.resident(), dtype=np.int64)
             self.dynamic = torch.from_numpy(self._dynamic_np).to(self.device)
-            self.active = ActiveSet.of(self.core, self.dynamic)
+            self.active = self._active_set()
+
+    def _active_set(self) -> ActiveSet:
+        """The core and the dynamic ids, each a set kept until it is replaced: the core for the whole generation,
+        the dynamic ids until the cache admits or evicts (a new tensor, a new key: the head copies changed rows)."""
+        return ActiveSet.of(Prefix.whole(self.core), Prefix.whole(self.dynamic))
 
     def _start_worker(self) -> _Worker:
         if self._worker is None:

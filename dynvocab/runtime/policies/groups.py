@@ -31,8 +31,8 @@ class Groups:
         self.num_groups = num_groups
 
     def select(self, picked_groups: torch.Tensor) -> tuple[RowRanges, torch.Tensor]:
-        """The union of groups ``picked_groups`` [k] as row ranges of the order, and the EOS ids outside them,
-        LongTensor [e]: two disjoint segments."""
+        """The union of groups ``picked_groups`` [k] as row ranges of the order (keyed by it: its rows are gathered
+        once), and the EOS ids outside them, LongTensor [e], a changed set: two disjoint segments."""
         picked = torch.zeros(self.num_groups, dtype=torch.bool, device=self.device)
         picked[picked_groups] = True
         starts, ends = self._ranges(picked)

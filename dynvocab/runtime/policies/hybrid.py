@@ -33,7 +33,7 @@ import torch
 
 from dynvocab.artifacts import mips_search
 from dynvocab.budget import pa_budget
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.active_set import ActiveSet, Prefix
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.evospec import assemble_candidates
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
@@ -108,7 +108,7 @@ class HybridPolicy(MicroSpecPolicy):
         if draft_hnsw is not None:
             draft_hnsw.set_ef(cfg.step_ef)
         self._none = torch.empty(0, dtype=torch.long, device=device)
-        self._views: dict[int, torch.Tensor] = {}
+        self._views: dict[int, Prefix] = {}  # the core prefix of each length: one ranking, so the head slices
         self.misses = 0
 
     def core_size(self, step: int) -> int:
@@ -119,11 +119,11 @@ class HybridPolicy(MicroSpecPolicy):
 
     def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
         """Three disjoint segments: the context ids outside the core (``ids``, kept incrementally by MicroSpec),
-        the core prefix for this position, the per-step candidates."""
+        the core prefix for this position, the per-step candidates (a changed set)."""
         k = self.core_size(step)
         if k not in self._views:
-            self._views[k] = self.core[:k]
-        return ActiveSet.of(self.ids, self._views[k], self.step_candidates(k, hidden, token))
+            self._views[k] = Prefix(self.core, k)
+        return ActiveSet.of(self.window_segment(), self._views[k], self.step_candidates(k, hidden, token))
 
     def step_candidates(self, core_size: int, hidden=None, token=None) -> torch.Tensor:
         """Draft-head neighbours of ``hidden`` [1, d] and graph successors of ``token`` that are not already

@@ -7,7 +7,8 @@ Defaults from the paper: K_pre = K_ver = 3, W_max = 3072.
 
 The set is kept incrementally: a push changes the window counts of the pushed and the evicted entries only, so
 after a cycle only those few dozen ids are checked and the sorted id list is merged, never rebuilt from a
-[V] mask; when nothing entered or left, ``active_ids`` keeps returning the same tensor and the head copies nothing.
+[V] mask; when nothing entered or left, ``active_ids`` keeps returning the same segment (the same key) and the head
+copies nothing; when ids entered or left, ``ids`` is a new tensor, so a new key, and the head copies only their rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.kernels.window_state import WindowState
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.active_set import ActiveSet, Prefix
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
 
@@ -49,6 +50,7 @@ class MicroSpecPolicy(VocabPolicy):
         self.member = self.is_pinned.clone()  # [V] whether each id is in self.ids
         self._touched: list[torch.Tensor] = []  # ids whose window count changed since the last refresh
         self._rebuilt = False
+        self._window: Prefix | None = None  # ``ids`` as a kept set (see :meth:`window_segment`)
         self._active: ActiveSet | None = None
 
     def prefill(self, prompt_ids, target_logits, target_hidden) -> None:
@@ -61,9 +63,17 @@ class MicroSpecPolicy(VocabPolicy):
 
     def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
         """The same window set at every draft step of a cycle (the same object while ``ids`` is unchanged)."""
-        if self._active is None or self._active.segments[0] is not self.ids:
-            self._active = ActiveSet.of(self.ids)
+        window = self.window_segment()
+        if self._active is None or self._active.segments[0] is not window:
+            self._active = ActiveSet.of(window)
         return self._active
+
+    def window_segment(self) -> Prefix:
+        """``ids`` as a set kept until it changes (:meth:`~dynvocab.runtime.active_set.Prefix.whole`): the same
+        segment, so the same key, while ``ids`` is the same tensor; a refresh that changes the set makes a new one."""
+        if self._window is None or self._window.ranking is not self.ids:
+            self._window = Prefix.whole(self.ids)
+        return self._window
 
     def observe(self, cycle: CycleReport) -> None:
         """S ← S ⊕ C_draft ⊕ C_ver, then take the unique tokens of the last W_max entries."""

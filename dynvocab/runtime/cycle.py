@@ -1,0 +1,268 @@
+"""One draft-verify cycle, the sequence every driver shares: the loop (a real draft and target), ``bench
+--policy-steps`` and the policy tests (a scripted draft and verdicts, no models).
+
+:func:`run_cycle`: for each draft step the proposer runs over the new token, the policy names the active ids, the
+proposer's head scores them and :func:`choose` picks a token on the device; one host read per step
+(:func:`~dynvocab.runtime.host.to_host`) brings back the token, and the runner-up and confidence where early stops
+or runner-up leaves need them. Then the verifier scores and verifies the draft (one more host read), the proposer
+rolls back and observes the committed rows, and the policy observes a
+:class:`~dynvocab.runtime.policies.base.CycleReport`. Terms follow vLLM's rejection sampler: accepted, recovered,
+bonus (:mod:`dynvocab.runtime.verify`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.host import to_host
+from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+from dynvocab.runtime.timing import SectionTimer
+from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.verify import DraftStep, SamplingConfig, Verdict, probs_from_logits, verify
+
+
+class Proposer(Protocol):
+    """What :func:`run_cycle` drives of a draft (a subset of :class:`~dynvocab.runtime.draft.Draft`)."""
+
+    length: int  # tokens consumed (committed and drafted)
+    device: torch.device
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Consume tokens ``ids`` [n] (device); the head inputs [n', d] (the last row drafts the next token)."""
+
+    def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [1, n] over ``active`` for ``hidden`` [1, d] and each column's target id [n] (None: column = id)."""
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` tokens (or fewer; ``length`` then says how many)."""
+
+    def observe(self, start: int, hidden: torch.Tensor | None, rows: Sequence[int] | None) -> None:
+        """The target's pass ``hidden`` [pass, d]; its ``rows`` hold the committed tokens from position ``start``."""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A verified draft: the verdict and the pass it came from (logits [pass, V], hidden states [pass, d])."""
+
+    verdict: Verdict
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+# (tree, draft steps, committed tokens) -> Checked; leaves the target's cache holding the committed tokens but the
+# last one, the accepted path included.
+Verifier = Callable[[DraftTree, list[DraftStep], list[int]], Checked]
+
+
+class TargetVerifier:
+    """The real verifier: one target pass over the tree, :func:`~dynvocab.runtime.verify.verify`, cache rollback."""
+
+    def __init__(self, target: CausalLM, sampling: SamplingConfig, generator: torch.Generator):
+        self.target, self.sampling, self.generator = target, sampling, generator
+
+    def __call__(self, tree: DraftTree, steps: list[DraftStep], tokens: list[int]) -> Checked:
+        """Score root, chain and leaves in one pass; verify; keep the accepted path in the target's cache."""
+        n, target = len(tokens), self.target
+        pass_ids = torch.tensor(tree.inputs(tokens[-1]), dtype=torch.long, device=target.device)
+        hidden = target.step(pass_ids, tree if tree.leaves else None)  # [1 + chain + leaves, d]
+        logits = target.logits(hidden)  # [1 + chain + leaves, V]
+        verdict = verify(tree, steps, logits, self.sampling, self.generator)
+        kept = None if verdict.leaf_row is None else n - 1 + verdict.leaf_row
+        target.rollback(n + verdict.accepted_chain, keep=kept)
+        return Checked(verdict, logits, hidden)
+
+
+@dataclass(frozen=True)
+class Sections:
+    """The :class:`~dynvocab.runtime.timing.SectionTimer` fields a cycle charges (defaults: :class:`Metrics`')."""
+
+    draft: str = "draft_s"  # the whole draft chain
+    head: str = "head_s"  # the proposer's head over the active set
+    active: str = "policy_s"  # the policy's ``active_ids``
+    observe: str = "policy_s"  # the policy's ``observe``
+    verify: str = "verify_s"  # the verifier and the proposer's rollback
+
+
+@dataclass
+class CycleSetup:
+    """What stays fixed across a generation's cycles. ``proposer`` None: no draft (autoregressive cycles);
+    ``policy`` None: nobody observes. ``stop_below``/``branch_below``: see
+    :class:`~dynvocab.runtime.loop.DecodeConfig`."""
+
+    proposer: Proposer | None
+    verifier: Verifier
+    policy: VocabPolicy | None
+    sampling: SamplingConfig
+    generator: torch.Generator
+    timer: SectionTimer
+    stop_below: float = 0.0
+    branch_below: float = 0.0
+    eos_ids: frozenset[int] = frozenset()
+    sections: Sections = field(default_factory=Sections)
+
+    @property
+    def branch(self) -> bool:
+        """Whether unsure greedy steps add their runner-up as a tree leaf (greedy verification only)."""
+        return self.sampling.greedy and self.branch_below > 0
+
+    @property
+    def ranked(self) -> bool:
+        """Whether draft steps need their confidence (and runner-up): early stops or leaves."""
+        return self.branch or self.stop_below > 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A draft step's pick, all on the device: the token's target id [1], the runner-up's [1] (greedy, ranked) and
+    the token's draft probability [1] (ranked), and the draft distribution ``q`` [n] over ``support`` (sampling)."""
+
+    token: torch.Tensor
+    runner_up: torch.Tensor | None
+    confidence: torch.Tensor | None
+    q: torch.Tensor | None
+    support: torch.Tensor | None
+
+
+def choose(row: torch.Tensor, cols: torch.Tensor | None, sampling: SamplingConfig, generator: torch.Generator,
+           ranked: bool) -> Choice:
+    """The draft's pick from its logits ``row`` [n] whose columns are target ids ``cols`` [n] (None: the column is
+    the id), without reading the device: greedy takes the argmax (and, ``ranked``, the runner-up and the top
+    probability, from one log-sum-exp); sampling draws from ``q`` at the sampling temperature."""
+    q = runner = confidence = None
+    if not sampling.greedy:
+        q = probs_from_logits(row, sampling)  # [n]
+        col = torch.multinomial(q, 1, generator=generator)  # [1]
+        confidence = q.index_select(0, col) if ranked else None
+    elif ranked:
+        top = row.topk(min(2, row.numel()))
+        col = top.indices[:1]
+        runner = top.indices[1:2] if row.numel() > 1 else None
+        confidence = (top.values[:1] - torch.logsumexp(row, dim=-1)).exp()
+    else:
+        col = row.argmax().view(1)
+    return Choice(_target_id(col, cols), _target_id(runner, cols), confidence, q, cols)
+
+
+def _target_id(col: torch.Tensor | None, cols: torch.Tensor | None) -> torch.Tensor | None:
+    """The target id [1] of head column ``col`` [1] (on the device)."""
+    return col if col is None or cols is None else cols.index_select(0, col)
+
+
+def read_choice(choice: Choice) -> tuple[int, int | None, float]:
+    """The draft step's one host read: (token, runner-up or None, confidence; 1.0 when not ranked)."""
+    parts = [choice.token.double()]
+    parts += [] if choice.confidence is None else [choice.confidence.double()]
+    parts += [] if choice.runner_up is None else [choice.runner_up.double()]
+    values = to_host(torch.cat(parts))  # ids < 2**53: exact in float64
+    token = int(values[0])
+    confidence = values[1] if choice.confidence is not None else 1.0
+    runner_up = int(values[-1]) if choice.runner_up is not None else None
+    return token, runner_up, confidence
+
+
+@dataclass
+class Drafted:
+    """One cycle's draft: its chain's steps, each step's active set, its top alternatives and runner-up leaves."""
+
+    steps: list[DraftStep] = field(default_factory=list)
+    sets: list[ActiveSet] = field(default_factory=list)
+    tops: list[torch.Tensor] = field(default_factory=list)
+    leaves: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def tree(self) -> DraftTree:
+        """The chain and its leaves as one draft tree."""
+        return DraftTree([s.token for s in self.steps], self.leaves)
+
+
+def draft_chain(setup: CycleSetup, tokens: list[int], gamma: int) -> Drafted:
+    """Draft up to ``gamma`` tokens after the committed ``tokens``: one host read per step, none when ``gamma`` is 0.
+
+    The first step feeds the proposer the committed tokens it has not seen; each later step feeds the previous
+    step's token straight from the device. The policy gets the last fed token as an int (from the step's read)."""
+    draft, proposer, policy, timer, sec = Drafted(), setup.proposer, setup.policy, setup.timer, setup.sections
+    if not gamma:
+        return draft
+    feed = torch.tensor(tokens[proposer.length:], dtype=torch.long, device=proposer.device)  # once per cycle
+    token = tokens[-1]
+    for j in range(gamma):
+        hidden = proposer.step(feed)[-1:]  # [1, d]
+        t_active = timer.mark()
+        active = policy.active_ids(j, hidden, token)
+        t_head = timer.mark()
+        logits, cols = proposer.head_logits(hidden, active)  # [1, n], [n] or None
+        timer.add(sec.active, t_active, t_head)
+        timer.add(sec.head, t_head)
+        row = logits[0]
+        choice = choose(row, cols, setup.sampling, setup.generator, setup.ranked)
+        token, runner_up, confidence = read_choice(choice)
+        draft.steps.append(DraftStep(token, choice.support, choice.q))
+        draft.sets.append(active)
+        if setup.branch and runner_up is not None and confidence < setup.branch_below:
+            draft.leaves[j] = runner_up
+        if policy.draft_topk:
+            top = row.topk(min(policy.draft_topk, row.numel())).indices
+            draft.tops.append(top if cols is None else cols[top])
+        if confidence < setup.stop_below:
+            break
+        feed = choice.token
+    return draft
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    """What a cycle committed: ``emitted`` tokens (accepted + recovered/bonus, cut at EOS and the limit), whether
+    an EOS ended the generation, the verdict, and the draft that was verified."""
+
+    emitted: list[int]
+    eos: bool
+    verdict: Verdict
+    draft: Drafted
+
+
+def _emitted(verdict: Verdict, limit: int, eos_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """The accepted tokens and the recovered/bonus token, cut to ``limit`` and after the first EOS."""
+    emitted = (verdict.path + [verdict.next_token])[:limit]
+    for i, tok in enumerate(emitted):
+        if tok in eos_ids:
+            return emitted[: i + 1], True
+    return emitted, False
+
+
+def _report(n: int, draft: Drafted, checked: Checked, emitted: list[int]) -> CycleReport:
+    """The policy's view of the cycle: the chain's rows of the pass (an accepted leaf's row replaces its sibling's)."""
+    verdict, chain = checked.verdict, draft.tree.chain
+    k = verdict.accepted
+    rows = slice(0, len(chain) + 1)
+    if verdict.leaf_row is not None:
+        rows = verdict.rows + list(range(k + 1, len(chain) + 1))
+    return CycleReport(n, verdict.path + chain[k:], draft.tops, k, emitted, checked.logits[rows], checked.hidden[rows],
+                       draft.sets, leaf=verdict.leaf_row is not None)
+
+
+def run_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> CycleResult:
+    """One draft-verify cycle after the committed ``tokens``: draft up to ``gamma`` tokens, verify them, roll the
+    proposer back to what was kept, and let the policy observe; emits at most ``limit`` tokens. Host reads: one per
+    draft step and one for the verdict."""
+    timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
+    t_draft = timer.mark()
+    draft = draft_chain(setup, tokens, gamma)
+    timer.add(sec.draft, t_draft)
+    t_verify = timer.mark()
+    checked = setup.verifier(draft.tree, draft.steps, tokens)
+    verdict = checked.verdict
+    if proposer is not None:
+        proposer.rollback(min(proposer.length, n + verdict.accepted_chain))
+        proposer.observe(n - 1, checked.hidden, verdict.rows)  # the committed rows: root, accepted path
+    timer.add(sec.verify, t_verify)
+    emitted, eos = _emitted(verdict, limit, setup.eos_ids)
+    if setup.policy is not None:
+        t_observe = timer.mark()
+        setup.policy.observe(_report(n, draft, checked, emitted))
+        timer.add(sec.observe, t_observe)
+    return CycleResult(emitted, eos, verdict, draft)

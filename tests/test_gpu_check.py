@@ -1,0 +1,97 @@
+"""scripts/gpu_check.sh, the first GPU session's one command: on CPU it runs every section at small shapes and
+writes the JSON it promises, naming what the CUDA run times (so the script cannot rot before a GPU shows up)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynvocab.bench.gpu_check import SECTIONS, host_reads
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def gpu_check(*args: str, timeout: float = 170) -> subprocess.CompletedProcess:
+    """The script as a user runs it, with this interpreter and no Triton mode chosen."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHON"] = sys.executable
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check") / "nested" / "report.json"
+    run = gpu_check("--device", "cpu", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_cpu_run_passes_every_section(report):
+    assert report["ok"] and report["device"] == "cpu" and report["quick"]
+    assert list(report["sections"]) == list(SECTIONS)
+    assert {name: s["status"] for name, s in report["sections"].items()} == {name: "ok" for name in SECTIONS}
+    env = report["env"]
+    assert env["torch"] == torch.__version__ and env["device_name"] and "triton" in env and env["transformers"]
+    assert report["total_s"] < 170
+
+
+def test_the_cuda_marked_tests_ran_interpreted(report):
+    tests = report["sections"]["tests"]
+    assert "tests/test_kernels.py" in tests["files"] and tests["TRITON_INTERPRET"] == "1"
+    assert tests["passed"] > 0 and tests["failed"] == 0 and tests["failures"] == {}
+    assert set(tests["skip_reasons"]) <= {"no GPU"}  # only the CUDA parametrizations are left for the GPU
+
+
+def test_benchmarks_report_their_numbers(report):
+    sections = {name: s["result"] for name, s in report["sections"].items() if name != "tests"}
+    graph = sections["graph_step"]
+    assert graph["host_reads_per_step"] == []  # the step reads nothing back, so CUDA can capture it
+    assert graph["static_vs_dynamic"] < 1e-4  # the static-cache step is the usual step
+    assert set(graph["eager_ms"]) == set(graph["graph"]) == {"full", "1024"}
+    for head in graph["graph"].values():
+        assert head["captured"] is False and "CUDA" in head["reason"]
+    assert sections["draft_step"]["body_ms"] > 0 and "full" in sections["draft_step"]["head_ms"]
+    eagle = sections["eagle_step"]["results"]
+    assert [r["shape"] for r in eagle] == ["gemma3-270m-eagle3"] and eagle[0]["step_ms"]["full"] > 0
+    kernels = sections["kernels"]["tiny-head"]
+    assert {r["method"] for r in kernels["results"]} == {"full", "static", "index_select", "packed"}
+
+
+def test_names_what_the_cuda_run_times(report):
+    plan = report["would_time_on_cuda"]
+    assert set(plan) == set(SECTIONS)
+    assert "llama3-8b-eagle1" in plan["eagle_step"]["settings"]["shapes"]
+    assert plan["graph_step"]["settings"]["dims"]["num_hidden_layers"] == 24  # the demo draft, whole
+    assert "CUDAGraph" in plan["graph_step"]["cuda_only"] and "fused" in plan["kernels"]["cuda_only"]
+    assert "not captured" in plan["eagle_step"]["graph"]
+    assert plan["kernels"]["settings"]["shapes"]["llama3-8b-head"] == [128256, 4096]
+
+
+def test_help_and_bad_arguments():
+    helped = gpu_check("--help", timeout=30)
+    assert helped.returncode == 0 and "--device cuda|cpu" in helped.stdout and "--out FILE" in helped.stdout
+    assert gpu_check("--bogus", timeout=30).returncode == 2
+    assert gpu_check("--device", "tpu", timeout=30).returncode == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_refused(tmp_path):
+    run = gpu_check("--device", "cuda", "--out", str(tmp_path / "r.json"), timeout=60)
+    assert run.returncode == 2 and "no CUDA device" in run.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_host_reads_are_recorded_where_they_happen():
+    x = torch.ones(2)
+    with host_reads() as reads:
+        (x * 2).sum()
+        float(x[0])
+        x.tolist()
+    assert [r.split(" at ")[0] for r in reads] == ["__float__", "tolist"]  # the product and the sum read nothing
+    assert all(r.split(" at ")[1].startswith("test_gpu_check.py:") for r in reads)  # the caller, not torch
+    assert torch.Tensor.item.__name__ == "item"  # restored
