@@ -14,6 +14,7 @@ import torch
 from cli_helpers import run
 
 from dynvocab.bench.policy_step import bench_context, policy_step_bench
+from dynvocab.bench.scripted import ScriptedDraft
 from dynvocab.errors import DynvocabError
 from dynvocab.models import resolve_model
 from dynvocab.runtime import plugins
@@ -194,6 +195,7 @@ def test_every_draft_satisfies_the_protocol(toy, tiny_dirs):
         assert isinstance(kind.stand_in(TINY["vocab_size"], 32, torch.Generator()), DraftInfo), kind.name
     with bench_context(None, TINY["vocab_size"], 32, 0) as ctx:
         assert isinstance(ctx.draft, DraftInfo)
+        assert protocol_gaps(ScriptedDraft(ctx.draft)) == []  # the proposer bench and the policy tests drive
 
 
 def test_protocol_gaps_name_what_a_draft_lacks():

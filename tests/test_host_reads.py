@@ -16,6 +16,7 @@ import torch
 
 import dynvocab
 from dynvocab.runtime import host
+from dynvocab.runtime.draft_model import DraftModel
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
@@ -61,7 +62,7 @@ class Reads:
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
     target, draft = tiny_pair
-    return CausalLM(target), CausalLM(draft)
+    return CausalLM(target), DraftModel(draft, one_token_steps=True)  # the draft steps as a session runs it
 
 
 CONFIGS = {

@@ -7,6 +7,7 @@ import torch
 
 from dynvocab.artifacts import GraphTable
 from dynvocab.bench.scripted import ScriptedCycle, ScriptedDraft, run_script
+from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
@@ -64,7 +65,7 @@ def run(policy, cycles: list[ScriptedCycle], head: DraftHead) -> list:
     g = torch.Generator().manual_seed(1)
     prompt = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     policy.prefill(prompt, torch.randn(7, VOCAB, generator=g), None)
-    draft = ScriptedDraft(head)
+    draft = ScriptedDraft(DraftInfo("scripted draft", VOCAB, DIM, torch.device("cpu"), torch.zeros(VOCAB, DIM)), head)
     results = run_script(policy, cycles, prompt.tolist(), draft)
     sets = [active for r in results for active in r.draft.sets]
     assert len(sets) == len(draft.columns) == GAMMA * len(cycles)

@@ -234,10 +234,11 @@ def scripted_cycles(ctx: PolicyContext, ranking: torch.Tensor, cycles: int, gamm
 BENCH_SECTIONS = Sections(active="active_s", observe="observe_s")  # active_ids and observe timed apart
 
 
-def run_policy(policy, script: list[ScriptedCycle], head: DraftHead | None = None, prompt: torch.Tensor | None = None,
-               tokens: list[int] | None = None) -> dict:
+def run_policy(policy, script: list[ScriptedCycle], info: DraftInfo, head: DraftHead | None = None,
+               prompt: torch.Tensor | None = None, tokens: list[int] | None = None) -> dict:
     """Drive ``policy`` through ``script`` with the loop's own cycle (:func:`~dynvocab.bench.scripted.run_script`)
-    after the committed ``tokens`` (default: ``prompt``; they grow in place); returns the active sets per step
+    after the committed ``tokens`` (default: ``prompt``; they grow in place), a scripted draft reading as ``info``
+    does; returns the active sets per step
     (``sets``, lists of sorted ids) and the seconds spent in ``active_ids`` (``active_s``), ``observe``
     (``observe_s``) and the head (``head_s``)."""
     if prompt is not None:
@@ -247,7 +248,7 @@ def run_policy(policy, script: list[ScriptedCycle], head: DraftHead | None = Non
         tokens = prompt.tolist() if prompt is not None else script[0].draft_tokens[:1]
     times = SimpleNamespace(**{name: 0.0 for name in ("draft_s", "head_s", "active_s", "observe_s", "verify_s")})
     timer = SectionTimer(torch.device("cpu"), True)
-    results = run_script(policy, script, tokens, ScriptedDraft(head), timer, BENCH_SECTIONS, times)
+    results = run_script(policy, script, tokens, ScriptedDraft(info, head), timer, BENCH_SECTIONS, times)
     sets = [_sorted_ids(active) for r in results for active in r.draft.sets]
     return {"sets": sets, "active_s": times.active_s, "observe_s": times.observe_s, "head_s": times.head_s,
             "steps": len(sets)}
@@ -296,8 +297,8 @@ def policy_step_bench(
                 policy = _policy(p, ctx)
                 head = DraftHead(source)
                 tokens = prompt.tolist()
-                run_policy(policy, script[:warmup_cycles], head, prompt, tokens)
-                r = run_policy(policy, script[warmup_cycles:], head, tokens=tokens)
+                run_policy(policy, script[:warmup_cycles], ctx.draft, head, prompt, tokens)
+                r = run_policy(policy, script[warmup_cycles:], ctx.draft, head, tokens=tokens)
                 policy.close()
                 steps = max(1, r["steps"])
                 policy_ms = 1e3 * (r["active_s"] + r["observe_s"]) / steps

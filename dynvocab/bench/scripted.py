@@ -14,6 +14,7 @@ import torch
 
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.cycle import Checked, CycleResult, CycleSetup, Sections, run_cycle
+from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.timing import SectionTimer
 from dynvocab.runtime.tree import DraftTree
 from dynvocab.runtime.verify import DraftStep, SamplingConfig, Verdict
@@ -40,15 +41,17 @@ class ScriptedCycle:
 
 
 class ScriptedDraft:
-    """A :class:`~dynvocab.runtime.cycle.Proposer` replaying :class:`ScriptedCycle` s, and their verifier.
+    """A :class:`~dynvocab.runtime.draft.Proposer` replaying :class:`ScriptedCycle` s, and their verifier.
 
-    Each step returns the script's hidden state; the head, when given (a :class:`~dynvocab.runtime.head.DraftHead`),
-    runs over the policy's active set (its columns are kept in ``columns``), and the logits returned make the
-    script's token the draft's choice, its ``draft_top`` the next ones."""
+    ``info``: what the policies read of the draft (bench's stand-in of a draft kind). Each step returns the
+    script's hidden state; the head, when given (a :class:`~dynvocab.runtime.head.DraftHead`), runs over the
+    policy's active set (its columns are kept in ``columns``), and the logits returned make the script's token the
+    draft's choice, its ``draft_top`` the next ones."""
 
-    def __init__(self, head=None, device: torch.device | str = "cpu"):
+    def __init__(self, info: DraftInfo, head=None):
+        self.info = info
         self.head = head
-        self.device = torch.device(device)
+        self.device = info.device
         self.length = 0
         self.columns: list[torch.Tensor | None] = []  # the head's column ids per step (with a head)
         self._cycle: ScriptedCycle | None = None
@@ -63,6 +66,15 @@ class ScriptedDraft:
             top = cycle.draft_top[j] if j < len(cycle.draft_top) else torch.empty(0, dtype=torch.long)
             cols = torch.cat([torch.tensor([token]), top.long()]).to(self.device)  # [1 + k]
             self._picks.append((torch.arange(cols.numel(), 0, -1, dtype=torch.float32, device=self.device)[None], cols))
+
+    @property
+    def rows_copied(self) -> int:
+        """Rows the head (if any) gathered into packed buffers."""
+        return 0 if self.head is None else self.head.rows_copied
+
+    def reset(self) -> None:
+        """Forget the sequence."""
+        self.length = 0
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """The script's hidden state [1, d] of the next step."""

@@ -13,36 +13,18 @@ bonus (:mod:`dynvocab.runtime.verify`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable
 
 import torch
 
 from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.host import to_host
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.runtime.timing import SectionTimer
 from dynvocab.runtime.tree import DraftTree
 from dynvocab.runtime.verify import DraftStep, SamplingConfig, Verdict, probs_from_logits, verify
-
-
-class Proposer(Protocol):
-    """What :func:`run_cycle` drives of a draft (a subset of :class:`~dynvocab.runtime.draft.Draft`)."""
-
-    length: int  # tokens consumed (committed and drafted)
-    device: torch.device
-
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
-        """Consume tokens ``ids`` [n] (device); the head inputs [n', d] (the last row drafts the next token)."""
-
-    def head_logits(self, hidden: torch.Tensor, active: ActiveSet) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [1, n] over ``active`` for ``hidden`` [1, d] and each column's target id [n] (None: column = id)."""
-
-    def rollback(self, length: int) -> None:
-        """Keep the first ``length`` tokens (or fewer; ``length`` then says how many)."""
-
-    def observe(self, start: int, hidden: torch.Tensor | None, rows: Sequence[int] | None) -> None:
-        """The target's pass ``hidden`` [pass, d]; its ``rows`` hold the committed tokens from position ``start``."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +170,7 @@ def draft_chain(setup: CycleSetup, tokens: list[int], gamma: int) -> Drafted:
     draft, proposer, policy, timer, sec = Drafted(), setup.proposer, setup.policy, setup.timer, setup.sections
     if not gamma:
         return draft
-    feed = torch.tensor(tokens[proposer.length:], dtype=torch.long, device=proposer.device)  # once per cycle
+    feed = torch.tensor(tokens[proposer.length:], dtype=torch.long, device=proposer.info.device)  # once per cycle
     token = tokens[-1]
     for j in range(gamma):
         hidden = proposer.step(feed)[-1:]  # [1, d]
