@@ -15,6 +15,7 @@ from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
+from dynvocab.runtime.draft_model import DraftModel
 
 VOCAB = 96
 SMALL = AlignConfig(rank=4, alpha=4, buffer_size=2, k_logit=16, context_tokens=16, micro_batch=2)
@@ -139,7 +140,7 @@ def test_online_alignment_keeps_greedy_lossless_and_leaves_the_shared_draft_as_i
     from dynvocab.builders import hnsw as hnsw_builder
 
     target_model, draft_model = tiny_pair
-    target, draft = CausalLM(target_model), CausalLM(draft_model)
+    target, draft = CausalLM(target_model), DraftModel(draft_model)
     before = snapshot(draft_model)
     index = hnsw_builder.build_index(hnsw_builder.HnswConfig(m=8, ef_construction=32, num_threads=1), target.weight)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))

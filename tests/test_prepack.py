@@ -17,6 +17,7 @@ from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.session import ModelConfig, Session
+from dynvocab.runtime.draft_model import DraftModel
 
 pytestmark = pytest.mark.skipif(not prepack_supported("cpu", "float32"), reason="this torch has no oneDNN")
 
@@ -68,7 +69,7 @@ def test_greedy_with_a_prepacked_target_is_the_target_own(tiny_pair, seed):
     plain = CausalLM(target)
     packed_model = copy.deepcopy(target)
     prepack_linears(packed_model)
-    packed, drafter = CausalLM(packed_model), CausalLM(draft)
+    packed, drafter = CausalLM(packed_model), DraftModel(draft)
     vocab = plain.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (3 + seed,), generator=gen).tolist()
