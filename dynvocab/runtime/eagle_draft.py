@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, checkpoint_of_kind
+from dynvocab.models.eagle import EAGLE1, EAGLE3, Eagle1Model, Eagle3Model, EagleModel, LayerTap, checkpoint_of_kind
 from dynvocab.runtime.draft import DraftInfo, OwnsHead
 from dynvocab.runtime.draft_registry import DraftKind, LoadedDraft, LoadRequest
 from dynvocab.runtime.draft_weights import draft_bytes, module_rows, prepare_draft_weights, tensor_rows
@@ -135,7 +135,7 @@ class Eagle1Draft(EagleDraft):
     own LM head, so its rows are target ids (int8 rows of it, a copy the draft owns, when its ``weights`` are int8;
     a copy in another step dtype; None: the target's rows as they are)."""
 
-    def __init__(self, model: EagleModel, target: CausalLM, weights: str | None = None):
+    def __init__(self, model: Eagle1Model, target: CausalLM, weights: str | None = None):
         super().__init__(model, target)
         self.softcap = target.softcap
         self.step_rows = tensor_rows(target.weight, target.bias, weights)  # ([V, d], [V] or None)
@@ -157,7 +157,7 @@ class Eagle3Draft(EagleDraft):
     ``lm_head`` covers its own draft vocabulary (:class:`~dynvocab.runtime.mapped_head.MappedHead` answers in target
     ids); policies see no rows of target ids (``info.rows`` is None)."""
 
-    def __init__(self, model: EagleModel, target: CausalLM, tap: LayerTap):
+    def __init__(self, model: Eagle3Model, target: CausalLM, tap: LayerTap):
         super().__init__(model, target)
         self.tap = tap
         self.step_rows = module_rows(model.lm_head)  # ([Vd, d], None)

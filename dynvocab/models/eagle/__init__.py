@@ -50,7 +50,7 @@ from dynvocab.models.eagle.checkpoint import (
     state_for_layout,
 )
 from dynvocab.models.eagle.config import EAGLE1, EAGLE3, KINDS, EagleConfig, check_target, config_like
-from dynvocab.models.eagle.modules import EagleModel
+from dynvocab.models.eagle.modules import Eagle1Model, Eagle3Model, EagleModel
 from dynvocab.models.eagle.tap import LayerTap
 
 __all__ = [
@@ -61,6 +61,8 @@ __all__ = [
     "LayerTap",
     "checkpoint_of_kind",
     "EagleConfig",
+    "Eagle1Model",
+    "Eagle3Model",
     "EagleModel",
     "check_target",
     "config_from_json",

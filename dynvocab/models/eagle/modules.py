@@ -84,36 +84,23 @@ class EagleModel(nn.Module):
     EAGLE-1: ``embed_tokens``, ``fc``, ``layers.0.*``; EAGLE-3: ``embed_tokens``, ``fc``, ``midlayer.*``, ``norm``,
     ``lm_head``, ``d2t``, ``t2d`` (and speculators' ``input_norm`` or ``fc_norm.{i}`` when the config has them).
 
-    ``forward`` returns (feature, head input): the feature feeds back as the next step's input; the head input is
-    what the LM head multiplies (EAGLE-1: the feature itself, for the target's head; EAGLE-3: ``norm(feature)``,
-    for :attr:`lm_head`; with ``norm_output`` the normed one is also the feature, speculators core.py).
+    ``EagleModel(cfg)`` builds the class of ``cfg.kind``: :class:`Eagle1Model` or :class:`Eagle3Model`, which share
+    the embedding, the rotary embedding, the mask and the cache; each builds and runs its own body. ``forward``
+    returns (feature, head input): the feature feeds back as the next step's input; the head input is what the LM
+    head multiplies (EAGLE-1: the feature itself, for the target's head; EAGLE-3: ``norm(feature)``, for
+    ``lm_head``; with ``norm_output`` the normed one is also the feature, speculators core.py).
     """
+
+    def __new__(cls, cfg: EagleConfig | None = None):
+        if cls is EagleModel and cfg is not None:
+            cls = {EAGLE1: Eagle1Model, EAGLE3: Eagle3Model}[cfg.kind]
+        return super().__new__(cls)
 
     def __init__(self, cfg: EagleConfig):
         super().__init__()
         self.config = cfg
         self.layer_config = cfg.layer_config()
-        d = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
-        self.fc = nn.Linear(cfg.feature_size if cfg.kind == EAGLE3 else 2 * d, d, bias=cfg.has_fc_bias)
-        if cfg.kind == EAGLE1:
-            self.layers = nn.ModuleList([eagle1_layer(cfg, self.layer_config)])
-        else:
-            from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-            self.midlayer = _eagle3_layer_class(cfg.arch)(self.layer_config, cfg.norm_before_residual)
-            self.norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
-            if cfg.norm_before_fc:  # one norm over cat(h_low, h_mid, h_high)
-                self.input_norm = LlamaRMSNorm(cfg.feature_size, eps=cfg.rms_norm_eps)
-            if cfg.fc_norm:  # one norm per tapped layer
-                self.fc_norm = nn.ModuleList(
-                    [LlamaRMSNorm(cfg.target_hidden, eps=cfg.rms_norm_eps) for _ in range(cfg.num_aux)]
-                )
-            self.lm_head = nn.Linear(d, cfg.draft_vocab, bias=False)
-            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))  # [Vd] offsets
-            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # [V]
-            with torch.no_grad():
-                self.set_draft_vocab(torch.arange(cfg.draft_vocab))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = rotary_embedding(cfg.arch, self.layer_config)
         self.embed_scale = 1.0  # the target's input-embedding scale (Gemma: sqrt(d)), set by :meth:`pair_with`
 
@@ -138,18 +125,6 @@ class EagleModel(nn.Module):
         """The token embeddings (the target's, shared, when the checkpoint has none)."""
         return self.embed_tokens
 
-    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """EAGLE-3: make draft row i stand for target id ``target_ids[i]`` (sorted, distinct) — fills ``d2t``
-        (offsets) and ``t2d``."""
-        target_ids = target_ids.to(self.d2t.device, torch.long)
-        self.d2t.copy_(target_ids - torch.arange(target_ids.numel(), device=target_ids.device))
-        self.t2d.zero_()
-        self.t2d[target_ids] = True
-
-    def draft_to_target(self) -> torch.Tensor:
-        """EAGLE-3: the target id of each draft row, LongTensor [Vd] (``arange + d2t``)."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
     def new_cache(self):
         """An empty KV cache for the one layer (cropped on rollback like a draft model's)."""
         from transformers import DynamicCache
@@ -165,8 +140,7 @@ class EagleModel(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [b, past + n] 1 = attend, 0 = padding (training batches)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(feature [b, n, d], head input [b, n, d]) for token ``input_ids`` paired with the feature of the
-        position before it. Features as wide as the head's hidden size are its own (EAGLE-3 skips ``fc`` for
-        them); EAGLE-1 always applies ``fc``."""
+        position before it (see :meth:`body`)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         embeds = self.embed(input_ids)  # [b, n, d]
@@ -181,20 +155,78 @@ class EagleModel(nn.Module):
             attention_mask=mask, position_ids=position_ids, past_key_values=past_key_values,
             use_cache=past_key_values is not None, position_embeddings=rope,
         )
-        if self.kind == EAGLE1:
-            h = self.fc(torch.cat([embeds, features], dim=-1))  # embedding first (cnets1.py)
-            out = self.layers[0](h, **kwargs)
-            return out, out
+        return self.body(embeds, features, kwargs)
+
+    def body(self, embeds: torch.Tensor, features: torch.Tensor, attn_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kind's own layers over ``embeds`` [b, n, d] and ``features`` [b, n, f]: (feature, head input)."""
+        raise NotImplementedError
+
+
+class Eagle1Model(EagleModel):
+    """EAGLE-1/2: ``fc`` over ``cat(embedding, feature)``, then one decoder layer without its input norm; its
+    output is both the next feature and the head input (the target's LM head applies to it)."""
+
+    def __init__(self, cfg: EagleConfig):
+        super().__init__(cfg)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.has_fc_bias)
+        self.layers = nn.ModuleList([eagle1_layer(cfg, self.layer_config)])
+
+    def body(self, embeds: torch.Tensor, features: torch.Tensor, attn_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fc`` over the embedding and the feature (embedding first, cnets1.py), then the layer."""
+        out = self.layers[0](self.fc(torch.cat([embeds, features], dim=-1)), **attn_kwargs)
+        return out, out
+
+
+class Eagle3Model(EagleModel):
+    """EAGLE-3: ``fc`` over the target's three tapped hidden states (the head's own features skip it), the
+    ``midlayer`` over ``cat(input_layernorm(embedding), hidden_norm(h))``, ``norm`` and ``lm_head`` over its draft
+    vocabulary (``d2t`` offsets, ``t2d`` mask)."""
+
+    def __init__(self, cfg: EagleConfig):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        super().__init__(cfg)
+        d = cfg.hidden_size
+        self.fc = nn.Linear(cfg.feature_size, d, bias=cfg.has_fc_bias)
+        self.midlayer = _eagle3_layer_class(cfg.arch)(self.layer_config, cfg.norm_before_residual)
+        self.norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+        if cfg.norm_before_fc:  # one norm over cat(h_low, h_mid, h_high)
+            self.input_norm = LlamaRMSNorm(cfg.feature_size, eps=cfg.rms_norm_eps)
+        if cfg.fc_norm:  # one norm per tapped layer
+            self.fc_norm = nn.ModuleList(
+                [LlamaRMSNorm(cfg.target_hidden, eps=cfg.rms_norm_eps) for _ in range(cfg.num_aux)]
+            )
+        self.lm_head = nn.Linear(d, cfg.draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.long))  # [Vd] offsets
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # [V]
+        with torch.no_grad():
+            self.set_draft_vocab(torch.arange(cfg.draft_vocab))
+
+    def body(self, embeds: torch.Tensor, features: torch.Tensor, attn_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target features through :meth:`project` (features as wide as the head's own skip it), the midlayer,
+        the norm."""
         h = self.project(features) if features.shape[-1] != self.config.hidden_size else features
-        out = self.midlayer(embeds, h, **kwargs)
+        out = self.midlayer(embeds, h, **attn_kwargs)
         normed = self.norm(out)
         return (normed if self.config.norm_output else out), normed
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """EAGLE-3: the target features [..., f] through speculators' optional norms, then ``fc`` -> [..., d]."""
+        """The target features [..., f] through speculators' optional norms, then ``fc`` -> [..., d]."""
         if self.config.norm_before_fc:
             features = self.input_norm(features)
         if self.config.fc_norm:
             chunks = features.chunk(len(self.fc_norm), dim=-1)
             features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(features)
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Make draft row i stand for target id ``target_ids[i]`` (sorted, distinct) — fills ``d2t`` (offsets) and
+        ``t2d``."""
+        target_ids = target_ids.to(self.d2t.device, torch.long)
+        self.d2t.copy_(target_ids - torch.arange(target_ids.numel(), device=target_ids.device))
+        self.t2d.zero_()
+        self.t2d[target_ids] = True
+
+    def draft_to_target(self) -> torch.Tensor:
+        """The target id of each draft row, LongTensor [Vd] (``arange + d2t``)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
