@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Annotated
@@ -21,12 +22,10 @@ from dynvocab.cli.common import (
     check_dtype_device,
     err_console,
     one_line_errors,
-    set_threads,
     status_printer,
     with_strategy_flags,
 )
 from dynvocab.errors import DynvocabError, Interrupted
-from dynvocab.runtime.prompts import encode_prompt
 from dynvocab.runtime.strategies import check_bundle_stages, check_strategy, lookup, strategy_names
 
 
@@ -54,7 +53,7 @@ def generate(
     Sampling (--temperature > 0): exact rejection sampling from the target.
     Equality with `ar` is measured, not guaranteed (bench's `= ar` column): a multi-position pass may round apart.
     """
-    from dynvocab.runtime.session import ModelConfig, Session
+    from dynvocab import api
 
     if not prompt.strip():
         raise DynvocabError("the prompt is empty; pass some text")
@@ -62,16 +61,12 @@ def generate(
     check_dtype_device(device, dtype, draft_weights)
     flags.check()
     check_bundle_stages([strategy], flags.bundle)
-    set_threads(threads)
-    session = Session(
-        ModelConfig(target, draft, device, dtype, prepack=prepack, draft_weights=draft_weights),
-        need_draft=lookup(strategy).drafts,
-        status=status_printer(quiet),
-        bundle=flags.bundle,
+    pair = api.load(
+        target, draft if lookup(strategy).drafts else None, flags.bundle, device, dtype, draft_weights, prepack,
+        threads, status_printer(quiet),
     )
-    prompt_ids = encode_prompt(session.tokenizer, [{"role": "user", "content": prompt}], not no_chat_template)
-    session.check_fits(len(prompt_ids), max_new_tokens)
-    decode = flags.decode(max_new_tokens)
+    session = pair.session
+    decoding = dataclasses.asdict(flags.decode(max_new_tokens))
 
     shown: list[int] = []
     printed = ""
@@ -88,7 +83,10 @@ def generate(
             printed = text
 
     try:
-        result = session.generate(prompt_ids, strategy, decode, flags.options(), on_tokens=stream, timing=json_out)
+        result = pair.generate(
+            prompt, strategy, chat_template=not no_chat_template, options=flags.options(), on_tokens=stream,
+            timing=json_out, **decoding,
+        )
     except KeyboardInterrupt:
         partial = session.tokenizer.decode(shown, skip_special_tokens=True)
         if json_out:
@@ -96,7 +94,7 @@ def generate(
         elif partial.startswith(printed):
             sys.stdout.write(partial[len(printed):] + "\n")
         raise Interrupted(f"interrupted after {len(shown)} new tokens") from None
-    text = session.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    text = result.text
     m = result.metrics
     summary = (
         f"[{strategy}] {m.new_tokens} tokens in {m.wall_s:.2f}s · {m.tokens_per_s:.2f} tokens/s · "
@@ -104,8 +102,7 @@ def generate(
     )
     if json_out:
         err_console.print(summary, highlight=False)
-        payload = {"text": text, "token_ids": result.token_ids, "strategy": strategy, "metrics": m.as_dict()}
-        print(json.dumps(payload, ensure_ascii=False))
+        print(json.dumps(result.as_dict(), ensure_ascii=False))
     else:
         if text.startswith(printed):
             sys.stdout.write(text[len(printed):])

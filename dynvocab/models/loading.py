@@ -71,6 +71,19 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
+def check_device_options(device: str | None, dtype: str | None, draft_weights: str | None = None) -> None:
+    """Refuse, in one line and before any model is loaded, an unknown device, dtype or draft-weights value, and int8
+    draft weights off a CPU."""
+    if device is not None and device != "cpu" and not device.startswith("cuda"):
+        raise DynvocabError(f"unknown device '{device}'; use cpu or cuda")
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise DynvocabError(f"unknown dtype '{dtype}'; use float32, bfloat16 or float16")
+    if draft_weights is not None and draft_weights not in ("int8", "float32", "bfloat16", "float16"):
+        raise DynvocabError(f"unknown draft weights '{draft_weights}'; use int8, bfloat16, float32 or float16")
+    if draft_weights == "int8" and device is not None and device != "cpu":
+        raise DynvocabError("--draft-weights int8 runs on a CPU (fbgemm); pass --draft-weights bfloat16 on a GPU")
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """Map a dtype name to a torch dtype, with a clear error for anything else."""
     if name not in DTYPES:

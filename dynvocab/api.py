@@ -1,0 +1,358 @@
+"""dynvocab's Python API: load a target/draft pair once, then generate, stream and bench on it; build, train and
+export the offline artifacts. The CLI is a thin layer over these calls (each default lives here or in the config
+dataclasses they take), so the CLI and the API give the same tokens and the same metrics.
+
+Nothing here exits the process or prints: failures raise :class:`~dynvocab.errors.DynvocabError` with the one-line
+message the CLI prints; progress goes to the ``progress`` callback when one is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from dynvocab.errors import DynvocabError
+from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.metrics import Metrics
+from dynvocab.runtime.registry import StrategyOptions
+
+Prompt = "str | Sequence[dict]"  # a user message, or chat messages ({"role": …, "content": …})
+ProgressCallback = Callable[[str, int, "int | None"], None]  # (stage, done, total or None)
+
+DECODING = tuple(f.name for f in dataclasses.fields(DecodeConfig))
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One generation: the new ``text`` and ``token_ids``, the ``strategy`` that ran, its :class:`Metrics`, and
+    whether an end-of-sequence token stopped it."""
+
+    text: str
+    token_ids: list[int]
+    strategy: str
+    metrics: Metrics
+    stopped_by_eos: bool = False
+
+    def as_dict(self) -> dict:
+        """What ``dynvocab generate --json`` prints: text, token_ids, strategy, metrics."""
+        return {"text": self.text, "token_ids": self.token_ids, "strategy": self.strategy,
+                "metrics": self.metrics.as_dict()}
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """A bench run: ``rows`` (one dict per strategy over all prompts, the figures the CLI's table prints, with
+    ``strategy`` first), the per-generation records, the config, and the whole result (``raw``) as
+    ``dynvocab bench --json`` writes it."""
+
+    rows: list[dict]
+    generations: list[dict]
+    config: dict
+    raw: dict = field(repr=False)
+
+    def to_pandas(self):
+        """The rows as a pandas DataFrame indexed by strategy (needs pandas installed)."""
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise DynvocabError("to_pandas needs pandas: pip install pandas") from exc
+        return pd.DataFrame(self.rows).set_index("strategy")
+
+
+def decode_config(**decoding) -> DecodeConfig:
+    """A :class:`DecodeConfig` from keyword decoding settings (``max_new_tokens``, ``gamma``, ``temperature``,
+    ``top_p``, ``seed``, ``stop_below``, ``branch_below``); an unknown one is refused in one line."""
+    unknown = sorted(set(decoding) - set(DECODING))
+    if unknown:
+        raise DynvocabError(f"unknown decoding setting {', '.join(unknown)}; use {', '.join(DECODING)}")
+    cfg = DecodeConfig(**decoding)
+    if cfg.max_new_tokens < 1:
+        raise DynvocabError("max_new_tokens must be at least 1")
+    if cfg.gamma < 0:
+        raise DynvocabError("gamma must be 0 or more")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+        raise DynvocabError("temperature must be >= 0 and top_p in (0, 1]")
+    return cfg
+
+
+def strategy_options(
+    options: StrategyOptions | None = None, configs: Sequence = (), token_map: str | None = None,
+    fr_size: int | None = None,
+) -> StrategyOptions:
+    """The strategies' options: ``options`` as given, else one built from the strategies' frozen ``configs``
+    (e.g. ``HybridConfig(window=1024)``), a ``token_map`` file and an ``fr_size``."""
+    if options is not None:
+        if configs or token_map is not None or fr_size is not None:
+            raise DynvocabError("pass options, or configs / token_map / fr_size, not both")
+        return options
+    return StrategyOptions(token_map=token_map, fr_size=fr_size, configs=tuple(configs))
+
+
+class Pair:
+    """A loaded target/draft pair (and bundle): generate, stream and bench any strategy on it.
+
+    Build it with :func:`load`. ``session`` is the runtime's :class:`~dynvocab.runtime.session.Session` (models,
+    tokenizer, EOS ids, bundle) for what this class does not wrap.
+    """
+
+    def __init__(self, session):
+        self.session = session
+
+    @property
+    def tokenizer(self):
+        """The target's tokenizer (shared with a draft model)."""
+        return self.session.tokenizer
+
+    @property
+    def draft_label(self) -> str | None:
+        """What the draft is (``"draft model"``, ``"EAGLE-1 head"``, …), or None when none was loaded."""
+        return None if self.session.draft is None else self.session.draft.info.label
+
+    def encode(self, prompt, chat_template: bool = True) -> list[int]:
+        """Token ids of a user message or chat messages, with the chat template (and its assistant opener)
+        unless ``chat_template`` is False."""
+        from dynvocab.runtime.prompts import encode_prompt
+
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return encode_prompt(self.session.tokenizer, messages, chat_template)
+
+    def generate(
+        self,
+        prompt,
+        strategy: str = "full",
+        *,
+        chat_template: bool = True,
+        options: StrategyOptions | None = None,
+        configs: Sequence = (),
+        token_map: str | None = None,
+        fr_size: int | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        timing: bool = False,
+        **decoding,
+    ) -> GenerationResult:
+        """Generate after ``prompt`` (a user message or chat messages) with ``strategy``; the output is the
+        target's own (greedy: the argmax of its verification pass at every position).
+
+        ``decoding``: :class:`DecodeConfig` fields (``max_new_tokens=128``, ``gamma``, ``temperature``, ``top_p``,
+        ``seed``, ``stop_below``, ``branch_below``). Strategy knobs: ``configs`` (their frozen config dataclasses),
+        ``token_map``, ``fr_size``, or a whole ``options``. ``on_tokens`` receives each cycle's new token ids;
+        ``timing`` also measures the loop's sections (prefill, draft, head, policy, verify) in the metrics.
+        """
+        from dynvocab.runtime.strategies import check_strategy
+
+        check_strategy(strategy)
+        cfg = decode_config(**decoding)
+        opts = strategy_options(options, configs, token_map, fr_size)
+        ids = self.encode(prompt, chat_template)
+        self.session.check_fits(len(ids), cfg.max_new_tokens)
+        result = self.session.generate(ids, strategy, cfg, opts, on_tokens=on_tokens, timing=timing)
+        text = self.session.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return GenerationResult(text, result.token_ids, strategy, result.metrics, result.stopped_by_eos)
+
+    def stream(self, prompt, strategy: str = "full", **kwargs) -> Iterator[str]:
+        """Yield the reply's text piece by piece as cycles finish (the arguments of :meth:`generate`). Pieces
+        never split a character; closing the iterator early stops the generation after the cycle in flight."""
+        pieces: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        done = object()
+        shown: list[int] = []
+        printed = ""
+
+        def on_tokens(new: list[int]) -> None:
+            nonlocal printed
+            if stop.is_set():
+                raise _Stopped
+            shown.extend(new)
+            text = self.session.tokenizer.decode(shown, skip_special_tokens=True)
+            if text.startswith(printed) and not text.endswith("\ufffd"):
+                pieces.put(text[len(printed):])
+                printed = text
+
+        def run() -> None:
+            try:
+                result = self.generate(prompt, strategy, on_tokens=on_tokens, **kwargs)
+                if result.text.startswith(printed) and len(result.text) > len(printed):
+                    pieces.put(result.text[len(printed):])
+            except _Stopped:
+                pass
+            except BaseException as exc:  # handed to the consumer's thread
+                pieces.put(exc)
+            pieces.put(done)
+
+        worker = threading.Thread(target=run, name="dynvocab-stream", daemon=True)
+        worker.start()
+        try:
+            while (item := pieces.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                if item:
+                    yield item
+        finally:
+            stop.set()
+            worker.join()
+
+    def bench(
+        self,
+        prompts,
+        strategies: Sequence[str] = ("ar", "full"),
+        *,
+        chat_template: bool = True,
+        seeds: Sequence[int] = (0,),
+        coverage: bool = False,
+        options: StrategyOptions | None = None,
+        configs: Sequence = (),
+        token_map: str | None = None,
+        fr_size: int | None = None,
+        progress: ProgressCallback | None = None,
+        **decoding,
+    ) -> BenchResult:
+        """Run every strategy (and ``hf-assisted`` / ``hf-lookup``) on every prompt, timed as ``dynvocab bench``
+        runs them; returns the rows its table prints.
+
+        ``prompts``: user messages (strings), chat message lists, or ``(id, text)`` pairs. ``decoding`` and the
+        strategy knobs as in :meth:`generate` (``max_new_tokens`` defaults to 128). ``progress(stage, done,
+        total)`` is called as rows finish.
+        """
+        from dynvocab.bench.runner import BenchConfig, run_bench, runnable_strategies
+        from dynvocab.bench.tasks import BenchItem
+        from dynvocab.runtime.strategies import parse_strategies
+
+        rows = list(dict.fromkeys(strategies))
+        ours = [s for s in rows if not s.startswith("hf-")]
+        if ours:
+            parse_strategies(",".join(ours))
+        if not seeds:
+            raise DynvocabError("seeds is empty; pass at least one seed")
+        cfg = BenchConfig(
+            strategies=tuple(rows), decode=decode_config(**{"seed": seeds[0], **decoding}),
+            options=strategy_options(options, configs, token_map, fr_size), chat_template=chat_template,
+            seeds=tuple(seeds), coverage=coverage,
+        )
+        items = [_bench_item(i, p, BenchItem) for i, p in enumerate(prompts)]
+        if not items:
+            raise DynvocabError("no prompts to bench; pass at least one")
+        cfg, notes = runnable_strategies(self.session, cfg, skip=False)
+        total = sum(item.turns for item in items) * len(cfg.strategies) * len(cfg.seeds)
+        done = 0
+
+        def on_result(record: dict) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress("bench", done, total)
+
+        results = run_bench(self.session, items, cfg, on_result=on_result)
+        results["notes"] = notes
+        summary = results["summary"]
+        table = [{"strategy": name, **summary[name]["all"]} for name in summary]
+        return BenchResult(table, results["generations"], results["config"], results)
+
+
+class _Stopped(Exception):
+    """Raised inside a stream's generation when its consumer closed the iterator."""
+
+
+def _bench_item(index: int, prompt, item_type):
+    """A bench item of ``prompt``: a string, chat messages, or an ``(id, text)`` pair."""
+    if isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], str):
+        pid, text = prompt
+    else:
+        pid, text = f"p{index}", prompt
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
+    if not messages or not any(str(m.get("content", "")).strip() for m in messages):
+        raise DynvocabError(f"prompt {pid} is empty; pass some text")
+    return item_type(id=str(pid), task="custom", messages=tuple(messages))
+
+
+def load(
+    target: str = "demo:target",
+    draft: str | None = "demo:draft",
+    bundle: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    draft_weights: str | None = None,
+    prepack: bool | None = None,
+    threads: int | None = None,
+    status: Callable[[str], None] | None = None,
+) -> Pair:
+    """Load a target and its draft once (a hub id, a local folder, a ``.gguf`` file, ``demo:*``, or an EAGLE head
+    folder for the draft; ``draft=None``: the target alone, for ``ar``), and the ``bundle`` the strategies read.
+
+    ``device``/``dtype``: default cuda if available else cpu, and bfloat16 where the hardware runs it natively,
+    else float32. ``draft_weights``: what the draft's steps read (``"int8"`` or a dtype; default by measurement).
+    ``prepack``: oneDNN-packed copies for few-row passes (default: where supported). ``threads``: torch's CPU
+    threads. ``status`` receives loading messages.
+    """
+    from dynvocab.models.loading import check_device_options
+    from dynvocab.runtime.session import ModelConfig, Session
+
+    check_device_options(device, dtype, draft_weights)
+    if threads is not None:
+        if threads < 1:
+            raise DynvocabError("threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(threads)
+    models = ModelConfig(target, draft or target, device, dtype, prepack=prepack, draft_weights=draft_weights)
+    session = Session(models, need_draft=draft is not None, status=status,
+                      bundle=None if bundle is None else str(bundle))
+    return Pair(session)
+
+
+def build_index(
+    out: str | Path, target: str = "demo:target", draft: str = "demo:draft", config=None, progress=None,
+):
+    """Build the offline tables (``config.stages``: freq, clusters, hnsw, graph, draft_hnsw) for a target/draft
+    pair into the bundle ``out``, written whole; stages already there for the same models are kept, and a build
+    stopped half-way resumes after its last finished stage. ``config``: a
+    :class:`~dynvocab.builders.pipeline.BuildConfig` (default: its defaults). ``progress``: a callback
+    ``(stage, done, total)`` or a reporter. Returns the build report (path, bytes, seconds, stages kept)."""
+    from dynvocab.builders.pipeline import BuildConfig, build_bundle
+
+    return build_bundle(target, draft, out, config or BuildConfig(), _reporter(progress))
+
+
+def train_router(
+    bundle: str | Path, draft: str = "demo:draft", target: str | None = None, config=None,
+    out: str | Path | None = None, progress=None,
+):
+    """Train the vocabulary selectors ``config.selectors`` (DynaSpec's cluster router, the lowrank and centroids
+    candidate selectors) on one data pass of ``draft`` and write them into ``bundle`` (or ``out``), whole.
+    ``config``: a :class:`~dynvocab.builders.router.TrainRouterConfig`. Returns the report (held-out recall per
+    selector, documents, timings)."""
+    from dynvocab.builders.router import TrainRouterConfig
+    from dynvocab.builders.router import train_router as run
+
+    return run(bundle, draft, target, config or TrainRouterConfig(), out, _reporter(progress))
+
+
+def export(bundle: str | Path, out: str | Path, format: str = "sglang", size: int | None = None) -> Path:
+    """Export the bundle's top-``size`` frequency ranking as an SGLang / FR-Spec token map (``format="sglang"``: a
+    list of ids) or EAGLE-3's ``{d2t, t2d}`` (``"eagle3"``), written whole with ``torch.save``; returns ``out``."""
+    from dynvocab.artifacts import FreqTable, export_freq, load_bundle, save_torch_atomic
+    from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS
+
+    if format not in FORMATS:
+        raise DynvocabError(f"unknown export format '{format}'; use one of {', '.join(FORMATS)}")
+    opened = load_bundle(bundle, verify=True)
+    opened.require("freq")
+    obj = export_freq(FreqTable.from_bundle(opened), format, DEFAULT_EXPORT_SIZE if size is None else size)
+    return save_torch_atomic(obj, out)
+
+
+def _reporter(progress):
+    """A builders' reporter for ``progress``: None reports nothing, a reporter is used as it is, a callable
+    ``(stage, done, total)`` is called as work advances."""
+    from dynvocab.builders.progress import SilentReporter
+
+    if progress is None:
+        return SilentReporter()
+    if hasattr(progress, "task") and hasattr(progress, "log"):
+        return progress
+    from dynvocab.progress import callback_reporter
+
+    return callback_reporter(progress)
