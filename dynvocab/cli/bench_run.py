@@ -1,4 +1,4 @@
-"""The body of ``dynvocab bench``: choose prompts and rows, load the models once, run with a progress bar,
+"""The body of ``dynvocab bench``: choose prompts and rows, load the models once, run them reporting progress,
 render the tables and write the requested files."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from dynvocab.bench.llamacpp import LlamaCpp
 from dynvocab.bench.report import notes, render_tables, write_csv, write_plot
 from dynvocab.bench.tasks import TASKS, BenchItem, embedded_items, file_items
 from dynvocab.cli.common import StrategyFlags, status_printer, stdout_is_terminal
 from dynvocab.errors import DynvocabError, Interrupted
 from dynvocab.files import write_atomic
+from dynvocab.progress import make_reporter
 from dynvocab.runtime.session import ModelConfig
 
 DEFAULT_ROWS = "ar,full"
@@ -52,6 +53,7 @@ class BenchRequest:
     json_path: Path | None = None
     csv_path: Path | None = None
     plot_path: Path | None = None
+    llamacpp: LlamaCpp | None = None  # --llamacpp: adds the llama.cpp rows
 
 
 def split(text: str | None) -> list[str] | None:
@@ -89,12 +91,14 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     A Ctrl-C drops the row in progress: the finished rows are printed and written as usual, then
     :class:`~dynvocab.errors.Interrupted` says how many there were.
     """
-    from dynvocab.bench.runner import BenchConfig, bench_results, needs_draft, parse_rows, run_bench, runnable_strategies
+    from dynvocab.bench.runner import (
+        BenchConfig, bench_results, needs_draft, parse_rows, run_bench, runnable_strategies, with_llama_rows,
+    )
     from dynvocab.runtime.session import Session
     from dynvocab.runtime.strategies import check_bundle_stages
 
     quick = Quick() if req.quick else None
-    names = parse_rows(req.strategies or (quick.strategies if quick else DEFAULT_ROWS))
+    names = with_llama_rows(parse_rows(req.strategies or (quick.strategies if quick else DEFAULT_ROWS)), req.llamacpp)
     seeds = parse_seeds(req.seeds, flags.seed)
     if req.plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise DynvocabError("--plot needs matplotlib (the extra `plot`): pip install 'dynvocab[plot]'")
@@ -109,6 +113,7 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
         chat_template=req.chat_template,
         seeds=seeds,
         coverage=req.score_sets,
+        llamacpp=req.llamacpp,
     )
     session = Session(req.models, need_draft=needs_draft(names), status=status_printer(), bundle=flags.bundle)
     check_prompts_fit(session, items, cfg)
@@ -119,20 +124,16 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     total = sum(item.turns for item in items) * len(cfg.strategies) * len(seeds)
     finished: list[dict] = []
     interrupted = False
-    with Progress(
-        TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), console=console, transient=True,
-    ) as progress:
-        bar = progress.add_task("", total=total)
+    with make_reporter(console) as reporter, reporter.task("bench (rows·prompts)", total=total) as advance:
 
         def on_result(record: dict) -> None:
             finished.append(record)
-            progress.update(bar, advance=1)
+            advance(1)
 
         try:
             results = run_bench(
                 session, items, cfg,
-                on_start=lambda row, strategy: progress.update(bar, description=f"{row} · {strategy}"),
+                on_start=lambda row, strategy: advance(0, description=f"bench · {row} · {strategy}"),
                 on_result=on_result,
             )
         except KeyboardInterrupt:

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Iterator, List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
-)
 from rich.table import Table
 
 from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS
@@ -22,34 +18,7 @@ from dynvocab.builders.hnsw import HnswConfig
 from dynvocab.builders.pipeline import STAGES
 from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
-
-
-class RichReporter:
-    """Draws the builders' progress as rich bars on stderr and prints their messages above them."""
-
-    def __init__(self, console: Console):
-        self.progress = Progress(
-            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
-        )
-
-    def __enter__(self) -> "RichReporter":
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.stop()
-
-    @contextmanager
-    def task(self, description: str, total: int | None = None) -> Iterator:
-        task_id = self.progress.add_task(description, total=total)
-        try:
-            yield lambda n=1, description=None: self.progress.update(task_id, advance=n, description=description)
-        finally:
-            self.progress.remove_task(task_id)
-
-    def log(self, message: str) -> None:
-        self.progress.console.print(message, highlight=False, soft_wrap=True)
+from dynvocab.progress import make_reporter
 
 
 def _override(cfg, **values):
@@ -107,11 +76,12 @@ def build_index(
         ),
         device=device,
     )
-    with RichReporter(err_console) as reporter:
+    with make_reporter(err_console) as reporter:
         report = build_bundle(target, draft, out, cfg, reporter)
     kept = f" · kept {', '.join(report.kept)}" if report.kept else ""
     err_console.print(
-        f"wrote {report.path} · {report.file_bytes / 1e6:.1f} MB · {report.seconds:.1f} s{kept}", highlight=False
+        f"wrote {report.path} · {report.file_bytes / 1e6:.1f} MB · {report.seconds:.1f} s{kept}",
+        highlight=False, soft_wrap=True,
     )
 
 

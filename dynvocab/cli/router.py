@@ -11,9 +11,9 @@ import typer
 from rich.table import Table
 
 from dynvocab.builders.router import SELECTORS, RouterConfig, SelectorConfig, TrainRouterConfig
-from dynvocab.cli.build import RichReporter
 from dynvocab.cli.common import Device, Draft, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
+from dynvocab.progress import make_reporter
 
 _DEFAULTS = TrainRouterConfig()
 
@@ -71,7 +71,7 @@ def train_router(
         device=device,
         dtype=dtype or _DEFAULTS.dtype,
     )
-    with RichReporter(err_console) as reporter:
+    with make_reporter(err_console) as reporter:
         report = run(bundle, draft, target, cfg, out, reporter)
     if report.recall:
         err_console.print(_recall_table(report.recall, cfg.router.k_max))

@@ -10,9 +10,8 @@ import typer
 
 from dynvocab.builders.draft import OptimConfig, TrainDraftConfig
 from dynvocab.builders.draft.ranks import env_rank
-from dynvocab.builders.progress import SilentReporter
-from dynvocab.cli.build import RichReporter
 from dynvocab.cli.common import Device, Target, Threads, check_dtype_device, err_console, one_line_errors, set_threads
+from dynvocab.progress import SilentReporter, make_reporter
 
 _DEFAULTS = TrainDraftConfig()
 
@@ -52,7 +51,7 @@ def train_draft(
 ) -> None:
     """Train an EAGLE-1 or EAGLE-3 draft head for a target on the training split; `--draft OUT` loads it.
 
-    Runs unchanged under `torchrun --nproc_per_node N` (data-parallel; rank 0 draws the bar and writes the head)."""
+    Runs unchanged under `torchrun --nproc_per_node N` (data-parallel; rank 0 reports progress and writes the head)."""
     from dynvocab.builders.draft import train_draft as run
     from dynvocab.builders.draft.trainer import check_config
 
@@ -74,7 +73,7 @@ def train_draft(
     if env_rank() != 0:  # under torchrun only rank 0 draws and reports; the others print only their errors
         run(target, out, cfg, SilentReporter())
         return
-    with RichReporter(err_console) as reporter:
+    with make_reporter(err_console) as reporter:
         report = run(target, out, cfg, reporter)
     info = report.info
     held = info["heldout"][-1] if info["heldout"] else None
