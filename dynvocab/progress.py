@@ -137,7 +137,8 @@ def as_reporter(progress: "Reporter | ProgressCallback | None") -> Reporter:
 
 def split_description(description: str) -> tuple[str, str]:
     """``"draft pass (documents)"`` -> ``("draft pass", "documents")``; ``"training (3 epochs, batches)"`` ->
-    ``("training (3 epochs)", "batches")``: the stage's label and the unit it counts (empty when none is named)."""
+    ``("training (3 epochs)", "batches")``: the stage's label and the unit it counts (empty when none is named).
+    Plain lines split only the descriptions of stages with a known total; the others keep theirs whole."""
     match = re.fullmatch(r"(.*?)\s*\(([^()]*)\)", description.strip())
     if not match:
         return description.strip(), ""
@@ -171,7 +172,7 @@ class _PlainTask:
     """One open stage of a :class:`PlainReporter`."""
 
     def __init__(self, description: str, total: int | None, now: float):
-        self.label, self.unit = split_description(description)
+        self.label, self.unit = split_description(description) if total is not None else (description.strip(), "")
         self.total = total
         self.done = 0
         self.live = ""

@@ -62,6 +62,18 @@ def test_plain_live_description_and_rates():
     ]
 
 
+def test_plain_stage_of_unknown_length_keeps_its_description():
+    reporter, clock, out = plain()
+    with reporter.task("tokenize corpus (documents)", total=None) as advance:
+        clock.now += 10.0
+        advance(40)
+    assert out.getvalue().splitlines() == [
+        "[tokenize corpus (documents)] started",
+        "[tokenize corpus (documents)] 40 · 4.00/s · 10s elapsed",
+        "[tokenize corpus (documents)] 40 · 4.00/s · done in 10s",
+    ]
+
+
 def test_plain_heartbeat_for_a_stage_that_does_not_advance():
     reporter, clock, out = plain()
     with reporter.task("loading draft demo:draft", total=None):
@@ -144,8 +156,8 @@ def test_build_index_prints_progress_lines_without_a_terminal(tiny_dirs, corpus_
                  "--out", out, "--stages", "freq,clusters", "--num-clusters", 8, "--device", "cpu")
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
-    assert "[tokenize corpus] started" in lines
-    assert any(re.fullmatch(r"\[tokenize corpus\] [\d,]+ documents · [\d.,]+/s · done in \d+s", ln) for ln in lines), lines
+    assert "[tokenize corpus (documents)] started" in lines
+    assert any(re.fullmatch(r"\[tokenize corpus \(documents\)\] [\d,]+ · [\d.,]+/s · done in \d+s", ln) for ln in lines), lines
     assert "[clusters] 0/" in result.stderr
     assert re.search(r"\[clusters\] \d+/\d+ k-means iterations · [\d.,]+/s · done in \d+s", result.stderr)
     assert any(ln.startswith("wrote ") for ln in lines)

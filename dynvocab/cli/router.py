@@ -86,7 +86,7 @@ def train_router(
     err_console.print(
         f"wrote {report.path} · {', '.join(cfg.selectors)} · {report.docs:,} docs · {report.train_rows:,} train positions · "
         f"data {report.collect_s:.1f} s · training {report.train_s:.1f} s · total {report.seconds:.1f} s",
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )
 
 
