@@ -37,16 +37,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
-VERSION = "0.3.36"
-BINARIES = ("llama-speculative-simple", "llama-completion")
+from dynvocab.bench.llamacpp import VERSION, build, llama_tree  # the sdist download and cmake build, shared
+
 QWEN2 = "src/models/qwen2.cpp"
 LOOP = "    for (int il = 0; il < n_layer; ++il) {\n"
 PATCH_LINE = "        res->t_layer_inp[il] = inpL; // dynvocab scripts/llamacpp_eagle3.py: as llama.cpp / qwen3.cpp\n"
@@ -69,18 +67,6 @@ def run(cmd: list[str], log: Path | None = None, text_out: list | None = None) -
 
 
 # -- 1-2: the vendored tree, patched, built ------------------------------------------------------------------
-def llama_tree(work: Path) -> Path:
-    tree = work / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
-    if not tree.is_dir():
-        sdist = work / f"llama_cpp_python-{VERSION}.tar.gz"
-        if not sdist.is_file():
-            run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                 f"llama-cpp-python=={VERSION}", "-d", work])
-        with tarfile.open(sdist) as tar:
-            tar.extractall(work, filter="data")
-    return tree
-
-
 def patch_qwen2(tree: Path) -> bool:
     """Make the Qwen2 graph publish its layer inputs (see the module docstring); True when it was applied now."""
     path = tree / QWEN2
@@ -92,20 +78,6 @@ def patch_qwen2(tree: Path) -> bool:
     path.write_text(text.replace(LOOP, LOOP + PATCH_LINE))
     print(f"patched {path}: + {PATCH_LINE.strip()}", flush=True)
     return True
-
-
-def build(tree: Path, work: Path, jobs: int) -> Path:
-    out = work / "build"
-    if not (out / "build.ninja").is_file() and not (out / "Makefile").is_file():
-        run(["cmake", "-S", tree, "-B", out, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF"]
-            + (["-G", "Ninja"] if _has("ninja") else []), log=work / "cmake.log")
-    run(["cmake", "--build", out, "-j", str(jobs), "--target", *BINARIES], log=work / "build.log")
-    return out / "bin"
-
-
-def _has(tool: str) -> bool:
-    return any((Path(p) / tool).is_file() for p in os.environ.get("PATH", "").split(os.pathsep))
 
 
 # -- 3-5: target GGUF, head, conversion ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.table import Table
 
 from dynvocab.files import write_atomic
+from dynvocab.bench.llamacpp import LLAMA_ROWS
 from dynvocab.bench.summary import RECALL_KS
 
 ORACLE = "oracle"
@@ -174,7 +175,7 @@ def notes(results: dict) -> list[str]:
     cfg = results["config"]
     summary = results["summary"]
     if "ar" in summary and cfg["temperature"] == 0:
-        diverged = {s: per["all"].get("diverged_from_ar") for s, per in summary.items() if s != "ar"}
+        diverged = {s: per["all"].get("diverged_from_ar") for s, per in summary.items() if s != "ar" and s not in LLAMA_ROWS}
         diverged = {s: n for s, n in diverged.items() if n}
         if diverged:
             why = (
@@ -184,6 +185,8 @@ def notes(results: dict) -> list[str]:
             )
             listed = ", ".join(f"{s} {n}/{summary[s]['all']['generations']}" for s, n in diverged.items())
             out.append(f"outputs differing from ar: {listed} ({why})")
+    if cfg.get("llamacpp"):
+        out.append(llamacpp_note(cfg["llamacpp"], cfg["dtype"]))
     if cfg.get("coverage"):
         out.append(
             "mass: target probability inside the active set; R@k: share of the target's top-k inside it "
@@ -194,6 +197,16 @@ def notes(results: dict) -> list[str]:
         "draft-head time; tok/s ± request-level std"
     )
     return out
+
+
+def llamacpp_note(llama: dict, dtype: str) -> str:
+    """What the llama.cpp rows are: other weights (the GGUF files as stored), text-compared, timed by llama.cpp."""
+    return (
+        f"llama.cpp rows: {llama['target']} target and {llama['draft']} draft as stored ({llama['spec_type']}), "
+        f"not the {dtype} weights of the other rows, so their =ar is a same-text rate against ar; tok/s from "
+        "llama.cpp's own timing lines (prefill included, loading excluded); MAL and accept by position from its "
+        "drafter statistics (shares of all verification passes)"
+    )
 
 
 def write_csv(path: Path, results: dict) -> None:

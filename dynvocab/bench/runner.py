@@ -1,7 +1,9 @@
 """Run several strategies over several prompts on one loaded session; results as data.
 
 Rows are our strategies (through the one speculative loop) and transformers' own decoders (``hf-assisted``,
-``hf-lookup``, see :mod:`dynvocab.bench.hf_baselines`), all on the same loaded models and timed the same way.
+``hf-lookup``, see :mod:`dynvocab.bench.hf_baselines`), all on the same loaded models and timed the same way; with
+``--llamacpp``, llama.cpp's plain and speculative decoding on the same GGUF files and prompt ids (``llama.cpp``,
+``llama.cpp-spec``, see :mod:`dynvocab.bench.llamacpp`), compared with ``ar`` by their text.
 Replayed conversations (multiturn, topic-switch) feed an answer back before each next user turn: ``ar``'s
 answer when ``ar`` is in the run (so every row sees the same context), else each row's own.
 
@@ -18,6 +20,8 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
+from dynvocab.bench.llamacpp import LLAMA_ROWS, LlamaCpp, prompt_text
+from dynvocab.bench.llamacpp import generate as llama_generate
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.bench.recorder import PolicyRecorder
 from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summarize_bench
@@ -41,12 +45,13 @@ class BenchConfig:
     recall_ks: tuple[int, ...] = RECALL_KS
     lookup_tokens: int = LOOKUP_TOKENS
     history_chars: int = HISTORY_CHARS
+    llamacpp: LlamaCpp | None = None  # --llamacpp: the binaries and GGUF files of the llama.cpp rows
 
 
 def parse_rows(text: str) -> list[str]:
-    """Split ``a,b,c`` into bench rows: runtime strategies (checked by the runtime) and the hf rows."""
+    """Split ``a,b,c`` into bench rows: runtime strategies (checked by the runtime), the hf and llama.cpp rows."""
     names = [s.strip() for s in text.split(",") if s.strip()]
-    ours = [n for n in names if n not in HF_ROWS]
+    ours = [n for n in names if n not in HF_ROWS and n not in LLAMA_ROWS]
     if ours or not names:
         parse_strategies(",".join(ours))
     if len(set(names)) != len(names):
@@ -54,9 +59,22 @@ def parse_rows(text: str) -> list[str]:
     return names
 
 
+def with_llama_rows(names: list[str], llamacpp: LlamaCpp | None) -> list[str]:
+    """``names`` and, with ``--llamacpp``, the llama.cpp rows not named already (last); without it, a llama.cpp row
+    named is refused before anything loads."""
+    if llamacpp is not None:
+        return names + [r for r in LLAMA_ROWS if r not in names]
+    for name in names:
+        if name in LLAMA_ROWS:
+            raise DynvocabError(f"the {name} row runs llama.cpp's binaries; pass --llamacpp BIN_DIR")
+    return names
+
+
 def needs_draft(strategies) -> bool:
-    """Whether any row needs the draft model."""
-    return any(s == "hf-assisted" if s in HF_ROWS else lookup(s).drafts for s in strategies)
+    """Whether any row needs the draft model loaded (llama.cpp loads its own GGUF files)."""
+    return any(
+        s == "hf-assisted" if s in HF_ROWS else s not in LLAMA_ROWS and lookup(s).drafts for s in strategies
+    )
 
 
 def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple[BenchConfig, list[str]]:
@@ -64,13 +82,17 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
     note when ``skip`` (``--quick``). Returns the config to run and the notes."""
     keep, notes = [], []
     for name in cfg.strategies:
+        if name in LLAMA_ROWS and cfg.llamacpp is None:
+            raise DynvocabError(f"the {name} row runs llama.cpp's binaries; pass --llamacpp BIN_DIR")
+        if name in LLAMA_ROWS and cfg.decode.temperature > 0:
+            raise DynvocabError(f"the {name} row decodes greedily; drop --temperature or --llamacpp")
         if name == "hf-assisted" and session.draft is not None and session.draft.info.hf_model is None:
             msg = f"hf-assisted needs a draft model; transformers cannot assist with an {session.draft.info.label}"
             if not skip:
                 raise DynvocabError(msg)
             notes.append(f"skipped {name}: {msg}")
             continue
-        if name in HF_ROWS or session.draft is None or not lookup(name).drafts:
+        if name in HF_ROWS or name in LLAMA_ROWS or session.draft is None or not lookup(name).drafts:
             keep.append(name)
             continue
         try:
@@ -88,7 +110,15 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
 def generate_row(
     session: Session, strategy: str, prompt_ids: list[int], decode: DecodeConfig, cfg: BenchConfig
 ) -> tuple[list[int], dict]:
-    """One row on one prompt: ``(new token ids, metrics dict)`` with every metrics key present."""
+    """One row on one prompt: ``(new token ids, metrics dict)`` with every metrics key present (a llama.cpp
+    row's ids are its text re-tokenized)."""
+    if strategy in LLAMA_ROWS:
+        text, metrics = llama_generate(
+            cfg.llamacpp, strategy, prompt_text(session.tokenizer, prompt_ids), len(prompt_ids),
+            decode.max_new_tokens, torch.get_num_threads(), decode.gamma, decode.stop_below,
+        )
+        token_ids = session.tokenizer(text, add_special_tokens=False)["input_ids"][: decode.max_new_tokens]
+        return token_ids, {**metrics, **{key: None for key in EXTRA_KEYS}}
     if strategy in HF_ROWS:
         token_ids, metrics = hf_generate(session, strategy, prompt_ids, decode, cfg.lookup_tokens)
         return token_ids, {**metrics, **{key: None for key in EXTRA_KEYS}}
@@ -159,6 +189,8 @@ def run_bench(
                     }
                     if item.labels:
                         record["segment"] = item.labels[turn]
+                    if strategy in LLAMA_ROWS:
+                        record["compare"] = "text"  # llama.cpp prints text; = ar compares it with ar's
                     generations.append(record)
                     if on_result is not None:
                         on_result(record)
@@ -191,6 +223,7 @@ def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -
             "chat_template": cfg.chat_template,
             "history_chars": cfg.history_chars,
             "threads": torch.get_num_threads(),
+            "llamacpp": None if cfg.llamacpp is None else cfg.llamacpp.describe(),
         },
         "generations": generations,
         "summary": summarize_bench(generations, cfg.strategies, greedy=cfg.decode.temperature == 0),

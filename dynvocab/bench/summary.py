@@ -111,7 +111,7 @@ def summarize_bench(generations: list[dict], strategies: tuple[str, ...], greedy
 
     ``summary[s][task]`` (and ``["all"]``): :func:`summarize` of the rows, ``speedup_vs_ar`` / ``speedup_vs_full``
     (ratio of token-weighted tokens/s), ``matches_ar`` (share of rows identical to ``ar``'s on the same prompt and
-    seed; ``None`` when sampling) with ``diverged_from_ar`` (rows that differ) and ``first_divergence`` (mean index
+    seed — by text for rows whose record says ``compare: text``, the llama.cpp rows; ``None`` when sampling) with ``diverged_from_ar`` (rows that differ) and ``first_divergence`` (mean index
     of the first differing token), and with several seeds ``seed_stats``
     (mean and std over seeds of the per-seed figures).
     """
@@ -146,11 +146,18 @@ def _add_ar_matches(summary: dict, generations: list[dict], strategies, greedy: 
             s = summary[strategy].get(task)
             if not s or not pairs:
                 continue
-            same = [g["token_ids"] == a["token_ids"] for g, a in pairs]
+            same = [_same(g, a) for g, a in pairs]
             s["matches_ar"] = round(sum(same) / len(same), 4) if greedy else None
             s["diverged_from_ar"] = len(same) - sum(same)
             first = [_first_difference(g["token_ids"], a["token_ids"]) for (g, a), ok in zip(pairs, same) if not ok]
             s["first_divergence"] = round(statistics.fmean(first), 1) if first else None
+
+
+def _same(row: dict, ar: dict) -> bool:
+    """Whether a row generated what ``ar`` did: its token ids, or its text where it compares by text."""
+    if row.get("compare") == "text":
+        return row["text"].strip() == ar["text"].strip()
+    return row["token_ids"] == ar["token_ids"]
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

@@ -97,6 +97,16 @@ def bench(
             f"policies read (registered: {kind_names()}; default eagle1).",
         ),
     ] = None,
+    llamacpp: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--llamacpp",
+            metavar="BIN_DIR",
+            help="Also run llama.cpp on the same GGUF files and prompts: rows llama.cpp (llama-completion) and "
+            "llama.cpp-spec (llama-speculative-simple, the --draft GGUF as its draft). BIN_DIR holds both "
+            "binaries (scripts/build_llamacpp.sh builds them); --target/--draft must be .gguf files or demo:*.",
+        ),
+    ] = None,
     eagle_step: Annotated[
         bool,
         typer.Option(
@@ -124,11 +134,18 @@ def bench(
     if eagle_step:
         _eagle_step_bench(device, dtype, draft_weights, json_path)
         return
+    llama = None
+    if llamacpp is not None:
+        from dynvocab.bench.llamacpp import prepare
+
+        if flags.temperature > 0:
+            raise DynvocabError("--llamacpp rows decode greedily; drop --temperature")
+        llama = prepare(llamacpp, target, draft)
     request = BenchRequest(
         models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_weights=draft_weights),
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
         max_new_tokens=max_new_tokens, seeds=seeds, score_sets=score_sets, chat_template=not no_chat_template,
-        json_path=json_path, csv_path=csv_path, plot_path=plot_path,
+        json_path=json_path, csv_path=csv_path, plot_path=plot_path, llamacpp=llama,
     )
     run_command(request, flags)
 
