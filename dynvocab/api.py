@@ -346,13 +346,7 @@ def export(bundle: str | Path, out: str | Path, format: str = "sglang", size: in
 
 def _reporter(progress):
     """A builders' reporter for ``progress``: None reports nothing, a reporter is used as it is, a callable
-    ``(stage, done, total)`` is called as work advances."""
-    from dynvocab.builders.progress import SilentReporter
+    ``(stage, done, total)`` is called as work advances (:func:`dynvocab.progress.as_reporter`)."""
+    from dynvocab.progress import as_reporter
 
-    if progress is None:
-        return SilentReporter()
-    if hasattr(progress, "task") and hasattr(progress, "log"):
-        return progress
-    from dynvocab.progress import callback_reporter
-
-    return callback_reporter(progress)
+    return as_reporter(progress)

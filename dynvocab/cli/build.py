@@ -54,7 +54,8 @@ def build_index(
     device: Device = None,
 ) -> None:
     """Build the offline tables (freq, clusters, hnsw, graph, draft_hnsw) for a target/draft pair into one bundle."""
-    from dynvocab.builders.pipeline import BuildConfig, build_bundle, parse_stages
+    from dynvocab import api
+    from dynvocab.builders.pipeline import BuildConfig, parse_stages
 
     check_dtype_device(device, None)
     check_out(out, "--out")
@@ -77,7 +78,7 @@ def build_index(
         device=device,
     )
     with make_reporter(err_console) as reporter:
-        report = build_bundle(target, draft, out, cfg, reporter)
+        report = api.build_index(out, target, draft, cfg, reporter)
     kept = f" · kept {', '.join(report.kept)}" if report.kept else ""
     err_console.print(
         f"wrote {report.path} · {report.file_bytes / 1e6:.1f} MB · {report.seconds:.1f} s{kept}",
@@ -182,14 +183,11 @@ def export(
     size: Annotated[Optional[int], typer.Option(min=1, help=f"Number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
 ) -> None:
     """Export the top-K frequency ranking as an SGLang/FR-Spec token map or EAGLE-3 d2t/t2d."""
-    from dynvocab.artifacts import FreqTable, export_freq, load_bundle, save_torch_atomic
+    from dynvocab import api
 
     if fmt not in FORMATS:
         raise DynvocabError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
     check_out(out, "--out")
-    bundle = load_bundle(bundle_path, verify=True)
-    bundle.require("freq")
     size = DEFAULT_EXPORT_SIZE if size is None else size
-    obj = export_freq(FreqTable.from_bundle(bundle), fmt, size)
-    save_torch_atomic(obj, out)
+    api.export(bundle_path, out, fmt, size)
     err_console.print(f"wrote {out} ({fmt}, {size:,} ids)", highlight=False)

@@ -135,15 +135,10 @@ def status_printer(quiet: bool = False):
 
 
 def check_dtype_device(device: str | None, dtype: str | None, draft_weights: str | None = None) -> None:
-    """Validate --device / --dtype / --draft-weights early, before any model is loaded."""
-    if device is not None and device != "cpu" and not device.startswith("cuda"):
-        raise DynvocabError(f"unknown device '{device}'; use cpu or cuda")
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
-        raise DynvocabError(f"unknown dtype '{dtype}'; use float32, bfloat16 or float16")
-    if draft_weights is not None and draft_weights not in ("int8", "float32", "bfloat16", "float16"):
-        raise DynvocabError(f"unknown draft weights '{draft_weights}'; use int8, bfloat16, float32 or float16")
-    if draft_weights == "int8" and device is not None and device != "cpu":
-        raise DynvocabError("--draft-weights int8 runs on a CPU (fbgemm); pass --draft-weights bfloat16 on a GPU")
+    """Validate --device / --dtype / --draft-weights early, before any model is loaded (the API's check)."""
+    from dynvocab.models.loading import check_device_options
+
+    check_device_options(device, dtype, draft_weights)
 
 
 def stdout_is_terminal() -> bool:

@@ -56,7 +56,7 @@ def train_router(
 ) -> None:
     """Train vocabulary selectors on the draft's top-L predictions (DynaSpec's cluster router, the lowrank and
     centroids candidate selectors) from one data pass; add them to the bundle with their held-out recall."""
-    from dynvocab.builders.router import train_router as run
+    from dynvocab import api
 
     check_dtype_device(device, dtype)
     check_out(out if out is not None else bundle, "--out")
@@ -72,7 +72,7 @@ def train_router(
         dtype=dtype or _DEFAULTS.dtype,
     )
     with make_reporter(err_console) as reporter:
-        report = run(bundle, draft, target, cfg, out, reporter)
+        report = api.train_router(bundle, draft, target, cfg, out, reporter)
     if report.recall:
         err_console.print(_recall_table(report.recall, cfg.router.k_max))
     for kind, sel in report.selectors.items():
