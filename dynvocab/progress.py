@@ -158,8 +158,8 @@ def format_seconds(seconds: float) -> str:
 
 
 def format_rate(rate: float) -> str:
-    """Units per second with the digits that matter: ``0.21/s``, ``3.50/s``, ``42.0/s``, ``1,234/s``."""
-    if rate < 0.01:
+    """Units per second with the digits that matter: ``0.0091/s``, ``0.21/s``, ``3.50/s``, ``42.0/s``, ``1,234/s``."""
+    if rate < 0.1:
         return f"{rate:.2g}/s"
     if rate < 10:
         return f"{rate:.2f}/s"

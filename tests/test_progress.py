@@ -13,7 +13,7 @@ from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
 
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import (
-    PlainReporter, Reporter, RichReporter, SilentReporter, as_reporter, callback_reporter, format_seconds,
+    PlainReporter, Reporter, RichReporter, SilentReporter, as_reporter, callback_reporter, format_rate, format_seconds,
     make_reporter, progress_mode, split_description,
 )
 
@@ -101,6 +101,8 @@ def test_helpers():
     assert split_description("hnsw (rows indexed)") == ("hnsw", "rows indexed")
     assert split_description("writing b.safetensors") == ("writing b.safetensors", "")
     assert [format_seconds(s) for s in (0.4, 24, 576, 3720)] == ["0s", "24s", "9m 36s", "1h 02m"]
+    assert [format_rate(r) for r in (0.00912, 0.0153, 0.214, 3.5, 42.04, 1234.4)] == [
+        "0.0091/s", "0.015/s", "0.21/s", "3.50/s", "42.0/s", "1,234/s"]
 
 
 def test_callback_reporter_and_as_reporter():

@@ -167,7 +167,7 @@ def show_and_write(req: BenchRequest, results: dict, console: Console) -> None:
     for table in render_tables(results):
         out.print(table)
     for note in notes(results):
-        console.print(f"[dim]{note}[/]", highlight=False)
+        console.print(f"[dim]{note}[/]", highlight=False, soft_wrap=True)
     if req.json_path is not None:
         text = json.dumps(results, ensure_ascii=False, indent=1)
         write_atomic(req.json_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
