@@ -19,7 +19,8 @@ Every figure comes from llama.cpp's own log lines, parsed by :func:`parse_comple
   (``speculative-simple.cpp:349-350``; ``wall_s`` = both), ``n_drafted`` / ``n_accept`` (``:355-356``) and the
   drafter's ``statistics`` line at trace level (``common/speculative.cpp:2967``, ``-lv 4``): verification
   passes (``#calls(b,g,a)``'s accept count, one per pass), accepted share by draft position, and the time spent
-  drafting (``dur(b,g,a)``'s g; ``verify_s`` = decode time − drafting: the target's passes and sampling).
+  drafting (``dur(b,g,a)``'s g; ``verify_s`` = decode time − drafting: the target's passes, the draft's pass over
+  each verified batch, ``common/speculative.cpp:262-300``, and sampling).
 
 ``llama-speculative-simple`` stops only after a pass that takes it past ``-n``, so it may emit up to γ tokens more
 than asked: its rate counts every token it emitted in its time, its text is cut at ``--max-new-tokens`` tokens.
@@ -261,13 +262,13 @@ def generate(llama: LlamaCpp, row: str, prompt: str, prompt_tokens: int, max_new
                                                   p["eval_ms"] / 1e3)
         if row != SPEC:
             raise DynvocabError(f"unknown llama.cpp row '{row}'; use one of {', '.join(LLAMA_ROWS)}")
-        # -n max_new - 1: speculative-simple stops only once past -n tokens (speculative-simple.cpp:172-176, 338)
+        # -n max_new - 1: speculative-simple stops only once past -n tokens (speculative-simple.cpp:181-185, 338)
         out, log = _run([str(llama.bin_dir / BINARIES[SPEC]), "-m", str(llama.target), "-md", str(llama.draft),
                          "--spec-type", llama.spec_type, "--spec-draft-n-max", str(gamma),
                          "--spec-draft-p-min", f"{p_min:g}", "-f", str(path), "-n", str(max(max_new_tokens - 1, 1)),
                          *common, "-lv", "4"])
     s = parse_speculative(log)
-    verify = None if s["draft_s"] is None else max(s["decode_s"] - s["draft_s"], 0.0)  # target passes + sampling
+    verify = None if s["draft_s"] is None else max(s["decode_s"] - s["draft_s"], 0.0)  # passes over verified batches
     m = _metrics(s["new_tokens"], s["cycles"], s["encode_s"] + s["decode_s"], s["encode_s"], verify)
     m["draft_s"] = None if s["draft_s"] is None else round(s["draft_s"], 5)
     m["accept_by_position"] = [round(v, 4) for v in s["accept_by_position"]]
