@@ -207,49 +207,77 @@ class Pair:
         configs: Sequence = (),
         token_map: str | None = None,
         fr_size: int | None = None,
-        progress: ProgressCallback | None = None,
+        skip_unrunnable: bool = False,
+        llamacpp=None,
+        progress=None,
         **decoding,
     ) -> BenchResult:
-        """Run every strategy (and ``hf-assisted`` / ``hf-lookup``) on every prompt, timed as ``dynvocab bench``
-        runs them; returns the rows its table prints.
+        """Run every row on every prompt, timed as ``dynvocab bench`` runs them (it runs this); returns the rows
+        its table prints.
 
-        ``prompts``: user messages (strings), chat message lists, or ``(id, text)`` pairs. ``decoding`` and the
-        strategy knobs as in :meth:`generate` (``max_new_tokens`` defaults to 128). ``progress(stage, done,
-        total)`` is called as rows finish.
+        ``prompts``: user messages (strings), chat message lists, ``(id, text)`` pairs, or bench items.
+        ``strategies``: registered strategies and the ``hf-assisted`` / ``hf-lookup`` rows (and the llama.cpp rows
+        with ``llamacpp``, a :class:`~dynvocab.bench.llamacpp.LlamaCpp`). ``decoding`` and the strategy knobs as in
+        :meth:`generate` (``max_new_tokens`` defaults to 128); every row runs once per seed in ``seeds``.
+        ``skip_unrunnable``: drop a row whose policy cannot be built here, with a note, instead of refusing.
+        ``progress``: a callback ``(stage, done, total)`` or a reporter. A Ctrl-C raises
+        :class:`~dynvocab.errors.Interrupted` whose ``result`` holds the rows finished so far.
         """
-        from dynvocab.bench.runner import BenchConfig, run_bench, runnable_strategies
+        from dynvocab.bench.runner import (
+            BenchConfig, bench_results, parse_rows, run_bench, runnable_strategies, with_llama_rows,
+        )
         from dynvocab.bench.tasks import BenchItem
-        from dynvocab.runtime.strategies import parse_strategies
+        from dynvocab.errors import Interrupted
+        from dynvocab.progress import as_reporter
 
-        rows = list(dict.fromkeys(strategies))
-        ours = [s for s in rows if not s.startswith("hf-")]
-        if ours:
-            parse_strategies(",".join(ours))
+        rows = with_llama_rows(parse_rows(",".join(strategies)), llamacpp)
         if not seeds:
             raise DynvocabError("seeds is empty; pass at least one seed")
         cfg = BenchConfig(
             strategies=tuple(rows), decode=decode_config(**{"seed": seeds[0], **decoding}),
             options=strategy_options(options, configs, token_map, fr_size), chat_template=chat_template,
-            seeds=tuple(seeds), coverage=coverage,
+            seeds=tuple(seeds), coverage=coverage, llamacpp=llamacpp,
         )
-        items = [_bench_item(i, p, BenchItem) for i, p in enumerate(prompts)]
+        items = [p if isinstance(p, BenchItem) else _bench_item(i, p, BenchItem) for i, p in enumerate(prompts)]
         if not items:
             raise DynvocabError("no prompts to bench; pass at least one")
-        cfg, notes = runnable_strategies(self.session, cfg, skip=False)
+        for item in items:  # a prompt that leaves no room for the new tokens is refused before any row runs
+            ids = self.encode(item.context(0, [], 0), chat_template)
+            self.session.check_fits(len(ids), cfg.decode.max_new_tokens, where=f"prompt '{item.id}'")
+        cfg, notes = runnable_strategies(self.session, cfg, skip=skip_unrunnable)
         total = sum(item.turns for item in items) * len(cfg.strategies) * len(cfg.seeds)
-        done = 0
+        finished: list[dict] = []
+        with as_reporter(progress).task("bench (rows·prompts)", total=total) as advance:
 
-        def on_result(record: dict) -> None:
-            nonlocal done
-            done += 1
-            if progress is not None:
-                progress("bench", done, total)
+            def on_result(record: dict) -> None:
+                finished.append(record)
+                advance(1)
 
-        results = run_bench(self.session, items, cfg, on_result=on_result)
-        results["notes"] = notes
-        summary = results["summary"]
-        table = [{"strategy": name, **summary[name]["all"]} for name in summary]
-        return BenchResult(table, results["generations"], results["config"], results)
+            try:
+                results = run_bench(
+                    self.session, items, cfg, on_result=on_result,
+                    on_start=lambda row, strategy: advance(0, description=f"bench · {row} · {strategy}"),
+                )
+            except KeyboardInterrupt:
+                results = _with_notes(bench_results(self.session, cfg, finished), notes, items, interrupted=True)
+                raise Interrupted(f"interrupted after {len(finished)} of {total} rows", _bench_result(results)) from None
+        return _bench_result(_with_notes(results, notes, items))
+
+
+def _with_notes(results: dict, notes: list[str], items, interrupted: bool = False) -> dict:
+    """A bench result with its notes, its tasks and, after a Ctrl-C, ``interrupted``."""
+    results["notes"] = notes
+    results["config"]["tasks"] = sorted({item.task for item in items})
+    if interrupted:
+        results["interrupted"] = True
+    return results
+
+
+def _bench_result(results: dict) -> BenchResult:
+    """The :class:`BenchResult` of a bench result dict: one row per strategy over all prompts."""
+    summary = results["summary"]
+    table = [{"strategy": name, **summary[name]["all"]} for name in summary]
+    return BenchResult(table, results["generations"], results["config"], results)
 
 
 class _Stopped(Exception):

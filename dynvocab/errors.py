@@ -8,6 +8,11 @@ class DynvocabError(Exception):
 
 
 class Interrupted(DynvocabError):
-    """Ctrl-C, after what was done so far has been printed or written; the message says how far it got."""
+    """Ctrl-C, after what was done so far has been printed or written; the message says how far it got, and
+    ``result`` holds what was finished (e.g. a bench's finished rows), or None."""
 
     exit_code = 130
+
+    def __init__(self, message: str, result=None):
+        super().__init__(message)
+        self.result = result

@@ -39,7 +39,7 @@ def test_docs_python_runs_as_written(tiny_dirs, tmp_path, monkeypatch, capsys):
     ns = run_blocks(blocks, tiny_dirs, tmp_path, monkeypatch)
     printed = capsys.readouterr().out
     assert ns["out"].strategy == "full" and ns["out"].metrics.new_tokens > 0
-    assert [r["strategy"] for r in ns["result"].rows] == ["ar", "full", "microspec"] and "bench: 6/6" in printed
+    assert [r["strategy"] for r in ns["result"].rows] == ["ar", "full", "microspec"] and "bench (rows·prompts): 6/6" in printed
     assert ns["report"].path.exists() and ns["stages"]  # the progress callback saw the stages run
     assert (tmp_path / "token_map.pt").exists() and "unknown strategy 'no-such-strategy'" in printed
 

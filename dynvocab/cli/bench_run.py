@@ -3,6 +3,7 @@ render the tables and write the requested files."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -91,10 +92,8 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     A Ctrl-C drops the row in progress: the finished rows are printed and written as usual, then
     :class:`~dynvocab.errors.Interrupted` says how many there were.
     """
-    from dynvocab.bench.runner import (
-        BenchConfig, bench_results, needs_draft, parse_rows, run_bench, runnable_strategies, with_llama_rows,
-    )
-    from dynvocab.runtime.session import Session
+    from dynvocab import api
+    from dynvocab.bench.runner import needs_draft, parse_rows, with_llama_rows
     from dynvocab.runtime.strategies import check_bundle_stages
 
     quick = Quick() if req.quick else None
@@ -106,59 +105,29 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     if not req.quick:
         check_bundle_stages(names, flags.bundle)
     max_new = req.max_new_tokens or (quick.max_new_tokens if quick else DEFAULT_MAX_NEW)
-    cfg = BenchConfig(
-        strategies=tuple(names),
-        decode=flags.decode(max_new, seed=seeds[0]),
-        options=flags.options(),
-        chat_template=req.chat_template,
-        seeds=seeds,
-        coverage=req.score_sets,
-        llamacpp=req.llamacpp,
+    m = req.models
+    pair = api.load(
+        m.target, m.draft if needs_draft(names) else None, flags.bundle, m.device, m.dtype, m.draft_weights, m.prepack,
+        status=status_printer(),
     )
-    session = Session(req.models, need_draft=needs_draft(names), status=status_printer(), bundle=flags.bundle)
-    check_prompts_fit(session, items, cfg)
-    cfg, skipped = runnable_strategies(session, cfg, skip=req.quick)
     console = Console(stderr=True)
-    for note in skipped:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
-    total = sum(item.turns for item in items) * len(cfg.strategies) * len(seeds)
-    finished: list[dict] = []
-    interrupted = False
-    with make_reporter(console) as reporter, reporter.task("bench (rows·prompts)", total=total) as advance:
-
-        def on_result(record: dict) -> None:
-            finished.append(record)
-            advance(1)
-
-        try:
-            results = run_bench(
-                session, items, cfg,
-                on_start=lambda row, strategy: advance(0, description=f"bench · {row} · {strategy}"),
-                on_result=on_result,
+    decoding = {**dataclasses.asdict(flags.decode(max_new, seed=seeds[0]))}
+    try:
+        with make_reporter(console) as reporter:
+            result = pair.bench(
+                items, names, chat_template=req.chat_template, seeds=seeds, coverage=req.score_sets,
+                options=flags.options(), skip_unrunnable=req.quick, llamacpp=req.llamacpp, progress=reporter,
+                **decoding,
             )
-        except KeyboardInterrupt:
-            interrupted = True
-            results = bench_results(session, cfg, finished)
-    results["notes"] = skipped
-    results["config"]["tasks"] = sorted({item.task for item in items})
-    if interrupted:
-        results["interrupted"] = True
-    if finished:
-        show_and_write(req, results, console)
-    if interrupted:
-        raise Interrupted(f"interrupted after {len(finished)} of {total} rows")
+    except Interrupted as stop:
+        if stop.result is not None and stop.result.generations:
+            show_and_write(req, stop.result.raw, console)
+        raise
+    results = result.raw
+    for note in results["notes"]:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    show_and_write(req, results, console)
     return results
-
-
-def check_prompts_fit(session, items: list[BenchItem], cfg) -> None:
-    """Refuse, before the first row runs, a prompt that leaves no room for ``--max-new-tokens`` in the target's
-    context (replayed turns grow with the answers; their first turn is checked)."""
-    from dynvocab.runtime.prompts import encode_prompt
-
-    for item in items:
-        messages = item.context(0, [], 0)
-        ids = encode_prompt(session.tokenizer, messages, cfg.chat_template)
-        session.check_fits(len(ids), cfg.decode.max_new_tokens, where=f"prompt '{item.id}'")
 
 
 def show_and_write(req: BenchRequest, results: dict, console: Console) -> None:
