@@ -17,24 +17,14 @@ from dynvocab.bench.policy_step import bench_context, policy_step_bench
 from dynvocab.bench.scripted import ScriptedDraft
 from dynvocab.errors import DynvocabError
 from dynvocab.models import resolve_model
-from dynvocab.runtime import plugins
+from dynvocab.runtime import drafts, plugins
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.draft import DraftInfo, OwnsHead, Proposer, protocol_gaps
 from dynvocab.runtime.draft_model import DraftModel
-from dynvocab.runtime.drafts import (
-    DraftKind,
-    LoadedDraft,
-    LoadRequest,
-    draft_kinds,
-    find_kind,
-    kind_names,
-    register,
-    unregister,
-)
 from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.head import DraftHead
-from dynvocab.runtime.rows import FloatRows
 from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.rows import FloatRows
 from dynvocab.runtime.strategies import Strategy, strategy_names
 from dynvocab.runtime.strategies import register as register_strategy
 from dynvocab.runtime.strategies import unregister as unregister_strategy
@@ -85,11 +75,11 @@ def recognize_toy(spec) -> dict | None:
     return config if config.get("model_type") == TOY_TYPE else None
 
 
-def load_toy(request: LoadRequest) -> LoadedDraft:
+def load_toy(request: drafts.LoadRequest) -> drafts.LoadedDraft:
     seed = request.found["seed"]
     embedding = request.target_model.get_input_embeddings().weight.detach().float()
     draft = ToyDraft(embedding, request.target.weight.float(), seed)
-    return LoadedDraft(draft, "float32", {"weights": 0, "prepared": 0, "total": 0})
+    return drafts.LoadedDraft(draft, "float32", {"weights": 0, "prepared": 0, "total": 0})
 
 
 def toy_stand_in(vocab: int, hidden: int, g: torch.Generator) -> DraftInfo:
@@ -97,18 +87,18 @@ def toy_stand_in(vocab: int, hidden: int, g: torch.Generator) -> DraftInfo:
     return DraftInfo("toy draft", vocab, hidden, torch.device("cpu"), rows, FloatRows(rows))
 
 
-TOY_KIND = DraftKind("toy", "toy draft", recognize_toy, load_toy, priority=50, stand_in=toy_stand_in)
+TOY_KIND = drafts.DraftKind("toy", "toy draft", recognize_toy, load_toy, priority=50, stand_in=toy_stand_in)
 PLUGIN_STRATEGY = Strategy("plugged", None, lambda options, ctx: None, dynamic=False, drafts=False)
 
 
 @pytest.fixture
 def toy():
     """The toy kind, registered for one test and removed after it."""
-    register(TOY_KIND)
+    drafts.register(TOY_KIND)
     try:
         yield TOY_KIND
     finally:
-        unregister(TOY_KIND.name)
+        drafts.unregister(TOY_KIND.name)
 
 
 @pytest.fixture
@@ -124,11 +114,11 @@ def models(dirs, draft):
 
 
 def test_the_registry_recognises_each_kind(toy, toy_dir, tiny_dirs):
-    assert find_kind(resolve_model(str(toy_dir)))[0] is TOY_KIND
-    assert find_kind(resolve_model(str(tiny_dirs["draft"])))[0].name == "draft-model"  # the catch-all, asked last
-    assert [k.name for k in draft_kinds()][-1] == "draft-model" and "toy" in kind_names()
+    assert drafts.find_kind(resolve_model(str(toy_dir)))[0] is TOY_KIND
+    assert drafts.find_kind(resolve_model(str(tiny_dirs["draft"])))[0].name == "draft-model"  # the catch-all, asked last
+    assert [k.name for k in drafts.draft_kinds()][-1] == "draft-model" and "toy" in drafts.kind_names()
     with pytest.raises(ValueError, match="already registered"):
-        register(TOY_KIND)
+        drafts.register(TOY_KIND)
 
 
 def test_generate_runs_the_toy_kind(toy, toy_dir, tiny_dirs):
@@ -174,14 +164,14 @@ def test_every_draft_satisfies_the_protocol(toy, tiny_dirs):
     target = CausalLM(target_model)
     eagle3_model = eagle3(target_model)
     tap = LayerTap(target_model, eagle3_model.config.target_layers(4))
-    drafts = [
+    proposers = [
         DraftModel(tiny_qwen2(layers=2, seed=1)),
         Eagle1Draft(eagle1(target_model), target),
         Eagle3Draft(eagle3_model, target, tap),
         ToyDraft(target_model.get_input_embeddings().weight.detach(), target.weight, 0),
     ]
     try:
-        for draft in drafts:
+        for draft in proposers:
             assert isinstance(draft, Proposer) and protocol_gaps(draft) == [], type(draft).__name__
             assert draft.info.vocab_size == target.vocab_size
             draft.reset()
@@ -191,7 +181,7 @@ def test_every_draft_satisfies_the_protocol(toy, tiny_dirs):
             assert sorted(cols.tolist()) == sorted(set(cols.tolist())) and set(cols.tolist()) <= {4, 9, 2}
     finally:
         tap.remove()
-    for kind in draft_kinds():  # bench's stand-ins are what policies read of a draft, and nothing more
+    for kind in drafts.draft_kinds():  # bench's stand-ins are what policies read of a draft, and nothing more
         assert isinstance(kind.stand_in(TINY["vocab_size"], 32, torch.Generator()), DraftInfo), kind.name
     with bench_context(None, TINY["vocab_size"], 32, 0) as ctx:
         assert isinstance(ctx.draft, DraftInfo)
@@ -223,19 +213,19 @@ def test_plugins_register_through_entry_points(monkeypatch, toy_dir, tiny_dirs):
     for group in points:
         plugins.forget_plugins(group)
     try:
-        assert plugins.load_plugins(plugins.DRAFTS, register, DraftKind) == ["toy"]
+        assert plugins.load_plugins(plugins.DRAFTS, drafts.register, drafts.DraftKind) == ["toy"]
         assert plugins.load_plugins(plugins.STRATEGIES, register_strategy, Strategy) == ["plugged"]
-        assert "toy" in kind_names() and "plugged" in strategy_names()
-        assert find_kind(resolve_model(str(toy_dir)))[0] is TOY_KIND
+        assert "toy" in drafts.kind_names() and "plugged" in strategy_names()
+        assert drafts.find_kind(resolve_model(str(toy_dir)))[0] is TOY_KIND
         result = run("generate", PROMPT, *models(tiny_dirs, toy_dir), "--quiet", "--strategy", "full",
                      "--max-new-tokens", 4, "--json")
         assert result.exit_code == 0, result.output
     finally:
-        unregister(TOY_KIND.name)
+        drafts.unregister(TOY_KIND.name)
         unregister_strategy(PLUGIN_STRATEGY.name)
         for group in points:
             plugins.forget_plugins(group)
-    assert "toy" not in kind_names() and "plugged" not in strategy_names()
+    assert "toy" not in drafts.kind_names() and "plugged" not in strategy_names()
 
 
 def test_a_broken_plugin_is_refused_in_one_line(monkeypatch):
@@ -244,6 +234,6 @@ def test_a_broken_plugin_is_refused_in_one_line(monkeypatch):
     plugins.forget_plugins(plugins.DRAFTS)
     try:
         with pytest.raises(DynvocabError, match="plugin 'broken'.*failed to load"):
-            plugins.load_plugins(plugins.DRAFTS, register, DraftKind)
+            plugins.load_plugins(plugins.DRAFTS, drafts.register, drafts.DraftKind)
     finally:
         plugins.forget_plugins(plugins.DRAFTS)
