@@ -92,6 +92,35 @@ def strategy_options(
     return StrategyOptions(token_map=token_map, fr_size=fr_size, configs=tuple(configs))
 
 
+class TextStream:
+    """The text of a growing list of token ids, handed out piece by piece: ``push(ids)`` returns the new text
+    since the last piece (empty while the text ends in a split character), ``tail(text, final=True)`` the rest of
+    the finished text.
+    Shared by :meth:`Pair.stream` and ``dynvocab generate``'s streamed output."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def push(self, new: list[int]) -> str:
+        """Add ``new`` ids; the text they complete (possibly empty)."""
+        self.ids.extend(new)
+        return self.tail(self.text())
+
+    def text(self) -> str:
+        """The whole text of the ids so far."""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def tail(self, text: str, final: bool = False) -> str:
+        """What ``text`` adds to the pieces handed out so far: empty when it does not continue them, or — unless
+        ``final`` — ends in a split character."""
+        if not text.startswith(self.shown) or (text.endswith("\ufffd") and not final):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+
 class Pair:
     """A loaded target/draft pair (and bundle): generate, stream and bench any strategy on it.
 
@@ -159,24 +188,17 @@ class Pair:
         pieces: queue.Queue = queue.Queue()
         stop = threading.Event()
         done = object()
-        shown: list[int] = []
-        printed = ""
+        text = TextStream(self.session.tokenizer)
 
         def on_tokens(new: list[int]) -> None:
-            nonlocal printed
             if stop.is_set():
                 raise _Stopped
-            shown.extend(new)
-            text = self.session.tokenizer.decode(shown, skip_special_tokens=True)
-            if text.startswith(printed) and not text.endswith("\ufffd"):
-                pieces.put(text[len(printed):])
-                printed = text
+            pieces.put(text.push(new))
 
         def run() -> None:
             try:
                 result = self.generate(prompt, strategy, on_tokens=on_tokens, **kwargs)
-                if result.text.startswith(printed) and len(result.text) > len(printed):
-                    pieces.put(result.text[len(printed):])
+                pieces.put(text.tail(result.text, final=True))
             except _Stopped:
                 pass
             except BaseException as exc:  # handed to the consumer's thread
@@ -226,7 +248,6 @@ class Pair:
         from dynvocab.bench.runner import (
             BenchConfig, bench_results, parse_rows, run_bench, runnable_strategies, with_llama_rows,
         )
-        from dynvocab.bench.tasks import BenchItem
         from dynvocab.errors import Interrupted
         from dynvocab.progress import as_reporter
 
@@ -238,7 +259,7 @@ class Pair:
             options=strategy_options(options, configs, token_map, fr_size), chat_template=chat_template,
             seeds=tuple(seeds), coverage=coverage, llamacpp=llamacpp,
         )
-        items = [p if isinstance(p, BenchItem) else _bench_item(i, p, BenchItem) for i, p in enumerate(prompts)]
+        items = [_bench_item(i, p) for i, p in enumerate(prompts)]
         if not items:
             raise DynvocabError("no prompts to bench; pass at least one")
         for item in items:  # a prompt that leaves no room for the new tokens is refused before any row runs
@@ -284,16 +305,21 @@ class _Stopped(Exception):
     """Raised inside a stream's generation when its consumer closed the iterator."""
 
 
-def _bench_item(index: int, prompt, item_type):
-    """A bench item of ``prompt``: a string, chat messages, or an ``(id, text)`` pair."""
+def _bench_item(index: int, prompt):
+    """A bench item of ``prompt``: a bench item as it is, a string, chat messages, or an ``(id, text)`` pair."""
+    from dynvocab.bench.prompts import PromptRow
+    from dynvocab.bench.tasks import as_item
+
     if isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], str):
         pid, text = prompt
-    else:
+    elif isinstance(prompt, (str, list)):
         pid, text = f"p{index}", prompt
+    else:
+        return as_item(prompt)
     messages = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
     if not messages or not any(str(m.get("content", "")).strip() for m in messages):
         raise DynvocabError(f"prompt {pid} is empty; pass some text")
-    return item_type(id=str(pid), task="custom", messages=tuple(messages))
+    return as_item(PromptRow(str(pid), "custom", tuple(messages)))
 
 
 def load(

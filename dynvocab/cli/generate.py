@@ -68,19 +68,13 @@ def generate(
     session = pair.session
     decoding = dataclasses.asdict(flags.decode(max_new_tokens))
 
-    shown: list[int] = []
-    printed = ""
+    shown = api.TextStream(session.tokenizer)
 
     def stream(new: list[int]) -> None:
-        nonlocal printed
-        shown.extend(new)
-        if json_out:
-            return
-        text = session.tokenizer.decode(shown, skip_special_tokens=True)
-        if text.startswith(printed) and not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(printed):])
+        piece = shown.push(new)
+        if piece and not json_out:
+            sys.stdout.write(piece)
             sys.stdout.flush()
-            printed = text
 
     try:
         result = pair.generate(
@@ -88,12 +82,12 @@ def generate(
             timing=json_out, **decoding,
         )
     except KeyboardInterrupt:
-        partial = session.tokenizer.decode(shown, skip_special_tokens=True)
+        partial = shown.text()
         if json_out:
-            print(json.dumps({"text": partial, "token_ids": shown, "strategy": strategy, "interrupted": True}, ensure_ascii=False))
-        elif partial.startswith(printed):
-            sys.stdout.write(partial[len(printed):] + "\n")
-        raise Interrupted(f"interrupted after {len(shown)} new tokens") from None
+            print(json.dumps({"text": partial, "token_ids": shown.ids, "strategy": strategy, "interrupted": True}, ensure_ascii=False))
+        else:
+            sys.stdout.write(shown.tail(partial, final=True) + "\n")
+        raise Interrupted(f"interrupted after {len(shown.ids)} new tokens") from None
     text = result.text
     m = result.metrics
     summary = (
@@ -104,7 +98,5 @@ def generate(
         err_console.print(summary, highlight=False)
         print(json.dumps(result.as_dict(), ensure_ascii=False))
     else:
-        if text.startswith(printed):
-            sys.stdout.write(text[len(printed):])
-        sys.stdout.write("\n")
+        sys.stdout.write(shown.tail(text, final=True) + "\n")
         print(summary)
