@@ -1,0 +1,226 @@
+"""One selector, two hosts: the vocabulary policies whose set depends only on the draft's own hidden state, as
+batched, device-side functions ``hidden [B, d] -> ids [B, k]`` of a fixed ``k``.
+
+dynvocab's own loop calls them with ``B = 1`` (:class:`~dynvocab.runtime.policies.candidates.LowRankPolicy` scores
+through :meth:`LowRankSelector.scores`); the vLLM plugin (:mod:`dynvocab.serving.vllm`) calls them with the engine's
+batch, each row its own set. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,
+``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score them; :func:`scatter_logits` is its
+``forward`` (a full row, ``-inf`` outside the set, so sampling sees q = 0 there) and :func:`top_tokens` its
+``get_top_tokens`` (the argmax id, no full row made).
+
+- :class:`StaticSelector` (``fr``): the first K ids of the frequency ranking, the same for every row.
+- :class:`LowRankSelector` (``lowrank``): ``s = R (P h) + b`` over every id, the top-k (EOS pinned by its bias).
+- :class:`CentroidSelector` (``centroids``): ``s = C h + b`` over blocks of one id order, the top-c blocks'
+  ids (c · block_size of them, a short last block padded by repeating its first id) and the EOS ids.
+
+A set may hold an id twice (padding); its two logits are equal, so the argmax and the scattered row are the same as
+with one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from dynvocab.artifacts.bundle import Bundle
+from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, SelectorTable
+from dynvocab.artifacts.tables import FreqTable
+from dynvocab.errors import DynvocabError
+
+BATCH_STRATEGIES = ("fr", LOWRANK, CENTROIDS)  # the policies a batched host (the vLLM plugin) can run
+DEFAULT_FR_SIZE = 32768  # FR-Spec's K
+
+
+class BatchSelector(Protocol):
+    """``hidden [B, d] -> ids [B, k]``: each row's active ids, ``k`` the same at every call."""
+
+    k: int
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class StaticSelector:
+    """The same ``ids`` [k] for every row (FR-Spec's top-K): the head packs their rows once."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids.long()  # [k]
+        self.k = int(ids.numel())
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ids.expand(hidden.shape[0], self.k)
+
+    def to(self, device: torch.device | str) -> "StaticSelector":
+        """The selector with its ids on ``device``."""
+        return StaticSelector(self.ids.to(device))
+
+
+class LowRankSelector:
+    """``lowrank``: every id scored at rank r from ``hidden``, the top ``k`` kept (EOS pinned by a huge bias)."""
+
+    def __init__(self, proj: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, k: int, int8: bool | None = None):
+        """``proj`` [r, d], ``rows`` [V, r], ``bias`` [V] (float32); ``int8``: score with fbgemm int8 rows (None:
+        wherever the device runs them)."""
+        from dynvocab.models.prepack import Int8Rows, int8_supported
+
+        if k < 1:
+            raise DynvocabError(f"lowrank needs at least 1 candidate (got {k})")
+        self.proj = proj.float()  # [r, d]
+        self.vocab = int(rows.shape[0])
+        self.k = min(k, self.vocab)
+        int8 = int8_supported(proj.device.type) if int8 is None else int8
+        if int8:
+            self._rows = Int8Rows(rows.float(), bias.float()).linear  # z [B, r] -> [B, V]
+        else:
+            rows, bias = rows.float(), bias.float()
+            self._rows = lambda z: F.linear(z, rows, bias)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scores [B, V] of every id for ``hidden`` [B, d]."""
+        return self._rows(hidden.float() @ self.proj.T)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        from dynvocab.runtime.policies.candidates import top_ids
+
+        scores = self.scores(hidden)  # [B, V]
+        if scores.shape[0] == 1:
+            return top_ids(scores[0], self.k)[None]
+        return scores.topk(self.k, dim=-1, sorted=False).indices
+
+
+class CentroidSelector:
+    """``centroids``: the top ``c`` blocks of one id order by ``s = C h + b``, their ids, and the EOS ids."""
+
+    def __init__(self, order: torch.Tensor, block_size: int, centroids: torch.Tensor, bias: torch.Tensor, c: int,
+                 eos: torch.Tensor):
+        """``order`` [V] ids in block order (block ``j`` is ``order[j·size:(j+1)·size]``, the last may be short);
+        ``centroids`` [nb, d], ``bias`` [nb]; ``eos`` [E] ids every set holds."""
+        if c < 1:
+            raise DynvocabError(f"centroids needs at least 1 block (got {c})")
+        nb = int(centroids.shape[0])
+        pad = nb * block_size - order.numel()
+        if pad:  # a short last block repeats its first id: equal logits, the same argmax and scatter
+            order = torch.cat([order, order[(nb - 1) * block_size].expand(pad)])
+        self.blocks = order.long().view(nb, block_size)  # [nb, size]
+        self.centroids, self.bias = centroids.float(), bias.float()  # [nb, d], [nb]
+        self.c = min(c, nb)
+        self.eos = eos.long().to(order.device)  # [E]
+        self.k = self.c * block_size + int(self.eos.numel())
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        picked = F.linear(hidden.float(), self.centroids, self.bias).topk(self.c, dim=-1, sorted=False).indices
+        ids = self.blocks[picked].flatten(1)  # [B, c·size]
+        return torch.cat([ids, self.eos.expand(ids.shape[0], -1)], dim=1)
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    """What a batched host needs to build a selector: the strategy and its budget (``fr``: ids; ``lowrank``:
+    candidates; ``centroids``: blocks; None: the bundle's default)."""
+
+    strategy: str
+    budget: int | None = None
+
+
+def refusal(strategy: str) -> str | None:
+    """Why ``strategy`` cannot run as a batched selector over the hidden state alone, in one line (None: it can)."""
+    reasons = {
+        "fr-pa": "its set shrinks with the draft position, which vLLM does not give a draft head",
+        "dynaspec": "its router reads the embedding of the token the draft was fed, which vLLM's head hooks "
+                    "(compute_logits, get_top_tokens) do not receive",
+        "microspec": "its window holds the request's own prompt and verified tokens, which vLLM does not give a "
+                     "draft head",
+        "hybrid": "it reads the request's own tokens (MicroSpec's window), which vLLM does not give a draft head",
+        "evospec": "it retrieves from the target's hidden state and adapts the draft online, neither of which "
+                   "vLLM gives a draft head",
+        "full": "it is the draft's own full head: run vLLM's speculation without the plugin",
+        "ar": "it drafts nothing",
+    }
+    if strategy in BATCH_STRATEGIES:
+        return None
+    why = reasons.get(strategy, "it is not a dynvocab strategy")
+    return f"strategy '{strategy}' cannot run inside vLLM: {why}; use one of {', '.join(BATCH_STRATEGIES)}"
+
+
+def bundle_stages(strategy: str) -> tuple[str, ...]:
+    """The bundle stages ``strategy``'s batched selector reads."""
+    return {"fr": ("freq",), LOWRANK: (LOWRANK,), CENTROIDS: (CENTROIDS,)}[strategy]
+
+
+def default_budget(bundle: Bundle, strategy: str) -> int:
+    """The budget a selector of ``strategy`` uses when none is given: FR-Spec's K, or the selector stage's own."""
+    if strategy == "fr":
+        return min(DEFAULT_FR_SIZE, int(bundle.config("freq").get("vocab_size", DEFAULT_FR_SIZE)))
+    return int(bundle.config(strategy)["budget"])
+
+
+def build_selector(bundle: Bundle, spec: SelectorSpec, vocab_size: int, hidden_size: int,
+                   device: torch.device | str = "cpu") -> BatchSelector:
+    """The batched selector of ``spec`` from ``bundle``, for a draft head of ``vocab_size`` rows read at
+    ``hidden_size``; mismatches and unknown strategies are one-line :class:`DynvocabError` s."""
+    why = refusal(spec.strategy)
+    if why:
+        raise DynvocabError(why)
+    for stage in bundle_stages(spec.strategy):
+        bundle.require(stage)
+    device = torch.device(device)
+    freq = FreqTable.from_bundle(bundle) if bundle.has("freq") else None
+    eos = freq.eos_ids if freq is not None else torch.empty(0, dtype=torch.long)
+    budget = spec.budget or default_budget(bundle, spec.strategy)
+    if spec.strategy == "fr":
+        ranking = freq.ranking[freq.ranking < vocab_size]
+        if not 1 <= budget <= ranking.numel():
+            raise DynvocabError(f"fr needs between 1 and {ranking.numel()} ids (got {budget})")
+        return StaticSelector(ranking[:budget].to(device))
+    table = SelectorTable.from_bundle(bundle, spec.strategy)
+    if int(table.config["hidden_dim"]) != hidden_size:
+        raise DynvocabError(
+            f"the {spec.strategy} selector in {bundle.path} reads hidden size {table.config['hidden_dim']}, the "
+            f"draft has {hidden_size}; retrain it with `dynvocab train-router --selector {spec.strategy}`"
+        )
+    t = {name: x.to(device) for name, x in table.tensors.items()}
+    if spec.strategy == LOWRANK:
+        n = min(int(table.config["vocab_rows"]), vocab_size)
+        bias = t["bias"][:n].clone()
+        bias[eos[eos < n].to(device)] = torch.finfo(torch.float32).max / 4  # EOS always among the candidates
+        return LowRankSelector(t["proj"], t["rows"][:n], bias, budget)
+    order = t["order"].long()
+    return CentroidSelector(order, int(table.config["block_size"]), t["centroids"], t["bias"], budget,
+                            eos[eos < vocab_size].to(device))
+
+
+class SelectedHead:
+    """A draft head over the rows a :class:`BatchSelector` picks: ``select_and_score(hidden)`` gives each row's
+    logits over its own set and the set's ids. A static set's rows are packed once (on the first call, after the
+    host has loaded the weight); a changing set's rows are gathered once a step, then one batched product."""
+
+    def __init__(self, selector: BatchSelector):
+        self.selector = selector
+        self._static: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight it was packed from, rows [k, d])
+
+    def select_and_score(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight`` [V, d], in
+        the weight's dtype."""
+        x = hidden.to(weight.dtype)
+        ids = self.selector(hidden)  # [B, k]
+        if isinstance(self.selector, StaticSelector):
+            if self._static is None or self._static[0] is not weight:
+                self._static = (weight, weight.index_select(0, self.selector.ids))
+            return F.linear(x, self._static[1]), ids
+        if ids.shape[0] == 1:
+            return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
+        return torch.bmm(weight[ids], x[:, :, None])[..., 0], ids  # [B, k, d] @ [B, d, 1]
+
+
+def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A full row [B, vocab] holding ``logits`` [B, k] at ``ids`` [B, k] and ``-inf`` elsewhere: a sampler's
+    softmax then gives probability exactly 0 outside the set (q = 0 there, so rejection sampling stays exact)."""
+    out = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return out.scatter_(1, ids, logits)
+
+
+def top_tokens(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The argmax id [B] of each row of ``logits`` [B, k] over its ``ids`` [B, k], without a full row."""
+    return ids.gather(1, logits.argmax(dim=-1, keepdim=True))[:, 0]

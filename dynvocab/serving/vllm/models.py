@@ -1,0 +1,62 @@
+"""vLLM draft classes whose head runs a dynvocab selector (imported by vLLM's workers only).
+
+Each class is vLLM's own draft class (``names.ARCHITECTURES``) with two methods replaced, as Gemma-4's MTP masked
+embedder does it (``vllm/model_executor/models/gemma4_mtp.py``):
+
+- ``get_top_tokens(hidden)``: greedy drafting under ``speculative_config["use_local_argmax_reduction"]``
+  (``v1/spec_decode/llm_base_proposer.py:_greedy_sample``): each row's argmax over its own set, no full row made;
+- ``compute_logits(hidden)``: probabilistic drafting and greedy drafting without that flag: each row's logits over
+  its set scattered into a full row of ``-inf``, so vLLM's rejection sampler sees q = 0 outside the set and stays
+  exact.
+
+Everything else (layers, caches, batching, weights) is vLLM's.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from dynvocab.serving.vllm.head import DraftHeadPolicy, load_policy
+from dynvocab.serving.vllm.names import ARCHITECTURES
+
+
+class SelectedHeadMixin:
+    """Put before a vLLM draft class: its head scores only the rows the folder's selector picks per row."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self.dynvocab: DraftHeadPolicy = load_policy(vllm_config)
+
+    def _selected(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [T, k], target ids [T, k])`` of ``hidden_states`` [T, d] over each row's set."""
+        return self.dynvocab.select_and_score(hidden_states, self.lm_head, self.logits_processor,
+                                              getattr(self, "draft_id_to_target_id", None))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Full rows [T, V]: the set's logits, ``-inf`` elsewhere."""
+        logits, ids = self._selected(hidden_states)
+        return self.dynvocab.scatter(logits, ids)
+
+    def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The argmax target id [T] of each row over its set."""
+        logits, ids = self._selected(hidden_states)
+        return self.dynvocab.top_tokens(logits, ids)
+
+
+def _build(name: str, base_path: str) -> type:
+    module, cls = base_path.split(":")
+    base = getattr(importlib.import_module(module), cls)
+    return type(name, (SelectedHeadMixin, base), {"__module__": __name__, "__qualname__": name,
+                                                  "__doc__": f"vLLM's {cls} with a dynvocab selected head."})
+
+
+def __getattr__(name: str) -> type:
+    """The registered class ``name``, built on first use (vLLM imports ``module:class`` lazily, per worker)."""
+    for arch, base in ARCHITECTURES.values():
+        if arch == name:
+            cls = _build(arch, base)
+            globals()[name] = cls
+            return cls
+    raise AttributeError(name)
