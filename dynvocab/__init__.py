@@ -66,12 +66,13 @@ def train_router(bundle, draft="demo:draft", target=None, config=None, out=None,
     return api.train_router(bundle, draft, target, config, out, progress)
 
 
-def export(bundle, out, format="sglang", size=None):
-    """Export a bundle's frequency ranking as an SGLang / FR-Spec token map (``"sglang"``) or EAGLE-3's
-    ``{d2t, t2d}`` (``"eagle3"``) with ``torch.save``; returns the path written."""
+def export(bundle, out, format="sglang", size=None, *, strategy=None, draft=None, budget=None, copy=False):
+    """Export a bundle as an SGLang / FR-Spec token map (``"sglang"``), EAGLE-3's ``{d2t, t2d}`` (``"eagle3"``),
+    or a draft folder vLLM loads (``"vllm"``: ``strategy``'s selector over ``draft``, ``budget`` ids or
+    candidates or blocks, ``copy`` instead of links); returns the path written."""
     from dynvocab import api
 
-    return api.export(bundle, out, format, size)
+    return api.export(bundle, out, format, size, strategy=strategy, draft=draft, budget=budget, copy=copy)
 
 
 def __getattr__(name):

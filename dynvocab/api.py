@@ -384,18 +384,21 @@ def train_router(
     return run(bundle, draft, target, config or TrainRouterConfig(), out, _reporter(progress))
 
 
-def export(bundle: str | Path, out: str | Path, format: str = "sglang", size: int | None = None) -> Path:
-    """Export the bundle's top-``size`` frequency ranking as an SGLang / FR-Spec token map (``format="sglang"``: a
-    list of ids) or EAGLE-3's ``{d2t, t2d}`` (``"eagle3"``), written whole with ``torch.save``; returns ``out``."""
-    from dynvocab.artifacts import FreqTable, export_freq, load_bundle, save_torch_atomic
-    from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS
+def export(bundle: str | Path, out: str | Path, format: str = "sglang", size: int | None = None, *,
+           strategy: str | None = None, draft: str | None = None, budget: int | None = None,
+           copy: bool = False) -> Path:
+    """Export the bundle in ``format`` (:data:`dynvocab.artifacts.export.FORMATS`); returns ``out``.
 
-    if format not in FORMATS:
-        raise DynvocabError(f"unknown export format '{format}'; use one of {', '.join(FORMATS)}")
-    opened = load_bundle(bundle, verify=True)
-    opened.require("freq")
-    obj = export_freq(FreqTable.from_bundle(opened), format, DEFAULT_EXPORT_SIZE if size is None else size)
-    return save_torch_atomic(obj, out)
+    - ``"sglang"``: its top-``size`` frequency ranking as an SGLang / FR-Spec token map (a list of ids);
+    - ``"eagle3"``: the same ids as EAGLE-3's ``{d2t, t2d}`` (both written whole with ``torch.save``);
+    - ``"vllm"``: a draft folder vLLM loads as it is (``speculative_config={"method": …, "model": out}``), its
+      head running ``strategy``'s selector over ``draft``; ``budget`` is the selector's size, ``copy`` copies the
+      draft's files instead of linking them (:func:`dynvocab.serving.vllm.folder.write_draft_folder`).
+    """
+    from dynvocab.artifacts.export import ExportRequest, export_bundle
+
+    request = ExportRequest(size=size, strategy=strategy, draft=draft, budget=budget, copy=copy)
+    return export_bundle(bundle, out, format, request).path
 
 
 def _reporter(progress):

@@ -1,7 +1,15 @@
 """The bundle: the one place where builders and runtime meet (read, write, validate, export)."""
 
 from dynvocab.artifacts.bundle import FORMAT_VERSION, Bundle, Stage, load_bundle, write_bundle
-from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS, eagle3_mapping, export_freq, save_torch_atomic, sglang_token_map
+from dynvocab.artifacts.export import (
+    DEFAULT_EXPORT_SIZE,
+    FORMATS,
+    ExportRequest,
+    eagle3_mapping,
+    export_bundle,
+    save_torch_atomic,
+    sglang_token_map,
+)
 from dynvocab.artifacts.fingerprint import ModelFingerprint
 from dynvocab.artifacts.hnsw import HnswParams, augment_queries, augment_rows, load_hnsw, mips_search
 from dynvocab.artifacts.tables import ClusterTable, FreqTable, GraphTable
@@ -11,6 +19,7 @@ __all__ = [
     "FORMATS",
     "FORMAT_VERSION",
     "Bundle",
+    "ExportRequest",
     "ClusterTable",
     "FreqTable",
     "GraphTable",
@@ -20,7 +29,7 @@ __all__ = [
     "augment_queries",
     "augment_rows",
     "eagle3_mapping",
-    "export_freq",
+    "export_bundle",
     "load_bundle",
     "load_hnsw",
     "mips_search",

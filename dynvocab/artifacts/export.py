@@ -1,15 +1,21 @@
-"""Export the frequency ranking in the formats other systems read.
+"""Export a bundle in the formats other systems read: one table, :data:`FORMATS`, name -> writer.
 
 - ``sglang``: SGLang's ``--speculative-token-map`` / FR-Spec token map, a ``torch.save``d Python list of K
   distinct token ids, most frequent first (end tokens always inside).
 - ``eagle3``: EAGLE-3 / vLLM / SpecForge draft-vocabulary mapping, a ``torch.save``d dict with
   ``d2t`` (int64 [K]: the kept target ids sorted ascending, minus their draft index, so
   ``target_id = draft_index + d2t[draft_index]``) and ``t2d`` (bool [V]: which target ids are kept).
+- ``vllm``: a draft folder vLLM loads as it is, whose head runs a dynvocab selector
+  (:mod:`dynvocab.serving.vllm.folder`).
+
+Adding a format is one writer and one :func:`register` call.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,7 +23,6 @@ from dynvocab.artifacts.tables import FreqTable
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 
-FORMATS = ("sglang", "eagle3")
 DEFAULT_EXPORT_SIZE = 32768  # FR-Spec's K
 
 
@@ -45,18 +50,106 @@ def eagle3_mapping(freq: FreqTable, size: int) -> dict[str, torch.Tensor]:
     return {"d2t": d2t, "t2d": t2d}
 
 
-def export_freq(freq: FreqTable, fmt: str, size: int):
-    """The object to save for format ``fmt`` (``sglang`` or ``eagle3``)."""
-    if fmt == "sglang":
-        return sglang_token_map(freq, size)
-    if fmt == "eagle3":
-        return eagle3_mapping(freq, size)
-    raise DynvocabError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
-
-
 def save_torch_atomic(obj, path: str | Path) -> Path:
     """``torch.save`` to a temp file in the same folder, then rename: never a half-written file."""
     path = Path(path)
     if not path.parent.is_dir():
         raise DynvocabError(f"folder {path.parent} does not exist; create it or pick another --out")
     return write_atomic(path, lambda tmp: torch.save(obj, tmp))
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """What ``dynvocab export`` was given besides the bundle and ``--out``; each format reads the fields it takes."""
+
+    size: int | None = None  # sglang, eagle3: ids K (None: DEFAULT_EXPORT_SIZE)
+    strategy: str | None = None  # vllm: the selector the draft's head runs
+    draft: str | None = None  # vllm: the draft folder (or demo:draft)
+    budget: int | None = None  # vllm: the selector's size (None: the bundle's default)
+    copy: bool = False  # vllm: copy the draft's files instead of linking them
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What a writer wrote: the path and a short description for the CLI's one line."""
+
+    path: Path
+    summary: str  # e.g. "sglang, 32,768 ids"
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One export format: its writer ``(bundle, out, request) -> Exported``, the request fields it takes (and
+    needs), whether ``out`` is a folder, and one line for ``--help``."""
+
+    name: str
+    write: Callable[[Path, Path, ExportRequest], Exported]
+    help: str
+    takes: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    folder: bool = False
+
+
+FORMATS: dict[str, ExportFormat] = {}
+
+
+def register(fmt: ExportFormat) -> ExportFormat:
+    """Add an export format (refuses a name already registered); returns it."""
+    if fmt.name in FORMATS:
+        raise ValueError(f"export format '{fmt.name}' is already registered")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def lookup_format(name: str) -> ExportFormat:
+    """The format ``name``; a one-line error naming the formats otherwise."""
+    if name not in FORMATS:
+        raise DynvocabError(f"unknown export format '{name}'; use one of {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def check_request(fmt: ExportFormat, request: ExportRequest) -> None:
+    """Refuse, in one line, an option the format does not take or a needed one left out."""
+    default = ExportRequest()
+    for f in fields(ExportRequest):
+        given = getattr(request, f.name) != getattr(default, f.name)
+        if given and f.name not in fmt.takes:
+            raise DynvocabError(f"--{f.name} does not apply to --format {fmt.name}")
+        if not given and f.name in fmt.needs:
+            raise DynvocabError(f"--format {fmt.name} needs --{f.name}")
+
+
+def export_bundle(bundle: str | Path, out: str | Path, fmt: str, request: ExportRequest = ExportRequest()) -> Exported:
+    """Write ``bundle`` as format ``fmt`` to ``out``; unknown formats and misplaced options are one line."""
+    writer = lookup_format(fmt)
+    check_request(writer, request)
+    return writer.write(Path(bundle), Path(out), request)
+
+
+def _freq_writer(name: str, make: Callable[[FreqTable, int], object]):
+    def write(bundle: Path, out: Path, request: ExportRequest) -> Exported:
+        from dynvocab.artifacts.bundle import load_bundle
+
+        size = DEFAULT_EXPORT_SIZE if request.size is None else request.size
+        with load_bundle(bundle, verify=True) as opened:
+            opened.require("freq")
+            obj = make(FreqTable.from_bundle(opened), size)
+        return Exported(save_torch_atomic(obj, out), f"{name}, {size:,} ids")
+
+    return write
+
+
+def _vllm_writer(bundle: Path, out: Path, request: ExportRequest) -> Exported:
+    from dynvocab.serving.vllm.folder import write_draft_folder
+
+    folder = write_draft_folder(bundle, request.draft, request.strategy, out, request.budget, request.copy)
+    return Exported(folder.path, folder.summary())
+
+
+register(ExportFormat("sglang", _freq_writer("sglang", sglang_token_map),
+                      "a list of token ids (FR-Spec / SGLang --speculative-token-map)", takes=("size",)))
+register(ExportFormat("eagle3", _freq_writer("eagle3", eagle3_mapping),
+                      "EAGLE-3's {d2t, t2d} draft-vocabulary map", takes=("size",)))
+register(ExportFormat("vllm", _vllm_writer,
+                      "a draft folder vLLM loads, its head running --strategy's selector over --draft",
+                      takes=("strategy", "draft", "budget", "copy"), needs=("strategy", "draft"), folder=True))

@@ -19,6 +19,7 @@ from dynvocab.builders.pipeline import STAGES
 from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import make_reporter
+from dynvocab.runtime.policies.batch_select import BATCH_STRATEGIES
 
 
 def _override(cfg, **values):
@@ -177,17 +178,20 @@ def inspect(
 
 @one_line_errors
 def export(
-    bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="A bundle with a freq stage.")],
-    out: Annotated[Path, typer.Option("--out", help="The file to write (torch.save).")],
-    fmt: Annotated[str, typer.Option("--format", help=f"One of {', '.join(FORMATS)}. sglang: list of token ids (FR-Spec / --speculative-token-map); eagle3: {{d2t, t2d}}.")] = "sglang",
-    size: Annotated[Optional[int], typer.Option(min=1, help=f"Number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
+    bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="A bundle (sglang, eagle3: with a freq stage; vllm: with the stages --strategy reads).")],
+    out: Annotated[Path, typer.Option("--out", help="The file to write (torch.save), or for vllm the folder (new or empty).")],
+    fmt: Annotated[str, typer.Option("--format", help=f"One of {', '.join(FORMATS)}. " + "; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()) + ".")] = "sglang",
+    size: Annotated[Optional[int], typer.Option(min=1, help=f"sglang, eagle3: number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
+    strategy: Annotated[Optional[str], typer.Option(help=f"vllm: the selector the draft's head runs, one of {', '.join(BATCH_STRATEGIES)}.")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="vllm: the draft the bundle was built for: a local model folder, demo:draft, or an EAGLE head (eagle layout).")] = None,
+    budget: Annotated[Optional[int], typer.Option(min=1, help="vllm: the selector's size (fr: ids; lowrank: candidates; centroids: blocks; default: the bundle's).")] = None,
+    copy: Annotated[bool, typer.Option("--copy", help="vllm: copy the draft's files into the folder instead of linking them.")] = False,
 ) -> None:
-    """Export the top-K frequency ranking as an SGLang/FR-Spec token map or EAGLE-3 d2t/t2d."""
-    from dynvocab import api
+    """Export the bundle for another system: an SGLang/FR-Spec token map, EAGLE-3 d2t/t2d, or a vLLM draft folder."""
+    from dynvocab.artifacts.export import ExportRequest, export_bundle, lookup_format
 
-    if fmt not in FORMATS:
-        raise DynvocabError(f"unknown export format '{fmt}'; use one of {', '.join(FORMATS)}")
-    check_out(out, "--out")
-    size = DEFAULT_EXPORT_SIZE if size is None else size
-    api.export(bundle_path, out, fmt, size)
-    err_console.print(f"wrote {out} ({fmt}, {size:,} ids)", highlight=False)
+    if not lookup_format(fmt).folder:
+        check_out(out, "--out")
+    request = ExportRequest(size=size, strategy=strategy, draft=draft, budget=budget, copy=copy)
+    done = export_bundle(bundle_path, out, fmt, request)
+    err_console.print(f"wrote {done.path} ({done.summary})", highlight=False, soft_wrap=True)
