@@ -1,0 +1,197 @@
+"""``dynvocab export --format vllm``: the draft folder vLLM loads (config section, architectures, links, the policy
+file), its selector against one built from the source bundle, and every refusal as one line with nothing left
+behind. No vLLM import: the folder is what the plugin's ``head.load_policy`` reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, run
+from test_router_cli import build
+from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
+
+import dynvocab
+from dynvocab.artifacts import FreqTable, Stage, load_bundle, write_bundle
+from dynvocab.artifacts.selectors import random_selectors
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
+from dynvocab.runtime.policies.batch_select import SelectorSpec, build_selector
+from dynvocab.serving.vllm import names
+from dynvocab.serving.vllm.folder import write_draft_folder
+
+
+@pytest.fixture(scope="module")
+def bundles(tiny_dirs, corpus_jsonl, tmp_path_factory):  # noqa: F811
+    """(freq only, freq + random lowrank and centroids selectors for the draft)."""
+    root = tmp_path_factory.mktemp("vllm_bundles")
+    freq = build(tiny_dirs, corpus_jsonl, root / "freq.safetensors", "freq")
+    with load_bundle(freq) as b:
+        stages = [b.load_stage("freq")]
+        fps = (b.fingerprints["target"], b.fingerprints["draft"])
+    low, cen = random_selectors(fps[1].head_rows, fps[1].hidden_size, torch.Generator().manual_seed(0), rank=4,
+                                candidates=24, block=16, blocks=3)
+    stages += [Stage(t.kind, t.tensors, t.config, {"note": "random"}) for t in (low, cen)]
+    return freq, write_bundle(root / "selectors.safetensors", stages, *fps)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_dirs, tmp_path_factory):  # noqa: F811
+    """EAGLE heads for the tiny target: Llama EAGLE-1, Qwen2 EAGLE-1 (what a Qwen2 target trains), EAGLE-3 over the
+    target's vocabulary, EAGLE-3 with a 200-id d2t vocabulary, and the speculators layout."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_dirs[0])
+    root = tmp_path_factory.mktemp("vllm_heads")
+    torch.manual_seed(0)
+    e3_d2t = EagleModel(config_like(config, EAGLE3, draft_vocab_size=200)).eval()
+    e3_d2t.set_draft_vocab(torch.randperm(config.vocab_size)[:200].sort().values)
+    e3 = EagleModel(config_like(config, EAGLE3)).eval()
+    return {
+        "eagle1": save_eagle(EagleModel(replace(config_like(config, EAGLE1), arch="llama")).eval(), root / "e1"),
+        "eagle1-qwen2": save_eagle(EagleModel(config_like(config, EAGLE1)).eval(), root / "e1q"),
+        "eagle3": save_eagle(e3, root / "e3"),
+        "eagle3-d2t": save_eagle(e3_d2t, root / "e3d2t"),
+        "speculators": save_eagle(e3, root / "spec", layout="speculators", target_name=str(tiny_dirs[0])),
+    }
+
+
+def export(bundle, draft, out, strategy, *extra):
+    if strategy == "fr" and "--budget" not in extra:
+        extra = (*extra, "--budget", 32)  # fr's default (FR-Spec's 32,768) exceeds the tiny vocabulary
+    return run("export", bundle, "--format", "vllm", "--strategy", strategy, "--draft", draft, "--out", out, *extra)
+
+
+def config_of(folder):
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("strategy", ["fr", "lowrank", "centroids"])
+def test_folder_for_a_draft_model(bundles, tiny_dirs, tmp_path, strategy):  # noqa: F811
+    out = tmp_path / f"draft-{strategy}"
+    result = export(bundles[1], tiny_dirs[1], out, strategy)
+    assert result.exit_code == 0, result.output
+    line = result.output.strip()
+    assert line.startswith(f"wrote {out} (vllm, {strategy}, ") and line.endswith(" ids, DynvocabQwen2ForCausalLM)"), line
+    with load_bundle(bundles[1]) as src:
+        eos = FreqTable.from_bundle(src).eos_ids.numel()
+    assert f", {dict(fr=32, lowrank=24, centroids=3 * 16 + eos)[strategy]} ids," in line  # centroids: + the EOS ids
+    cfg, own = config_of(out), config_of(tiny_dirs[1])
+    assert cfg["architectures"] == [names.registered_name("draft-model", "Qwen2ForCausalLM")]
+    assert {k: v for k, v in cfg.items() if k not in ("architectures", names.CONFIG_KEY)} == {
+        k: v for k, v in own.items() if k != "architectures"}
+    section = cfg[names.CONFIG_KEY]
+    with load_bundle(bundles[1]) as src:
+        assert section == {
+            "format": names.FOLDER_FORMAT, "strategy": strategy, "budget": 32 if strategy == "fr" else None, "policy_file": names.POLICY_FILE,
+            "kind": "draft-model", "method": "draft_model", "base_architecture": "Qwen2ForCausalLM",
+            "bundle": {"path": str(bundles[1].resolve()),
+                       "fingerprint": {r: fp.as_dict() for r, fp in src.fingerprints.items()},
+                       "stages": {s: src.stage_checksum(s) for s in dict.fromkeys(
+                           {"fr": ["freq"]}.get(strategy, [strategy, "freq"]))}},
+            "dynvocab_version": dynvocab.__version__,
+        }
+    for item in tiny_dirs[1].iterdir():  # weights, tokenizer, generation config: linked by absolute path
+        if item.name != "config.json":
+            assert (out / item.name).is_symlink() and os.readlink(out / item.name) == str(item.resolve())
+    with load_bundle(out / names.POLICY_FILE, verify=True) as policy, load_bundle(bundles[1]) as src:
+        assert policy.stages == sorted({"freq", strategy} - {"fr"}, key=["freq", strategy].index)
+        assert policy.fingerprints == src.fingerprints
+        for stage in policy.stages:
+            assert policy.config(stage) == src.config(stage) and policy.stage_checksum(stage) == src.stage_checksum(stage)
+
+
+@pytest.mark.parametrize("strategy, budget", [("fr", 40), ("lowrank", None), ("lowrank", 7), ("centroids", 2)])
+def test_policy_file_selects_what_the_bundle_selects(bundles, tiny_dirs, tmp_path, strategy, budget):  # noqa: F811
+    folder = write_draft_folder(bundles[1], str(tiny_dirs[1]), strategy, tmp_path / "f", budget)
+    cfg = config_of(folder.path)
+    assert cfg[names.CONFIG_KEY]["budget"] == budget
+    spec, hidden = SelectorSpec(strategy, budget), torch.randn(5, cfg["hidden_size"], generator=torch.Generator().manual_seed(1))
+    with load_bundle(folder.path / names.POLICY_FILE) as policy, load_bundle(bundles[1]) as src:
+        mine = build_selector(policy, spec, cfg["vocab_size"], cfg["hidden_size"])
+        theirs = build_selector(src, spec, cfg["vocab_size"], cfg["hidden_size"])
+        assert mine.k == theirs.k == folder.ids
+        assert torch.equal(mine(hidden).sort(dim=-1).values, theirs(hidden).sort(dim=-1).values)
+
+
+def test_copy_and_the_python_api(bundles, tiny_dirs, tmp_path):  # noqa: F811
+    out = dynvocab.export(bundles[0], tmp_path / "copied", format="vllm", strategy="fr", draft=str(tiny_dirs[1]),
+                          budget=16, copy=True)
+    assert out == tmp_path / "copied"
+    weights = out / "model.safetensors"
+    assert weights.is_file() and not weights.is_symlink()
+    assert weights.read_bytes() == (tiny_dirs[1] / "model.safetensors").read_bytes()
+
+
+def test_an_empty_out_folder_is_used(bundles, tiny_dirs, tmp_path):  # noqa: F811
+    (tmp_path / "empty").mkdir()
+    assert export(bundles[0], tiny_dirs[1], tmp_path / "empty", "fr").exit_code == 0
+    assert (tmp_path / "empty" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("head, kind, arch", [
+    ("eagle1", "eagle1", "EagleDynvocabLlamaForCausalLM"),
+    ("eagle3", "eagle3", "Eagle3DynvocabLlamaForCausalLM"),
+])
+def test_folder_for_an_eagle_head(bundles, heads, tmp_path, head, kind, arch):
+    out = tmp_path / head
+    result = export(bundles[0], heads[head], out, "fr")
+    assert result.exit_code == 0, result.output
+    assert arch in result.output
+    cfg = config_of(out)
+    assert cfg["architectures"] == [arch]
+    assert cfg[names.CONFIG_KEY]["kind"] == kind and cfg[names.CONFIG_KEY]["method"] == names.METHODS[kind]
+    assert cfg[names.CONFIG_KEY]["base_architecture"] == config_of(heads[head])["architectures"][0]
+    assert (out / "model.safetensors").is_symlink()
+
+
+def assert_refused(result, out, *words):
+    assert_one_line_error(result, *words)
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
+
+
+def test_refusals(bundles, tiny_dirs, heads, tmp_path):  # noqa: F811
+    freq, selectors = bundles
+    out = tmp_path / "out"
+    draft = tiny_dirs[1]
+    assert_refused(export(selectors, draft, out, "dynaspec"), out, "cannot run inside vLLM", "lowrank")
+    assert_refused(export(selectors, draft, out, "fr-pa"), out, "cannot run inside vLLM")
+    (tmp_path / "bare").mkdir()
+    assert_refused(export(selectors, tmp_path / "bare", out, "fr"), out, "no config.json")
+    assert_refused(export(selectors, "someone/some-model", out, "fr"), out, "not a local model folder")
+    mistral = tmp_path / "mistral"
+    shutil.copytree(draft, mistral)
+    (mistral / "config.json").write_text(json.dumps({**config_of(draft), "architectures": ["MistralForCausalLM"]}))
+    assert_refused(export(selectors, mistral, out, "fr"), out, "MistralForCausalLM", "supports", "Qwen2ForCausalLM")
+    assert_refused(export(selectors, heads["eagle1-qwen2"], out, "fr"), out, "eagle1", "Qwen2ForCausalLM", "supports")
+    assert_refused(export(selectors, tiny_dirs[0], out, "fr"), out, "built for another draft", "hidden_size")
+    assert_refused(export(freq, draft, out, "lowrank"), out, "no 'lowrank' stage")
+    assert_refused(export(selectors, heads["eagle3-d2t"], out, "fr"), out, "static set", "d2t")
+    assert_refused(export(selectors, heads["eagle3-d2t"], out, "lowrank"), out, "draft vocabulary", "d2t")
+    assert_refused(export(selectors, heads["eagle3"], out, "lowrank"), out, "hidden size")  # selector: 16, head: 32
+    assert_refused(export(selectors, heads["speculators"], out, "fr"), out, "speculators", "--format eagle")
+    assert_refused(export(selectors, draft, out, "fr", "--size", 8), out, "--size", "vllm")
+    assert_refused(run("export", selectors, "--format", "vllm", "--strategy", "fr", "--out", out), out, "--draft")
+    assert_refused(export(selectors, draft, out, "fr", "--budget", 10**6), out, "fr needs between")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("x")
+    assert_one_line_error(export(selectors, draft, taken, "fr"), "not an empty folder")
+    assert [p.name for p in taken.iterdir()] == ["x"]
+
+
+def test_a_tokenizer_of_another_model_is_refused(bundles, tiny_dirs, tmp_path):  # noqa: F811
+    from tiny_models import make_tokenizer
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dirs[1], other)
+    for item in other.iterdir():
+        if "token" in item.name:
+            item.unlink()
+    make_tokenizer(other, vocab_size=290)
+    out = tmp_path / "out"
+    assert_refused(export(bundles[0], other, out, "fr"), out, "built for another draft", "tokenizer_sha256")
