@@ -195,3 +195,20 @@ def test_a_tokenizer_of_another_model_is_refused(bundles, tiny_dirs, tmp_path): 
     make_tokenizer(other, vocab_size=290)
     out = tmp_path / "out"
     assert_refused(export(bundles[0], other, out, "fr"), out, "built for another draft", "tokenizer_sha256")
+
+
+def test_a_toy_export_format_is_one_table_entry(bundles, tmp_path):
+    from dynvocab.artifacts.export import FORMATS, ExportFormat, Exported, register
+
+    def write(bundle, out, request):
+        out.write_text(str(request.size))
+        return Exported(out, f"toy, {request.size} ids")
+
+    register(ExportFormat("toy", write, "a toy", takes=("size",)))
+    try:
+        result = run("export", bundles[0], "--format", "toy", "--size", 3, "--out", tmp_path / "t.txt")
+        assert result.exit_code == 0 and result.output.strip() == f"wrote {tmp_path / 't.txt'} (toy, 3 ids)"
+        assert_one_line_error(run("export", bundles[0], "--format", "toy", "--strategy", "fr", "--out",
+                                  tmp_path / "u.txt"), "--strategy does not apply to --format toy")
+    finally:
+        FORMATS.pop("toy")
