@@ -9,7 +9,9 @@ names keep vLLM's prefixes: ``EAGLEConfig`` (``vllm/transformers_utils/configs/e
 from __future__ import annotations
 
 CONFIG_KEY = "dynvocab"  # the config.json section: strategy, budget, policy file, fingerprints
-POLICY_FILE = "dynvocab.safetensors"  # the policy's tensors: a dynvocab bundle of the stages the strategy reads
+# The policy's tensors: a dynvocab bundle of the stages the strategy reads. In a subfolder, because vLLM loads every
+# ``*.safetensors`` at the folder's top as model weights (``model_executor/model_loader/default_loader.py``).
+POLICY_FILE = "dynvocab/policy.safetensors"
 FOLDER_FORMAT = 1
 
 # (draft kind, the draft's own architecture) -> (registered name, "module:class" of vLLM's base class)
