@@ -51,8 +51,10 @@ def heads(tiny_dirs, tmp_path_factory):  # noqa: F811
     e3_d2t.set_draft_vocab(torch.randperm(config.vocab_size)[:200].sort().values)
     e3 = EagleModel(config_like(config, EAGLE3)).eval()
     return {
-        "eagle1": save_eagle(EagleModel(replace(config_like(config, EAGLE1), arch="llama")).eval(), root / "e1"),
-        "eagle1-qwen2": save_eagle(EagleModel(config_like(config, EAGLE1)).eval(), root / "e1q"),
+        "eagle1": save_eagle(EagleModel(replace(config_like(config, EAGLE1, fc_bias=False), arch="llama")).eval(),
+                             root / "e1"),
+        "eagle1-qwen2": save_eagle(EagleModel(config_like(config, EAGLE1, fc_bias=False)).eval(), root / "e1q"),
+        "eagle1-bias": save_eagle(EagleModel(config_like(config, EAGLE1)).eval(), root / "e1b"),  # vLLM's fc has none
         "eagle3": save_eagle(e3, root / "e3"),
         "eagle3-d2t": save_eagle(e3_d2t, root / "e3d2t"),
         "speculators": save_eagle(e3, root / "spec", layout="speculators", target_name=str(tiny_dirs[0])),
@@ -134,6 +136,7 @@ def test_an_empty_out_folder_is_used(bundles, tiny_dirs, tmp_path):  # noqa: F81
 
 @pytest.mark.parametrize("head, kind, arch", [
     ("eagle1", "eagle1", "EagleDynvocabLlamaForCausalLM"),
+    ("eagle1-qwen2", "eagle1", "EagleDynvocabQwen2ForCausalLM"),
     ("eagle3", "eagle3", "Eagle3DynvocabLlamaForCausalLM"),
 ])
 def test_folder_for_an_eagle_head(bundles, heads, tmp_path, head, kind, arch):
@@ -146,6 +149,8 @@ def test_folder_for_an_eagle_head(bundles, heads, tmp_path, head, kind, arch):
     assert cfg[names.CONFIG_KEY]["kind"] == kind and cfg[names.CONFIG_KEY]["method"] == names.METHODS[kind]
     assert cfg[names.CONFIG_KEY]["base_architecture"] == config_of(heads[head])["architectures"][0]
     assert (out / "model.safetensors").is_symlink()
+    if head == "eagle1-qwen2":  # vLLM has no EagleQwen2ForCausalLM: a llama layer with q/k/v biases
+        assert (cfg["model_type"], cfg["qkv_bias"], cfg["attention_bias"]) == ("llama", True, False)
 
 
 def assert_refused(result, out, *words):
@@ -167,7 +172,7 @@ def test_refusals(bundles, tiny_dirs, heads, tmp_path):  # noqa: F811
     shutil.copytree(draft, mistral)
     (mistral / "config.json").write_text(json.dumps({**config_of(draft), "architectures": ["MistralForCausalLM"]}))
     assert_refused(export(selectors, mistral, out, "fr"), out, "MistralForCausalLM", "supports", "Qwen2ForCausalLM")
-    assert_refused(export(selectors, heads["eagle1-qwen2"], out, "fr"), out, "eagle1", "Qwen2ForCausalLM", "supports")
+    assert_refused(export(selectors, heads["eagle1-bias"], out, "fr"), out, "fc has a bias")
     assert_refused(export(selectors, tiny_dirs[0], out, "fr"), out, "built for another draft", "hidden_size")
     assert_refused(export(freq, draft, out, "lowrank"), out, "no 'lowrank' stage")
     assert_refused(export(selectors, heads["eagle3-d2t"], out, "fr"), out, "static set", "d2t")

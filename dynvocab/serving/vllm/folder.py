@@ -137,6 +137,43 @@ def _check_head(kind: str, text: dict, strategy: str) -> None:
     )
 
 
+def _eagle_config(kind: str, config: dict, source: Path) -> dict:
+    """The head's ``config.json`` as vLLM's EAGLE classes must read it (the head's own meaning kept); refused in
+    one line where vLLM's class cannot hold the head. vLLM's ``llama_eagle.py`` / ``llama_eagle3.py`` build ``fc``
+    without a bias; EAGLE-1 has no ``EagleQwen2ForCausalLM``, so a Qwen2 layer goes as a llama layer with q/k/v
+    biases (``qkv_bias``; ``model_type`` llama, whose config has no ``layer_types``, which vLLM's EAGLE-1 layer
+    cannot index); EAGLE-3's explicit layer ids are ``hidden_states[i]`` to vLLM (``gpu_model_runner.py``
+    ``_get_eagle3_aux_layers_from_config``, read as written, deduplicated), the output of layer i in the eagle3
+    layout, so they are written as vLLM reads them."""
+    if kind == "draft-model":
+        return config
+    from dynvocab.models.eagle import read_config
+
+    cfg = read_config(source)
+    if cfg.has_fc_bias:
+        raise DynvocabError(
+            f"this EAGLE head's fc has a bias, which vLLM's {kind} head does not load (its fc is built without one); "
+            "use a head trained without fc bias"
+        )
+    if kind == "eagle1":
+        if cfg.arch != "qwen2":
+            return config
+        types = config.get("layer_types") or []
+        if any(t != "full_attention" for t in types):
+            raise DynvocabError("vLLM's EAGLE-1 head attends fully; this head's layer_types ask for a sliding window")
+        out = {k: v for k, v in config.items() if k != "layer_types"}
+        return {**out, "model_type": "llama", "qkv_bias": True, "attention_bias": False}
+    ids = cfg.aux_hidden_states
+    if ids is None:
+        return config  # both read the default (2, L // 2, L - 3)
+    if len(set(ids)) != len(ids):
+        raise DynvocabError(
+            f"this EAGLE-3 head reads target hidden states {list(ids)} with repeats, which vLLM reads once each "
+            "(its fc would not fit); use a head over distinct layers"
+        )
+    return {**config, "eagle_aux_hidden_state_layer_ids": list(ids)}
+
+
 def _check_out(out: Path) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise DynvocabError(f"--out {out} exists and is not an empty folder; remove it or pick another --out")
@@ -204,6 +241,8 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
     if kind not in METHODS:
         raise DynvocabError(f"draft kind '{kind}' has no vLLM speculative method; use a draft model or EAGLE head")
     own, architecture = _architecture(kind, config, draft)
+    source_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    config = _eagle_config(kind, config, source)
     text = config.get("text_config") or config
     _check_head(kind, text, strategy)
     with load_bundle(bundle, verify=True) as src:
@@ -214,6 +253,8 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
         stages = [src.load_stage(s) for s in kept]
         fingerprints = (src.fingerprints["target"], src.fingerprints.get("draft"))
         meta = section(strategy, budget, kind, own, src)
+    if config.get("eagle_aux_hidden_state_layer_ids") != source_ids:  # the head's own ids, as its layout writes them
+        meta["source_eagle_aux_hidden_state_layer_ids"] = source_ids
     vocab = int(text.get("draft_vocab_size") or text["vocab_size"])  # the head's rows, as head.load_policy reads
     staged = temp_dir_for(out)
     try:

@@ -18,6 +18,7 @@ import importlib
 
 import torch
 
+from dynvocab.errors import DynvocabError
 from dynvocab.serving.vllm.head import DraftHeadPolicy, load_policy
 from dynvocab.serving.vllm.names import ARCHITECTURES
 
@@ -28,6 +29,13 @@ class SelectedHeadMixin:
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.dynvocab: DraftHeadPolicy | None = load_policy(vllm_config)  # None: the full head (bench's switch)
+
+    def load_weights(self, weights):
+        """vLLM's own loading, less an EAGLE-3 head's identity ``d2t``/``t2d`` over the target's full vocabulary:
+        vLLM builds no ``draft_id_to_target_id`` there and refuses the tensor, which the eagle3 layout writes."""
+        if hasattr(self, "draft_id_to_target_id") and self.draft_id_to_target_id is None:
+            weights = _without_identity_d2t(weights)
+        return super().load_weights(weights)
 
     def _selected(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, k], target ids [T, k])`` of ``hidden_states`` [T, d] over each row's set."""
@@ -55,6 +63,17 @@ class SelectedHeadMixin:
         if getattr(self, "draft_id_to_target_id", None) is not None:
             return super().compute_logits(hidden_states).argmax(dim=-1)
         return self.logits_processor.get_top_tokens(self.lm_head, hidden_states)
+
+
+def _without_identity_d2t(weights):
+    """``weights`` without ``d2t`` (all offsets 0: draft id = target id) and ``t2d``; another ``d2t`` is refused."""
+    for name, tensor in weights:
+        last = name.rsplit(".", 1)[-1]
+        if last == "d2t" and bool(tensor.any()):
+            raise DynvocabError("this EAGLE-3 head's d2t over the target's full vocabulary is not the identity; "
+                                "vLLM cannot map it (write the head with draft_vocab_size < vocab_size)")
+        if last not in ("d2t", "t2d"):
+            yield name, tensor
 
 
 def _build(name: str, base_path: str) -> type:

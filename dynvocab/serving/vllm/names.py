@@ -21,6 +21,10 @@ ARCHITECTURES: dict[tuple[str, str], tuple[str, str]] = {
     ("draft-model", "LlamaForCausalLM"): ("DynvocabLlamaForCausalLM", "vllm.model_executor.models.llama:LlamaForCausalLM"),
     ("eagle1", "LlamaForCausalLM"): ("EagleDynvocabLlamaForCausalLM",
                                      "vllm.model_executor.models.llama_eagle:EagleLlamaForCausalLM"),
+    # vLLM registers no EagleQwen2ForCausalLM: a Qwen2 layer is a llama layer with q/k/v biases, which vLLM's llama
+    # layer builds from ``qkv_bias`` (folder.py writes it, and model_type llama, into the folder's config)
+    ("eagle1", "Qwen2ForCausalLM"): ("EagleDynvocabQwen2ForCausalLM",
+                                     "vllm.model_executor.models.llama_eagle:EagleLlamaForCausalLM"),
     ("eagle3", "LlamaForCausalLM"): ("Eagle3DynvocabLlamaForCausalLM",
                                      "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"),
     ("eagle3", "Qwen3ForCausalLM"): ("Eagle3DynvocabQwen3ForCausalLM",
