@@ -115,6 +115,21 @@ def bench(
             "EAGLE-1, Llama-3.1-8B EAGLE-3): full head vs 32k vs 3k rows.",
         ),
     ] = False,
+    vllm: Annotated[
+        bool,
+        typer.Option("--vllm", help="Instead: run the prompts through vLLM: rows vllm, vllm-spec (the draft's full "
+                     "head) and vllm-spec:<strategy> per plugin strategy (fr, lowrank, centroids) in one engine."),
+    ] = False,
+    vllm_python: Annotated[
+        Optional[str], typer.Option("--vllm-python", metavar="PATH", help="With --vllm: the python of an environment "
+                                    "with vLLM (default: this one, where it imports vLLM).")
+    ] = None,
+    rounds: Annotated[
+        Optional[int], typer.Option(min=1, help="With --vllm: interleaved rounds per row; medians reported. [default: 3]")
+    ] = None,
+    tensor_parallel_size: Annotated[
+        int, typer.Option("--tensor-parallel-size", min=1, help="With --vllm: vLLM's tensor-parallel ranks.")
+    ] = 1,
 ) -> None:
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
     from dynvocab.cli.bench_run import BenchRequest, run_command
@@ -128,6 +143,16 @@ def bench(
         _kernel_bench(device, dtype, json_path, threads)
         return
     flags.check()
+    if vllm:
+        from dynvocab.cli.bench_run import BenchRequest, VllmRequest, run_vllm_command
+
+        request = BenchRequest(
+            models=ModelConfig(target, draft, dtype=dtype), prompts=prompts, strategies=strategies, ids=ids, tasks=tasks,
+            num_prompts=num_prompts, quick=quick, max_new_tokens=max_new_tokens, chat_template=not no_chat_template,
+            json_path=json_path,
+        )
+        run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size))
+        return
     if policy_steps:
         _policy_step_bench(flags.bundle, dtype, draft_weights, json_path, threads, draft_kind)
         return

@@ -147,3 +147,49 @@ def show_and_write(req: BenchRequest, results: dict, console: Console) -> None:
     if req.plot_path is not None:
         write_plot(req.plot_path, results)
         console.print(f"wrote {req.plot_path}")
+
+
+@dataclass(frozen=True)
+class VllmRequest:
+    """``--vllm``'s own options (None = the default)."""
+
+    python: str | None = None  # --vllm-python (default: this interpreter, where it imports vLLM)
+    rounds: int | None = None
+    tensor_parallel_size: int = 1
+
+
+def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest) -> dict:
+    """``bench --vllm``: the same prompt token ids as our own rows (first turn of each item, chat template), run
+    through vLLM in a child process (:mod:`dynvocab.bench.vllm_rows`); print the table, write the JSON."""
+    from dynvocab.bench import vllm_rows as v
+    from dynvocab.models import default_dtype, load_tokenizer, resolve_model
+    from dynvocab.runtime.prompts import encode_prompt
+
+    if flags.temperature > 0:
+        raise DynvocabError("--vllm rows decode greedily (the plugin's get_top_tokens); drop --temperature")
+    strategies = v.plugin_strategies(req.strategies, flags.bundle)
+    python = v.find_vllm_python(vllm.python)
+    items = select_items(req)
+    target = v.local_folder(req.models.target, "--target")
+    tokenizer = load_tokenizer(resolve_model(req.models.target))
+    prompts = [encode_prompt(tokenizer, item.context(0, [], 0), req.chat_template) for item in items]
+    cfg = v.VllmBench(
+        target=target, draft=req.models.draft, bundle=flags.bundle, strategies=strategies, python=python,
+        rounds=vllm.rounds or v.DEFAULT_ROUNDS, gamma=flags.gamma,
+        max_new_tokens=req.max_new_tokens or (Quick().max_new_tokens if req.quick else DEFAULT_MAX_NEW),
+        dtype=req.models.dtype or default_dtype("cpu"), tensor_parallel_size=vllm.tensor_parallel_size,
+        chat_template=req.chat_template, seed=flags.seed,
+    )
+    console = Console(stderr=True)
+    if any(item.turns > 1 for item in items):
+        console.print("[yellow]note:[/] the vLLM rows run each conversation's first turn only", highlight=False)
+    with make_reporter(console) as reporter:
+        rows, ids = v.run_vllm_rows(cfg, prompts, log=reporter.log)
+    results = v.results(cfg, items, prompts, rows, ids, tokenizer)
+    Console(width=None if stdout_is_terminal() else 200).print(v.render_table(results))
+    console.print(f"[dim]{v.NOTE}[/]", highlight=False, soft_wrap=True)
+    if req.json_path is not None:
+        text = json.dumps(results, ensure_ascii=False, indent=1)
+        write_atomic(req.json_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        console.print(f"wrote {req.json_path}")
+    return results

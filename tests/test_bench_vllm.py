@@ -1,0 +1,111 @@
+"""``dynvocab bench --vllm`` through CliRunner: refusals in one line without vLLM, and one run on a real vLLM-CPU
+engine with the tiny models (two engines: plain, then every speculative row in one) where vLLM is installed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from cli_helpers import assert_one_line_error, run
+from vllm_models import vllm_bundle, vllm_pair  # noqa: F401
+
+from dynvocab.bench.vllm_rows import engine_env, last_error_line, plugin_strategies, summarize_row
+
+
+def _python_without_vllm() -> str:
+    for python in (sys.executable, "/usr/bin/python3", shutil.which("python3")):
+        if python and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode != 0:
+            return python
+    pytest.skip("every python here imports vLLM")
+
+
+def test_a_python_without_vllm_is_one_line_naming_the_option(tmp_path):
+    python = _python_without_vllm()
+    result = run("bench", "--vllm", "--vllm-python", python, "--target", tmp_path, "--draft", tmp_path)
+    assert_one_line_error(result, "--vllm-python", "docs/vllm.md")
+
+
+def test_a_missing_vllm_python_is_one_line(tmp_path):
+    result = run("bench", "--vllm", "--vllm-python", tmp_path / "nope" / "python")
+    assert_one_line_error(result, "--vllm-python", "does not exist")
+
+
+@pytest.mark.parametrize("strategy,why", [("microspec", "cannot run inside vLLM"), ("dynaspec", "cannot run inside vLLM"),
+                                          ("nonsense", "not a dynvocab strategy")])
+def test_a_strategy_vllm_cannot_run_is_refused_in_one_line(strategy, why):
+    result = run("bench", "--vllm", "--strategies", f"full,{strategy}")
+    assert_one_line_error(result, strategy, why)
+
+
+def test_plugin_rows_need_a_bundle_and_ar_full_are_the_engine_rows():
+    assert plugin_strategies("ar,full", None) == ()
+    result = run("bench", "--vllm", "--strategies", "lowrank")
+    assert_one_line_error(result, "--bundle")
+
+
+def test_sampling_is_refused_in_one_line():
+    assert_one_line_error(run("bench", "--vllm", "--temperature", "0.7"), "greedily")
+
+
+def test_engine_env_keeps_what_the_caller_set(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    env = engine_env(sys.executable, tensor_parallel_size=2)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "7"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    assert engine_env(sys.executable)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+
+
+def test_last_error_line_skips_vllms_generic_wrapper():
+    out = ("INFO 11-25 loading\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+           "(EngineCore_DP0 pid=12) ValueError: max_model_len 4096 is larger than the model's 512\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert last_error_line(out) == "ValueError: max_model_len 4096 is larger than the model's 512"
+
+
+def test_row_figures_are_medians_and_vllms_counters():
+    rounds = [{"wall_s": w, "new_tokens": 16, "drafts": 4, "draft_tokens": 12, "accepted_tokens": 8,
+               "accepted_per_pos": [4, 3, 1], "head": {"head_s": 0.1, "selector_s": 0.02, "calls": 10, "rows": 10}}
+              for w in (1.0, 2.0, 4.0)]
+    s = summarize_row({"name": "vllm-spec:lowrank", "rounds": rounds, "token_ids": []}, 48)
+    assert s["tokens_per_s"] == 8.0
+    assert s["mal"] == 3.0  # 1 + 24 / 12
+    assert s["accept_by_position"] == [1.0, 0.75, 0.25]
+    assert s["head_ms_per_step"] == 10.0 and s["selector_ms_per_step"] == 2.0
+    assert s["oracle_tokens_per_s"] == round(16 / 1.9, 4)
+
+
+def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
+    """Plain vLLM, vLLM's own full head and two plugin strategies on 2 prompts × 8 tokens: every row, the same
+    tokens as plain vLLM, the JSON whole."""
+    pytest.importorskip("vllm")
+    pair, bundle = request.getfixturevalue("vllm_pair"), request.getfixturevalue("vllm_bundle")
+    for key, value in {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                       "TOKENIZERS_PARALLELISM": "false"}.items():
+        monkeypatch.setenv(key, value)
+    tmp = tmp_path_factory.mktemp("bench_vllm")
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "task": "code", "prompt": "def add(a, b): return a + b"}\n'
+                       '{"id": "b", "task": "chat", "prompt": "the cat sat on the mat"}\n')
+    out = tmp / "bench.json"
+    result = run("bench", "--vllm", "--target", pair[0], "--draft", pair[1], "--bundle", bundle, "--strategies",
+                 "lowrank,centroids", "--prompts", prompts, "--max-new-tokens", 8, "--gamma", 3, "--rounds", 1,
+                 "--dtype", "float32", "--json", out)
+    assert result.exit_code == 0, result.output[-3000:]
+    data = json.loads(out.read_text())
+    names = [r["name"] for r in data["rows"]]
+    assert names == ["vllm", "vllm-spec", "vllm-spec:lowrank", "vllm-spec:centroids"]
+    for row in data["rows"]:
+        assert row["matches_vllm"] == 1.0, row["name"]
+        assert row["tokens_per_s"] > 0
+    spec = {r["name"]: r for r in data["rows"]}
+    assert spec["vllm-spec"]["mal"] > 1 and spec["vllm-spec"]["head_ms_per_step"] > 0
+    assert spec["vllm-spec:lowrank"]["selector_ms_per_step"] > 0
+    assert spec["vllm-spec:lowrank"]["active_ids"] < spec["vllm-spec"]["active_ids"]
+    assert len(data["generations"]) == 2 * 4
+    assert {g["id"] for g in data["generations"]} == {"a", "b"}
+    assert "vllm-spec:centroids" in result.output and "oracle" in result.output
