@@ -84,7 +84,7 @@ def test_head_logits_are_the_full_heads_over_each_rows_set(greedy, vllm_bundle):
     """Inside the engine, on random hidden states: compute_logits is finite exactly on the row's set and equals the
     full head there; get_top_tokens is its argmax; rows get different sets (fr: the same one)."""
     for s in STRATEGIES:
-        probe = greedy[f"top:{s}"]["probe"]
+        probe = greedy[f"top:{s}"]["probe"][0]
         size = {"fr": FR_SIZE, "lowrank": LOWRANK_K, "centroids": BLOCK * BLOCKS}[s]
         for ids, finite in zip(probe["sets"], probe["finite"]):
             assert finite == ids and size <= len(ids) <= size + 1, s  # + the pinned EOS outside the blocks
@@ -109,7 +109,7 @@ def test_sampled_drafting_runs_with_q_zero_outside_the_set(greedy, vllm_pair, vl
     result, err = run_rows(tmp_path, req)
     assert result is not None, err[-3000:]
     row = result["rows"][0]
-    vocab = greedy["top:lowrank"]["probe"]["vocab"]
+    vocab = greedy["top:lowrank"]["probe"][0]["vocab"]
     assert all(len(ids) == 8 and all(0 <= t < vocab for t in ids) for ids in row["token_ids"])
     assert row["rounds"][0]["draft_tokens"] > 0
     assert len({tuple(ids) for ids in row["token_ids"]}) > 1  # sampled, not greedy

@@ -70,12 +70,14 @@ def vllm_bundle(vllm_pair, tmp_path_factory) -> Path:
     return write_bundle(tmp_path_factory.mktemp("vllm_bundle") / "bundle.safetensors", stages, fp, fp)
 
 
-def run_rows(tmp_path: Path, request: dict, timeout: int = 600) -> tuple[dict | None, str]:
+def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None = None) -> tuple[dict | None, str]:
     """Run ``request`` through the driver in a child process: ``(result or None, its output)`` (vLLM's workers log
-    to either stream)."""
+    to either stream). At tensor_parallel_size N each rank is bound to one core (``VLLM_CPU_OMP_THREADS_BIND`` 0|1…)."""
     req, out = tmp_path / "request.json", tmp_path / "out.json"
     req.write_text(json.dumps(request))
-    env = {**os.environ, **ENGINE_ENV}
+    tp = request.get("tensor_parallel_size", 1)
+    env = {**os.environ, **ENGINE_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}),
+           **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "dynvocab.serving.vllm.run", str(req), str(out)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -4,9 +4,8 @@ batched, device-side functions ``hidden [B, d] -> ids [B, k]`` of a fixed ``k``.
 dynvocab's own loop calls them with ``B = 1`` (:class:`~dynvocab.runtime.policies.candidates.LowRankPolicy` scores
 through :meth:`LowRankSelector.scores`); the vLLM plugin (:mod:`dynvocab.serving.vllm`) calls them with the engine's
 batch, each row its own set. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,
-``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score them; :func:`scatter_logits` is its
-``forward`` (a full row, ``-inf`` outside the set, so sampling sees q = 0 there) and :func:`top_tokens` its
-``get_top_tokens`` (the argmax id, no full row made).
+``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score them (:class:`SelectedHead`);
+:func:`scatter_logits` is its ``forward`` (a full row, ``-inf`` outside the set, so sampling sees q = 0 there).
 
 - :class:`StaticSelector` (``fr``): the first K ids of the frequency ranking, the same for every row.
 - :class:`LowRankSelector` (``lowrank``): ``s = R (P h) + b`` over every id, the top-k (EOS pinned by its bias).
@@ -193,26 +192,39 @@ def build_selector(bundle: Bundle, spec: SelectorSpec, vocab_size: int, hidden_s
 
 
 class SelectedHead:
-    """A draft head over the rows a :class:`BatchSelector` picks: ``select_and_score(hidden)`` gives each row's
-    logits over its own set and the set's ids. A static set's rows are packed once (on the first call, after the
-    host has loaded the weight); a changing set's rows are gathered once a step, then one batched product."""
+    """A draft head over the rows a :class:`BatchSelector` picks: ``select_and_score(hidden, weight)`` gives each
+    row's logits over its own set and the set's ids. A static set's rows are packed once (on the first call, after
+    the host has loaded the weight); a changing set's rows are gathered once a step, then one batched product.
+
+    A vocab-parallel head (vLLM's ``ParallelLMHead`` at tensor_parallel_size > 1) holds rows ``start … end - 1`` of
+    the vocabulary on each rank: every rank computes the same set from the same hidden state and scores only the ids
+    of its own rows; the others are ``-inf`` in its logits, so a reduction over ranks (a max, vLLM's local-argmax
+    exchange, or a gather of shards) sees each id scored once."""
 
     def __init__(self, selector: BatchSelector):
         self.selector = selector
         self._static: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight it was packed from, rows [k, d])
 
-    def select_and_score(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight`` [V, d], in
-        the weight's dtype."""
+    def select_and_score(self, hidden: torch.Tensor, weight: torch.Tensor, start: int = 0,
+                         end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight``, in the
+        weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it, from
+        ``start``); ids outside them get ``-inf``."""
         x = hidden.to(weight.dtype)
         ids = self.selector(hidden)  # [B, k]
+        local = ids if start == 0 and end is None else ids - start
+        inside = None if end is None else (ids >= start) & (ids < end)  # [B, k] the ids of this shard
+        if inside is not None:
+            local = torch.where(inside, local, 0)
         if isinstance(self.selector, StaticSelector):
             if self._static is None or self._static[0] is not weight:
-                self._static = (weight, weight.index_select(0, self.selector.ids))
-            return F.linear(x, self._static[1]), ids
-        if ids.shape[0] == 1:
-            return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
-        return torch.bmm(weight[ids], x[:, :, None])[..., 0], ids  # [B, k, d] @ [B, d, 1]
+                self._static = (weight, weight.index_select(0, local[0]))
+            logits = F.linear(x, self._static[1])
+        elif ids.shape[0] == 1:
+            logits = F.linear(x, weight.index_select(0, local[0]))  # [1, k]
+        else:
+            logits = torch.bmm(weight[local], x[:, :, None])[..., 0]  # [B, k, d] @ [B, d, 1]
+        return (logits if inside is None else logits.masked_fill(~inside, float("-inf"))), ids
 
 
 def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -220,8 +232,3 @@ def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch
     softmax then gives probability exactly 0 outside the set (q = 0 there, so rejection sampling stays exact)."""
     out = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
     return out.scatter_(1, ids, logits)
-
-
-def top_tokens(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The argmax id [B] of each row of ``logits`` [B, k] over its ``ids`` [B, k], without a full row."""
-    return ids.gather(1, logits.argmax(dim=-1, keepdim=True))[:, 0]

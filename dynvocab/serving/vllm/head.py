@@ -14,12 +14,19 @@ import torch
 
 from dynvocab.artifacts.bundle import load_bundle
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.policies.batch_select import BatchSelector, SelectedHead, SelectorSpec, build_selector
+from dynvocab.runtime.policies.batch_select import (BatchSelector, SelectedHead, SelectorSpec, build_selector,
+                                                    scatter_logits)
 from dynvocab.serving.vllm.names import CONFIG_KEY, POLICY_FILE
 
 
 class DraftHeadPolicy:
-    """A selected head for one vLLM draft: ``select_and_score`` per row, ``scatter`` and ``top_tokens`` views."""
+    """A selected head for one vLLM draft: ``select_and_score`` per row, ``scatter`` and ``top_tokens`` views.
+
+    At tensor_parallel_size > 1 the head is vLLM's vocab-parallel ``ParallelLMHead``: each rank holds a shard of the
+    rows (``lm_head.shard_indices``), computes the same set from the replicated hidden state, and scores only its
+    shard's ids (``-inf`` for the others). ``top_tokens`` then reduces through vLLM's own local-argmax exchange
+    (``LogitsProcessor.get_top_tokens``: a (value, id) pair per row crosses ranks); ``scatter`` fills each rank's
+    shard of a full row and gathers the shards as vLLM's ``LogitsProcessor`` does."""
 
     def __init__(self, selector: BatchSelector, vocab: int, strategy: str):
         """``vocab``: the width of the rows ``compute_logits`` returns (the target's vocabulary)."""
@@ -35,9 +42,18 @@ class DraftHeadPolicy:
     def select_and_score(self, hidden: torch.Tensor, lm_head, logits_processor,
                          to_target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, k], ids [T, k])``: each row's logits over its set, as vLLM's logits processor would give
-        them at those ids (scale, soft cap), and the ids in the target's vocabulary (``to_target`` [V_d]: EAGLE-3's
-        ``draft_id + d2t[draft_id]``)."""
-        logits, ids = self.head.select_and_score(hidden, lm_head.weight)
+        them at those ids (scale, soft cap; ``-inf`` at ids of another rank's shard), and the ids in the target's
+        vocabulary (``to_target`` [V_d]: EAGLE-3's ``draft_id + d2t[draft_id]``)."""
+        tp = getattr(lm_head, "tp_size", 1)
+        if tp > 1:
+            if to_target is not None:
+                raise DynvocabError("an EAGLE-3 head with a draft vocabulary (d2t) runs the plugin's sets at "
+                                    "tensor_parallel_size 1 only")
+            shard = lm_head.shard_indices
+            logits, ids = self.head.select_and_score(hidden, lm_head.weight, shard.org_vocab_start_index,
+                                                     shard.org_vocab_end_index)
+        else:
+            logits, ids = self.head.select_and_score(hidden, lm_head.weight)
         cap = getattr(logits_processor, "soft_cap", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -48,15 +64,43 @@ class DraftHeadPolicy:
             ids = ids + to_target[ids]
         return logits, ids
 
-    def scatter(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Full rows [T, vocab]: ``logits`` at ``ids``, ``-inf`` elsewhere (q = 0 outside the set)."""
-        out = torch.full((logits.shape[0], self.vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
-        return out.scatter_(1, ids, logits)
+    def scatter(self, logits: torch.Tensor, ids: torch.Tensor, lm_head, logits_processor) -> torch.Tensor | None:
+        """Full rows [T, vocab]: ``logits`` at ``ids``, ``-inf`` elsewhere (q = 0 outside the set). At
+        tensor_parallel_size > 1, each rank fills its shard and the shards are gathered as vLLM gathers logits
+        (None on ranks that a gather leaves without them, as vLLM's ``compute_logits`` returns)."""
+        if getattr(lm_head, "tp_size", 1) == 1:
+            return scatter_logits(logits, ids, self.vocab)
+        shard = lm_head.shard_indices
+        start, end = shard.org_vocab_start_index, shard.org_vocab_end_index
+        rows = lm_head.weight.shape[0]  # the shard's rows, padding included
+        local = _scatter_inside(logits, ids, (ids >= start) & (ids < end), start, rows)
+        full = logits_processor._gather_logits(local)
+        return None if full is None else full[..., : self.vocab]
 
     @staticmethod
-    def top_tokens(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The argmax id [T] of each row over its set, without a full row."""
-        return ids.gather(1, logits.argmax(dim=-1, keepdim=True))[:, 0]
+    def top_tokens(logits: torch.Tensor, ids: torch.Tensor, lm_head=None) -> torch.Tensor:
+        """The argmax id [T] of each row over its set, without a full row; at tensor_parallel_size > 1 each rank's
+        (value, id) pair is exchanged as vLLM's local-argmax reduction does, 2 floats per row and rank."""
+        values, best = logits.max(dim=-1, keepdim=True)  # [T, 1]
+        local = ids.gather(1, best)[:, 0]
+        tp = getattr(lm_head, "tp_size", 1) if lm_head is not None else 1
+        if tp == 1:
+            return local
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        pair = torch.stack([values[:, 0].float(), local.float()], dim=-1)  # [T, 2]
+        gathered = tensor_model_parallel_all_gather(pair, dim=-1).view(logits.shape[0], tp, 2)
+        rank = gathered[:, :, 0].argmax(dim=-1, keepdim=True)
+        return gathered[:, :, 1].gather(1, rank)[:, 0].to(torch.int64)
+
+
+def _scatter_inside(logits: torch.Tensor, ids: torch.Tensor, inside: torch.Tensor, start: int,
+                    rows: int) -> torch.Tensor:
+    """A shard's row [T, rows] of ``-inf`` holding the ``logits`` of its own ``ids`` (``inside``) at ``id - start``;
+    ids of other shards are written to a scratch column past the shard, then dropped."""
+    local = torch.where(inside, ids - start, rows)
+    out = torch.full((logits.shape[0], rows + 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return out.scatter_(1, local, logits.masked_fill(~inside, float("-inf")))[:, :rows]
 
 
 def draft_section(hf_config) -> dict:
@@ -70,16 +114,6 @@ def draft_section(hf_config) -> dict:
     return section
 
 
-def tensor_parallel_size() -> int:
-    """The draft's tensor-parallel world size (1 outside a distributed engine)."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        return get_tensor_model_parallel_world_size()
-    except (ImportError, AssertionError):
-        return 1
-
-
 def load_policy(vllm_config) -> DraftHeadPolicy:
     """The selected head of the draft vLLM is building: its folder's section and policy file, checked against the
     draft's config; every mismatch is one line."""
@@ -87,8 +121,6 @@ def load_policy(vllm_config) -> DraftHeadPolicy:
     model_config = spec_config.draft_model_config if spec_config is not None else vllm_config.model_config
     hf_config = model_config.hf_config
     section = draft_section(hf_config)
-    if tensor_parallel_size() > 1:
-        raise DynvocabError("the dynvocab vLLM plugin runs its draft heads at tensor_parallel_size 1 in this version")
     path = Path(model_config.model) / section.get("policy_file", POLICY_FILE)
     if not path.is_file():
         raise DynvocabError(f"{path} is missing; make the folder again with `dynvocab export --format vllm`")

@@ -47,15 +47,14 @@ class SelectedHeadMixin:
         if self.dynvocab is None:
             return super().compute_logits(hidden_states)
         logits, ids = self._selected(hidden_states)
-        return self.dynvocab.scatter(logits, ids)
+        return self.dynvocab.scatter(logits, ids, self.lm_head, self.logits_processor)
 
     def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The argmax target id [T] of each row over its set (the full head's while ``dynvocab`` is None)."""
         if self.dynvocab is None:
             return self._full_top_tokens(hidden_states)
         logits, ids = self._selected(hidden_states)
-        return self.dynvocab.top_tokens(logits, ids)
-
+        return self.dynvocab.top_tokens(logits, ids, self.lm_head)
 
     def _full_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """vLLM's own greedy draft token over the full head: its local-argmax reduction, or the argmax of the

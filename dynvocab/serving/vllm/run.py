@@ -122,9 +122,9 @@ def read_timer(worker) -> dict:
 
 
 def probe_head(worker, rows: int, seed: int) -> dict:
-    """Worker-side check of the plugin's head on ``rows`` random hidden states: each row's set, the ids where
-    ``compute_logits`` is finite, ``get_top_tokens``, the argmax of ``compute_logits``, and the largest gap
-    between the set's logits and the full head's at the same ids."""
+    """Worker-side check of the plugin's head on ``rows`` random hidden states (the same on every rank): each row's
+    set, ``get_top_tokens``, and where the rank has the full rows, the ids where ``compute_logits`` is finite, its
+    argmax, and the largest gap between the set's logits and the full head's at the same ids."""
     import torch
 
     model = _drafter_model(worker)
@@ -138,10 +138,12 @@ def probe_head(worker, rows: int, seed: int) -> dict:
         saved, model.dynvocab = model.dynvocab, None
         full = model.compute_logits(hidden)
         model.dynvocab = saved
-    finite = [torch.nonzero(torch.isfinite(row)).flatten().tolist() for row in logits]
-    gap = max(float((logits[i, ids[i]] - full[i, ids[i]]).abs().max()) for i in range(rows))
-    return {"sets": [sorted(set(r.tolist())) for r in ids], "finite": finite, "top": top.tolist(),
-            "argmax": logits.argmax(dim=-1).tolist(), "max_gap": gap, "vocab": int(logits.shape[1])}
+    out = {"sets": [sorted(set(r.tolist())) for r in ids], "top": top.tolist()}
+    if logits is not None:  # None on the ranks a tensor-parallel gather leaves without the full rows
+        out.update(finite=[torch.nonzero(torch.isfinite(row)).flatten().tolist() for row in logits],
+                   argmax=logits.argmax(dim=-1).tolist(), vocab=int(logits.shape[1]),
+                   max_gap=max(float((logits[i, ids[i]] - full[i, ids[i]]).abs().max()) for i in range(rows)))
+    return out
 
 
 def _spec_counters(llm) -> dict:
@@ -217,7 +219,7 @@ def run(req: dict) -> dict:
                 timer = llm.collective_rpc(read_timer)[0] if spec else {}
                 out = results.setdefault(row["name"], {"name": row["name"], "rounds": []})
                 if row.get("probe"):
-                    out["probe"] = llm.collective_rpc(probe_head, args=(row["probe"], r))[0]
+                    out["probe"] = llm.collective_rpc(probe_head, args=(row["probe"], r))  # one per rank
                 out["token_ids"] = ids
                 out["rounds"].append({"wall_s": wall, "new_tokens": sum(map(len, ids)), **counts, "head": timer})
         del llm
