@@ -67,6 +67,13 @@ def test_last_error_line_skips_vllms_generic_wrapper():
     assert last_error_line(out) == "ValueError: max_model_len 4096 is larger than the model's 512"
 
 
+def test_last_error_line_reads_pydantics_reason():
+    out = ("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+           "  Value error, Model architectures ['X'] are not supported for now. [type=value_error, input_value=…]\n"
+           "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
+    assert last_error_line(out) == "ValueError: Model architectures ['X'] are not supported for now."
+
+
 def test_row_figures_are_medians_and_vllms_counters():
     rounds = [{"wall_s": w, "new_tokens": 16, "drafts": 4, "draft_tokens": 12, "accepted_tokens": 8,
                "accepted_per_pos": [4, 3, 1], "head": {"head_s": 0.1, "selector_s": 0.02, "calls": 10, "rows": 10}}
@@ -109,3 +116,24 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     assert len(data["generations"]) == 2 * 4
     assert {g["id"] for g in data["generations"]} == {"a", "b"}
     assert "vllm-spec:centroids" in result.output and "oracle" in result.output
+
+
+def test_a_model_vllm_cannot_load_is_one_line_with_the_engines_error(tmp_path, monkeypatch, request):
+    """A target whose architecture vLLM does not know: the driver fails, the CLI quotes its last error line."""
+    pytest.importorskip("vllm")
+    pair = request.getfixturevalue("vllm_pair")
+    target = tmp_path / "target"
+    shutil.copytree(pair[0], target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "architectures": ["NopeForCausalLM"]}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "task": "code", "prompt": "def add(a, b): return a + b"}\n')
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    result = run("bench", "--vllm", "--target", target, "--draft", pair[1], "--prompts", prompts,
+                 "--max-new-tokens", 4, "--rounds", 1, "--dtype", "float32")
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith("vllm: starting an engine") and "Traceback" not in result.output
+    error = lines[-1]
+    assert len(lines) == 2 and error.startswith("error: vLLM failed on the vllm rows"), result.output
+    assert "Model architectures ['NopeForCausalLM'] are not supported" in error and len(error) < 400

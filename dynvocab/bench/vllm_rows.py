@@ -139,6 +139,7 @@ def find_iomp(python: str) -> Path | None:
 ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception)|error):? (.*)$")
 LOG_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*(\([\w ]+pid=\d+\)\s*)?")
 GENERIC = ("See root cause above", "initialization failed", "Engine core")
+MAX_LINE = 300
 
 
 def last_error_line(output: str) -> str:
@@ -146,10 +147,17 @@ def last_error_line(output: str) -> str:
     generic "see above" wrapper, else the last non-blank line."""
     lines = [LOG_PREFIX.sub("", re.sub(r"\x1b\[[0-9;]*m", "", ln)).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
-    errors = [ln for ln in lines if ERROR_LINE.match(ln)]
-    specific = [ln for ln in errors if not any(g in ln for g in GENERIC)]
-    line = (specific or errors or lines or ["(no output)"])[-1]
-    return line[:400]
+    errors = [i for i, ln in enumerate(lines) if ERROR_LINE.match(ln)]
+    specific = [i for i in errors if not any(g in lines[i] for g in GENERIC)]
+    at = (specific or errors or [len(lines) - 1])[-1]
+    if at < 0:
+        return "(no output)"
+    line = lines[at]
+    if "validation error" in line:  # pydantic (vLLM's configs): the reason is on the lines after the header
+        reason = next((ln for ln in lines[at + 1:] if ln.startswith("Value error,")), None)
+        if reason is not None:
+            line = "ValueError: " + reason.removeprefix("Value error,").split(" [type=")[0].strip()
+    return line if len(line) <= MAX_LINE else line[:MAX_LINE] + " …"
 
 
 def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str]) -> dict:
@@ -177,8 +185,9 @@ def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
     path, out = workdir / "request.json", workdir / "result.json"
     path.write_text(json.dumps(req))
     out.unlink(missing_ok=True)
-    proc = subprocess.run([cfg.python, "-m", DRIVER, str(path), str(out)], env=engine_env(cfg.python, cfg.tensor_parallel_size),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = engine_env(cfg.python, cfg.tensor_parallel_size)
+    proc = subprocess.run([cfg.python, "-m", DRIVER, str(path), str(out)], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)  # vLLM's workers log to either stream
     if proc.returncode != 0 or not out.is_file():
         names = ", ".join(r["name"] for r in req["rows"])
         raise DynvocabError(f"vLLM failed on the {names} rows (exit {proc.returncode}): {last_error_line(proc.stdout)}")
@@ -266,6 +275,7 @@ def summarize_row(row: dict, ids: int | None) -> dict:
     calls = sum(h.get("calls", 0) for h in heads)
     head_s, selector_s = sum(h.get("head_s", 0.0) for h in heads), sum(h.get("selector_s", 0.0) for h in heads)
     spec = row["name"] != PLAIN
+    no_head = [r["wall_s"] - h.get("head_s", 0.0) for r, h in zip(rounds, heads)]  # the oracle's wall per round
     return {
         "name": row["name"],
         "tokens_per_s": _median([r["new_tokens"] / r["wall_s"] for r in rounds if r["wall_s"] > 0]),
@@ -278,9 +288,7 @@ def summarize_row(row: dict, ids: int | None) -> dict:
         "active_ids": ids,
         "head_ms_per_step": round(1e3 * head_s / calls, 4) if calls else None,
         "selector_ms_per_step": round(1e3 * selector_s / calls, 4) if calls and row["name"].startswith(PLUGIN) else None,
-        "oracle_tokens_per_s": _median([r["new_tokens"] / (r["wall_s"] - (r.get("head") or {}).get("head_s", 0.0))
-                                        for r in rounds if r["wall_s"] > (r.get("head") or {}).get("head_s", 0.0)])
-        if spec else None,
+        "oracle_tokens_per_s": _median([r["new_tokens"] / w for r, w in zip(rounds, no_head) if w > 0]) if spec else None,
         "rounds": rounds,
     }
 
