@@ -70,15 +70,20 @@ class LowRankSelector:
         self.vocab = int(rows.shape[0])
         self.k = min(k, self.vocab)
         int8 = int8_supported(proj.device.type) if int8 is None else int8
+        self.int8 = int8
         if int8:
-            self._rows = Int8Rows(rows.float(), bias.float()).linear  # z [B, r] -> [B, V]
+            self._rows = Int8Rows(rows.float(), bias.float()).linear  # z [1, r] -> [1, V]
         else:
             rows, bias = rows.float(), bias.float()
             self._rows = lambda z: F.linear(z, rows, bias)
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Scores [B, V] of every id for ``hidden`` [B, d]."""
-        return self._rows(hidden.float() @ self.proj.T)
+        """Scores [B, V] of every id for ``hidden`` [B, d]. fbgemm quantizes its input with one scale per call, so
+        int8 rows score one row per call: a row's set never depends on the rows batched beside it."""
+        z = hidden.float() @ self.proj.T  # [B, r]
+        if self.int8 and z.shape[0] > 1:
+            return torch.cat([self._rows(z[i : i + 1]) for i in range(z.shape[0])])
+        return self._rows(z)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         from dynvocab.runtime.policies.candidates import top_ids
@@ -203,28 +208,39 @@ class SelectedHead:
 
     def __init__(self, selector: BatchSelector):
         self.selector = selector
-        self._static: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight it was packed from, rows [k, d])
+        self._static: tuple | None = None  # (weight packed from, its rows [k', d], their slots [k'] or None: all)
 
     def select_and_score(self, hidden: torch.Tensor, weight: torch.Tensor, start: int = 0,
                          end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight``, in the
-        weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it, from
-        ``start``); ids outside them get ``-inf``."""
+        weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it); ids
+        outside them are ``-inf`` and not multiplied."""
         x = hidden.to(weight.dtype)
         ids = self.selector(hidden)  # [B, k]
-        local = ids if start == 0 and end is None else ids - start
-        inside = None if end is None else (ids >= start) & (ids < end)  # [B, k] the ids of this shard
-        if inside is not None:
-            local = torch.where(inside, local, 0)
+        if end is not None:
+            return self._shard(x, weight, ids, start, end), ids
         if isinstance(self.selector, StaticSelector):
             if self._static is None or self._static[0] is not weight:
-                self._static = (weight, weight.index_select(0, local[0]))
-            logits = F.linear(x, self._static[1])
-        elif ids.shape[0] == 1:
-            logits = F.linear(x, weight.index_select(0, local[0]))  # [1, k]
-        else:
-            logits = torch.bmm(weight[local], x[:, :, None])[..., 0]  # [B, k, d] @ [B, d, 1]
-        return (logits if inside is None else logits.masked_fill(~inside, float("-inf"))), ids
+                self._static = (weight, weight.index_select(0, self.selector.ids), None)
+            return F.linear(x, self._static[1]), ids
+        if ids.shape[0] == 1:
+            return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
+        return torch.bmm(weight[ids], x[:, :, None])[..., 0], ids  # [B, k, d] @ [B, d, 1]
+
+    def _shard(self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Logits [B, k] of the ids in rows ``start … end - 1`` (this shard's), ``-inf`` at the others: only this
+        shard's rows are gathered and multiplied (a static set's once, at the first call)."""
+        out = torch.full(ids.shape, float("-inf"), dtype=x.dtype, device=x.device)
+        if isinstance(self.selector, StaticSelector):
+            if self._static is None or self._static[0] is not weight:
+                cols = torch.nonzero((self.selector.ids >= start) & (self.selector.ids < end)).flatten()
+                self._static = (weight, weight.index_select(0, self.selector.ids[cols] - start), cols)
+            _, rows, cols = self._static
+            out[:, cols] = F.linear(x, rows)
+            return out
+        r, c = torch.nonzero((ids >= start) & (ids < end), as_tuple=True)  # this shard's (row, slot) pairs
+        out[r, c] = (weight[ids[r, c] - start] * x[r]).sum(dim=-1)
+        return out
 
 
 def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:

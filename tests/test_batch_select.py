@@ -1,0 +1,108 @@
+"""One selector, two hosts: the batched selectors (``runtime/policies/batch_select.py``) give, at one row, the sets
+dynvocab's own loop policies give; each row of a batch gets its own set; a selected head computes the full head's
+logits over the set; a vocab-parallel head's shards score each id once; the refusals are one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, load_bundle, write_bundle
+from dynvocab.artifacts.selectors import SelectorTable, random_selectors
+from dynvocab.errors import DynvocabError
+from dynvocab.runtime.policies.batch_select import (
+    BATCH_STRATEGIES, CentroidSelector, LowRankSelector, SelectedHead, SelectorSpec, StaticSelector, build_selector,
+    refusal, scatter_logits)
+from dynvocab.runtime.policies.candidates import CentroidPolicy, LowRankPolicy
+from dynvocab.runtime.policies.frequency import FrequencyPolicy
+
+V, D = 1000, 32
+EOS = torch.tensor([7])
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 500, (V,), generator=g)
+    rest = torch.argsort(counts, descending=True, stable=True)
+    freq = FreqTable(counts=counts, ranking=torch.cat([EOS, rest[rest != EOS[0]]]), eos_ids=EOS)
+    low, cen = random_selectors(V, D, g, rank=8, candidates=64, block=50, blocks=3)
+    fp = ModelFingerprint(V, "0" * 64, V, D)
+    stages = [Stage("freq", freq.to_tensors(), {}, {}), *(Stage(t.kind, t.tensors, t.config, {}) for t in (low, cen))]
+    path = write_bundle(tmp_path_factory.mktemp("b") / "b.safetensors", stages, fp, fp)
+    with load_bundle(path) as b:
+        yield b
+
+
+def ids_of(active) -> set[int]:
+    return set(active.ids().tolist())
+
+
+def test_lowrank_at_one_row_is_the_loop_policys_set(bundle):
+    """Both score with the same rows (fbgemm int8 where the CPU runs it, else float32)."""
+    table = SelectorTable.from_bundle(bundle, "lowrank")
+    policy = LowRankPolicy(LowRankPolicy.prepare(table, V, EOS, "cpu"), 64)
+    selector = build_selector(bundle, SelectorSpec("lowrank"), V, D)
+    hidden = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
+    batch = selector(hidden)  # [5, 64]
+    assert batch.shape == (5, 64)
+    for i in range(5):
+        one = selector(hidden[i : i + 1])[0]
+        assert set(one.tolist()) == set(batch[i].tolist())  # a row's set does not depend on its batch
+        assert set(one.tolist()) == ids_of(policy.active_ids(0, hidden[i : i + 1]))
+        assert 7 in set(one.tolist())  # EOS pinned
+    assert len({tuple(sorted(r.tolist())) for r in batch}) == 5  # each row its own set
+
+
+def test_centroids_at_one_row_is_the_loop_policys_set(bundle):
+    table = SelectorTable.from_bundle(bundle, "centroids")
+    policy = CentroidPolicy(CentroidPolicy.prepare(table, V, EOS, "cpu"), 3)
+    selector = build_selector(bundle, SelectorSpec("centroids"), V, D)
+    assert isinstance(selector, CentroidSelector) and selector.k == 3 * 50 + 1
+    hidden = torch.randn(4, D, generator=torch.Generator().manual_seed(2))
+    batch = selector(hidden)
+    for i in range(4):
+        assert set(batch[i].tolist()) == ids_of(policy.active_ids(0, hidden[i : i + 1]))
+
+
+def test_fr_is_the_rankings_prefix_for_every_row(bundle):
+    selector = build_selector(bundle, SelectorSpec("fr", 100), V, D)
+    assert isinstance(selector, StaticSelector)
+    ranking = FreqTable.from_bundle(bundle).ranking
+    policy = FrequencyPolicy(ranking, 100)
+    rows = selector(torch.randn(3, D))
+    assert all(set(r.tolist()) == set(policy.ids.tolist()) for r in rows)
+    assert build_selector(bundle, SelectorSpec("fr"), V, D).k == V  # default: FR-Spec's 32k, at most the vocabulary
+
+
+@pytest.mark.parametrize("strategy", BATCH_STRATEGIES)
+def test_selected_head_is_the_full_head_over_each_rows_set_and_shards_score_each_id_once(bundle, strategy):
+    g = torch.Generator().manual_seed(3)
+    weight, hidden = torch.randn(V, D, generator=g), torch.randn(6, D, generator=g)
+    spec = SelectorSpec(strategy, 100 if strategy == "fr" else None)
+    head = SelectedHead(build_selector(bundle, spec, V, D))
+    logits, ids = head.select_and_score(hidden, weight)
+    full = hidden @ weight.T
+    torch.testing.assert_close(logits, full.gather(1, ids))
+    rows = scatter_logits(logits, ids, V)
+    assert torch.equal(torch.isfinite(rows).sum(1), torch.tensor([len(set(r.tolist())) for r in ids]))
+    # two shards of the rows, as vLLM's ParallelLMHead splits them: each scores only its own ids, the max over
+    # shards is the unsharded logits
+    cut = 512
+    parts = [SelectedHead(head.selector).select_and_score(hidden, weight[a:b], a, b) for a, b in ((0, cut), (cut, V))]
+    assert all(torch.equal(p[1], ids) for p in parts)
+    torch.testing.assert_close(torch.maximum(parts[0][0], parts[1][0]), logits)
+    for (shard_logits, _), (a, b) in zip(parts, ((0, cut), (cut, V))):
+        assert torch.equal(torch.isfinite(shard_logits), (ids >= a) & (ids < b))
+
+
+def test_what_cannot_run_batched_is_refused_in_one_line(bundle):
+    for strategy in ("fr-pa", "dynaspec", "microspec", "hybrid", "evospec", "full", "nope"):
+        why = refusal(strategy)
+        assert why and "\n" not in why and strategy in why
+        with pytest.raises(DynvocabError, match="cannot run inside vLLM"):
+            build_selector(bundle, SelectorSpec(strategy), V, D)
+    with pytest.raises(DynvocabError, match="hidden size"):
+        build_selector(bundle, SelectorSpec("lowrank"), V, D + 1)
+    with pytest.raises(DynvocabError, match="at least 1"):
+        LowRankSelector(torch.zeros(2, D), torch.zeros(V, 2), torch.zeros(V), 0)
