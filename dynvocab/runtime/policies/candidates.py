@@ -21,43 +21,9 @@ import torch.nn.functional as F
 from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, SelectorTable
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet, Gathered
+from dynvocab.runtime.policies.batch_select import lowrank_selector
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.groups import Groups
-
-SAMPLE_STRIDE = 16  # top_ids: every 16th score estimates the threshold
-
-
-def top_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The ids of the ``k`` largest of ``scores`` [n] (unordered), exactly as ``topk`` gives them.
-
-    On a CPU ``topk`` over a vocabulary costs 0.5–1.8 ms (151,936–262,144 scores, k = 1,024–4,096, 2 threads),
-    more than the head it saves; a threshold from a strided sample keeps every score at or above it (~1.5 k
-    of them), and ``topk`` over those picks the same k (0.1–0.2 ms). Where fewer than k pass, or on another
-    device, plain ``topk``.
-    """
-    n = scores.numel()
-    if k >= n:
-        return torch.arange(n, device=scores.device)
-    if scores.device.type != "cpu" or n < 4 * k or k < SAMPLE_STRIDE:
-        return scores.topk(k, sorted=False).indices
-    sample = scores[::SAMPLE_STRIDE]
-    tau = sample.topk(min(sample.numel(), k // SAMPLE_STRIDE * 3 // 2 + 1), sorted=False).values.min()
-    cand = torch.nonzero(scores >= tau).flatten()
-    if cand.numel() < k:
-        return scores.topk(k, sorted=False).indices
-    return cand[scores[cand].topk(k, sorted=False).indices]
-
-
-def _scorer_rows(rows: torch.Tensor, bias: torch.Tensor, device: torch.device):
-    """``z [1, r] -> scores [1, V]`` over the low-rank rows: fbgemm int8 rows on a CPU that runs them (0.16 ms for
-    151,936 × 64 at one row, 2 threads, against 2 ms in float32), else float32."""
-    from dynvocab.models.prepack import Int8Rows, int8_supported
-
-    if int8_supported(device.type):
-        return Int8Rows(rows, bias).linear
-    rows, bias = rows.to(device), bias.to(device)
-    return lambda z: F.linear(z, rows, bias)
-
 
 @dataclass(frozen=True)
 class LowRankConfig:
@@ -102,42 +68,38 @@ def _table(ctx, kind: str) -> SelectorTable:
 
 
 class LowRankPolicy(VocabPolicy):
-    """Per draft step: score every id at rank r from the head's input, keep the top-k (EOS pinned)."""
+    """Per draft step: score every id at rank r from the head's input, keep the top-k (EOS pinned): the batched
+    :class:`~dynvocab.runtime.policies.batch_select.LowRankSelector` at one row, the one the vLLM plugin runs."""
 
     name = LOWRANK
 
     def __init__(self, scorer: tuple, k: int):
         """``scorer``: :meth:`prepare`'s. ``k``: candidate ids per step."""
-        if k < 1:
-            raise DynvocabError(f"lowrank needs at least 1 candidate (got {k})")
-        self.proj, self.score, self.device, n, self.budget = scorer
-        self.k = min(k, n)
+        selector, self.budget = scorer
+        self.selector = selector.with_k(k)
+        self.device = selector.proj.device
+        self.k = self.selector.k
 
     @staticmethod
     def prepare(table: SelectorTable, vocab_size: int, eos: torch.Tensor, device: torch.device | str) -> tuple:
-        """The scorer of ``table`` for a draft of ``vocab_size`` ids: ``(proj [r, d], z -> scores [1, V], device,
-        V, default budget)``, EOS pinned among the candidates."""
-        device = torch.device(device)
-        n = min(int(table.config["vocab_rows"]), vocab_size)
-        t = table.tensors
-        bias = t["bias"][:n].clone()
-        eos = eos[eos < n]
-        bias[eos] = torch.finfo(torch.float32).max / 4  # EOS always among the candidates
-        return t["proj"].to(device), _scorer_rows(t["rows"][:n], bias, device), device, n, int(table.config["budget"])
+        """The scorer of ``table`` for a draft of ``vocab_size`` ids: ``(LowRankSelector, default budget)``, EOS
+        pinned among the candidates (int8 rows where the CPU runs them: 0.16 ms for 151,936 × 64 at one row, 2
+        threads, against 2 ms in float32)."""
+        budget = int(table.config["budget"])
+        return lowrank_selector(table, vocab_size, eos, torch.device(device), budget), budget
 
     @classmethod
     def from_context(cls, cfg: LowRankConfig, ctx) -> "LowRankPolicy":
         """Build from the session's :class:`~dynvocab.runtime.registry.PolicyContext` (bundle stage ``lowrank``)."""
         scorer = _prepared(ctx, LOWRANK, lambda table: cls.prepare(table, ctx.vocab_size, ctx.eos, ctx.device))
-        return cls(scorer, cfg.candidates or scorer[4])
+        return cls(scorer, cfg.candidates or scorer[1])
 
     @torch.inference_mode()
     def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> ActiveSet:
         """The top-k ids of the low-rank scores of ``hidden`` [1, d]."""
         if hidden is None:
             raise ValueError("lowrank scores the draft hidden state; the loop must pass it")
-        scores = self.score(hidden.to(self.device, torch.float32) @ self.proj.T)[0]  # [V]
-        return ActiveSet.of(Gathered(top_ids(scores, self.k)))
+        return ActiveSet.of(Gathered(self.selector(hidden.to(self.device))[0]))
 
 
 class CentroidPolicy(VocabPolicy):
