@@ -247,9 +247,12 @@ class SelectedHead:
     of its own rows; the others are ``-inf`` in its logits, so a reduction over ranks (a max, vLLM's local-argmax
     exchange, or a gather of shards) sees each id scored once."""
 
-    def __init__(self, selector: BatchSelector):
+    def __init__(self, selector: BatchSelector, pack=None):
+        """``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a static set's rows are multiplied once packed (a host's
+        own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``)."""
         self.selector = selector
-        self._static: tuple | None = None  # (weight packed from, its rows [k', d], their slots [k'] or None: all)
+        self.pack = pack or (lambda rows: lambda x: F.linear(x, rows))
+        self._static: tuple | None = None  # (weight packed from, x -> logits over its rows, their slots or None)
 
     def select_and_score(self, hidden: torch.Tensor, weight: torch.Tensor, start: int = 0,
                          end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,8 +265,8 @@ class SelectedHead:
             return self._shard(x, weight, ids, start, end), ids
         if isinstance(self.selector, StaticSelector):
             if self._static is None or self._static[0] is not weight:
-                self._static = (weight, weight.index_select(0, self.selector.ids), None)
-            return F.linear(x, self._static[1]), ids
+                self._static = (weight, self.pack(weight.index_select(0, self.selector.ids)), None)
+            return self._static[1](x), ids
         if ids.shape[0] == 1:
             return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
         return torch.bmm(weight[ids], x[:, :, None])[..., 0], ids  # [B, k, d] @ [B, d, 1]
@@ -275,9 +278,9 @@ class SelectedHead:
         if isinstance(self.selector, StaticSelector):
             if self._static is None or self._static[0] is not weight:
                 cols = torch.nonzero((self.selector.ids >= start) & (self.selector.ids < end)).flatten()
-                self._static = (weight, weight.index_select(0, self.selector.ids[cols] - start), cols)
-            _, rows, cols = self._static
-            out[:, cols] = F.linear(x, rows)
+                self._static = (weight, self.pack(weight.index_select(0, self.selector.ids[cols] - start)), cols)
+            _, linear, cols = self._static
+            out[:, cols] = linear(x)
             return out
         r, c = torch.nonzero((ids >= start) & (ids < end), as_tuple=True)  # this shard's (row, slot) pairs
         out[r, c] = (weight[ids[r, c] - start] * x[r]).sum(dim=-1)

@@ -30,7 +30,7 @@ class DraftHeadPolicy:
 
     def __init__(self, selector: BatchSelector, vocab: int, strategy: str):
         """``vocab``: the width of the rows ``compute_logits`` returns (the target's vocabulary)."""
-        self.head = SelectedHead(selector)
+        self.head = SelectedHead(selector, pack=engine_linear)
         self.vocab = vocab
         self.strategy = strategy
 
@@ -101,6 +101,22 @@ def _scatter_inside(logits: torch.Tensor, ids: torch.Tensor, inside: torch.Tenso
     local = torch.where(inside, ids - start, 0)
     out = torch.full((logits.shape[0], rows), float("-inf"), dtype=logits.dtype, device=logits.device)
     return out.scatter_reduce_(1, local, logits.masked_fill(~inside, float("-inf")), "amax")
+
+
+def engine_linear(rows: torch.Tensor):
+    """``x -> x @ rows.T`` through the GEMM vLLM's own layers use on this platform: on a CPU its oneDNN handle on
+    prepacked rows (``model_executor/layers/utils.py:dispatch_cpu_unquantized_gemm``, what its full head runs; a
+    32k-row bfloat16 ``F.linear`` took ~4× the whole 151,936-row head there), elsewhere ``F.linear``."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return lambda x: torch.nn.functional.linear(x, rows)
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(rows.contiguous(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+    return lambda x: holder.cpu_linear(x, holder.weight, None)
 
 
 def draft_section(hf_config) -> dict:
