@@ -93,22 +93,27 @@ def _install_timer(model) -> None:
         setattr(model, name, timed)
 
 
+class _TimedSelector:
+    """A changing set's selector that adds its calls' time to the policy's ``selector_s``."""
+
+    def __init__(self, selector, policy):
+        self.inner, self.policy, self.k = selector, policy, selector.k
+
+    def __call__(self, hidden):
+        start = time.perf_counter()
+        out = self.inner(hidden)
+        self.policy.selector_s += time.perf_counter() - start
+        return out
+
+
 def _time_selector(policy) -> None:
-    """Time the policy's selector calls into the model's timer."""
-    selector = policy.head.selector
-    timer_holder = policy
-
-    class Timed:
-        k = selector.k
-
-        def __call__(self, hidden):
-            start = time.perf_counter()
-            out = selector(hidden)
-            timer_holder.selector_s = getattr(timer_holder, "selector_s", 0.0) + time.perf_counter() - start
-            return out
+    """Time the policy's selector calls (a static set's selector is left as it is: its rows are packed once, and
+    its call is a view of its ids)."""
+    from dynvocab.runtime.policies.batch_select import StaticSelector
 
     policy.selector_s = 0.0
-    policy.head.selector = Timed()
+    if not isinstance(policy.head.selector, StaticSelector):
+        policy.head.selector = _TimedSelector(policy.head.selector, policy)
 
 
 def read_timer(worker) -> dict:
