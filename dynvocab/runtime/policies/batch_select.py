@@ -282,7 +282,12 @@ class SelectedHead:
             _, linear, cols = self._static
             out[:, cols] = linear(x)
             return out
-        r, c = torch.nonzero((ids >= start) & (ids < end), as_tuple=True)  # this shard's (row, slot) pairs
+        inside = (ids >= start) & (ids < end)
+        if ids.shape[0] == 1:  # one row: one gather of the shard's rows, one GEMV
+            c = torch.nonzero(inside[0]).flatten()
+            out[0, c] = F.linear(x, weight.index_select(0, ids[0, c] - start))[0]
+            return out
+        r, c = torch.nonzero(inside, as_tuple=True)  # this shard's (row, slot) pairs
         out[r, c] = (weight[ids[r, c] - start] * x[r]).sum(dim=-1)
         return out
 
