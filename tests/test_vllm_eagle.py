@@ -89,11 +89,13 @@ def models(tmp_path_factory) -> dict:
 
 
 def run_rows(tmp_path: Path, request: dict) -> dict:
-    """``request`` through the driver in a child process (``python -m dynvocab.serving.vllm.run``): rows by name."""
+    """``request`` through the driver in a child process (``python -m dynvocab.serving.vllm.run``): rows by name
+    (at tensor_parallel_size 2, one core per rank)."""
     req, out = tmp_path / "request.json", tmp_path / "out.json"
     req.write_text(json.dumps(request))
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if request.get("tensor_parallel_size", 1) == 2 else {}
     proc = subprocess.run([sys.executable, "-m", "dynvocab.serving.vllm.run", str(req), str(out)],
-                          env={**os.environ, **ENGINE_ENV}, capture_output=True, text=True, timeout=600)
+                          env={**os.environ, **ENGINE_ENV, **bind}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {row["name"]: row for row in json.loads(out.read_text())["rows"]}
 
@@ -103,15 +105,10 @@ def counters(row: dict) -> tuple:
     return r["drafts"], r["accepted_tokens"], tuple(r["accepted_per_pos"])
 
 
-@pytest.fixture(scope="module")
-def greedy(models, tmp_path_factory) -> dict:
-    """Plain vLLM; vLLM's own eagle3 on the speculators head and on the d2t head; the plugin's EAGLE-1 folder
-    (get_top_tokens: local argmax) and EAGLE-3 folder (compute_logits) with their full head and each strategy."""
-    root = tmp_path_factory.mktemp("vllm_eagle_folders")
-    rows = [{"name": "plain"}]
-    for name in ("speculators", "eagle3-d2t"):
-        rows.append({"name": f"own:{name}", "speculative_config": {
-            "method": "eagle3", "model": str(models[name]), "num_speculative_tokens": 3}})
+def plugin_rows(models, root: Path) -> list[dict]:
+    """The plugin's EAGLE-1 folder (get_top_tokens: local argmax) and EAGLE-3 folder (compute_logits), each with
+    its full head, every strategy, and a set of every id."""
+    rows = []
     for kind, local in (("eagle1", True), ("eagle3", False)):
         folder = write_draft_folder(models["bundle"], str(models[kind]), "lowrank", root / kind)
         spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": 3}
@@ -120,9 +117,24 @@ def greedy(models, tmp_path_factory) -> dict:
         rows.append({"name": f"{kind}:full", "speculative_config": spec})
         rows += [{"name": f"{kind}:{s}", "speculative_config": spec, "strategy": s, "budget": b} for s, b in STRATEGIES]
         rows.append({"name": f"{kind}:every-id", "speculative_config": spec, "strategy": "lowrank", "budget": 10**6})
-    request = {"target": str(models["target"]), "dtype": "float32", "max_model_len": 256, "max_tokens": 24,
-               "ignore_eos": True, "prompts": PROMPTS, "batch": True, "bundle": str(models["bundle"]), "rows": rows}
-    return run_rows(tmp_path_factory.mktemp("vllm_eagle_run"), request)
+    return rows
+
+
+def request(models, rows: list[dict], **extra) -> dict:
+    return {"target": str(models["target"]), "dtype": "float32", "max_model_len": 256, "max_tokens": 24,
+            "ignore_eos": True, "prompts": PROMPTS, "batch": True, "bundle": str(models["bundle"]), "rows": rows,
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def greedy(models, tmp_path_factory) -> dict:
+    """Plain vLLM; vLLM's own eagle3 on the speculators head and on the d2t head; the plugin's rows."""
+    rows = [{"name": "plain"}]
+    for name in ("speculators", "eagle3-d2t"):
+        rows.append({"name": f"own:{name}", "speculative_config": {
+            "method": "eagle3", "model": str(models[name]), "num_speculative_tokens": 3}})
+    rows += plugin_rows(models, tmp_path_factory.mktemp("vllm_eagle_folders"))
+    return run_rows(tmp_path_factory.mktemp("vllm_eagle_run"), request(models, rows))
 
 
 def test_every_row_equals_plain(greedy):
@@ -139,6 +151,18 @@ def test_the_plugin_scores_the_hidden_state_vllm_reads(greedy, kind):
     full = counters(greedy[f"{kind}:full"])
     assert full[1] > 0  # the head initialised from the target is read as dynvocab wrote it
     assert counters(greedy[f"{kind}:every-id"]) == full  # same drafts, token for token
+
+
+def test_eagle_heads_at_two_ranks_equal_plain_vllm_at_two_ranks(models, tmp_path_factory):
+    """The EAGLE heads' vocab-parallel head (tensor_parallel_size 2, one core per rank): every strategy's greedy
+    output equals plain vLLM at two ranks, and a set of every id drafts exactly as the full head."""
+    rows = [{"name": "plain"}] + plugin_rows(models, tmp_path_factory.mktemp("vllm_eagle_tp_folders"))
+    result = run_rows(tmp_path_factory.mktemp("vllm_eagle_tp"), request(models, rows, tensor_parallel_size=2))
+    plain = result["plain"]["token_ids"]
+    for name, row in result.items():
+        assert row["token_ids"] == plain, name
+    for kind in ("eagle1", "eagle3"):
+        assert counters(result[f"{kind}:every-id"]) == counters(result[f"{kind}:full"]), kind
 
 
 def test_eagle3_layer_ids_reach_vllm_as_the_speculators_heads(greedy):
