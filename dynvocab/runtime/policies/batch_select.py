@@ -2,9 +2,9 @@
 batched, device-side functions ``hidden [B, d] -> ids [B, k]`` of a fixed ``k``.
 
 dynvocab's own loop calls them with ``B = 1`` (:class:`~dynvocab.runtime.policies.candidates.LowRankPolicy` is a
-:class:`LowRankSelector`; the centroid policy keeps its row ranges for the loop's packed head and is checked against
-:class:`CentroidSelector` in tests/test_batch_select.py); the vLLM plugin (:mod:`dynvocab.serving.vllm`) calls them with the engine's
-batch, each row its own set. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,
+:class:`LowRankSelector`; the centroid policy keeps its row ranges for the loop's packed head and is checked
+against :class:`CentroidSelector` in tests/test_batch_select.py); the vLLM plugin (:mod:`dynvocab.serving.vllm`)
+calls them with the engine's batch, each row its own set. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,
 ``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score them (:class:`SelectedHead`);
 :func:`scatter_logits` is its ``forward`` (a full row, ``-inf`` outside the set, so sampling sees q = 0 there).
 
@@ -33,8 +33,6 @@ from dynvocab.errors import DynvocabError
 
 BATCH_STRATEGIES = ("fr", LOWRANK, CENTROIDS)  # the policies a batched host (the vLLM plugin) can run
 DEFAULT_FR_SIZE = 32768  # FR-Spec's K
-
-
 SAMPLE_STRIDE = 16  # top_ids: every 16th score estimates the threshold
 
 
@@ -76,10 +74,6 @@ class StaticSelector:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ids.expand(hidden.shape[0], self.k)
-
-    def to(self, device: torch.device | str) -> "StaticSelector":
-        """The selector with its ids on ``device``."""
-        return StaticSelector(self.ids.to(device))
 
 
 class LowRankSelector:
