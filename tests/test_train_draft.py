@@ -386,7 +386,7 @@ def test_batched_features_equal_one_document_at_a_time(target_dir, corpus_txt, t
         features.extract(model, iter(docs), folder, manifest, cfg, 10, SilentReporter())
         shards[per_pass] = [load_file(str(features.shard_path(folder, i))) for i in range(2)]
     for one, batched in zip(shards[1], shards[4]):
-        for name in ("ids", "offsets", "doc", "argmax"):
+        for name in ("ids", "offsets", "doc", "argmax", "topk"):
             assert torch.equal(one[name], batched[name]), name
         for name in ("last", "aux"):
             torch.testing.assert_close(one[name].float(), batched[name].float(), atol=2e-2, rtol=2e-2)  # stored bf16

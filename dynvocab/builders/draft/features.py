@@ -17,7 +17,9 @@ Per document of tokens x_0..x_{T-1} a shard keeps, at every position s:
 - ``aux`` [T, 3d] (EAGLE-3 only): the hidden states *entering* target layers ``EagleConfig.target_layers(L)``
   (default (2, L//2, L-3)), concatenated low to high, exactly as :class:`dynvocab.models.eagle.LayerTap` taps
   them at run time,
-- ``argmax`` [T]: the target's greedy next token after position s (held-out agreement, EAGLE-3's loss mask).
+- ``argmax`` [T]: the target's greedy next token after position s (held-out agreement, EAGLE-3's loss mask),
+- ``topk`` [T, k]: the target's ``topk`` most likely next tokens (EAGLE-1's sampled loss scores these ids and a
+  uniform sample of the rest instead of all V rows).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class FeatureConfig:
     dtype: str | None = None  # the target's dtype for the pass; None: float32 on CPU (bf16 prefill is ~5x slower
     # there), bfloat16 on a GPU. train_draft resolves it, so the manifest records the dtype that ran
     store_dtype: str = "bfloat16"  # features on disk (half the bytes; training upcasts)
+    topk: int = 16  # the target's most likely next ids kept per position (EAGLE-1's sampled loss)
     batch_docs: int | None = None  # documents per target pass (speed only: not part of what the features are);
     # None: 8 on a GPU, 1 on CPU, where a 256-token document already fills the matmuls (8 per pass measured no
     # faster, docs/train-draft.md) and padding only adds work
@@ -123,9 +126,9 @@ def needs_extraction(manifest: dict, max_docs: int) -> bool:
 
 
 @torch.inference_mode()
-def batch_features(model, batch: list[list[int]], entering: tuple[int, ...] | None, tap) -> dict[str, torch.Tensor]:
-    """Documents through the target in one pass: ``last`` [N, d], ``argmax`` [N] and (EAGLE-3) ``aux`` [N, 3d] over
-    their N = Σ T_b tokens, document after document.
+def batch_features(model, batch: list[list[int]], entering: tuple[int, ...] | None, tap, topk: int = 16) -> dict[str, torch.Tensor]:
+    """Documents through the target in one pass: ``last`` [N, d], ``argmax`` [N], ``topk`` [N, k] and (EAGLE-3)
+    ``aux`` [N, 3d] over their N = Σ T_b tokens, document after document.
 
     The documents are right-padded to the longest: causal attention already keeps every real position from the
     padding, which only ever comes after it, so each document's features are those of its own pass (to float
@@ -140,8 +143,12 @@ def batch_features(model, batch: list[list[int]], entering: tuple[int, ...] | No
         x[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     real = (torch.arange(x.shape[1])[None] < lengths[:, None]).to(device)  # [B, T]
     last = body(input_ids=x.to(device)).last_hidden_state[real]  # [N, d]
-    argmax = torch.cat([head(c).argmax(-1) for c in last.split(256)])  # [N]; chunks bound the [c, V] logits
-    out = {"last": last, "argmax": argmax.to(torch.int32)}
+    argmax, top = [], []
+    for c in last.split(256):  # chunks bound the [c, V] logits
+        logits = head(c)  # [c, V]
+        argmax.append(logits.argmax(-1))
+        top.append(logits.topk(min(topk, logits.shape[-1]), dim=-1).indices)
+    out = {"last": last, "argmax": torch.cat(argmax).to(torch.int32), "topk": torch.cat(top).to(torch.int32)}
     if entering:
         out["aux"] = tap.batch_features()[real]  # [N, 3d]
     return out
@@ -176,7 +183,7 @@ def extract(
             chunks = _chunks(itertools.islice(documents, max_docs), cfg.shard_docs)
             for index, batch in enumerate(chunks):
                 if index % ranks.world == ranks.rank:
-                    ran += _shard(model, batch, index, docs, folder, store, entering, tap, cfg.batch_docs or 1)
+                    ran += _shard(model, batch, index, docs, folder, store, entering, tap, cfg)
                     # rank 0's bar counts every rank's documents, taking the others to keep its pace
                     advance(len(batch) * ranks.world, description=_rate("target features", ran * ranks.world, started))
                 docs += len(batch)
@@ -220,18 +227,19 @@ def _shard_docs(path: Path) -> int:
         return f.get_slice("doc").get_shape()[0]
 
 
-def _shard(model, batch, index, first_doc, folder, store, entering, tap, per_pass: int) -> int:
+def _shard(model, batch, index, first_doc, folder, store, entering, tap, cfg: FeatureConfig) -> int:
     """Write shard ``index`` unless a shard of the same documents exists (a shorter last shard left by a run of
-    fewer documents is recomputed); returns the tokens computed now. The target runs over ``per_pass`` documents
+    fewer documents is recomputed); returns the tokens computed now. The target runs over ``cfg.batch_docs`` documents
     at a time, taken in length order so that little is padded."""
     path = shard_path(folder, index)
     if _shard_docs(path) == len(batch):
         return 0
+    per_pass = cfg.batch_docs or 1
     order = sorted(range(len(batch)), key=lambda k: len(batch[k]))
     docs: dict[int, dict[str, torch.Tensor]] = {}
     for start in range(0, len(order), max(1, per_pass)):
         group = order[start : start + max(1, per_pass)]
-        out = batch_features(model, [batch[k] for k in group], entering, tap)
+        out = batch_features(model, [batch[k] for k in group], entering, tap, cfg.topk)
         split = [len(batch[k]) for k in group]
         for name, tensor in out.items():
             for k, part in zip(group, tensor.split(split)):
@@ -242,6 +250,7 @@ def _shard(model, batch, index, first_doc, folder, store, entering, tap, per_pas
         "offsets": torch.tensor([0, *torch.tensor([len(b) for b in batch]).cumsum(0).tolist()], dtype=torch.int64),  # [D+1]
         "doc": torch.arange(first_doc, first_doc + len(batch), dtype=torch.int64),  # [D]
         "argmax": torch.cat([p["argmax"] for p in parts]).cpu(),  # [N]
+        "topk": torch.cat([p["topk"] for p in parts]).cpu(),  # [N, k]
         "last": torch.cat([p["last"] for p in parts]).to("cpu", store),  # [N, d]
     }
     if entering:
@@ -306,12 +315,14 @@ class FeatureReader:
         return self.index[k][3]
 
     def read(self, k: int) -> dict[str, torch.Tensor]:
-        """Document ``k``: ``ids`` [T] long, ``argmax`` [T] long, ``last`` [T, d] float32, ``aux`` [T, 3d] float32."""
+        """Document ``k``: ``ids`` [T] long, ``argmax`` [T] long, ``topk`` [T, k] long, ``last`` [T, d] float32,
+        ``aux`` [T, 3d] float32."""
         s, a, b, _ = self.index[k]
         f = self.files[s]
         out = {
             "ids": f.get_slice("ids")[a:b].long(),
             "argmax": f.get_slice("argmax")[a:b].long(),
+            "topk": f.get_slice("topk")[a:b].long(),
             "last": f.get_slice("last")[a:b].float(),
         }
         if self.has_aux:

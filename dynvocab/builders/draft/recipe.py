@@ -2,7 +2,10 @@
 
 - **EAGLE-1** (SafeAILab/EAGLE ``eagle/train/main.py``): the head predicts the target's next feature; loss
   ``SmoothL1(f̂, f) + 0.1 · CE(softmax(W f), log_softmax(W f̂))`` with W the target's (frozen) LM head, and uniform
-  noise on the input features (``AddUniformNoise``).
+  noise on the input features (``AddUniformNoise``). With ``negatives`` the cross-entropy is a sampled one
+  (:func:`candidate_rows`): it scores the target's cached top-k ids at the batch's positions and a uniform sample
+  of the other ids, importance-weighted, instead of all V rows (for a 262k head, ~50× fewer rows, three times per
+  token); the held-out evaluation always scores the full head.
 - **EAGLE-3** (``eagle/traineagle3/cnets.py``): soft cross-entropy against the target's distribution restricted
   to the draft vocabulary (``target_head[..., t2d]`` then softmax), only where the target's argmax is in the
   draft vocabulary (``position_mask``); a training-time test over several chained steps, step i weighted 0.8^i
@@ -22,6 +25,7 @@ document's, or a whole global batch's spread over micro-batches and ranks: one m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +76,15 @@ def unroll(
     draft_ids: torch.Tensor | None,
     noise: float = 0.0,
     generators: list[torch.Generator | None] | None = None,
+    negatives: torch.Tensor | None = None,
 ) -> list[StepResult]:
     """The losses of ``steps`` chained steps over the documents ``docs`` (each of 2 tokens or more), together.
 
     Each doc: ``ids`` [T], ``argmax`` [T], ``last`` [T, d] (and ``aux`` [T, 3d] for EAGLE-3) from the feature
     cache. ``target_head`` [V, d]: EAGLE-1, the target's LM head; EAGLE-3, its rows for the draft vocabulary
     ([K, d], in draft order ``draft_ids`` [K]). ``generators[b]`` draws document b's feature noise (of its own
-    shape, so a document gets the same noise in any batch).
+    shape, so a document gets the same noise in any batch). ``negatives`` [U] (EAGLE-1 only): the uniform sample of
+    :func:`candidate_rows`; None scores the whole head.
     """
     from transformers import DynamicCache
 
@@ -97,6 +103,8 @@ def unroll(
         inputs.append(f[0])
     features = _padded(inputs, n).to(device)  # [B, n, f]
     ids, argmax = ids.to(device), argmax.to(device)
+    sampled = negatives is not None and model.kind == EAGLE1
+    topk = _padded([d["topk"] for d in docs], width).to(device) if sampled else None  # [B, width, k]
     index = torch.arange(n, device=device)[None]  # [1, n]
     cache = DynamicCache(config=model.layer_config)
     results = []
@@ -107,7 +115,10 @@ def unroll(
         valid = index < torch.tensor(lengths, device=device)[:, None] - i  # [B, n]: target position t+1+i exists
         out = head_in[valid]  # [N_i, d], document after document
         teacher, target_argmax = last[:, 1 + i : 1 + i + n][valid], argmax[:, 1 + i : 1 + i + n][valid]
-        if model.kind == EAGLE1:
+        if sampled:
+            rows, shift, ids_c = candidate_rows(target_head, topk[:, 1 + i : 1 + i + n][valid], target_argmax, negatives)
+            results.append(_eagle1_loss(out, teacher, rows, target_argmax, shift, ids_c))
+        elif model.kind == EAGLE1:
             results.append(_eagle1_loss(out, teacher, target_head, target_argmax))
         else:
             results.append(_eagle3_loss(model, out, teacher, target_head, draft_ids, target_argmax))
@@ -122,15 +133,38 @@ def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def _eagle1_loss(out, teacher, head, argmax) -> StepResult:
+def candidate_rows(head: torch.Tensor, topk: torch.Tensor, argmax: torch.Tensor, negatives: torch.Tensor):
+    """The rows a sampled cross-entropy scores: (rows [C, d], logit shift [C], their ids [C]).
+
+    C = the target's top-k ids at the positions (``topk`` [n, k]) and their argmax (the ids holding most of the
+    target's mass), then the ``negatives`` [U] not among them, a uniform sample of the remaining R = V − |top| ids.
+    Each sampled id's logit is shifted by log(R / U'), U' the sampled ids kept, so that its exp stands for the R/U'
+    ids it represents: Σ over C of exp(logit + shift) is an unbiased estimate of the softmax's normaliser over all V
+    (sampled softmax with a uniform proposal), for the target's distribution and the head's alike.
+    """
+    top = torch.unique(torch.cat([topk.reshape(-1), argmax]))  # [T]
+    rest = negatives[~torch.isin(negatives, top)]  # [U']
+    ids = torch.cat([top, rest])  # [C]
+    shift = torch.zeros(ids.numel(), device=head.device)
+    if rest.numel():
+        shift[top.numel():] = math.log((head.shape[0] - top.numel()) / rest.numel())
+    return head[ids], shift, ids
+
+
+def _eagle1_loss(out, teacher, head, argmax, shift=None, ids=None) -> StepResult:
     """main.py: vloss (SmoothL1 per position, mean over d) + 0.1 · soft CE through the target's head, summed over
-    positions."""
+    positions. ``head`` is the whole head, or the candidate rows of :func:`candidate_rows` with their ``shift``
+    and ``ids`` (then the agreement counted is the argmax among the candidates: a training figure only)."""
     with torch.no_grad():
-        p = torch.softmax(F.linear(teacher, head).float(), dim=-1)  # [n, V]
-    logits = F.linear(out, head).float()  # [n, V]
+        p = F.linear(teacher, head).float()  # [n, V] or [n, C]
+        p = torch.softmax(p if shift is None else p + shift, dim=-1)
+    logits = F.linear(out, head).float()  # [n, V] or [n, C]
+    if shift is not None:
+        logits = logits + shift
     vloss = F.smooth_l1_loss(out.float(), teacher, reduction="none").mean(-1).sum()
     ploss = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).sum()
-    agree = int((logits.argmax(-1) == argmax).sum())
+    best = logits.argmax(-1)
+    agree = int(((best if ids is None else ids[best]) == argmax).sum())
     return StepResult(vloss + EAGLE1_P_WEIGHT * ploss, agree, argmax.numel())
 
 

@@ -32,14 +32,14 @@ import torch
 
 from dynvocab.builders.corpus import CorpusConfig, check_sources, encode_documents
 from dynvocab.builders.draft import features as feats
-from dynvocab.builders.draft import recipe, vocab
+from dynvocab.builders.draft import distill, recipe, vocab
 from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
 from dynvocab.builders.draft.ranks import Ranks, joined
 from dynvocab.builders.models import end_token_ids, fingerprint
 from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
-from dynvocab.models import default_device, load_model, load_tokenizer, resolve_model
+from dynvocab.models import default_device, default_dtype, load_model, load_tokenizer, resolve_model
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
 from dynvocab.models.eagle.modules import embedding_scale
 
@@ -66,6 +66,8 @@ class OptimConfig:
     seed: int = 0
     batch_docs: int = 1  # documents per optimizer step, over all ranks together (the global batch)
     micro_docs: int = 8  # documents per forward pass on one rank (speed and memory only: not part of the recipe)
+    negatives: int = 4096  # EAGLE-1: uniformly sampled ids its sampled cross-entropy scores beside the target's
+    # cached top-k (recipe.candidate_rows), drawn anew each step; 0: the whole head at every position
 
     def steps_for(self, kind: str) -> int:
         return self.ttt_steps if self.ttt_steps is not None else (1 if kind == EAGLE1 else 3)
@@ -87,6 +89,7 @@ class TrainDraftConfig:
     layout: str = "eagle"  # eagle: the EAGLE repo layout of its kind; speculators: vllm-project/speculators (EAGLE-3)
     device: str | None = None
     features_dir: str | None = None  # the feature cache (default OUT/work/features); heads may share one
+    distill: distill.DistillConfig | None = None  # train on the target's own continuations of the corpus's prompts
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,10 @@ def check_config(cfg: TrainDraftConfig) -> None:
             raise DynvocabError(f"{flag} must be at least {low}, got {value}")
     if not o.lr > 0:
         raise DynvocabError(f"--lr must be positive, got {o.lr}")
+    if o.negatives < 0:
+        raise DynvocabError(f"--negatives must be 0 (the whole head) or positive, got {o.negatives}")
+    if cfg.distill is not None:
+        cfg.distill.check()
 
 
 def _encode(cfg: TrainDraftConfig, tokenizer):
@@ -158,13 +165,20 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     layers = len(getattr(model, model.base_model_prefix).layers)
     head_cfg = _head_config(model, kind, cfg, layers)
     entering = head_cfg.target_layers(layers) if kind == EAGLE3 else None
-    settings = feats.settings_of(cfg.features, cfg.corpus.describe(), entering)
+    if cfg.distill is not None:
+        cfg = replace(cfg, distill=replace(cfg.distill, dtype=cfg.distill.dtype or default_dtype(device)))
+    settings = feats.settings_of(cfg.features, _corpus_settings(cfg), entering)
     folder = Path(cfg.features_dir) if cfg.features_dir else work / "features"
     manifest = ranks.on_main(lambda: feats.open_manifest(folder, target_fp, settings))
     start = time.perf_counter()
     extracted = feats.needs_extraction(manifest, cfg.corpus.max_docs)
+    made = {}
     if extracted:
         all_docs = itertools.chain([first], documents)
+        if cfg.distill is not None:
+            docs_dir = folder / "documents"
+            made = ranks.on_main(lambda: _self_distill(spec, model, tokenizer, all_docs, docs_dir, cfg, device, target_fp, reporter))
+            all_docs = distill.documents(docs_dir, cfg.corpus.max_docs, cfg.features.max_tokens)
         feats.extract(model, all_docs, folder, manifest, cfg.features, cfg.corpus.max_docs, reporter, ranks)
     features = feats.load_features(folder, cfg.corpus.max_docs)
     reader = feats.FeatureReader(features, aux=kind == EAGLE3)
@@ -193,7 +207,8 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
         "config": _describe(cfg),
         "data": {"docs": features.docs, "tokens": reader.tokens, "shards": len(features.shards),
                  "train_docs": history["train_docs"], "heldout_docs": history["heldout_docs"],
-                 "extract": features.manifest.get("extract", {}) if extracted else {}, "features_dir": str(folder)},
+                 "extract": features.manifest.get("extract", {}) if extracted else {}, "features_dir": str(folder),
+                 "self_distilled": _distill_summary(cfg, folder, features.docs, made)},
         "draft_vocab": vocab_info,
         "target_layers": list(entering or ()),
         "steps": history["step"],
@@ -216,6 +231,38 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
 
     ranks.on_main(publish)  # every rank returns once the head is written
     return TrainDraftReport(out, info)
+
+
+def _corpus_settings(cfg: TrainDraftConfig) -> dict:
+    """What the documents are, as the feature cache's manifest records it: the corpus, and how the target rewrote it."""
+    corpus = cfg.corpus.describe()
+    if cfg.distill is not None:
+        corpus["self_distill"] = asdict(cfg.distill)
+    return corpus
+
+
+def _self_distill(spec, model, tokenizer, prompts, folder: Path, cfg: TrainDraftConfig, device: str, target_fp,
+                  reporter: Reporter) -> dict:
+    """The target's own documents for the first ``max_docs`` prompts (resuming ``folder``); the target generates in
+    the distill dtype (a second copy when it differs from the feature pass's). Returns what was generated now."""
+    manifest = distill.open_manifest(folder, target_fp, distill.settings_of(cfg.distill, cfg.corpus.describe()))
+    if not distill.needs_generation(manifest, cfg.corpus.max_docs):
+        return {}
+    same = cfg.distill.dtype == cfg.features.dtype
+    writer = model if same else load_model(spec, device, cfg.distill.dtype)
+    try:
+        manifest = distill.generate(writer, tokenizer, prompts, folder, manifest, cfg.distill, cfg.corpus.max_docs,
+                                    end_token_ids(spec, tokenizer), reporter)
+    finally:
+        del writer
+        gc.collect()
+    return manifest.get("generate", {})
+
+
+def _distill_summary(cfg: TrainDraftConfig, folder: Path, docs: int, made: dict) -> dict:
+    if cfg.distill is None:
+        return {}
+    return {**distill.summary(folder / "documents", docs), "generate": made, "settings": asdict(cfg.distill)}
 
 
 def _check_layout_fits(cfg: TrainDraftConfig, model, target: str) -> None:
@@ -325,6 +372,7 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
             if not batch:
                 state["step"] += 1
                 continue
+            negatives = _negatives(o, kind, target_head, step)
             lengths = [reader.length(k) - 1 for _, k in batch]  # training indices per document
             positions = [sum(max(0, n - i) for n in lengths) for i in range(steps)]  # per chained step, whole batch
             head.train()
@@ -335,7 +383,7 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
                 docs = [reader.read(k) for _, k in micro]
                 gens = [torch.Generator().manual_seed(o.seed * 1_000_003 + sample) for sample, _ in micro]
                 with autocast():
-                    results = recipe.unroll(head, docs, steps, target_head, draft_ids, o.noise_for(kind), gens)
+                    results = recipe.unroll(head, docs, steps, target_head, draft_ids, o.noise_for(kind), gens, negatives)
                     loss = recipe.weighted_loss(results, positions)  # this micro-batch's share of the batch's mean
                 loss.backward()
                 total_loss += loss.detach()
@@ -360,6 +408,15 @@ def _train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pa
                 _checkpoint(ckpt, head, opt, sched, state)
     head.eval()
     return {**state, "train_docs": len(train), "heldout_docs": len(heldout)}
+
+
+def _negatives(o: OptimConfig, kind: str, target_head: torch.Tensor, step: int) -> torch.Tensor | None:
+    """EAGLE-1's uniform sample of head ids for step ``step`` (seeded by the seed and the step, so a resumed run draws
+    the same); None for EAGLE-3 or ``negatives`` 0 (the whole head)."""
+    if kind != EAGLE1 or o.negatives == 0:
+        return None
+    draw = torch.randperm(target_head.shape[0], generator=torch.Generator().manual_seed(o.seed * 7919 + step))
+    return draw[: o.negatives].to(target_head.device)
 
 
 def _lr_factor(step: int, warmup: int, total: int) -> float:

@@ -1,0 +1,220 @@
+"""Self-distilled training documents for ``train-draft --self-distill``: the target's own continuations of corpus
+prompts, generated in batches, cached in shards, resumable.
+
+A draft head must predict what the *target* writes at run time, not what people wrote: SpecForge regenerates every
+assistant turn with the target before training (``scripts/regenerate_train_data.py``), Medusa-2 self-distills,
+and speculators computes its verifier's states in a separate data-generation step. Here each corpus document
+gives a prompt (its first ``prompt_tokens`` tokens, after the BOS token the tokenizer puts before a prompt at run
+time), and the target continues it by ``new_tokens`` tokens, greedily (``temperature`` 0) or sampled, stopping
+at an end token. Document = prompt + continuation; the feature pass (:mod:`.features`) then runs over these
+documents as over corpus text.
+
+The target generates ``batch`` prompts per call (left-padded, one batched pass per new token: a CPU makes them at
+the rate of a batched pass, not one token at a time), in the dtype the runtime would use (bfloat16 on CPUs with
+native bf16). Each batch is one shard, written whole (``dynvocab.files.write_atomic``); a rerun skips finished
+shards, and a manifest records the target's fingerprint and every setting the documents depend on, so documents of
+another target or other settings are refused instead of mixed. Sampling draws from a generator seeded by the seed
+and the shard index, so a resumed run writes the same documents as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from dynvocab.artifacts import ModelFingerprint
+from dynvocab.builders.progress import Reporter
+from dynvocab.errors import DynvocabError
+from dynvocab.files import write_atomic
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """How the target's own documents are made (any change means other documents)."""
+
+    prompt_tokens: int = 64  # corpus tokens the target continues (after its BOS)
+    new_tokens: int = 192  # tokens the target writes per prompt (fewer when it ends)
+    temperature: float = 0.0  # 0: greedy; > 0: sampled from the target's full distribution (no top-k/top-p)
+    batch: int = 16  # prompts per generation call and per cache shard
+    dtype: str | None = None  # the target's dtype while generating; None: the runtime's default for the device
+    seed: int = 0
+
+    def check(self) -> None:
+        """One-line refusals of impossible settings."""
+        for flag, value, low in (("--distill-prompt-tokens", self.prompt_tokens, 1),
+                                 ("--distill-new-tokens", self.new_tokens, 1), ("--distill-batch", self.batch, 1)):
+            if value < low:
+                raise DynvocabError(f"{flag} must be at least {low}, got {value}")
+        if self.temperature < 0:
+            raise DynvocabError(f"--distill-temperature must be 0 (greedy) or positive, got {self.temperature}")
+
+
+def shard_path(folder: Path, index: int) -> Path:
+    """The file of shard ``index`` (prompts ``[index·batch, (index+1)·batch)``)."""
+    return folder / f"docs-{index:05d}.safetensors"
+
+
+def open_manifest(folder: Path, fingerprint: ModelFingerprint, settings: dict) -> dict:
+    """The manifest of ``folder`` (created when absent); another target or other settings are refused."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / MANIFEST
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("format_version") != FORMAT_VERSION:
+            raise DynvocabError(f"{folder} holds self-distilled documents in another format; delete that folder")
+        diffs = ModelFingerprint.from_dict(old["target"]).differences(fingerprint)
+        if diffs:
+            raise DynvocabError(f"{folder} holds another target's documents ({diffs[0]}); use another --out or delete it")
+        if old["settings"] != settings:
+            changed = sorted(k for k in settings if old["settings"].get(k) != settings[k])
+            raise DynvocabError(
+                f"{folder} holds documents made with other settings ({', '.join(changed)}); "
+                "rerun with the same options, use another --out, or delete that folder"
+            )
+        return old
+    manifest = {"format_version": FORMAT_VERSION, "target": fingerprint.as_dict(), "settings": settings, "docs": 0,
+                "exhausted": False}
+    _write_manifest(folder, manifest)
+    return manifest
+
+
+def with_bos(prompt: list[int], tokenizer) -> list[int]:
+    """``prompt`` after the BOS token the tokenizer puts before a prompt (``tokenizer(text)``), as the runtime
+    encodes prompts; unchanged for a tokenizer that adds none."""
+    bos = tokenizer.bos_token_id
+    adds = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+    return [bos, *prompt] if adds and prompt[:1] != [bos] else list(prompt)
+
+
+@torch.inference_mode()
+def continue_batch(model, prompts: list[list[int]], cfg: DistillConfig, pad_id: int, end_ids: list[int],
+                   seed: int) -> list[list[int]]:
+    """The target's continuations of ``prompts`` (one generation call, left-padded), each cut after its first end
+    token. Sampling (``cfg.temperature`` > 0) draws from the target's full distribution with a generator seeded
+    by ``seed``; the global random state is left as it was."""
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, width]
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    sample = cfg.temperature > 0
+    options = dict(max_new_tokens=cfg.new_tokens, do_sample=sample, pad_token_id=pad_id, eos_token_id=end_ids)
+    options.update(temperature=cfg.temperature, top_k=0, top_p=1.0, min_p=None) if sample else options.update(
+        temperature=None, top_k=None, top_p=None)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
+    ends = set(end_ids)
+    docs = []
+    for p, row in zip(prompts, out[:, width:].tolist()):
+        cut = next((k + 1 for k, t in enumerate(row) if t in ends), len(row))
+        docs.append([*p, *row[:cut]])
+    return docs
+
+
+def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manifest: dict, cfg: DistillConfig,
+             max_docs: int, end_ids: list[int], reporter: Reporter) -> dict:
+    """Fill ``folder`` with the shards of the first ``max_docs`` prompts' documents not yet written; returns the
+    manifest. ``prompts`` yields corpus token ids in a fixed order (truncated here to ``cfg.prompt_tokens``)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
+    docs, made, started = 0, 0, time.perf_counter()
+    with reporter.task("self-distilled documents (the target writes)", total=max_docs) as advance:
+        chunks = iter(lambda: list(itertools.islice(prompts, cfg.batch)), [])
+        for index, chunk in enumerate(itertools.islice(chunks, -(-max_docs // cfg.batch))):
+            chunk = [with_bos(p[: cfg.prompt_tokens], tokenizer) for p in chunk[: max_docs - docs]]
+            path = shard_path(folder, index)
+            if _shard_docs(path) != len(chunk):
+                made += _write_shard(path, continue_batch(model, chunk, cfg, pad_id, end_ids, cfg.seed * 1_000_003 + index),
+                                     [len(p) for p in chunk])
+            docs += len(chunk)
+            seconds = time.perf_counter() - started
+            rate = f" · {made / seconds:,.0f} new tok/s" if made and seconds > 0 else ""
+            advance(len(chunk), description=f"self-distilled documents{rate}")
+    if docs == 0:
+        raise DynvocabError("the corpus gave no prompts; check --corpus and --max-docs")
+    manifest = {**manifest, "docs": max(docs, manifest["docs"]), "exhausted": docs < max_docs}
+    if made:
+        seconds = time.perf_counter() - started
+        manifest["generate"] = {"new_tokens": made, "seconds": round(seconds, 2), "tokens_per_s": round(made / seconds, 1)}
+    _write_manifest(folder, manifest)
+    return manifest
+
+
+def needs_generation(manifest: dict, max_docs: int) -> bool:
+    """Whether the cache lacks documents a run of ``max_docs`` documents reads."""
+    return manifest["docs"] < max_docs and not manifest["exhausted"]
+
+
+def documents(folder: Path, max_docs: int, max_tokens: int) -> Iterator[list[int]]:
+    """The first ``max_docs`` self-distilled documents (prompt + continuation), each at most ``max_tokens``."""
+    from safetensors import safe_open
+
+    count, index = 0, 0
+    while count < max_docs and shard_path(folder, index).is_file():
+        with safe_open(str(shard_path(folder, index)), framework="pt") as f:
+            ids, offsets = f.get_tensor("ids").tolist(), f.get_tensor("offsets").tolist()
+        for a, b in zip(offsets, offsets[1:]):
+            if count >= max_docs:
+                return
+            yield ids[a:b][:max_tokens]
+            count += 1
+        index += 1
+
+
+def summary(folder: Path, max_docs: int) -> dict:
+    """Prompt and continuation tokens of the first ``max_docs`` documents, for ``training.json``."""
+    from safetensors import safe_open
+
+    prompt = new = count = 0
+    index = 0
+    while count < max_docs and shard_path(folder, index).is_file():
+        with safe_open(str(shard_path(folder, index)), framework="pt") as f:
+            lengths = f.get_tensor("offsets").diff().tolist()
+            prompts = f.get_tensor("prompt").tolist()
+        for total, p in list(zip(lengths, prompts))[: max_docs - count]:
+            prompt, new, count = prompt + p, new + total - p, count + 1
+        index += 1
+    return {"docs": count, "prompt_tokens": prompt, "new_tokens": new}
+
+
+def _shard_docs(path: Path) -> int:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return 0
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("prompt").get_shape()[0]
+
+
+def _write_shard(path: Path, docs: list[list[int]], prompt_lengths: list[int]) -> int:
+    """One batch's documents, written whole; returns the tokens the target wrote."""
+    from safetensors.torch import save_file
+
+    lengths = [len(d) for d in docs]
+    tensors = {
+        "ids": torch.tensor([t for d in docs for t in d], dtype=torch.int32),  # [N]
+        "offsets": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64),  # [D+1]
+        "prompt": torch.tensor(prompt_lengths, dtype=torch.int64),  # [D]
+    }
+    write_atomic(path, lambda p: save_file(tensors, str(p)))
+    return sum(lengths) - sum(prompt_lengths)
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+
+
+def settings_of(cfg: DistillConfig, corpus: dict) -> dict:
+    """What the documents depend on, as the manifest records it (the document limit is not: a cache grows)."""
+    return {"distill": asdict(cfg), "corpus": {k: v for k, v in corpus.items() if k != "max_docs"}}
