@@ -87,3 +87,32 @@ def test_bench_bad_input_one_line_error(tiny_dirs, args, words):
     assert len(lines) == 1 and lines[0].startswith("error:"), result.output
     for word in words:
         assert word in lines[0]
+
+
+def test_quick_on_the_default_pair_runs_the_large_vocabulary_demo_too(tiny_dirs, tmp_path, monkeypatch):
+    """On bench's default models --quick runs a second table (the 262k demo), its files beside the first's; on other
+    models only the one."""
+    from dynvocab.cli import bench_run
+
+    target, draft = str(tiny_dirs["target"]), str(tiny_dirs["draft"])
+    monkeypatch.setattr(bench_run, "DEFAULT_PAIR", (target, draft))
+    real = bench_run.LargeVocabulary
+    large = real(target=target, draft=target, strategies="ar,full", num_prompts=1,
+                                      max_new_tokens=3, packages=("torch",))
+    monkeypatch.setattr(bench_run, "LargeVocabulary", lambda: large)
+    out = tmp_path / "q.json"
+    result = run("bench", "--quick", "--max-new-tokens", 3, "--json", out, *models(tiny_dirs))
+    assert result.exit_code == 0, result.output
+    assert "the demo pair" in result.output and "the 262k demo" in result.output
+    first, second = json.loads(out.read_text()), json.loads((tmp_path / "q.gemma.json").read_text())
+    assert {g["strategy"] for g in first["generations"]} >= {"ar", "full", "microspec"}
+    assert {g["strategy"] for g in second["generations"]} == {"ar", "full"}
+    assert second["summary"]["full"]["code"]["matches_ar"] == 1.0  # the target drafting for itself
+
+    monkeypatch.setattr(bench_run, "LargeVocabulary", lambda: real(packages=("no_such_package_x",)))
+    result = run("bench", "--quick", "--max-new-tokens", 3, *models(tiny_dirs))
+    assert result.exit_code == 0 and "the 262k demo is skipped" in result.output
+
+    monkeypatch.setattr(bench_run, "DEFAULT_PAIR", ("demo:target", "demo:draft"))
+    result = run("bench", "--quick", "--max-new-tokens", 3, *models(tiny_dirs))
+    assert result.exit_code == 0 and "262k" not in result.output

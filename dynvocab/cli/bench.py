@@ -53,7 +53,9 @@ def bench(
         Optional[int], typer.Option("--num-prompts", min=1, help="Prompts per task (topic-switch: N code + N chat turns). [default: 5]")
     ] = None,
     quick: Annotated[
-        bool, typer.Option("--quick", help="Small run: 1 code + 1 chat prompt, 32 tokens, ar,full,microspec,fr,hybrid.")
+        bool, typer.Option("--quick", help="Small run: 1 code + 1 chat prompt, 32 tokens, ar,full,microspec,fr,hybrid. On the "
+                           "default models it then runs the 262k demo (Gemma-3-270M, the shipped head demo:gemma-eagle1: "
+                           "2 + 2 prompts, 64 tokens); its --json/--csv/--plot files get '.gemma' before the suffix.")
     ] = False,
     target: Target = "demo:target",
     draft: Draft = "demo:draft",
@@ -172,6 +174,11 @@ def bench(
         max_new_tokens=max_new_tokens, seeds=seeds, score_sets=score_sets, chat_template=not no_chat_template,
         json_path=json_path, csv_path=csv_path, plot_path=plot_path, llamacpp=llama,
     )
+    if quick:
+        from dynvocab.cli.bench_run import run_quick
+
+        run_quick(request, flags)
+        return
     run_command(request, flags)
 
 

