@@ -2,6 +2,7 @@
 the recorded values are those of the chunk packages pyproject.toml pins (checked on the real ones where installed)."""
 
 import hashlib
+import json
 import importlib.metadata
 import re
 import tomllib
@@ -132,3 +133,34 @@ def test_a_demo_target_without_a_demo_draft_is_refused_before_loading():
     with pytest.raises(DynvocabError, match="EAGLE head trained for it") as err:
         demo.check_demo_pair("demo:gemma", "demo:draft")
     assert "\n" not in str(err.value)
+
+
+def test_the_shipped_head_hashes_to_its_recorded_value_and_is_small():
+    """demo:gemma-eagle1 ships inside the package (at most 16 MB) and loads only when its weights hash right."""
+    head = demo.DEMO_HEADS["gemma-eagle1"]
+    assert demo.ensure_demo("gemma-eagle1") == head.folder()
+    size = sum(p.stat().st_size for p in head.folder().iterdir())
+    assert size <= 16 * 2**20, size
+    assert json.loads((head.folder() / "config.json").read_text())["architectures"]
+
+
+def test_a_changed_shipped_head_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    folder = tmp_path / "heads" / "gemma-eagle1"
+    shutil.copytree(demo.DEMO_HEADS["gemma-eagle1"].folder(), folder)
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    monkeypatch.setattr(demo.DemoHead, "folder", lambda self: folder)
+    with pytest.raises(DynvocabError, match="expected") as err:
+        demo.ensure_demo("gemma-eagle1")
+    assert "\n" not in str(err.value)
+
+
+def test_the_shipped_head_pairs_only_with_its_target():
+    demo.check_demo_pair("demo:gemma", "demo:gemma-eagle1")
+    with pytest.raises(DynvocabError, match="does not share demo:target's tokenizer"):
+        demo.check_demo_pair("demo:target", "demo:gemma-eagle1")
+    with pytest.raises(DynvocabError, match="--target demo:gemma --draft demo:gemma-eagle1"):
+        demo.check_demo_pair("demo:gemma-eagle1", "demo:gemma")

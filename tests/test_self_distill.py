@@ -206,13 +206,16 @@ def small(corpus: Path, **optim) -> TrainDraftConfig:
         features=FeatureConfig(max_tokens=24, shard_docs=4),
         optim=OptimConfig(**{"epochs": 1, "lr": 3e-3, "warmup_steps": 2, "eval_every": 10, "checkpoint_every": 5,
                              "negatives": 64, **optim}),
-        device="cpu", distill=distill.DistillConfig(prompt_tokens=5, new_tokens=12, batch=8),
+        device="cpu", distill=distill.DistillConfig(prompt_tokens=5, new_tokens=12, batch=8), save_dtype="bfloat16",
     )
 
 
 def test_self_distilled_head_trains_records_and_drafts_losslessly(target_dir, corpus_txt, tmp_path):
     report = trainer.train_draft(str(target_dir), tmp_path / "head", small(corpus_txt))
     info = json.loads((tmp_path / "head" / "training.json").read_text())
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(str(tmp_path / "head" / "model.safetensors")).values()} == {torch.bfloat16}
     made = info["data"]["self_distilled"]
     assert made["docs"] == 20 and made["new_tokens"] > 0 and made["settings"]["new_tokens"] == 12
     assert info["config"]["distill"]["dtype"] == "float32" or info["config"]["distill"]["dtype"] == "bfloat16"
@@ -222,8 +225,6 @@ def test_self_distilled_head_trains_records_and_drafts_losslessly(target_dir, co
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["settings"]["corpus"]["self_distill"]["prompt_tokens"] == 5
     # the features are the generated documents': their tokens are the prompts and the target's continuations
-    from safetensors.torch import load_file
-
     ids = load_file(str(folder / "shard-00000.safetensors"))["ids"].tolist()
     docs = list(distill.documents(folder / "documents", 4, 24))
     assert ids == [t for d in docs for t in d]

