@@ -133,8 +133,9 @@ DEMO_HEADS = {
     "gemma-eagle1": DemoHead(
         name="gemma-eagle1",
         target="demo:gemma",
-        sha256="",
-        command="dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill ...",
+        sha256="562497caab5e6fa02abac843c8ab0de68bf57f571bf3e0be675e9a4425a43757",
+        command="dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill --max-docs 1600 "
+        "--distill-batch 32 --feature-dtype bfloat16 --epochs 2 --save-dtype bfloat16 --threads 2 --out gemma-eagle1",
     ),
 }
 
