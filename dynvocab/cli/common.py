@@ -25,10 +25,11 @@ from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, str
 err_console = Console(stderr=True)
 
 Target = Annotated[
-    str, typer.Option(help="Target model: hub id, local folder, .gguf file, or demo:target.")
+    str, typer.Option(help="Target model: hub id, local folder, .gguf file, demo:target, or demo:gemma (262k ids).")
 ]
 Draft = Annotated[str, typer.Option(
-    help="The draft: a draft model (hub id, local folder, .gguf file, demo:draft) or a draft head (folder or hub id); "
+    help="The draft: a draft model (hub id, local folder, .gguf file, demo:draft) or a draft head (folder, hub id, or "
+    "demo:gemma-eagle1, the EAGLE-1 head shipped for demo:gemma); "
     f"its kind is recognised among the registered ones ({kind_names()}).",
 )]
 Device = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when a GPU is visible).")]
