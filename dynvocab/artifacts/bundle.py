@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from dynvocab import __version__
+from dynvocab.version import __version__
 from dynvocab.artifacts.fingerprint import ModelFingerprint
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic

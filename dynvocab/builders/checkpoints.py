@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from dynvocab import __version__
+from dynvocab.version import __version__
 from dynvocab.artifacts import ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.errors import DynvocabError
 

@@ -197,7 +197,7 @@ def _link_files(source: Path, staged: Path, copy: bool) -> None:
 
 def section(strategy: str, budget: int | None, kind: str, own: str, bundle) -> dict:
     """The ``config.json`` section the plugin reads (``head.draft_section``), with where the policy came from."""
-    from dynvocab import __version__
+    from dynvocab.version import __version__
     from dynvocab.runtime.policies.batch_select import bundle_stages
 
     kept = [s for s in (*bundle_stages(strategy), "freq") if bundle.has(s)]
