@@ -17,8 +17,8 @@ from dynvocab.builders.corpus import CorpusConfig, encode_documents
 from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, distill, recipe, trainer
 from dynvocab.builders.draft.features import FeatureConfig
 from dynvocab.builders.models import fingerprint
-from dynvocab.builders.progress import SilentReporter
 from dynvocab.errors import DynvocabError
+from dynvocab.progress import SilentReporter
 
 
 @pytest.fixture(autouse=True)

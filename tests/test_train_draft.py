@@ -15,11 +15,11 @@ from cli_helpers import assert_one_line_error, run
 from tiny_models import make_model, make_tokenizer, sentences
 
 from dynvocab.builders.corpus import CorpusConfig, encode_documents
-from dynvocab.builders.progress import SilentReporter
 from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, features, recipe, trainer, vocab
 from dynvocab.builders.draft.features import FeatureConfig
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, load_eagle
+from dynvocab.progress import SilentReporter
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.artifacts import ClusterTable
-from dynvocab.builders.progress import Advance
 from dynvocab.errors import DynvocabError
+from dynvocab.progress import Advance
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from dynvocab.builders.progress import Advance
 from dynvocab.errors import DynvocabError
+from dynvocab.progress import Advance
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dynvocab.artifacts.hnsw import HnswParams, MipsIndex, augment_rows, graph_tensors, mips_search, project_rows
-from dynvocab.builders.progress import Advance
+from dynvocab.progress import Advance
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from dynvocab.builders import hnsw as hnsw_stage
 from dynvocab.builders.corpus import CorpusConfig, check_sources, iter_documents
 from dynvocab.builders.counting import count_corpus
 from dynvocab.builders.models import end_token_ids, fingerprint, hidden_states, load_head
-from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.errors import DynvocabError
 from dynvocab.models import ModelSpec, default_device, load_tokenizer, match_vocabularies, resolve_model
+from dynvocab.progress import Reporter, SilentReporter
 
 STAGES = ("freq", "clusters", "hnsw", "graph", "draft_hnsw")
 HNSW_STAGES = {"hnsw": "target", "draft_hnsw": "draft"}  # index over whose LM-head rows

@@ -29,9 +29,9 @@ from typing import Iterator
 import torch
 
 from dynvocab.artifacts import ModelFingerprint
-from dynvocab.builders.progress import Reporter
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
+from dynvocab.progress import Reporter
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -35,9 +35,9 @@ import torch
 
 from dynvocab.artifacts import ModelFingerprint
 from dynvocab.builders.draft.ranks import Ranks
-from dynvocab.builders.progress import Reporter
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
+from dynvocab.progress import Reporter
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3

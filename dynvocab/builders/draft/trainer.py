@@ -36,12 +36,12 @@ from dynvocab.builders.draft import distill, recipe, vocab
 from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
 from dynvocab.builders.draft.ranks import Ranks, joined
 from dynvocab.builders.models import end_token_ids, fingerprint
-from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 from dynvocab.models import default_device, default_dtype, load_model, load_tokenizer, resolve_model
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
 from dynvocab.models.eagle.modules import embedding_scale
+from dynvocab.progress import Reporter, SilentReporter
 
 ARCHS = {"eagle1": EAGLE1, "eagle3": EAGLE3}
 FORMATS = ("eagle", "speculators")

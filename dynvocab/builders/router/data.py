@@ -8,8 +8,8 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from dynvocab.builders.progress import Advance
 from dynvocab.errors import DynvocabError
+from dynvocab.progress import Advance
 
 
 @dataclass

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.artifacts.router import DEFAULT_K_MAX, DEFAULT_TOP_L, RouterMLP
-from dynvocab.builders.progress import Advance
 from dynvocab.builders.router.data import RouterData
+from dynvocab.progress import Advance
 
 
 @dataclass(frozen=True)

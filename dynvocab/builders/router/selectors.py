@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, CentroidScorer, LowRankScorer
-from dynvocab.builders.progress import Advance
 from dynvocab.builders.router.data import RouterData
 from dynvocab.builders.router.fit import run_epochs
+from dynvocab.progress import Advance
 
 RECALL_TARGET = 0.99  # a selector's default budget: the smallest whose held-out top-1 recall reaches this
 LOWRANK_BUDGETS = (256, 512, 1024, 2048, 4096, 8192, 16384)  # candidate ids reported

@@ -16,7 +16,6 @@ from dynvocab.artifacts.router import STAGE, RouterTable, clusters_checksum
 from dynvocab.artifacts.selectors import CentroidScorer, LowRankScorer, SelectorTable
 from dynvocab.builders.corpus import CorpusConfig, check_sources, encode_documents
 from dynvocab.builders.models import fingerprint
-from dynvocab.builders.progress import Reporter, SilentReporter
 from dynvocab.builders.router.data import collect, split
 from dynvocab.builders.router.fit import RouterConfig, mean_loss, positive_counts, train
 from dynvocab.builders.router.recall import evaluate, report_budgets
@@ -26,6 +25,7 @@ from dynvocab.builders.router.selectors import (
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.models import default_device, load_model, load_tokenizer, resolve_model
+from dynvocab.progress import Reporter, SilentReporter
 
 
 @dataclass(frozen=True)
