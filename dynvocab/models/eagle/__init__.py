@@ -27,18 +27,19 @@ SGLang ``set_eagle3_layers_to_capture(None)``; EAGLE's ``modeling_llama_kv.py`` 
 layers). Explicit ``eagle_aux_hidden_state_layer_ids`` mean one thing per layout: in the EAGLE/SGLang layout
 (``eagle3``) id i is the OUTPUT of layer i (SGLang adds 1: "for the ith layer, it takes the output of the (i-1)th
 layer"); in the speculators layout (speculators, vLLM) it is ``hidden_states[i]``, the INPUT of layer i.
-:class:`EagleConfig` keeps them layout-free as ``aux_hidden_states`` (hidden-state indices); :mod:`.checkpoint`
-converts on reading and writing (readers cited there), so a head converted between layouts keeps its layers.
+:class:`EagleConfig` keeps them layout-free as ``aux_hidden_states`` (hidden-state indices); each layout converts
+on reading and writing (readers cited in :mod:`.layouts.eagle3` and :mod:`.layouts.speculators`), so a head
+converted between layouts keeps its layers.
 :meth:`EagleConfig.target_layers` resolves the defaults; :class:`LayerTap` taps them.
 
 Modules: :mod:`.config` (the head's shape, the target layers it reads, the check against a target),
-:mod:`.modules` (the ``nn.Module``), :mod:`.checkpoint` (the three published layouts, read and written),
+:mod:`.modules` (the ``nn.Module``), :mod:`.layouts` (the registry of checkpoint layouts, one module per published
+layout), :mod:`.checkpoint` (reading and writing a checkpoint in any registered layout),
 :mod:`.tap` (the target-side hooks that produce EAGLE-3's features). The initialisations from a target are
 builders' work: :mod:`dynvocab.builders.draft.init`.
 """
 
 from dynvocab.models.eagle.checkpoint import (
-    LAYOUTS,
     checkpoint_of_kind,
     config_from_json,
     config_to_json,
@@ -46,10 +47,12 @@ from dynvocab.models.eagle.checkpoint import (
     eagle_checkpoint,
     load_eagle,
     read_config,
+    read_layout,
     save_eagle,
     state_for_layout,
 )
 from dynvocab.models.eagle.config import EAGLE1, EAGLE3, KINDS, EagleConfig, check_target, config_like
+from dynvocab.models.eagle.layouts import Layout, layout_names, lookup_layout
 from dynvocab.models.eagle.modules import Eagle1Model, Eagle3Model, EagleModel
 from dynvocab.models.eagle.tap import LayerTap
 
@@ -57,7 +60,7 @@ __all__ = [
     "EAGLE1",
     "EAGLE3",
     "KINDS",
-    "LAYOUTS",
+    "Layout",
     "LayerTap",
     "checkpoint_of_kind",
     "EagleConfig",
@@ -70,8 +73,11 @@ __all__ = [
     "config_to_json",
     "detect_kind",
     "eagle_checkpoint",
+    "layout_names",
     "load_eagle",
+    "lookup_layout",
     "read_config",
+    "read_layout",
     "save_eagle",
     "state_for_layout",
 ]

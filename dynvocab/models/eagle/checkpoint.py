@@ -1,38 +1,17 @@
-"""EAGLE checkpoints in the three published layouts, read and written (see :mod:`dynvocab.models.eagle`).
+"""EAGLE checkpoints read and written through the layout registry (:mod:`dynvocab.models.eagle.layouts`).
 
-- ``eagle``: the EAGLE repo's EAGLE-1/2 form (SGLang reads it too; a Qwen2 layer keeps its q/k/v biases).
-- ``eagle3``: the EAGLE repo's / SGLang's EAGLE-3 form (``midlayer.*``, ``d2t`` offsets, ``t2d``).
-- ``speculators``: vllm-project/speculators' EAGLE-3 form (nested ``transformer_layer_config``, ``layers.0.*``).
-
-Weight names may carry a ``model.`` prefix; ``embed_tokens`` may be absent (the target's embeddings are used).
-
-EAGLE-3's explicit ``eagle_aux_hidden_state_layer_ids`` mean one thing per layout, converted here on reading and
-writing (in :class:`EagleConfig` they are ``aux_hidden_states``, indices into the target's hidden states):
-
-- ``eagle3`` (EAGLE / SGLang / SpecForge): id i = the OUTPUT of layer i = ``hidden_states[i + 1]``. SGLang
-  ``python/sglang/srt/models/llama.py`` ``set_eagle3_layers_to_capture``: "for the ith layer, it takes the output
-  of the (i-1)th layer", so it captures before layer ``id + 1``.
-- ``speculators`` (vllm-project/speculators, vLLM): id i = ``hidden_states[i]``, the INPUT of layer i (i = L:
-  the last layer's output). vLLM ``model_executor/models/llama.py`` appends ``hidden_states + residual`` before
-  running layer ``idx`` when ``idx in aux_hidden_state_layers``; speculators ``convert/dflash/converter.py``
-  (117-119) and ``models/utils.py:resolve_target_layer_ids`` (ids within ``[0, L]``; its ``from_pretrained`` and
-  ``from_training_args`` write the defaults ``[2, L // 2, L - 3]`` out once the verifier is known).
-
-A head read from one layout and written to the other keeps its layers (``tests/test_eagle_interop.py``).
-
-llama.cpp (the tree vendored by llama-cpp-python 0.3.36) converts both EAGLE-3 layouts as they are written here
-(``convert_hf_to_gguf.py --target-model-dir``: ``conversion/llama.py:49-105`` config, ``:211-230`` ``midlayer.*`` /
-``layers.0.*``, ``:338-351`` ``d2t`` offsets made absolute) and reads the ids the speculators way: it copies them
-verbatim (``conversion/llama.py:77-80``) and taps the INPUT of layer i (``common/speculative.cpp:541-543``,
-``src/models/llama.cpp:127``). A head with explicit ids therefore goes to llama.cpp as ``speculators``; an
-``eagle3`` head without ids gets the same defaults ``[2, L // 2, L - 3]`` on both sides
-(``scripts/llamacpp_eagle3.py`` checks the converted file).
+Each published layout (``eagle``, ``eagle3``, ``speculators``, and any registered later) answers how a folder is
+recognised as it, how its ``config.json`` reads and writes, how its tensor names map onto the model's and what its
+explicit ``eagle_aux_hidden_state_layer_ids`` mean; this module does the rest the same way for every layout and
+never asks which one it has. Weight names may carry a ``model.`` prefix; ``embed_tokens`` may be absent (the
+target's embeddings are used). In :class:`EagleConfig` the layer ids are ``aux_hidden_states``, indices into the
+target's hidden states, so a head read from one layout and written to another keeps its layers
+(``tests/test_eagle_interop.py``).
 """
 
 from __future__ import annotations
 
 import functools
-
 import json
 from pathlib import Path
 
@@ -40,43 +19,19 @@ import torch
 from torch import nn
 
 from dynvocab.errors import DynvocabError
-from dynvocab.models.eagle.config import EAGLE1, EAGLE3, EagleConfig
+from dynvocab.models.eagle.config import EAGLE3, EagleConfig
+from dynvocab.models.eagle.layouts import DEFAULT_FAMILY, Layout, check_kind, layout_for, lookup_layout, recognize
 from dynvocab.models.eagle.modules import EagleModel, rotary_embedding
 
-LAYOUTS = ("eagle", "eagle3", "speculators")  # what :func:`save_eagle` writes
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 # -- config.json ---------------------------------------------------------------------------------------
-def layout_of(data: dict, kind: str) -> str:
-    """The layout a ``config.json`` is written in (:data:`LAYOUTS`)."""
-    if "speculators_model_type" in data:
-        return "speculators"
-    return "eagle3" if kind == EAGLE3 else "eagle"
-
-
-def _arch(layer: dict, kind: str, layout: str) -> str:
-    """The decoder layer family of a head's config. EAGLE-1: ``qwen2`` for a Qwen2 config, or for the EAGLE repo's
-    llama config with ``qkv_bias`` (cnets1.py ``LlamaAttention``: q/k/v biases, none on o_proj — a Qwen2 layer).
-    speculators: ``transformer_layer_config.model_type`` (its ``model_definitions.py``: llama, qwen3)."""
-    model_type = layer.get("model_type", "llama")
-    if kind == EAGLE1:
-        qwen2 = model_type == "qwen2" or "Qwen2" in "".join(layer.get("architectures") or [])
-        return "qwen2" if qwen2 or layer.get("qkv_bias") else "llama"
-    if layout == "speculators":
-        if model_type not in ("llama", "qwen3"):
-            raise DynvocabError(
-                f"speculators transformer_layer_config.model_type '{model_type}' is not supported; use llama or qwen3"
-            )
-        return model_type
-    return "llama"
-
-
-def config_from_json(data: dict, kind: str) -> EagleConfig:
-    """Read a checkpoint's ``config.json`` (EAGLE repo or speculators form) as a head of ``kind``; what it cannot
-    run as the writer's code runs it is refused in one line naming the field."""
-    layout = layout_of(data, kind)
-    layer = data.get("transformer_layer_config", data)  # speculators nests the layer's config
+def config_from_json(data: dict, layout: str | Layout) -> EagleConfig:
+    """Read a checkpoint's ``config.json`` written in ``layout``; what it cannot run as the writer's code runs it
+    is refused in one line naming the field."""
+    layout = lookup_layout(layout)
+    layer = layout.layer_of(data)
     rope = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     aux = data.get("eagle_aux_hidden_state_layer_ids") or layer.get("eagle_aux_hidden_state_layer_ids")
     if int(layer.get("num_hidden_layers") or 1) != 1:
@@ -87,8 +42,8 @@ def config_from_json(data: dict, kind: str) -> EagleConfig:
     try:
         heads = int(layer["num_attention_heads"])
         cfg = EagleConfig(
-            kind=kind,
-            arch=_arch(layer, kind, layout),
+            kind=layout.kind,
+            arch=layout.arch(layer),
             hidden_size=int(layer["hidden_size"]),
             intermediate_size=int(layer["intermediate_size"]),
             num_attention_heads=heads,
@@ -103,9 +58,8 @@ def config_from_json(data: dict, kind: str) -> EagleConfig:
             rope_scaling=layer.get("rope_scaling"),
             max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
             hidden_act=layer.get("hidden_act", "silu"),
-            aux_hidden_states=_aux_read(aux, layout),
-            # absent: vLLM reads true (transformers_utils/configs/speculators/algos.py); speculators always writes it
-            norm_before_residual=bool(data.get("norm_before_residual", layout == "speculators")),
+            aux_hidden_states=layout.read_aux(aux),
+            norm_before_residual=bool(data.get("norm_before_residual", layout.norm_before_residual)),
             norm_before_fc=bool(data.get("norm_before_fc", False)),
             fc_norm=bool(data.get("fc_norm", False)),
             norm_output=bool(data.get("norm_output", False)),
@@ -127,31 +81,8 @@ def _sliding_window(layer: dict) -> int | None:
     return None
 
 
-def _aux_read(ids, layout: str) -> tuple[int, ...] | None:
-    """A layout's explicit layer ids as target hidden-state indices (see the module docstring)."""
-    if not ids:
-        return None
-    ids = tuple(int(i) for i in ids)
-    return tuple(i + 1 for i in ids) if layout == "eagle3" else ids  # eagle3: the output of layer i
-
-
-def _aux_write(cfg: EagleConfig, layout: str) -> list[int] | None:
-    """The head's target hidden-state indices as ``layout`` writes its layer ids."""
-    if cfg.aux_hidden_states is None:
-        return None
-    if layout != "eagle3":
-        return list(cfg.aux_hidden_states)
-    if min(cfg.aux_hidden_states) < 1:
-        raise DynvocabError(
-            "this EAGLE-3 head reads hidden_states[0] (the embeddings), which the eagle3 layout's ids (the output "
-            "of layer i) cannot name; write it as speculators"
-        )
-    return [i - 1 for i in cfg.aux_hidden_states]
-
-
-def config_to_json(cfg: EagleConfig, layout: str, target_name: str | None = None) -> dict:
-    """``config.json`` of a head ``cfg`` in ``layout`` (:data:`LAYOUTS`), as the reference loaders read it.
-    ``target_name``: the verifier (speculators' ``verifier.name_or_path``: a local folder or a hub id)."""
+def _layer_json(cfg: EagleConfig) -> dict:
+    """The decoder layer's fields, as every layout writes them (flat or nested)."""
     layer = {
         "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(cfg.arch, "LlamaForCausalLM")],
         "model_type": cfg.arch,
@@ -172,72 +103,16 @@ def config_to_json(cfg: EagleConfig, layout: str, target_name: str | None = None
         layer["head_dim"] = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     if cfg.sliding_window:
         layer.update(sliding_window=cfg.sliding_window, layer_types=["sliding_attention"], use_sliding_window=True)
-    if layout == "eagle":
-        if cfg.kind != EAGLE1:
-            raise DynvocabError(
-                "layout 'eagle' holds EAGLE-1/2 heads; write an EAGLE-3 head as eagle3 or speculators"
-            )
-        return {**layer, "bias": cfg.has_fc_bias}
-    if cfg.kind != EAGLE3:
-        raise DynvocabError(f"layout '{layout}' holds EAGLE-3 heads; write an EAGLE-1/2 head as eagle")
-    if layout not in LAYOUTS:
-        raise DynvocabError(f"unknown EAGLE layout '{layout}'; use one of {', '.join(LAYOUTS)}")
-    eagle3 = {
-        "draft_vocab_size": cfg.draft_vocab,
-        "target_hidden_size": cfg.target_hidden,
-        "norm_before_residual": cfg.norm_before_residual,
-    }
-    aux = _aux_write(cfg, layout)
-    if aux is not None:
-        eagle3["eagle_aux_hidden_state_layer_ids"] = aux
-    if layout == "eagle3":
-        options = [n for n in ("norm_before_fc", "fc_norm", "norm_output", "sliding_window") if getattr(cfg, n)]
-        if cfg.arch != "llama":
-            options.insert(0, f"a {cfg.arch} layer")
-        if options:
-            raise DynvocabError(f"the eagle3 layout cannot hold {options[0]} (SGLang would drop it); write it as speculators")
-        return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "bias": cfg.has_fc_bias, **eagle3}
-    _check_speculators(cfg, target_name)
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": layer,
-        **eagle3,
-        "norm_before_fc": cfg.norm_before_fc,
-        "fc_norm": cfg.fc_norm,
-        "norm_output": cfg.norm_output,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_name, "architectures": _verifier_architectures(target_name)},
-        },
-    }
+    return layer
 
 
-def _check_speculators(cfg: EagleConfig, target_name: str | None) -> None:
-    """Refuse, in one line naming the field, what speculators 0.9.0 would drop or fail on: its
-    ``models/eagle3/core.py`` builds ``fc`` without a bias over ``num_aux * hidden_size`` and calls
-    ``AutoConfig.from_pretrained(verifier.name_or_path)`` when it loads a head."""
-    if cfg.has_fc_bias:
-        raise DynvocabError("speculators' fc has no bias (it would drop fc.bias); this head cannot be written as speculators")
-    if cfg.target_hidden != cfg.hidden_size:
-        raise DynvocabError(
-            f"speculators needs target_hidden_size == hidden_size (this head: {cfg.target_hidden} vs "
-            f"{cfg.hidden_size}); it cannot be written as speculators"
-        )
-    if not target_name:
-        raise DynvocabError(
-            "the speculators layout records its verifier, which speculators loads; pass the target (a local folder or hub id)"
-        )
-
-
-def _verifier_architectures(target_name: str | None) -> list[str]:
-    """The verifier's ``architectures`` when its config is on this machine (as speculators' VerifierConfig has)."""
-    try:
-        return list(json.loads((Path(target_name or "") / "config.json").read_text()).get("architectures") or [])
-    except (OSError, ValueError):
-        return []
+def config_to_json(cfg: EagleConfig, layout: str | Layout, target_name: str | None = None) -> dict:
+    """``config.json`` of a head ``cfg`` in ``layout`` (a registered name), as the reference loaders read it;
+    refuses a head of the other kind, or fields the layout cannot hold. ``target_name``: the verifier
+    (speculators' ``verifier.name_or_path``: a local folder or a hub id)."""
+    layout = lookup_layout(layout)
+    check_kind(layout, cfg.kind)
+    return layout.config_json(cfg, _layer_json(cfg), target_name)
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------
@@ -269,26 +144,22 @@ def _strip(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def detect_kind(folder: str | Path) -> str | None:
-    """:data:`EAGLE1`, :data:`EAGLE3`, or None when ``folder`` is not an EAGLE checkpoint (from ``config.json``
-    and the weight names: an ``fc`` over features and a one-layer body)."""
+def read_layout(folder: str | Path) -> Layout | None:
+    """The layout of the EAGLE checkpoint in ``folder``, or None when it is not one (from ``config.json`` and the
+    weight names, asked of each registered layout; nothing is loaded)."""
     folder = Path(folder)
     try:
         data = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if data.get("speculators_model_type") == "eagle3":
-        return EAGLE3
-    if data.get("speculators_model_type"):
-        raise DynvocabError(f"speculators model type '{data['speculators_model_type']}' is not supported; use eagle3")
-    names = {_strip(n) for n in _weight_names(folder)}
-    if "fc.weight" not in names:
-        return None
-    if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
-        return EAGLE3
-    if any(n.startswith("layers.0.") for n in names):
-        return EAGLE1
-    return None
+    names = functools.cache(lambda: {_strip(n) for n in _weight_names(folder)})
+    return recognize(data, names)
+
+
+def detect_kind(folder: str | Path) -> str | None:
+    """:data:`EAGLE1`, :data:`EAGLE3`, or None when ``folder`` is not an EAGLE checkpoint (see :func:`read_layout`)."""
+    layout = read_layout(folder)
+    return None if layout is None else layout.kind
 
 
 def eagle_checkpoint(spec) -> Path | None:
@@ -326,12 +197,15 @@ def checkpoint_of_kind(spec, kind: str) -> Path | None:
 
 def read_config(folder: str | Path) -> EagleConfig:
     """The :class:`EagleConfig` of the checkpoint in ``folder`` (refuses a folder that is not one)."""
-    folder = Path(folder)
-    kind = detect_kind(folder)
-    if kind is None:
-        raise DynvocabError(f"{folder} is not an EAGLE checkpoint (no fc over features and one-layer body)")
-    return config_from_json(json.loads((folder / "config.json").read_text()), kind)
+    return _open(Path(folder))[1]
 
+
+def _open(folder: Path) -> tuple[Layout, EagleConfig]:
+    """The layout of the checkpoint in ``folder`` and its config (refuses a folder that is not one)."""
+    layout = read_layout(folder)
+    if layout is None:
+        raise DynvocabError(f"{folder} is not an EAGLE checkpoint (no fc over features and one-layer body)")
+    return layout, config_from_json(json.loads((folder / "config.json").read_text()), layout)
 
 
 def _check_draft_vocab(model: EagleModel) -> None:
@@ -350,29 +224,51 @@ def _check_draft_vocab(model: EagleModel) -> None:
         )
 
 
+def _read_state(folder: Path, layout: Layout, cfg: EagleConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's names; a full-vocabulary EAGLE-3 head saved without ``d2t``/``t2d``
+    (speculators' ``DraftVocabMixin``) gets the identity, and a missing ``t2d`` is made from ``d2t``."""
+    state = {layout.to_model(_strip(k)): v for k, v in _read_weights(folder).items()}
+    if cfg.kind == EAGLE3 and cfg.draft_vocab == cfg.vocab_size and "d2t" not in state and "t2d" not in state:
+        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    if "t2d" not in state and "d2t" in state:
+        state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        state["t2d"][torch.arange(state["d2t"].numel()) + state["d2t"].long()] = True
+    return state
+
+
+def _check_state(folder: Path, cfg: EagleConfig, model: EagleModel, state: dict) -> None:
+    """Refuse, in one line naming the first weight, tensors the model lacks, misses or shapes otherwise."""
+    if cfg.kind == EAGLE3 and "d2t" not in state:
+        raise DynvocabError(f"{folder} has no d2t; an EAGLE-3 head needs its draft-to-target id offsets")
+    own = model.state_dict()
+    missing = {m for m in set(own) - set(state) if "rotary_emb" not in m}
+    unexpected = set(state) - set(own)
+    if missing or unexpected:
+        first = sorted(missing or unexpected)[0]
+        what = "missing" if missing else "unexpected"
+        raise DynvocabError(f"{folder} does not match the EAGLE {cfg.kind} layout: {what} weight '{first}'")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise DynvocabError(
+                f"{folder}: weight '{name}' has shape {tuple(tensor.shape)}, the config says {tuple(own[name].shape)}"
+            )
+
+
 def load_eagle(
     folder: str | Path,
     embeddings: torch.Tensor | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> EagleModel:
-    """Load the EAGLE checkpoint in ``folder``. ``embeddings`` [V, d]: the target's input embeddings, used when
-    the checkpoint has none (they are shared, not copied)."""
+    """Load the EAGLE checkpoint in ``folder``, in whichever registered layout it is. ``embeddings`` [V, d]: the
+    target's input embeddings, used when the checkpoint has none (they are shared, not copied)."""
     folder = Path(folder)
-    cfg = read_config(folder)
-    state = {_strip(k): v for k, v in _read_weights(folder).items()}
-    if cfg.kind == EAGLE3:  # speculators and vLLM name the layer layers.0
-        state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
-    if cfg.kind == EAGLE3 and cfg.draft_vocab == cfg.vocab_size and "d2t" not in state and "t2d" not in state:
-        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)  # speculators saves a full-vocabulary head
-        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)  # without them (DraftVocabMixin): identity
-    if "t2d" not in state and "d2t" in state:
-        state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        state["t2d"][torch.arange(state["d2t"].numel()) + state["d2t"].long()] = True
+    layout, cfg = _open(folder)
+    state = _read_state(folder, layout, cfg)
     with torch.device("meta"):
         model = EagleModel(cfg)
-    missing = set(model.state_dict()) - set(state)
-    shared = "embed_tokens.weight" in missing
+    shared = "embed_tokens.weight" not in state
     if shared:
         if embeddings is None:
             raise DynvocabError(f"{folder} has no embed_tokens; pass the target's embeddings")
@@ -382,21 +278,7 @@ def load_eagle(
                 f"({cfg.vocab_size}, {cfg.hidden_size}); it was built for another target"
             )
         state["embed_tokens.weight"] = embeddings
-        missing.discard("embed_tokens.weight")
-    if cfg.kind == EAGLE3 and "d2t" in missing:
-        raise DynvocabError(f"{folder} has no d2t; an EAGLE-3 head needs its draft-to-target id offsets")
-    missing = {m for m in missing if "rotary_emb" not in m}
-    unexpected = set(state) - set(model.state_dict())
-    if missing or unexpected:
-        first = sorted(missing or unexpected)[0]
-        what = "missing" if missing else "unexpected"
-        raise DynvocabError(f"{folder} does not match the EAGLE {cfg.kind} layout: {what} weight '{first}'")
-    for name, tensor in state.items():
-        want = model.state_dict()[name].shape
-        if tuple(tensor.shape) != tuple(want):
-            raise DynvocabError(
-                f"{folder}: weight '{name}' has shape {tuple(tensor.shape)}, the config says {tuple(want)}"
-            )
+    _check_state(folder, cfg, model, state)
     model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=False)
     model.rotary_emb = rotary_embedding(cfg.arch, model.layer_config).to(device)
@@ -410,48 +292,48 @@ def load_eagle(
     return model.eval()
 
 
-def state_for_layout(model: EagleModel, layout: str, embeddings: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors of ``model`` under ``layout``'s key names (speculators: ``layers.0.*`` for ``midlayer.*``).
-
-    speculators always gets ``embed_tokens``: speculators 0.9.0 marks missing embeddings with NaN and loads the
-    verifier's only if it still sees NaN, which transformers 5 (``empty_like``) does not keep, so a head without
-    them runs on garbage there. A full-vocabulary head goes without ``d2t``/``t2d``, as speculators saves one."""
+def state_for_layout(model: EagleModel, layout: str | Layout, embeddings: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of ``model`` under ``layout``'s key names, refused as :func:`config_to_json` refuses.
+    ``embeddings``: include ``embed_tokens`` (a layout with ``always_embeddings`` gets them anyway); a layout
+    with ``full_vocab_without_map`` writes a full-vocabulary head without ``d2t``/``t2d``."""
+    layout = lookup_layout(layout)
     cfg = model.config
     config_to_json(cfg, layout, target_name="-")  # refuses a layout of the other kind or fields it cannot hold
-    full = layout == "speculators" and cfg.draft_vocab == cfg.vocab_size
+    full = layout.full_vocab_without_map and cfg.draft_vocab == cfg.vocab_size
     if full and bool(model.d2t.any()):
-        raise DynvocabError("a full-vocabulary head whose d2t is not the identity cannot be written as speculators")
+        raise DynvocabError(
+            f"a full-vocabulary head whose d2t is not the identity cannot be written as {layout.name}"
+        )
     state = {}
     for name, tensor in model.state_dict().items():
         if "rotary_emb" in name or (full and name in ("d2t", "t2d")):
             continue
-        if name == "embed_tokens.weight" and not (embeddings or layout == "speculators"):
+        if name == "embed_tokens.weight" and not (embeddings or layout.always_embeddings):
             continue
-        if layout == "speculators" and name.startswith("midlayer."):
-            name = "layers.0." + name[len("midlayer."):]
-        state[name] = tensor.detach().contiguous().cpu()
+        state[layout.to_file(name)] = tensor.detach().contiguous().cpu()
     return state
 
 
 def save_eagle(
     model: EagleModel,
     folder: str | Path,
-    layout: str | None = None,
+    layout: str | Layout | None = None,
     embeddings: bool = False,
     target_name: str | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write ``model`` to ``folder`` as ``layout`` (default: ``eagle`` for EAGLE-1, ``eagle3`` for EAGLE-3):
-    ``model.safetensors`` then ``config.json``, each written whole. ``embeddings``: include ``embed_tokens``
-    (the published heads mostly leave it out and use the target's; speculators always gets them).
-    ``target_name``: the verifier speculators records and loads — required for that layout; give a path that
-    resolves where the head is used (a local folder, or the hub id of the target). ``dtype``: the floating-point
-    tensors' dtype on disk (default: as they are; bfloat16 halves a float32 head, and loading casts back)."""
+    """Write ``model`` to ``folder`` as ``layout`` (a registered name; default: the EAGLE repo's layout of its kind,
+    ``eagle`` for EAGLE-1, ``eagle3`` for EAGLE-3): ``model.safetensors`` then ``config.json``, each written whole.
+    ``embeddings``: include ``embed_tokens`` (the published heads mostly leave it out and use the target's;
+    speculators always gets them). ``target_name``: the verifier speculators records and loads — required for that
+    layout; give a path that resolves where the head is used (a local folder, or the hub id of the target).
+    ``dtype``: the floating-point tensors' dtype on disk (default: as they are; bfloat16 halves a float32 head, and
+    loading casts back)."""
     from safetensors.torch import save_file
 
     from dynvocab.files import write_atomic
 
-    layout = layout or (EAGLE1 if model.kind == EAGLE1 else "eagle3")
+    layout = lookup_layout(layout or layout_for(DEFAULT_FAMILY, model.kind))
     config = config_to_json(model.config, layout, target_name)
     state = state_for_layout(model, layout, embeddings)
     if dtype is not None:

@@ -2,7 +2,7 @@
 
 Which layers EAGLE-3 reads, and how each layout writes them: see :mod:`dynvocab.models.eagle`. Here they are kept
 in one convention only, the layout-free one: the index of the target hidden state, ``hidden_states[i]`` = the
-input of layer i (the layouts' ids are converted on reading and writing, in :mod:`.checkpoint`).
+input of layer i (each layout converts its ids on reading and writing, :mod:`.layouts`).
 """
 
 from __future__ import annotations
