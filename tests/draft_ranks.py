@@ -15,7 +15,7 @@ import sys
 import torch
 
 from dynvocab.builders.corpus import CorpusConfig
-from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, trainer
+from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, trainer, training
 from dynvocab.builders.draft.features import FeatureConfig
 
 
@@ -31,13 +31,13 @@ def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     torch.set_num_threads(1)
     if spec.get("die_after_checkpoint"):
-        real = trainer._checkpoint
+        real = training._checkpoint
 
         def checkpoint_then_die(*args, **kwargs):
             real(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        trainer._checkpoint = checkpoint_then_die
+        training._checkpoint = checkpoint_then_die
     trainer.train_draft(spec["target"], spec["out"], config(spec))
 
 

@@ -12,6 +12,7 @@ from dynvocab.builders.draft import OptimConfig, TrainDraftConfig
 from dynvocab.builders.draft.distill import DistillConfig
 from dynvocab.builders.draft.ranks import env_rank
 from dynvocab.cli.common import Device, Target, Threads, check_dtype_device, err_console, one_line_errors, set_threads
+from dynvocab.models.eagle.layouts import describe_families
 from dynvocab.progress import SilentReporter, make_reporter
 
 _DEFAULTS = TrainDraftConfig()
@@ -55,7 +56,7 @@ def train_draft(
     distill_temperature: Annotated[float, typer.Option(help="--self-distill: 0 greedy, else sampled from the target's full distribution.")] = _DISTILL.temperature,
     distill_batch: Annotated[int, typer.Option(help="--self-distill: prompts per generation call (and per cache shard).")] = _DISTILL.batch,
     save_dtype: Annotated[Optional[str], typer.Option(help="The head's weights on disk: float32 (default, as trained), bfloat16 or float16 (half the bytes; loading casts).")] = None,
-    fmt: Annotated[str, typer.Option("--format", help="eagle: the EAGLE repo layout of its kind (SGLang loads it); speculators: the vllm-project/speculators form (EAGLE-3).")] = _DEFAULTS.layout,
+    fmt: Annotated[str, typer.Option("--format", help=f"The head's layout family. {describe_families()}.")] = _DEFAULTS.layout,
     device: Device = None,
     threads: Threads = None,
 ) -> None:
@@ -63,7 +64,7 @@ def train_draft(
 
     Runs unchanged under `torchrun --nproc_per_node N` (data-parallel; rank 0 reports progress and writes the head)."""
     from dynvocab.builders.draft import train_draft as run
-    from dynvocab.builders.draft.trainer import check_config
+    from dynvocab.builders.draft.config import check_config
 
     check_dtype_device(device, feature_dtype)
     set_threads(threads)

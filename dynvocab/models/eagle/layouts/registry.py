@@ -152,6 +152,14 @@ def families() -> tuple[str, ...]:
     return tuple(dict.fromkeys(lay.family for lay in layouts()))
 
 
+def describe_families() -> str:
+    """One line per family for ``--format``'s help: ``family: what each of its layouts is``."""
+    return "; ".join(
+        f"{family}: " + ", or ".join(lay.help or lay.name for lay in layouts() if lay.family == family)
+        for family in families()
+    )
+
+
 def lookup_layout(layout: str | Layout) -> Layout:
     """The layout registered as ``layout`` (a :class:`Layout` is returned as it is); one line naming the
     registered layouts otherwise."""
