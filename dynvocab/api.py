@@ -9,38 +9,19 @@ message the CLI prints; progress goes to the ``progress`` callback when one is g
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from dynvocab.errors import DynvocabError
+from dynvocab.reply import GenerationResult, Reply, TextStream
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.registry import StrategyOptions
 
 Prompt = "str | Sequence[dict]"  # a user message, or chat messages ({"role": …, "content": …})
 ProgressCallback = Callable[[str, int, "int | None"], None]  # (stage, done, total or None)
 
 DECODING = tuple(f.name for f in dataclasses.fields(DecodeConfig))
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """One generation: the new ``text`` and ``token_ids``, the ``strategy`` that ran, its :class:`Metrics`, and
-    whether an end-of-sequence token stopped it."""
-
-    text: str
-    token_ids: list[int]
-    strategy: str
-    metrics: Metrics
-    stopped_by_eos: bool = False
-
-    def as_dict(self) -> dict:
-        """What ``dynvocab generate --json`` prints: text, token_ids, strategy, metrics."""
-        return {"text": self.text, "token_ids": self.token_ids, "strategy": self.strategy,
-                "metrics": self.metrics.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -92,37 +73,9 @@ def strategy_options(
     return StrategyOptions(token_map=token_map, fr_size=fr_size, configs=tuple(configs))
 
 
-class TextStream:
-    """The text of a growing list of token ids, handed out piece by piece: ``push(ids)`` returns the new text
-    since the last piece (empty while the text ends in a split character), ``tail(text, final=True)`` the rest of
-    the finished text.
-    Shared by :meth:`Pair.stream` and ``dynvocab generate``'s streamed output."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.shown = ""
-
-    def push(self, new: list[int]) -> str:
-        """Add ``new`` ids; the text they complete (possibly empty)."""
-        self.ids.extend(new)
-        return self.tail(self.text())
-
-    def text(self) -> str:
-        """The whole text of the ids so far."""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-    def tail(self, text: str, final: bool = False) -> str:
-        """What ``text`` adds to the pieces handed out so far: empty when it does not continue them, or — unless
-        ``final`` — ends in a split character."""
-        if not text.startswith(self.shown) or (text.endswith("\ufffd") and not final):
-            return ""
-        piece, self.shown = text[len(self.shown):], text
-        return piece
-
-
 class Pair:
-    """A loaded target/draft pair (and bundle): generate, stream and bench any strategy on it.
+    """A loaded target/draft pair (and bundle): generate, stream, start (iterate cycle by cycle) and bench any
+    strategy on it.
 
     Build it with :func:`load`. ``session`` is the runtime's :class:`~dynvocab.runtime.session.Session` (models,
     tokenizer, EOS ids, bundle) for what this class does not wrap.
@@ -149,7 +102,7 @@ class Pair:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         return encode_prompt(self.session.tokenizer, messages, chat_template)
 
-    def generate(
+    def start(
         self,
         prompt,
         strategy: str = "full",
@@ -159,17 +112,19 @@ class Pair:
         configs: Sequence = (),
         token_map: str | None = None,
         fr_size: int | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
         timing: bool = False,
         **decoding,
-    ) -> GenerationResult:
-        """Generate after ``prompt`` (a user message or chat messages) with ``strategy``; the output is the
-        target's own (greedy: the argmax of its verification pass at every position).
+    ) -> Reply:
+        """A generation after ``prompt`` (a user message or chat messages) with ``strategy``, as a
+        :class:`~dynvocab.reply.Reply`: iterating it runs one cycle per step and yields the token ids it committed;
+        ``reply.result`` is the :class:`GenerationResult` once it has ended (at the end, or after ``close()``). The
+        output is the target's own (greedy: the argmax of its verification pass at every position). Bad arguments
+        are refused here, before anything runs.
 
         ``decoding``: :class:`DecodeConfig` fields (``max_new_tokens=128``, ``gamma``, ``temperature``, ``top_p``,
         ``seed``, ``stop_below``, ``branch_below``). Strategy knobs: ``configs`` (their frozen config dataclasses),
-        ``token_map``, ``fr_size``, or a whole ``options``. ``on_tokens`` receives each cycle's new token ids;
-        ``timing`` also measures the loop's sections (prefill, draft, head, policy, verify) in the metrics.
+        ``token_map``, ``fr_size``, or a whole ``options``. ``timing`` also measures the loop's sections (prefill,
+        draft, head, policy, verify) in the metrics.
         """
         from dynvocab.runtime.strategies import check_strategy
 
@@ -178,44 +133,35 @@ class Pair:
         opts = strategy_options(options, configs, token_map, fr_size)
         ids = self.encode(prompt, chat_template)
         self.session.check_fits(len(ids), cfg.max_new_tokens)
-        result = self.session.generate(ids, strategy, cfg, opts, on_tokens=on_tokens, timing=timing)
-        text = self.session.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return GenerationResult(text, result.token_ids, strategy, result.metrics, result.stopped_by_eos)
+        return Reply(self.session.decoding(ids, strategy, cfg, opts, timing=timing), self.tokenizer, strategy)
+
+    def generate(
+        self, prompt, strategy: str = "full", *, on_tokens: Callable[[list[int]], None] | None = None, **kwargs,
+    ) -> GenerationResult:
+        """Generate after ``prompt`` (a user message or chat messages) with ``strategy``, to the end; the output is
+        the target's own (greedy: the argmax of its verification pass at every position). The arguments are
+        :meth:`start`'s (``chat_template``, ``options``, ``configs``, ``token_map``, ``fr_size``, ``timing``, and
+        decoding settings such as ``max_new_tokens=128``); ``on_tokens`` receives each cycle's new token ids."""
+        reply = self.start(prompt, strategy, **kwargs)
+        for new in reply:
+            if on_tokens is not None:
+                on_tokens(new)
+        return reply.result
 
     def stream(self, prompt, strategy: str = "full", **kwargs) -> Iterator[str]:
-        """Yield the reply's text piece by piece as cycles finish (the arguments of :meth:`generate`). Pieces
-        never split a character; closing the iterator early stops the generation after the cycle in flight."""
-        pieces: queue.Queue = queue.Queue()
-        stop = threading.Event()
-        done = object()
-        text = TextStream(self.session.tokenizer)
-
-        def on_tokens(new: list[int]) -> None:
-            if stop.is_set():
-                raise _Stopped
-            pieces.put(text.push(new))
-
-        def run() -> None:
-            try:
-                result = self.generate(prompt, strategy, on_tokens=on_tokens, **kwargs)
-                pieces.put(text.tail(result.text, final=True))
-            except _Stopped:
-                pass
-            except BaseException as exc:  # handed to the consumer's thread
-                pieces.put(exc)
-            pieces.put(done)
-
-        worker = threading.Thread(target=run, name="dynvocab-stream", daemon=True)
-        worker.start()
+        """Yield the reply's text piece by piece as cycles finish (the arguments of :meth:`start`). Pieces never
+        split a character. A plain generator on the caller's thread: each cycle runs when the next piece is asked
+        for, so closing it early (or breaking out of a loop over it) runs no further cycle."""
+        reply = self.start(prompt, strategy, **kwargs)
+        text = TextStream(self.tokenizer)
         try:
-            while (item := pieces.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                if item:
-                    yield item
+            for new in reply:
+                if piece := text.push(new):
+                    yield piece
         finally:
-            stop.set()
-            worker.join()
+            reply.close()
+        if piece := text.tail(text.text(), final=True):
+            yield piece
 
     def bench(
         self,
@@ -240,16 +186,12 @@ class Pair:
         ``prompts``: user messages (strings), chat message lists, ``(id, text)`` pairs, or bench items.
         ``strategies``: registered strategies and the ``hf-assisted`` / ``hf-lookup`` rows (and the llama.cpp rows
         with ``llamacpp``, a :class:`~dynvocab.bench.llamacpp.LlamaCpp`). ``decoding`` and the strategy knobs as in
-        :meth:`generate` (``max_new_tokens`` defaults to 128); every row runs once per seed in ``seeds``.
+        :meth:`start` (``max_new_tokens`` defaults to 128); every row runs once per seed in ``seeds``.
         ``skip_unrunnable``: drop a row whose policy cannot be built here, with a note, instead of refusing.
         ``progress``: a callback ``(stage, done, total)`` or a reporter. A Ctrl-C raises
         :class:`~dynvocab.errors.Interrupted` whose ``result`` holds the rows finished so far.
         """
-        from dynvocab.bench.runner import (
-            BenchConfig, bench_results, parse_rows, run_bench, runnable_strategies, with_llama_rows,
-        )
-        from dynvocab.errors import Interrupted
-        from dynvocab.progress import as_reporter
+        from dynvocab.bench.runner import BenchConfig, bench_items, parse_rows, runnable_strategies, with_llama_rows
 
         rows = with_llama_rows(parse_rows(",".join(strategies)), llamacpp)
         if not seeds:
@@ -259,30 +201,38 @@ class Pair:
             options=strategy_options(options, configs, token_map, fr_size), chat_template=chat_template,
             seeds=tuple(seeds), coverage=coverage, llamacpp=llamacpp,
         )
-        items = [_bench_item(i, p) for i, p in enumerate(prompts)]
-        if not items:
-            raise DynvocabError("no prompts to bench; pass at least one")
+        items = bench_items(prompts)
         for item in items:  # a prompt that leaves no room for the new tokens is refused before any row runs
             ids = self.encode(item.context(0, [], 0), chat_template)
             self.session.check_fits(len(ids), cfg.decode.max_new_tokens, where=f"prompt '{item.id}'")
         cfg, notes = runnable_strategies(self.session, cfg, skip=skip_unrunnable)
-        total = sum(item.turns for item in items) * len(cfg.strategies) * len(cfg.seeds)
-        finished: list[dict] = []
-        with as_reporter(progress).task("bench (rows·prompts)", total=total) as advance:
+        return _run_rows(self.session, items, cfg, notes, progress)
 
-            def on_result(record: dict) -> None:
-                finished.append(record)
-                advance(1)
 
-            try:
-                results = run_bench(
-                    self.session, items, cfg, on_result=on_result,
-                    on_start=lambda row, strategy: advance(0, description=f"bench · {row} · {strategy}"),
-                )
-            except KeyboardInterrupt:
-                results = _with_notes(bench_results(self.session, cfg, finished), notes, items, interrupted=True)
-                raise Interrupted(f"interrupted after {len(finished)} of {total} rows", _bench_result(results)) from None
-        return _bench_result(_with_notes(results, notes, items))
+def _run_rows(session, items: list, cfg, notes: list[str], progress) -> BenchResult:
+    """Run the bench's rows with a progress task over rows × prompts; a Ctrl-C raises
+    :class:`~dynvocab.errors.Interrupted` holding the rows finished so far."""
+    from dynvocab.bench.runner import bench_results, run_bench
+    from dynvocab.errors import Interrupted
+    from dynvocab.progress import as_reporter
+
+    total = sum(item.turns for item in items) * len(cfg.strategies) * len(cfg.seeds)
+    finished: list[dict] = []
+    with as_reporter(progress).task("bench (rows·prompts)", total=total) as advance:
+
+        def on_result(record: dict) -> None:
+            finished.append(record)
+            advance(1)
+
+        try:
+            results = run_bench(
+                session, items, cfg, on_result=on_result,
+                on_start=lambda row, strategy: advance(0, description=f"bench · {row} · {strategy}"),
+            )
+        except KeyboardInterrupt:
+            results = _with_notes(bench_results(session, cfg, finished), notes, items, interrupted=True)
+            raise Interrupted(f"interrupted after {len(finished)} of {total} rows", _bench_result(results)) from None
+    return _bench_result(_with_notes(results, notes, items))
 
 
 def _with_notes(results: dict, notes: list[str], items, interrupted: bool = False) -> dict:
@@ -299,27 +249,6 @@ def _bench_result(results: dict) -> BenchResult:
     summary = results["summary"]
     table = [{"strategy": name, **summary[name]["all"]} for name in summary]
     return BenchResult(table, results["generations"], results["config"], results)
-
-
-class _Stopped(Exception):
-    """Raised inside a stream's generation when its consumer closed the iterator."""
-
-
-def _bench_item(index: int, prompt):
-    """A bench item of ``prompt``: a bench item as it is, a string, chat messages, or an ``(id, text)`` pair."""
-    from dynvocab.bench.prompts import PromptRow
-    from dynvocab.bench.tasks import as_item
-
-    if isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], str):
-        pid, text = prompt
-    elif isinstance(prompt, (str, list)):
-        pid, text = f"p{index}", prompt
-    else:
-        return as_item(prompt)
-    messages = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
-    if not messages or not any(str(m.get("content", "")).strip() for m in messages):
-        raise DynvocabError(f"prompt {pid} is empty; pass some text")
-    return as_item(PromptRow(str(pid), "custom", tuple(messages)))
 
 
 def load(

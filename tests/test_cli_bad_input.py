@@ -150,27 +150,32 @@ def test_build_and_bundle_commands_bad_input(files, args, words):
     ],
 )
 def test_runtime_failures_are_one_line(tiny_dirs, monkeypatch, error, words):
-    from dynvocab.runtime import session
+    from dynvocab.runtime import loop
 
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(session.Session, "generate", fail)
+    monkeypatch.setattr(loop, "run_cycle", fail)  # a failure inside the decoding loop
     assert_one_line_error(run("generate", PROMPT, *models(tiny_dirs), "--quiet"), *words)
 
 
 def test_ctrl_c_in_generate_prints_the_tokens_so_far(tiny_dirs, monkeypatch):
-    from dynvocab.runtime import session
+    from dynvocab.runtime import loop
 
-    def interrupted(self, prompt_ids, strategy, decode, options, on_tokens=None, **kwargs):
-        on_tokens([5, 6, 7])
-        raise KeyboardInterrupt
+    real, emitted = loop.run_cycle, []
 
-    monkeypatch.setattr(session.Session, "generate", interrupted)
+    def interrupted_second(*args, **kwargs):  # Ctrl-C inside the second cycle
+        if emitted:
+            raise KeyboardInterrupt
+        cycle = real(*args, **kwargs)
+        emitted.extend(cycle.emitted)
+        return cycle
+
+    monkeypatch.setattr(loop, "run_cycle", interrupted_second)
     result = run("generate", PROMPT, *models(tiny_dirs), "--quiet", "--json")
-    assert result.exit_code == 130
-    assert json.loads(result.stdout.strip().splitlines()[-1])["token_ids"] == [5, 6, 7]
-    assert "error: interrupted after 3 new tokens" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 130 and emitted
+    assert json.loads(result.stdout.strip().splitlines()[-1])["token_ids"] == emitted
+    assert f"error: interrupted after {len(emitted)} new tokens" in result.output and "Traceback" not in result.output
 
 
 def test_ctrl_c_in_bench_writes_the_finished_rows(tiny_dirs, files, tmp_path, monkeypatch):

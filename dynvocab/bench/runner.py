@@ -70,6 +70,29 @@ def with_llama_rows(names: list[str], llamacpp: LlamaCpp | None) -> list[str]:
     return names
 
 
+def bench_items(prompts) -> list[BenchItem]:
+    """Bench items of the API's prompts: bench items as they are, strings, chat messages, or ``(id, text)`` pairs
+    (ids ``p0``, ``p1``, … where none is given); an empty prompt, or none, is refused."""
+    items = [_bench_item(index, prompt) for index, prompt in enumerate(prompts)]
+    if not items:
+        raise DynvocabError("no prompts to bench; pass at least one")
+    return items
+
+
+def _bench_item(index: int, prompt) -> BenchItem:
+    """A bench item of one prompt (see :func:`bench_items`)."""
+    if isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], str):
+        pid, text = prompt
+    elif isinstance(prompt, (str, list)):
+        pid, text = f"p{index}", prompt
+    else:
+        return as_item(prompt)
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
+    if not messages or not any(str(m.get("content", "")).strip() for m in messages):
+        raise DynvocabError(f"prompt {pid} is empty; pass some text")
+    return as_item(PromptRow(str(pid), "custom", tuple(messages)))
+
+
 def needs_draft(strategies) -> bool:
     """Whether any row needs the draft model loaded (llama.cpp loads its own GGUF files)."""
     return any(

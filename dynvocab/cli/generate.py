@@ -65,30 +65,18 @@ def generate(
         target, draft if lookup(strategy).drafts else None, flags.bundle, device, dtype, draft_weights, prepack,
         threads, status_printer(quiet),
     )
-    session = pair.session
-    decoding = dataclasses.asdict(flags.decode(max_new_tokens))
-
-    shown = api.TextStream(session.tokenizer)
-
-    def stream(new: list[int]) -> None:
-        piece = shown.push(new)
-        if piece and not json_out:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
+    shown, reply = api.TextStream(pair.tokenizer), None
     try:
-        result = pair.generate(
-            prompt, strategy, chat_template=not no_chat_template, options=flags.options(), on_tokens=stream,
-            timing=json_out, **decoding,
+        reply = pair.start(
+            prompt, strategy, chat_template=not no_chat_template, options=flags.options(), timing=json_out,
+            **dataclasses.asdict(flags.decode(max_new_tokens)),
         )
+        for new in reply:
+            if not json_out:  # the JSON line carries the text: no decoding between cycles
+                _write(shown.push(new))
     except KeyboardInterrupt:
-        partial = shown.text()
-        if json_out:
-            print(json.dumps({"text": partial, "token_ids": shown.ids, "strategy": strategy, "interrupted": True}, ensure_ascii=False))
-        else:
-            sys.stdout.write(shown.tail(partial, final=True) + "\n")
-        raise Interrupted(f"interrupted after {len(shown.ids)} new tokens") from None
-    text = result.text
+        raise _interrupted(reply, strategy, shown, json_out) from None
+    result, session = reply.result, pair.session
     m = result.metrics
     summary = (
         f"[{strategy}] {m.new_tokens} tokens in {m.wall_s:.2f}s · {m.tokens_per_s:.2f} tokens/s · "
@@ -98,5 +86,27 @@ def generate(
         err_console.print(summary, highlight=False)
         print(json.dumps(result.as_dict(), ensure_ascii=False))
     else:
-        sys.stdout.write(shown.tail(text, final=True) + "\n")
+        sys.stdout.write(shown.tail(result.text, final=True) + "\n")
         print(summary)
+
+
+def _write(piece: str) -> None:
+    """Print a piece of the streamed reply as it comes."""
+    if piece:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+
+def _interrupted(reply, strategy: str, shown, json_out: bool) -> Interrupted:
+    """After a Ctrl-C: close the reply (the tokens committed so far are its result), print the rest of their text
+    or their JSON marked ``interrupted``; the error to raise."""
+    ids, text = [], ""
+    if reply is not None:
+        reply.close()
+        partial = reply.result
+        ids, text = partial.token_ids, partial.text
+    if json_out:
+        print(json.dumps({"text": text, "token_ids": ids, "strategy": strategy, "interrupted": True}, ensure_ascii=False))
+    else:
+        sys.stdout.write(shown.tail(text, final=True) + "\n")
+    return Interrupted(f"interrupted after {len(ids)} new tokens")

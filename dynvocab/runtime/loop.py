@@ -10,6 +10,10 @@ once per cycle (:func:`~dynvocab.runtime.host.to_host`). The loop only decodes: 
 (:mod:`dynvocab.runtime.timing`).
 ``gamma = 0`` with no draft is plain autoregressive decoding by the target.
 
+The loop is an iterator, :class:`Decoding`, as transformers' streamers and vLLM's engine iterate: each ``next`` runs
+one cycle and returns the tokens it committed, so streaming needs no thread; closing it runs no further cycle.
+:func:`speculative_generate` runs it to the end.
+
 Cache invariant: before a cycle the target's cache holds every committed token but the last one; the draft's
 cache holds some prefix of the committed tokens and catches up at its first draft step. The draft is either kind
 behind :class:`~dynvocab.runtime.draft.Proposer` (a draft model, an EAGLE head): after each target pass the loop
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -89,7 +93,87 @@ def _prefill(target: CausalLM, prompt_ids: list[int], draft: Proposer | None, po
         draft.step(prompt[:-1])
 
 
-@torch.inference_mode()
+class Decoding:
+    """One generation that runs as it is iterated: each ``next`` runs one draft-verify cycle and returns the token
+    ids it committed (``list[int]``); nothing runs before the first ``next``.
+
+    :attr:`generation` holds the :class:`Generation` once the iterator is exhausted or closed: the tokens so far,
+    their metrics finished either way. ``close()`` stops after the cycle in flight (the one the last ``next`` ran)
+    and calls ``on_end`` once, as does the end of the iteration or a failure inside it.
+    """
+
+    def __init__(
+        self,
+        target: CausalLM,
+        prompt_ids: list[int],
+        cfg: DecodeConfig,
+        eos_ids: set[int],
+        draft: Proposer | None = None,
+        policy: VocabPolicy | None = None,
+        timing: bool = False,
+        on_end: Callable[[], None] | None = None,
+    ):
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        self.generation: Generation | None = None
+        self._on_end = on_end
+        self._cycles = self._run(target, prompt_ids, cfg, eos_ids, draft, policy, timing)
+
+    def __iter__(self) -> Decoding:
+        return self
+
+    def __next__(self) -> list[int]:
+        try:
+            return next(self._cycles)
+        except BaseException:  # StopIteration (the end) included: a generation that ended is closed
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Run no further cycle; finish the metrics of the tokens so far and call ``on_end`` (idempotent)."""
+        self._cycles.close()
+        if self.generation is None:  # closed before its first cycle: nothing ran
+            self.generation = Generation([], Metrics())
+        if self._on_end is not None:
+            on_end, self._on_end = self._on_end, None
+            on_end()
+
+    def run(self) -> Generation:
+        """Run the remaining cycles; the whole generation."""
+        for _ in self:
+            pass
+        return self.generation
+
+    @torch.inference_mode()  # torch enters the mode on each resumption: the consumer's code runs outside it
+    def _run(self, target: CausalLM, prompt_ids: list[int], cfg: DecodeConfig, eos_ids: set[int],
+             draft: Proposer | None, policy: VocabPolicy | None, timing: bool) -> Iterator[list[int]]:
+        """The loop: prefill, then one cycle per ``next`` until ``max_new_tokens`` or an EOS."""
+        start = time.perf_counter()
+        speculative = draft is not None and cfg.gamma > 0
+        draft = draft if speculative else None
+        policy = FullPolicy(draft.info.vocab_size) if speculative and policy is None else policy
+        setup = _setup(target, cfg, eos_ids, draft, policy, SectionTimer(target.device, timing))
+        tally = Tally(cfg.gamma if speculative else 0)
+        tokens, out, lengths, stopped = list(prompt_ids), [], [], False  # tokens: the prompt and what followed
+        try:
+            t0 = setup.timer.mark()
+            _prefill(target, prompt_ids, draft, policy)
+            setup.timer.add("prefill_s", t0)
+            while len(out) < cfg.max_new_tokens and not stopped:
+                left = cfg.max_new_tokens - len(out)
+                result = run_cycle(setup, tokens, min(cfg.gamma, left - 1) if speculative else 0, left)
+                _count(tally, result)
+                setup.timer.flush(tally.m)
+                stopped = result.eos
+                lengths.append(len(result.emitted))
+                tokens += result.emitted
+                out += result.emitted
+                yield result.emitted
+        finally:
+            metrics = tally.finish(time.perf_counter() - start, speculative, draft.rows_copied if speculative else 0)
+            self.generation = Generation(out, metrics, stopped, lengths)
+
+
 def speculative_generate(
     target: CausalLM,
     prompt_ids: list[int],
@@ -97,40 +181,16 @@ def speculative_generate(
     eos_ids: set[int],
     draft: Proposer | None = None,
     policy: VocabPolicy | None = None,
-    on_tokens: Callable[[list[int]], None] | None = None,
     timing: bool = False,
 ) -> Generation:
     """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``; returns exactly the target's output.
 
     With ``draft=None`` (or ``cfg.gamma == 0``) this is autoregressive decoding by the target alone; a draft with
     no ``policy`` drafts over its full vocabulary. ``timing`` fills the sections of :class:`Metrics` (prefill,
-    draft, head, policy, verify); wall time and tokens/s are measured either way.
+    draft, head, policy, verify); wall time and tokens/s are measured either way. :class:`Decoding` runs the same
+    loop a cycle at a time.
     """
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty")
-    start = time.perf_counter()
-    speculative = draft is not None and cfg.gamma > 0
-    draft = draft if speculative else None
-    policy = FullPolicy(draft.info.vocab_size) if speculative and policy is None else policy
-    setup = _setup(target, cfg, eos_ids, draft, policy, SectionTimer(target.device, timing))
-    tally = Tally(cfg.gamma if speculative else 0)
-    t0 = setup.timer.mark()
-    _prefill(target, prompt_ids, draft, policy)
-    setup.timer.add("prefill_s", t0)
-    tokens, out, lengths, stopped = list(prompt_ids), [], [], False
-    while len(out) < cfg.max_new_tokens and not stopped:
-        left = cfg.max_new_tokens - len(out)
-        result = run_cycle(setup, tokens, min(cfg.gamma, left - 1) if speculative else 0, left)
-        _count(tally, result)
-        setup.timer.flush(tally.m)
-        stopped = result.eos
-        lengths.append(len(result.emitted))
-        tokens += result.emitted
-        out += result.emitted
-        if on_tokens is not None:
-            on_tokens(result.emitted)
-    metrics = tally.finish(time.perf_counter() - start, speculative, draft.rows_copied if speculative else 0)
-    return Generation(out, metrics, stopped, lengths)
+    return Decoding(target, prompt_ids, cfg, eos_ids, draft, policy, timing).run()
 
 
 def _setup(target: CausalLM, cfg: DecodeConfig, eos_ids: set[int], draft: Proposer | None, policy: VocabPolicy | None,

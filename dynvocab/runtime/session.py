@@ -21,7 +21,7 @@ from dynvocab.models.vocab import end_token_ids
 from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.drafts import LoadRequest, find_kind
 from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.loop import DecodeConfig, Generation, speculative_generate
+from dynvocab.runtime.loop import DecodeConfig, Decoding, Generation
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, lookup, make_policy
 
@@ -137,21 +137,21 @@ class Session:
                 f"context of {self.context_length:,}; pass --max-new-tokens {room} or less, or shorten it"
             )
 
-    def generate(
+    def decoding(
         self,
         prompt_ids: list[int],
         strategy: str,
         decode: DecodeConfig,
         options: StrategyOptions = StrategyOptions(),
-        on_tokens: Callable[[list[int]], None] | None = None,
         wrap_policy: Callable[[VocabPolicy], VocabPolicy] | None = None,
         timing: bool = False,
-    ) -> Generation:
-        """Run ``strategy`` on ``prompt_ids``; the output is the target's own (greedy: token for token).
+    ) -> Decoding:
+        """``strategy`` on ``prompt_ids`` as a :class:`~dynvocab.runtime.loop.Decoding`: each ``next`` runs one
+        cycle and returns the token ids it committed; the output is the target's own (greedy: token for token).
 
         ``wrap_policy`` may wrap the strategy's policy (bench records active sets this way); the wrapper's
-        ``close()``, if any, runs after the generation, as the policy's own does. ``timing``: measure the loop's
-        sections too (bench does; see :func:`~dynvocab.runtime.loop.speculative_generate`).
+        ``close()``, if any, runs when the decoding ends or is closed, as the policy's own does. ``timing``: measure
+        the loop's sections too (bench does).
         """
         if not prompt_ids:
             raise DynvocabError("the prompt is empty; pass some text")
@@ -159,15 +159,19 @@ class Session:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
         policy = make_policy(strategy, options, self.policy_context())
         if policy is None:  # the strategy decodes with the target alone (``ar``)
-            return speculative_generate(
-                self.target, prompt_ids, decode, self.eos_ids, on_tokens=on_tokens, timing=timing
-            )
+            return Decoding(self.target, prompt_ids, decode, self.eos_ids, timing=timing)
         if wrap_policy is not None:
             policy = wrap_policy(policy)
-        try:
-            return speculative_generate(
-                self.target, prompt_ids, decode, self.eos_ids, self.draft, policy, on_tokens=on_tokens, timing=timing
-            )
-        finally:
-            if policy is not None:
-                policy.close()
+        return Decoding(self.target, prompt_ids, decode, self.eos_ids, self.draft, policy, timing, on_end=policy.close)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        strategy: str,
+        decode: DecodeConfig,
+        options: StrategyOptions = StrategyOptions(),
+        wrap_policy: Callable[[VocabPolicy], VocabPolicy] | None = None,
+        timing: bool = False,
+    ) -> Generation:
+        """:meth:`decoding` run to the end: the whole generation."""
+        return self.decoding(prompt_ids, strategy, decode, options, wrap_policy, timing).run()
