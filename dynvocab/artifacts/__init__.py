@@ -12,6 +12,7 @@ from dynvocab.artifacts.export import (
 )
 from dynvocab.artifacts.fingerprint import ModelFingerprint
 from dynvocab.artifacts.hnsw import HnswParams, augment_queries, augment_rows, load_hnsw, mips_search
+from dynvocab.artifacts.stages import BundleStage, find_stage, read_stage, stage_names
 from dynvocab.artifacts.tables import ClusterTable, FreqTable, GraphTable
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "FORMATS",
     "FORMAT_VERSION",
     "Bundle",
+    "BundleStage",
     "ExportRequest",
     "ClusterTable",
     "FreqTable",
@@ -30,10 +32,13 @@ __all__ = [
     "augment_rows",
     "eagle3_mapping",
     "export_bundle",
+    "find_stage",
     "load_bundle",
     "load_hnsw",
     "mips_search",
+    "read_stage",
     "save_torch_atomic",
     "sglang_token_map",
+    "stage_names",
     "write_bundle",
 ]

@@ -31,12 +31,12 @@ import torch
 
 from dynvocab.version import __version__
 from dynvocab.artifacts.fingerprint import ModelFingerprint
+from dynvocab.artifacts.stage_registry import remake_command, stage_names
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 
 FORMAT = "dynvocab-bundle"
 FORMAT_VERSION = 1
-STAGE_ORDER = ("freq", "clusters", "hnsw", "graph", "draft_hnsw", "router")  # display order; other names are allowed too
 _MAX_HEADER = 100 * 1024 * 1024
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -119,9 +119,10 @@ class Bundle:
 
     @property
     def stages(self) -> list[str]:
-        """Stage names present, in pipeline order."""
-        known = [s for s in STAGE_ORDER if s in self.stage_meta]
-        return known + sorted(s for s in self.stage_meta if s not in STAGE_ORDER)
+        """Stage names present: registered ones in registry order, then any others by name."""
+        order = stage_names()
+        known = [s for s in order if s in self.stage_meta]
+        return known + sorted(s for s in self.stage_meta if s not in order)
 
     def has(self, stage: str) -> bool:
         """Whether the bundle holds ``stage``."""
@@ -133,7 +134,7 @@ class Bundle:
             have = ", ".join(self.stages) or "none"
             raise DynvocabError(
                 f"bundle {self.path} has no '{stage}' stage (it has: {have}); "
-                f"add it with `dynvocab build-index --stages {stage} --out {self.path}`"
+                f"add it with `{remake_command(stage, self.path)}`"
             )
 
     def config(self, stage: str) -> dict:
@@ -201,13 +202,9 @@ class Bundle:
         """Compare one tensor's SHA-256 with the stored one; a mismatch names the stage to rebuild."""
         if self._checksums is not None and digest != self._checksums.get(name):
             stage = name.split(".", 1)[0]
-            rebuild = (
-                f"dynvocab train-router --bundle {self.path}" if stage == "router"
-                else f"dynvocab build-index --stages {stage} --out {self.path}"
-            )
             raise DynvocabError(
                 f"bundle {self.path} is damaged: stage '{stage}' fails its checksum (tensor {name}); "
-                f"rebuild the stage with `{rebuild}`"
+                f"rebuild the stage with `{remake_command(stage, self.path)}`"
             )
         self._verified.add(name)
 

@@ -129,11 +129,11 @@ def export_bundle(bundle: str | Path, out: str | Path, fmt: str, request: Export
 def _freq_writer(name: str, make: Callable[[FreqTable, int], object]):
     def write(bundle: Path, out: Path, request: ExportRequest) -> Exported:
         from dynvocab.artifacts.bundle import load_bundle
+        from dynvocab.artifacts.stages import FREQ, read_stage
 
         size = DEFAULT_EXPORT_SIZE if request.size is None else request.size
         with load_bundle(bundle, verify=True) as opened:
-            opened.require("freq")
-            obj = make(FreqTable.from_bundle(opened), size)
+            obj = make(read_stage(opened, FREQ.name), size)
         return Exported(save_torch_atomic(obj, out), f"{name}, {size:,} ids")
 
     return write

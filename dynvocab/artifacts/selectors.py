@@ -132,13 +132,21 @@ def random_selectors(
 ) -> tuple["SelectorTable", "SelectorTable"]:
     """A ``lowrank`` and a ``centroids`` table of random weights at these sizes (default budgets ``candidates``
     ids and ``blocks`` blocks): what the benches time a selector's step with, when no trained one is at hand."""
-    g = generator
-    low = SelectorTable.lowrank(
-        LowRankScorer(torch.randn(rank, dim, generator=g) * dim**-0.5, torch.randn(vocab, rank, generator=g)),
-        {"budget": candidates})
-    cen = SelectorTable.centroids(CentroidScorer(torch.randn(-(-vocab // block), dim, generator=g)),
-                                  torch.randperm(vocab, generator=g), block, {"budget": blocks})
-    return low, cen
+    return random_lowrank(vocab, dim, generator, rank, candidates), random_centroids(vocab, dim, generator, block, blocks)
+
+
+def random_lowrank(vocab: int, dim: int, g: torch.Generator, rank: int = 256, candidates: int = 4096,
+                   ) -> "SelectorTable":
+    """A ``lowrank`` table of random weights at rank ``rank``, default budget ``candidates`` ids."""
+    scorer = LowRankScorer(torch.randn(rank, dim, generator=g) * dim**-0.5, torch.randn(vocab, rank, generator=g))
+    return SelectorTable.lowrank(scorer, {"budget": candidates})
+
+
+def random_centroids(vocab: int, dim: int, g: torch.Generator, block: int = 128, blocks: int = 32,
+                     ) -> "SelectorTable":
+    """A ``centroids`` table of random weights over blocks of ``block`` ids, default budget ``blocks`` blocks."""
+    scorer = CentroidScorer(torch.randn(-(-vocab // block), dim, generator=g))
+    return SelectorTable.centroids(scorer, torch.randperm(vocab, generator=g), block, {"budget": blocks})
 
 
 def _snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,6 +8,8 @@ import torch
 
 from dynvocab.artifacts.bundle import Bundle
 
+COVERAGE_SIZES = (4096, 8192, 16384, 32768)  # top-K sizes whose corpus share ``freq`` reports by default
+
 
 def _stage_table(cls, bundle: Bundle, stage: str, names: tuple[str, ...]):
     """``cls`` built from the stage's tensors ``names`` in order, read once per bundle object and shared."""

@@ -14,9 +14,9 @@ shapes (d = 1,536, V = 151,936):
 Each policy is built by its strategy's registry factory (:func:`~dynvocab.runtime.registry.make_policy`), as
 ``generate`` builds it, from a context over a bundle and stand-in models with random weights. The bundle: the one
 given (``freq``, ``clusters``, ``router``, ``hnsw``, ``graph``, ``draft_hnsw``), else synthetic tables of demo
-sizes written as one (a random frequency ranking, 1,024 random clusters with a random router, a 64-successor random
-graph, and an HNSW index over 4,096 random rows for retrieval). Cycles draw drafted tokens mostly from the 4k most
-frequent ids and accept a random prefix, so sets change as they do in a run.
+sizes written as one (each registered stage builder's random stand-in: a frequency ranking, 1,024 clusters with a
+router, a 64-successor graph, an HNSW index over 4,096 rows for retrieval, the selectors). Cycles draw drafted
+tokens mostly from the 4k most frequent ids and accept a random prefix, so sets change as they do in a run.
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from dynvocab.artifacts import FreqTable, HnswParams, ModelFingerprint, Stage, load_bundle, write_bundle
-from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
-from dynvocab.models.prepack import INT8, Int8Rows
+from dynvocab.artifacts import FreqTable, HnswParams, ModelFingerprint, load_bundle, write_bundle
 from dynvocab.bench.scripted import ScriptedCycle, ScriptedDraft, run_script
+from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
 from dynvocab.errors import DynvocabError
+from dynvocab.models.int8 import INT8
+from dynvocab.models.rows import FloatRows, Int8Rows
 from dynvocab.runtime.cycle import Sections
 from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.drafts import lookup_kind
 from dynvocab.runtime.head import DraftHead
-from dynvocab.runtime.rows import FloatRows
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategies
 from dynvocab.runtime.timing import SectionTimer
@@ -128,41 +128,18 @@ def bench_context(bundle, vocab: int, dim: int, seed: int, kind: str = SYNTHETIC
 
 
 def synthetic_bundle(path: Path, vocab: int, rows: torch.Tensor, g: torch.Generator) -> Path:
-    """Write random tables of demo sizes as a bundle: a frequency ranking, 1,024 clusters with a router, a
-    64-successor graph, and an HNSW index over ``rows`` [n, d] (standing for the target's head)."""
-    from dynvocab.artifacts.bundle import tensor_sha256
-    from dynvocab.artifacts.router import RouterMLP, RouterTable
-    from dynvocab.builders.hnsw import HnswConfig, build
+    """Write random tables of demo sizes as a bundle: one stage per registered builder that makes a synthetic one
+    (:attr:`~dynvocab.builders.stage_registry.StageBuilder.synthetic`: a frequency ranking, 1,024 clusters with a
+    router, a 64-successor graph, an HNSW index over ``rows`` [n, d] standing for the target's head, the
+    selectors)."""
+    from dynvocab.builders.stages import Synthetic, stage_builders
 
-    dim, fanout, m = rows.shape[1], 64, 1024
-    ranking = torch.randperm(vocab, generator=g)
-    counts = torch.empty(vocab, dtype=torch.long)
-    counts[ranking] = torch.arange(vocab, 0, -1)
-    assign = torch.randint(m, (vocab,), generator=g)
-    router = RouterTable.from_module(RouterMLP(dim, dim, 128, m), {"clusters_sha256": tensor_sha256(assign)})
-    hnsw_cfg = HnswConfig(m=8, ef_construction=32)  # a cheap graph; ef as a built bundle's
-    tensors, params, _ = build(hnsw_cfg, rows)
-    stages = [
-        Stage("freq", {"counts": counts, "ranking": ranking, "eos_ids": torch.tensor([vocab - 1])}, {}),
-        Stage("clusters", {"assign": assign, "centroids": F.normalize(torch.randn(m, dim, generator=g), dim=-1)}, {}),
-        Stage("router", router.to_tensors(), router.config),
-        Stage("hnsw", tensors, hnsw_cfg.as_dict(), {"index": params.as_dict(), "model": "target"}),
-        Stage("graph", {
-            "indptr": torch.arange(0, (vocab + 1) * fanout, fanout, dtype=torch.long),
-            "indices": torch.randint(vocab, (vocab * fanout,), generator=g, dtype=torch.int32),
-            "probs": torch.full((vocab * fanout,), 1.0 / fanout),
-        }, {}),
-        *_synthetic_selectors(vocab, dim, g),
-    ]
-    fingerprint = ModelFingerprint(vocab, "synthetic", rows.shape[0], dim, "synthetic")
-    return write_bundle(path, stages, fingerprint, None)
-
-
-def _synthetic_selectors(vocab: int, dim: int, g: torch.Generator) -> list[Stage]:
-    """Random ``lowrank`` (rank 256, 4,096 candidates) and ``centroids`` (blocks of 128, 32 of them) stages."""
-    from dynvocab.artifacts.selectors import random_selectors
-
-    return [Stage(t.kind, t.tensors, t.config) for t in random_selectors(vocab, dim, g)]
+    spec, made = Synthetic(vocab, rows, g), {}
+    for entry in stage_builders():
+        if entry.synthetic is not None:
+            made[entry.name] = entry.synthetic(spec, made)
+    fingerprint = ModelFingerprint(vocab, "synthetic", rows.shape[0], rows.shape[1], "synthetic")
+    return write_bundle(path, list(made.values()), fingerprint, None)
 
 
 def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Target | None, DraftInfo]:

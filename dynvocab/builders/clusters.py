@@ -13,7 +13,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from dynvocab.artifacts import ClusterTable
+from dynvocab.artifacts import ClusterTable, Stage
+from dynvocab.artifacts.stages import CLUSTERS
+from dynvocab.builders.models import load_head
+from dynvocab.builders.stage_registry import DRAFT, BuildInputs, Built, StageBuilder, Synthetic
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import Advance
 
@@ -94,3 +97,20 @@ def build(
         }
     )
     return table, stats
+
+
+def _build_stage(inputs: BuildInputs, cfg: ClustersConfig) -> Built:
+    head = load_head(inputs.draft)  # [V_draft, d_draft]
+    with inputs.reporter.task("clusters (k-means iterations)", total=cfg.max_iters) as advance:
+        table, stats = build(cfg, head, inputs.device, advance)
+    return Built(table.to_tensors(), stats)
+
+
+def _synthetic(spec: Synthetic, made: dict, m: int = 1024) -> Stage:
+    """``m`` clusters of random ids around random unit centroids."""
+    assign = torch.randint(m, (spec.vocab,), generator=spec.generator)  # [V]
+    centroids = F.normalize(torch.randn(m, spec.dim, generator=spec.generator), dim=-1)  # [m, d]
+    return Stage(CLUSTERS.name, {"assign": assign, "centroids": centroids}, {})
+
+
+STAGE = StageBuilder(CLUSTERS, ClustersConfig, _build_stage, needs=(DRAFT,), synthetic=_synthetic)

@@ -7,14 +7,18 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from dynvocab.artifacts import FreqTable
+from dynvocab.artifacts import FreqTable, Stage
+from dynvocab.artifacts.stages import FREQ
+from dynvocab.artifacts.tables import COVERAGE_SIZES
+from dynvocab.builders.models import end_token_ids
+from dynvocab.builders.stage_registry import COUNTS, TARGET, BuildInputs, Built, StageBuilder, Synthetic
 
 
 @dataclass(frozen=True)
 class FreqConfig:
     """FR-Spec ranking: tokens sorted by corpus count, end tokens forced to the front."""
 
-    share_sizes: tuple[int, ...] = (4096, 8192, 16384, 32768)  # top-K sizes whose corpus share is reported
+    share_sizes: tuple[int, ...] = COVERAGE_SIZES  # top-K sizes whose corpus share is reported
 
     def as_dict(self) -> dict:
         """The config as bundles store it (``share_sizes`` under its stored name, ``coverage_sizes``)."""
@@ -48,3 +52,19 @@ def summary(cfg: FreqConfig, table: FreqTable) -> dict:
         "distinct_tokens": int((table.counts > 0).sum()),
         "coverage": {str(k): round(table.top_k_share(k), 6) for k in cfg.share_sizes},
     }
+
+
+def _build_stage(inputs: BuildInputs, cfg: FreqConfig) -> Built:
+    table = build(cfg, inputs.counts.unigrams, end_token_ids(inputs.target, inputs.target_tokenizer))
+    return Built(table.to_tensors(), summary(cfg, table), {"corpus": inputs.corpus_info})
+
+
+def _synthetic(spec: Synthetic, made: dict) -> Stage:
+    """A random ranking with counts falling along it; the last id is the end token."""
+    ranking = torch.randperm(spec.vocab, generator=spec.generator)  # [V]
+    counts = torch.empty(spec.vocab, dtype=torch.long)
+    counts[ranking] = torch.arange(spec.vocab, 0, -1)
+    return Stage(FREQ.name, {"counts": counts, "ranking": ranking, "eos_ids": torch.tensor([spec.vocab - 1])}, {})
+
+
+STAGE = StageBuilder(FREQ, FreqConfig, _build_stage, needs=(COUNTS, TARGET), synthetic=_synthetic)

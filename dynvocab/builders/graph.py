@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from dynvocab.artifacts import GraphTable
+from dynvocab.artifacts import GraphTable, Stage
+from dynvocab.artifacts.stages import GRAPH
+from dynvocab.builders.stage_registry import BIGRAMS, TARGET, BuildInputs, Built, StageBuilder, Synthetic
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,22 @@ def summary(table: GraphTable) -> dict:
         "sources": int((degree > 0).sum()),
         "mean_out_degree": round(float(degree[degree > 0].float().mean()), 3) if table.num_edges else 0.0,
     }
+
+
+def _build_stage(inputs: BuildInputs, cfg: GraphConfig) -> Built:
+    counts = inputs.counts
+    table = build(cfg, counts.bigram_keys, counts.bigram_counts, inputs.target_fp.head_rows)
+    return Built(table.to_tensors(), summary(table), {"corpus": inputs.corpus_info})
+
+
+def _synthetic(spec: Synthetic, made: dict, fanout: int = 64) -> Stage:
+    """``fanout`` random successors of every id, equally likely."""
+    v = spec.vocab
+    return Stage(GRAPH.name, {
+        "indptr": torch.arange(0, (v + 1) * fanout, fanout, dtype=torch.long),
+        "indices": torch.randint(v, (v * fanout,), generator=spec.generator, dtype=torch.int32),
+        "probs": torch.full((v * fanout,), 1.0 / fanout),
+    }, {})
+
+
+STAGE = StageBuilder(GRAPH, GraphConfig, _build_stage, needs=(BIGRAMS, TARGET), synthetic=_synthetic)

@@ -11,12 +11,20 @@ ones the maps were fitted on) and stored with the stage.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import itertools
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
+from dynvocab.artifacts import Stage
 from dynvocab.artifacts.hnsw import HnswParams, MipsIndex, augment_rows, graph_tensors, mips_search, project_rows
+from dynvocab.artifacts.stages import DRAFT_HNSW, HNSW
+from dynvocab.builders.corpus import iter_documents
+from dynvocab.builders.models import hidden_states, load_head
+from dynvocab.builders.stage_registry import DOCUMENTS, DRAFT, TARGET, BuildInputs, Built, StageBuilder, Synthetic
+from dynvocab.errors import DynvocabError
 from dynvocab.progress import Advance
 
 
@@ -146,3 +154,39 @@ def build(
     tensors, layout = graph_tensors(mips.index)
     tensors |= {"row_map": mips.row_map.contiguous(), "query_map": mips.query_map.contiguous()}
     return tensors, dataclasses.replace(mips.params, layout=layout), stats
+
+
+def _stage_builder(name: str, role: str):
+    """The builder of stage ``name``: an index over the LM-head rows of ``role``'s model (``hnsw``: the target,
+    EvoSpec's retrieval; ``draft_hnsw``: the draft, the hybrid's per-step retrieval), preconditioned on that
+    model's hidden states of some corpus documents, recall measured on others."""
+
+    def build_stage(inputs: BuildInputs, h: HnswConfig) -> Built:
+        spec = inputs.spec(role)
+        docs = list(itertools.islice(iter_documents(inputs.corpus), h.recall_docs + h.fit_docs))
+        if len(docs) <= h.recall_docs:
+            raise DynvocabError(
+                f"the corpus has {len(docs)} documents; the {name} stage needs more than {h.recall_docs}")
+        with inputs.reporter.task(f"{name} queries ({role} hidden states)", total=None):
+            states = hidden_states(spec, inputs.target_tokenizer, docs, h.query_tokens, inputs.device)  # [T_i, d] each
+        eval_queries, fit_queries = torch.cat(states[: h.recall_docs]), torch.cat(states[h.recall_docs :])
+        del states
+        gc.collect()
+        head = load_head(spec)  # [V, d] of that model
+        with inputs.reporter.task(f"{name} (rows indexed)", total=head.shape[0]) as advance:
+            tensors, params, stats = build(h, head, fit_queries, eval_queries, advance)
+        return Built(tensors, stats, {"index": params.as_dict(), "model": role})
+
+    return build_stage
+
+
+def _synthetic(spec: Synthetic, made: dict) -> Stage:
+    """A cheap graph (M 8, ef 32 at construction; ef at search as a built bundle's) over the target's stand-in rows."""
+    cfg = HnswConfig(m=8, ef_construction=32)
+    tensors, params, _ = build(cfg, spec.rows)
+    return Stage(HNSW.name, tensors, cfg.as_dict(), {"index": params.as_dict(), "model": TARGET})
+
+
+STAGE = StageBuilder(HNSW, HnswConfig, _stage_builder(HNSW.name, TARGET), needs=(DOCUMENTS, TARGET),
+                     synthetic=_synthetic)
+DRAFT_STAGE = StageBuilder(DRAFT_HNSW, HnswConfig, _stage_builder(DRAFT_HNSW.name, DRAFT), needs=(DOCUMENTS, DRAFT))

@@ -15,7 +15,7 @@ from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS
 from dynvocab.builders.clusters import ClustersConfig
 from dynvocab.builders.corpus import CorpusConfig
 from dynvocab.builders.hnsw import HnswConfig
-from dynvocab.builders.pipeline import STAGES
+from dynvocab.builders.stages import build_stage_names
 from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import make_reporter
@@ -37,7 +37,7 @@ def build_index(
         typer.Option(help="sharegpt (training split), slimpajama, or a .txt/.jsonl/.json/.parquet file or saved datasets folder; repeatable."),
     ] = None,
     max_docs: Annotated[Optional[int], typer.Option(min=1, help=f"Read at most this many documents (default {CorpusConfig.max_docs:,}).")] = None,
-    stages: Annotated[Optional[str], typer.Option(help=f"Comma-separated stages to (re)build, from {','.join(STAGES)} (default: all).")] = None,
+    stages: Annotated[Optional[str], typer.Option(help=f"Comma-separated stages to (re)build, from {','.join(build_stage_names())} (default: all).")] = None,
     num_clusters: Annotated[Optional[int], typer.Option(min=1, help=f"clusters: number of clusters M (default {ClustersConfig.num_clusters}).")] = None,
     hnsw_m: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: graph degree M (default {HnswConfig.m}).")] = None,
     ef_construction: Annotated[Optional[int], typer.Option(min=1, help=f"hnsw: ef at construction (default {HnswConfig.ef_construction}).")] = None,
@@ -54,7 +54,7 @@ def build_index(
     ] = None,
     device: Device = None,
 ) -> None:
-    """Build the offline tables (freq, clusters, hnsw, graph, draft_hnsw) for a target/draft pair into one bundle."""
+    """Build the offline tables (the stages --stages names) for a target/draft pair into one bundle."""
     from dynvocab import api
     from dynvocab.builders.pipeline import BuildConfig, parse_stages
 
@@ -64,7 +64,7 @@ def build_index(
         raise DynvocabError("--hnsw-threads must be -1 (all cores) or at least 1")
     base = BuildConfig()
     cfg = BuildConfig(
-        stages=parse_stages(stages) if stages is not None else STAGES,
+        stages=parse_stages(stages) if stages is not None else build_stage_names(),
         corpus=_override(base.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
         clusters=_override(base.clusters, num_clusters=num_clusters),
         hnsw=_override(
@@ -88,9 +88,8 @@ def build_index(
 
 
 def describe_bundle(bundle) -> dict:
-    """Everything ``inspect`` shows, as JSON-ready data."""
-    from dynvocab.artifacts import FreqTable
-    from dynvocab.builders.freq import FreqConfig
+    """Everything ``inspect`` shows, as JSON-ready data (with what each stage's registry entry adds)."""
+    from dynvocab.artifacts import find_stage
 
     stages = {}
     for name in bundle.stages:
@@ -104,10 +103,9 @@ def describe_bundle(bundle) -> dict:
                 for t in bundle.tensor_names(name)
             },
         }
-        if name == "freq":
-            table = FreqTable.from_bundle(bundle)
-            sizes = bundle.config("freq").get("coverage_sizes", FreqConfig().share_sizes)  # share_sizes, as stored
-            entry["coverage"] = {str(k): round(table.top_k_share(int(k)), 6) for k in sizes}
+        kind = find_stage(name)
+        if kind is not None and kind.describe is not None:
+            entry.update(kind.describe(bundle))
         stages[name] = entry
     return {
         "path": str(bundle.path),
@@ -135,7 +133,7 @@ def inspect(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """Show a bundle's stages, sizes, configs, model fingerprint and the corpus coverage of the top-K tokens."""
-    from dynvocab.artifacts import load_bundle
+    from dynvocab.artifacts import find_stage, load_bundle
 
     info = describe_bundle(load_bundle(bundle_path, verify=True))
     if json_out:
@@ -167,13 +165,10 @@ def inspect(
         stats = ", ".join(f"{k}={v}" for k, v in st["info"].items() if k not in skip)
         if stats:
             console.print(f"[bold]{name}[/] stats: {stats}", soft_wrap=True)
-    if "freq" in info["stages"]:
-        corpus = info["stages"]["freq"]["info"].get("corpus", {})
-        shares = " · ".join(f"top-{int(k):,} {v:.2%}" for k, v in info["stages"]["freq"]["coverage"].items())
-        console.print(
-            f"freq coverage of {corpus.get('tokens', 0):,} corpus tokens ({', '.join(corpus.get('sources', []))}): {shares}",
-            highlight=False, soft_wrap=True,
-        )
+    for name, st in info["stages"].items():
+        kind = find_stage(name)
+        if kind is not None and kind.headline is not None:
+            console.print(kind.headline(st), highlight=False, soft_wrap=True)
 
 
 @one_line_errors

@@ -19,10 +19,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
-from dynvocab.artifacts.router import STAGE as ROUTER_STAGE
-from dynvocab.artifacts.selectors import SELECTOR_STAGES
-
-TRAINED_STAGES = (ROUTER_STAGE, *SELECTOR_STAGES)  # stages train-router writes
+from dynvocab.artifacts.stages import adding_commands
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.policies.base import VocabPolicy
@@ -209,13 +206,8 @@ def require_stages(entry: Strategy, bundle) -> None:
 
 
 def _adding(stages: Sequence[str], path) -> str:
-    """The commands that add ``stages`` to the bundle at ``path``: build-index, and train-router for the selectors."""
-    trained = [s for s in stages if s in TRAINED_STAGES]
-    built = [s for s in stages if s not in TRAINED_STAGES]
-    commands = [f"`dynvocab build-index --stages {','.join(built)} --out {path}`"] if built else []
-    if trained:
-        commands.append(f"`dynvocab train-router --selector {','.join(trained)} --bundle {path}`")
-    return " and ".join(commands)
+    """The commands that add ``stages`` to the bundle at ``path``, as the stage registry says each is made."""
+    return adding_commands(stages, path)
 
 
 def check_bundle_stages(names: Iterable[str], bundle_path: str | None) -> None:

@@ -13,7 +13,8 @@ import torch
 
 from dynvocab.artifacts import ClusterTable, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.router import STAGE, RouterTable, clusters_checksum
-from dynvocab.artifacts.selectors import CentroidScorer, LowRankScorer, SelectorTable
+from dynvocab.artifacts.selectors import CentroidScorer, LowRankScorer, SelectorTable, random_centroids, random_lowrank
+from dynvocab.artifacts.stages import CLUSTERS, ROUTER, find_stage
 from dynvocab.builders.corpus import CorpusConfig, check_sources, encode_documents
 from dynvocab.builders.models import fingerprint
 from dynvocab.builders.router.data import collect, split
@@ -23,6 +24,7 @@ from dynvocab.builders.router.selectors import (
     CENTROID_BUDGETS, CENTROIDS, LOWRANK, LOWRANK_BUDGETS, SelectorConfig, balanced_blocks, block_of, centroid_init,
     default_budget, fit as fit_selector, recall as selector_recall, svd_init,
 )
+from dynvocab.builders.stage_registry import DRAFT, StageBuilder, Synthetic
 from dynvocab.errors import DynvocabError
 from dynvocab.models import default_device, load_model, load_tokenizer, resolve_model
 from dynvocab.progress import Reporter, SilentReporter
@@ -117,12 +119,46 @@ def train_router(
             f"pass at least {rc.holdout_every}"
         )
     bundle = load_bundle(bundle_path, verify=True)
-    if STAGE in cfg.selectors:
-        bundle.require("clusters")
+    for kind in cfg.selectors:
+        for source in find_stage(kind).made_from:
+            bundle.require(source)
     out = Path(out) if out is not None else bundle.path
     if not out.parent.is_dir():
         raise DynvocabError(f"folder {out.parent} does not exist; create it or pick another --out")
     check_sources(cfg.corpus)
+    p = _draft_pass(bundle, draft, target, cfg, reporter)
+    report = {"losses": [], "heldout_loss": 0.0, "recall": {}, "selectors": {}, "train_s": 0.0,
+              "corpus": {**cfg.corpus.describe(), "docs": p.docs}, "collect_s": p.collect_s}
+    stages = {}
+    if STAGE in cfg.selectors:
+        stages[STAGE] = _train_cluster_router(bundle, rc, p.train, p.held, p.embedding, p.vocab_rows, reporter, report)
+    for kind in (LOWRANK, CENTROIDS):
+        if kind in cfg.selectors:
+            stages[kind] = _train_selector(kind, cfg.selector, p.head, p.train, p.held, reporter, report)
+    keep = [bundle.load_stage(s) for s in bundle.stages if s not in stages]
+    with reporter.task(f"writing {out.name}", total=None):
+        write_bundle(out, keep + list(stages.values()), bundle.fingerprints["target"], bundle.fingerprints["draft"])
+    return RouterReport(out, p.docs, p.train.rows, p.held.rows, p.collect_s, report["train_s"],
+                        time.perf_counter() - t0, report["losses"], report["heldout_loss"], report["recall"],
+                        report["selectors"])
+
+
+@dataclass(frozen=True)
+class _DraftPass:
+    """The draft's teacher-forced pass over the corpus, split, with the draft's embedding and head rows."""
+
+    train: object  # RouterData of the training positions
+    held: object  # RouterData of the held-out positions
+    embedding: torch.Tensor  # [V, d_e]
+    head: torch.Tensor  # [vocab_rows, d]
+    vocab_rows: int  # ids both models share
+    docs: int
+    collect_s: float
+
+
+def _draft_pass(bundle, draft: str, target: str | None, cfg: TrainRouterConfig, reporter: Reporter) -> _DraftPass:
+    """Check the models against the bundle, then run the draft over the corpus once (its top-L at each position)."""
+    rc = cfg.router
     d_spec = resolve_model(draft)
     tokenizer = load_tokenizer(d_spec)
     d_fp = fingerprint(d_spec, tokenizer)
@@ -133,7 +169,6 @@ def train_router(
     vocab_rows = min(d_fp.head_rows, bundle.fingerprints["target"].head_rows)  # ids both models share
     if rc.top_l > vocab_rows:
         raise DynvocabError(f"--top-l {rc.top_l} exceeds the draft's {vocab_rows} token ids")
-
     device = cfg.device or default_device()
     with reporter.task(f"loading draft {draft} ({cfg.dtype}, {device})", total=None):
         model = load_model(d_spec, device, cfg.dtype)
@@ -152,20 +187,7 @@ def train_router(
         f"data: {n_docs:,} documents · {train_data.rows:,} train + {held.rows:,} held-out positions · "
         f"{collect_s:.1f} s"
     )
-    stages = {}
-    report = {"losses": [], "heldout_loss": 0.0, "recall": {}, "selectors": {}, "train_s": 0.0,
-              "corpus": {**cfg.corpus.describe(), "docs": n_docs}, "collect_s": collect_s}
-    if STAGE in cfg.selectors:
-        stages[STAGE] = _train_cluster_router(bundle, rc, train_data, held, embedding, vocab_rows, reporter, report)
-    for kind in (LOWRANK, CENTROIDS):
-        if kind in cfg.selectors:
-            stages[kind] = _train_selector(kind, cfg.selector, head, train_data, held, reporter, report)
-    keep = [bundle.load_stage(s) for s in bundle.stages if s not in stages]
-    with reporter.task(f"writing {out.name}", total=None):
-        write_bundle(out, keep + list(stages.values()), bundle.fingerprints["target"], bundle.fingerprints["draft"])
-    return RouterReport(out, n_docs, train_data.rows, held.rows, collect_s, report["train_s"],
-                        time.perf_counter() - t0, report["losses"], report["heldout_loss"], report["recall"],
-                        report["selectors"])
+    return _DraftPass(train_data, held, embedding, head, vocab_rows, n_docs, collect_s)
 
 
 def _info(t0: float, report: dict, train_data, held, losses: list[float], **extra) -> dict:
@@ -248,3 +270,32 @@ def _rounded(obj):
     if isinstance(obj, dict):
         return {k: _rounded(v) for k, v in obj.items()}
     return round(obj, 5) if isinstance(obj, float) else obj
+
+
+def _synthetic_router(spec: Synthetic, made: dict) -> Stage:
+    """A random router (128 hidden units) over the synthetic clusters, its config naming their checksum."""
+    from dynvocab.artifacts.bundle import tensor_sha256
+    from dynvocab.artifacts.router import RouterMLP
+
+    assign = made[CLUSTERS.name].tensors["assign"]  # [V]
+    m = int(made[CLUSTERS.name].tensors["centroids"].shape[0])
+    table = RouterTable.from_module(RouterMLP(spec.dim, spec.dim, 128, m), {"clusters_sha256": tensor_sha256(assign)})
+    return Stage(STAGE, table.to_tensors(), table.config)
+
+
+def _synthetic_selector(kind: str):
+    make = random_lowrank if kind == LOWRANK else random_centroids
+
+    def synthetic(spec: Synthetic, made: dict) -> Stage:
+        """A random selector at the benches' sizes (lowrank: rank 256, 4,096 candidates; centroids: 32 blocks
+        of 128)."""
+        table = make(spec.vocab, spec.dim, spec.generator)
+        return Stage(table.kind, table.tensors, table.config)
+
+    return synthetic
+
+
+ROUTER_STAGE = StageBuilder(ROUTER, RouterConfig, needs=(DRAFT,), synthetic=_synthetic_router)
+CENTROIDS_STAGE = StageBuilder(find_stage(CENTROIDS), SelectorConfig, needs=(DRAFT,),
+                               synthetic=_synthetic_selector(CENTROIDS))
+LOWRANK_STAGE = StageBuilder(find_stage(LOWRANK), SelectorConfig, needs=(DRAFT,), synthetic=_synthetic_selector(LOWRANK))
