@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first hour on a GPU, in one command: build random-weight models at real shapes (nothing is downloaded), run
-# the CUDA-marked tests and the step microbenchmarks (a demo-draft step eager vs CUDA-graph replay, bench
-# --draft-step's body/head split, bench --eagle-step at every EAGLE shape, bench --kernels), and write one JSON,
+# the CUDA-marked tests and the step microbenchmarks (a demo-draft step eager vs CUDA-graph replay, microbench
+# draft-step's body/head split, microbench eagle-step at every EAGLE shape, microbench kernels), and write one JSON,
 # all inside 10 minutes. `--device cpu` runs the same sections at small shapes (CI does, so it cannot rot); its
 # JSON names what the CUDA run would time (`would_time_on_cuda`). The code is dynvocab/bench/gpu_check.py.
 set -euo pipefail

@@ -10,7 +10,6 @@ import torch
 
 from conftest import tiny_qwen2
 from dynvocab.errors import DynvocabError
-from dynvocab.bench.align_memory import update_peak_memory
 from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
@@ -159,15 +158,28 @@ def test_online_alignment_keeps_greedy_lossless_and_leaves_the_shared_draft_as_i
     assert_restored(draft_model, before)
 
 
-def test_update_peak_memory_reports_each_mode():
-    reports = {}
-    for mode in ("lora", "full-qv", "full"):
-        lm = CausalLM(tiny_qwen2(seed=8))
-        reports[mode] = update_peak_memory(lm, mode, replace(SMALL, buffer_size=4), seq_len=12)
-    assert reports["lora"]["trainable_params"] < reports["full-qv"]["trainable_params"] < reports["full"]["trainable_params"]
-    assert reports["lora"]["state"] < reports["full"]["state"]
-    for r in reports.values():
-        assert r["samples"] == 4 and r["seq_len"] == 12 and r["peak"] >= 0 and r["device"] == "cpu"
+def update_state_bytes(trainable: str) -> dict:
+    """What one alignment update in mode ``trainable`` keeps beside the draft: the number of trainable ``params``,
+    their ``grads`` and AdamW's state (``optimizer``) in bytes. The full modes write the model: a throwaway here."""
+    aligner = Aligner(CausalLM(tiny_qwen2(seed=8)), replace(SMALL, buffer_size=4), trainable)
+    try:
+        feed(aligner, 4)  # one full buffer: one update
+        assert aligner.stats.updates == 1
+        state = aligner.optimizer.state.values()
+        optimizer = sum(t.numel() * t.element_size() for st in state for t in st.values() if torch.is_tensor(t))
+        return {"params": sum(p.numel() for p in aligner.params), "grads": aligner.grad_bytes, "optimizer": optimizer}
+    finally:
+        aligner.close()
+
+
+def test_a_lora_update_keeps_less_state_than_full_updates():
+    state = {mode: update_state_bytes(mode) for mode in ("lora", "full-qv", "full")}
+    assert state["lora"]["params"] < state["full-qv"]["params"] < state["full"]["params"]
+    for s in state.values():
+        assert 0 < s["grads"] <= 4 * s["params"]  # float32 gradients (a parameter the loss misses has none)
+        assert s["optimizer"] >= 2 * s["grads"]  # AdamW's two moments
+    total = {mode: s["grads"] + s["optimizer"] for mode, s in state.items()}
+    assert total["lora"] < total["full-qv"] < total["full"]
 
 
 def test_a_bfloat16_draft_gets_a_float32_adapter_and_is_restored():

@@ -6,7 +6,7 @@ import csv
 import json
 
 import pytest
-from cli_helpers import run
+from cli_helpers import assert_one_line_error, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,3 +116,15 @@ def test_quick_on_the_default_pair_runs_the_large_vocabulary_demo_too(tiny_dirs,
     monkeypatch.setattr(bench_run, "DEFAULT_PAIR", ("demo:target", "demo:draft"))
     result = run("bench", "--quick", "--max-new-tokens", 3, *models(tiny_dirs))
     assert result.exit_code == 0 and "262k" not in result.output
+
+
+@pytest.mark.parametrize("args, command", [
+    (["--kernels"], "dynvocab microbench kernels"),
+    (["--policy-steps", "--bundle", "b.safetensors"], "dynvocab microbench policy-steps"),
+    (["--eagle-step", "--device", "cpu"], "dynvocab microbench eagle-step"),
+    (["--draft-kind", "eagle3"], "dynvocab microbench policy-steps --draft-kind"),
+])
+def test_the_microbenchmark_flags_moved_to_their_own_command(args, command):
+    flag = args[0]
+    assert_one_line_error(run("bench", *args), f"bench {flag} moved", f"`{command}`")
+    assert flag not in run("bench", "--help").output

@@ -1,12 +1,18 @@
-"""The kernel microbenchmark and draft-step benchmark run and report well-formed results (no timing asserts)."""
+"""The kernel microbenchmark and draft-step benchmark run and report well-formed results (no timing asserts);
+``dynvocab microbench``'s modes, at tiny shapes, print their tables and write their JSON."""
 
+import functools
 import io
+import json
 
 import pytest
+from cli_helpers import assert_one_line_error, run
 from rich.console import Console
 
+from dynvocab.bench import draft_step, eagle_step, microbench, policy_step
 from dynvocab.bench.microbench import draft_step_bench, render_kernel_table, run_kernel_bench
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # and puts back the threads a --threads run sets
 TINY_DRAFT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
               "vocab_size": 2048}
 
@@ -43,3 +49,80 @@ def test_draft_step_bench_tiny(dtype):
 def test_draft_step_bench_rejects_unknown_config():
     with pytest.raises(ValueError, match="unknown draft config"):
         draft_step_bench("qwen9-huge")
+
+
+TINY_TARGET = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "vocab_size": 3000, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 512}
+TINY_EAGLE = dict(kind="eagle", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=9000)
+
+
+def shrunk(monkeypatch, module, name: str, **small):
+    """Make ``module.name`` run at ``small`` shapes (what the command passes still reaches it); returns its calls."""
+    calls = []
+    original = getattr(module, name)
+
+    def small_run(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **{**small, **kwargs})
+
+    monkeypatch.setattr(module, name, small_run)
+    return calls
+
+
+def test_microbench_kernels_prints_the_table_and_writes_json(monkeypatch, tmp_path):
+    shrunk(monkeypatch, microbench, "run_kernel_bench", vocab=2048, dim=64, sizes=(128,), ms=(1,), repeats=1,
+           warmup=0, flush_cache=False)
+    out = tmp_path / "k.json"
+    result = run("microbench", "kernels", "--device", "cpu", "--threads", 1, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "LM-head kernels" in result.output and "packed buffer" in result.output
+    data = json.loads(out.read_text())
+    assert (data["dtype"], data["vocab"], data["threads"]) == ("float32", 2048, 1)
+    assert {r["method"] for r in data["results"]} == set(data["methods"])
+
+
+def test_microbench_policy_steps_times_the_asked_rows(monkeypatch, tmp_path):
+    calls = shrunk(monkeypatch, policy_step, "policy_step_bench", policies=("microspec",), cycles=2, warmup_cycles=1,
+                   target=TINY_TARGET)
+    out = tmp_path / "p.json"
+    result = run("microbench", "policy-steps", "--dtype", "float32", "--draft-weights", "int8", "--draft-kind",
+                 "eagle1", "--threads", 1, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert calls[0]["dtypes"] == ("int8", "float32") and calls[0]["kind"] == "eagle1"  # int8 rows first
+    assert "policy time per draft step" in result.output
+    data = json.loads(out.read_text())
+    assert data["tables"] == "synthetic" and set(data["dtypes"]) == {"int8", "float32"}
+    assert set(data["dtypes"]["float32"]["policies"]) == {"full", "microspec"}
+
+
+def test_microbench_eagle_step_times_every_shape(monkeypatch, tmp_path):
+    shapes = {"tiny-a": TINY_EAGLE, "tiny-b": {**TINY_EAGLE, "vocab_size": 5000}}
+    monkeypatch.setattr(eagle_step, "EAGLE_SHAPES", shapes)
+    shrunk(monkeypatch, eagle_step, "eagle_step_bench", context=8, active=(3072,), repeats=1, warmup=0)
+    out = tmp_path / "e.json"
+    result = run("microbench", "eagle-step", "--device", "cpu", "--dtype", "float32", "--draft-weights", "float32",
+                 "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "one EAGLE draft step" in result.output
+    rows = json.loads(out.read_text())["eagle_step"]
+    assert [r["shape"] for r in rows] == ["tiny-a", "tiny-b"] and {r["weights"] for r in rows} == {"float32"}
+
+
+def test_microbench_draft_step_splits_body_and_head(monkeypatch, tmp_path):
+    calls = shrunk(monkeypatch, draft_step, "draft_step_bench", context=8, active=(1024, 128), repeats=1, warmup=0)
+    monkeypatch.setitem(draft_step.DRAFT_CONFIGS, "qwen2-0.5b", {**draft_step.QWEN2_0_5B, **TINY_DRAFT})
+    out = tmp_path / "d.json"
+    result = run("microbench", "draft-step", "--device", "cpu", "--layers", 1, "--threads", 1, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert calls[0]["layers"] == 1 and calls[0]["dtype"] == "float32"
+    assert "one draft-model step" in result.output and "1024_gathered" in result.output
+    data = json.loads(out.read_text())
+    assert data["config"]["num_hidden_layers"] == 1 and set(data["head_ms"]) >= {"full", "1024", "128_gathered"}
+
+
+def test_microbench_usage_errors_name_the_mode():
+    result = run("microbench", "kernels", "--bogus")
+    assert_one_line_error(result, "No such option", "see `dynvocab microbench kernels --help`")
+    assert_one_line_error(run("microbench", "kernels", "--json", "/nonexistent-folder/k.json"), "--json")
+    assert run("microbench").exit_code != 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from rich.table import Table
 
 from dynvocab.kernels.gathered_head import gathered_logits_auto
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
@@ -113,3 +114,18 @@ def _draft_step_bench(config_name_or_dims: str | dict, dev: torch.device, dt: to
         "step_ms": step_ms,
         "head_share": {name: head_ms[name] / step_ms[name] for name in head_ms},
     }
+
+
+def render_draft_step_table(result: dict) -> Table:
+    """One row per head of a :func:`draft_step_bench` result: head ms, step ms (body + head) and the head's share."""
+    dims = result["config"]
+    table = Table(title=f"one draft-model step · {dims['num_hidden_layers']} layers, d {dims['hidden_size']:,}, "
+                        f"V {dims['vocab_size']:,} · {result['dtype']} on {result['device']} · "
+                        f"{result['threads']} threads · body {result['body_ms']:.2f} ms")
+    for col in ("head", "head ms", "step ms", "head share"):
+        table.add_column(col, justify="left" if col == "head" else "right")
+    for name, head_ms in result["head_ms"].items():
+        table.add_row(name, f"{head_ms:.3f}", f"{result['step_ms'][name]:.2f}",
+                      f"{100 * result['head_share'][name]:.0f}%")
+    table.caption = f"median of {result['repeats']} after {result['context']} cached tokens"
+    return table

@@ -21,14 +21,15 @@ the cache is cropped back after each step.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from rich.table import Table
 
 from dynvocab.bench.timing import CacheFlusher, cpu_threads, interleaved_ms, resolve_dtype
 from dynvocab.models.eagle import EAGLE1
-from dynvocab.models.prepack import INT8, Int8Rows, quantize_linears
+from dynvocab.models.int8 import INT8
+from dynvocab.models.prepack import quantize_linears
+from dynvocab.models.rows import Int8Rows
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
@@ -94,43 +95,15 @@ def eagle_step_bench(
     if shape not in EAGLE_SHAPES:
         raise ValueError(f"unknown EAGLE shape {shape!r}; known: {sorted(EAGLE_SHAPES)}")
     dev, dt = torch.device(device), resolve_dtype(dtype)
+    int8 = weights == INT8
     with cpu_threads(threads):
         model, weight = _random_head(EAGLE_SHAPES[shape], dev, dt, seed)
-        cfg = model.config
-        vocab = weight.shape[0]
-        cache = model.new_cache()
-        ids = torch.randint(cfg.vocab_size, (1, context), device=dev)
-        feats = torch.randn(1, context, cfg.feature_size, device=dev, dtype=dt)
-        model(ids, feats, torch.arange(context, device=dev)[None], cache)  # [1, context] cached positions
-        token = torch.randint(cfg.vocab_size, (1, 1), device=dev)
-        own = torch.randn(1, 1, cfg.hidden_size if cfg.kind == "eagle3" else cfg.feature_size, device=dev, dtype=dt)
-        position = torch.tensor([[context]], device=dev)
-
-        def body() -> torch.Tensor:
-            head_in = model(token, own, position, cache)[1][0]  # [1, d]
-            cache.crop(-1)  # every timed step sees the same cache length
-            return head_in
-
-        subsets = {str(k): torch.randperm(vocab, device=dev)[:k] for k in active if k < vocab}
-        if weights == INT8:
-            quantize_linears(model)
-            rows = Int8Rows(weight, keep_rows=True)
-            heads = {"full": rows.linear}
-            for name, ids in subsets.items():  # a static prefix runs from its own pack, a dynamic set gathered
-                static = int(name) > DYNAMIC_ROWS
-                heads[name] = Int8Rows(weight[ids]).linear if static else _gathered(rows, ids)
-        else:
-            heads = {"full": lambda h, w=weight: F.linear(h, w)}
-            for name, ids in subsets.items():
-                heads[name] = lambda h, w=weight[ids].contiguous(): F.linear(h, w)  # [k, d] packed rows
-        if cfg.kind == EAGLE1:  # the learned candidate selectors over the target's vocabulary
-            heads.update(_candidate_heads(rows if weights == INT8 else weight, vocab, dev, seed))
+        body = _decode_step(model, context, dev, dt)
+        heads = _heads(model, weight, active, int8, dev, seed)
         fns = {"body": body, **{name: (lambda head=head: head(body())) for name, head in heads.items()}}
-        times = interleaved_ms(fns, dev, repeats, warmup, CacheFlusher(dev))
-        body_ms = times.pop("body")
-        step_ms = times
+        step_ms = interleaved_ms(fns, dev, repeats, warmup, CacheFlusher(dev))
+        body_ms = step_ms.pop("body")
         heads_and_tables = ("embed_tokens", "lm_head")
-        layer_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(heads_and_tables))
         return {
             "shape": shape,
             "dims": EAGLE_SHAPES[shape],
@@ -139,14 +112,55 @@ def eagle_step_bench(
             "context": context,
             "repeats": repeats,
             "threads": torch.get_num_threads(),
-            "layer_params": layer_params,
-            "head_rows": vocab,
+            "layer_params": sum(p.numel() for n, p in model.named_parameters() if not n.startswith(heads_and_tables)),
+            "head_rows": weight.shape[0],
             "body_ms": body_ms,
             "step_ms": step_ms,
             "ratio": {name: t / step_ms["full"] for name, t in step_ms.items()},
             "head_share": max(0.0, 1.0 - body_ms / step_ms["full"]),
-            "weights": INT8 if weights == INT8 else str(dt).removeprefix("torch."),
+            "weights": INT8 if int8 else str(dt).removeprefix("torch."),
         }
+
+
+def _decode_step(model, context: int, dev: torch.device, dt: torch.dtype):
+    """The layer's part of a draft step after ``context`` cached positions, as a function returning the head's
+    input [1, d]; its own feature is fed back, as from the second draft step on, and every call sees the same cache."""
+    cfg = model.config
+    cache = model.new_cache()
+    ids = torch.randint(cfg.vocab_size, (1, context), device=dev)  # [1, context]
+    feats = torch.randn(1, context, cfg.feature_size, device=dev, dtype=dt)  # [1, context, f]
+    model(ids, feats, torch.arange(context, device=dev)[None], cache)  # [1, context] cached positions
+    token = torch.randint(cfg.vocab_size, (1, 1), device=dev)  # [1, 1]
+    own = torch.randn(1, 1, cfg.hidden_size if cfg.kind == "eagle3" else cfg.feature_size, device=dev, dtype=dt)
+    position = torch.tensor([[context]], device=dev)  # [1, 1]
+
+    def body() -> torch.Tensor:
+        head_in = model(token, own, position, cache)[1][0]  # [1, d]
+        cache.crop(-1)  # every timed step sees the same cache length
+        return head_in
+
+    return body
+
+
+def _heads(model, weight: torch.Tensor, active: tuple[int, ...], int8: bool, dev: torch.device, seed: int) -> dict:
+    """The heads a step is timed with, by name: ``full``, one per K of ``active`` below the head's rows, and on
+    EAGLE-1 the learned candidate selectors. ``int8``: the layer's linears quantized first, as an int8 draft runs."""
+    vocab = weight.shape[0]
+    subsets = {str(k): torch.randperm(vocab, device=dev)[:k] for k in active if k < vocab}  # [k] ids each
+    if int8:
+        quantize_linears(model)
+        rows = Int8Rows(weight, keep_rows=True)
+        heads = {"full": rows.linear}
+        for name, ids in subsets.items():  # a static prefix runs from its own pack, a dynamic set gathered
+            static = int(name) > DYNAMIC_ROWS
+            heads[name] = Int8Rows(weight[ids]).linear if static else _gathered(rows, ids)
+    else:
+        heads = {"full": lambda h, w=weight: F.linear(h, w)}
+        for name, ids in subsets.items():
+            heads[name] = lambda h, w=weight[ids].contiguous(): F.linear(h, w)  # [k, d] packed rows
+    if model.config.kind == EAGLE1:  # the learned candidate selectors over the target's vocabulary
+        heads.update(_candidate_heads(rows if int8 else weight, vocab, dev, seed))
+    return heads
 
 
 def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts: int = 8) -> dict:

@@ -3,8 +3,9 @@
 On a CUDA machine it builds random-weight models at real shapes from their configs (nothing is downloaded), runs
 the test files that exercise CUDA (the Triton kernels compiled, not interpreted), and times:
 
-- ``graph_step``: one demo-draft step (Qwen2.5-0.5B shape, 24 layers, a static KV cache) eagerly and as a
-  replayed ``torch.cuda.CUDAGraph``, with the head over the full vocabulary and over packed K-row buffers;
+- ``graph_step``: :func:`~dynvocab.bench.graph_step.graph_step_bench`, one demo-draft step (Qwen2.5-0.5B shape,
+  24 layers, a static KV cache) eagerly and as a replayed ``torch.cuda.CUDAGraph``, with the head over the full
+  vocabulary and over packed K-row buffers;
 - ``draft_step``: :func:`~dynvocab.bench.draft_step.draft_step_bench` (body and head apart, the fused kernel);
 - ``eagle_step``: :func:`~dynvocab.bench.eagle_step.eagle_step_bench` at every shape of ``EAGLE_SHAPES``;
 - ``kernels``: :func:`~dynvocab.bench.microbench.run_kernel_bench` at the demo draft's and Llama-3-8B's head.
@@ -33,10 +34,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from dynvocab.bench.draft_step import QWEN2_0_5B
-from dynvocab.bench.timing import resolve_dtype, time_ms
 
 SECTIONS = ("tests", "graph_step", "draft_step", "eagle_step", "kernels")
 LIMIT_S = {"tests": 200, "graph_step": 150, "draft_step": 120, "eagle_step": 200, "kernels": 150}
@@ -214,95 +213,12 @@ def host_reads() -> Iterator[list[str]]:
             setattr(torch.Tensor, name, original)
 
 
-def capture(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """``fn`` captured as a CUDA graph after three warm-up calls on a side stream (as ``torch.cuda.graphs``
-    requires); returns the graph and its static output, which each ``graph.replay()`` rewrites."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize(device)
-    return graph, out
-
-
-@torch.inference_mode()
-def graph_step_bench(dims: dict, device: str = "cpu", dtype: str = "float32", context: int = 128,
-                     heads: tuple[int, ...] = (3072,), repeats: int = 20, warmup: int = 3, seed: int = 0) -> dict:
-    """One draft step (a random Qwen2 body at ``dims`` decoding one token after ``context`` cached ones, then the
-    head over all rows, ``"full"``, and over a packed K-row buffer for each K in ``heads``) timed eagerly and, on
-    CUDA, as a replayed CUDA graph. The body reads a ``StaticCache`` whose length is reset on the device inside the
-    step, so every call (and replay) writes the same slot. Returns ``dims``, ``device``, ``dtype``, ``context``,
-    ``repeats``, ``host_reads_per_step`` (device reads in one step: none, or capture fails), ``static_vs_dynamic``
-    (max |diff| of the body's output against the usual DynamicCache step), ``eager_ms`` per head and ``graph``:
-    per head ``{"captured", "ms", "speedup", "max_abs_diff"}`` or ``{"captured": False, "reason"}``."""
-    from transformers import DynamicCache, Qwen2Config, Qwen2Model, StaticCache
-
-    dev, dt = torch.device(device), resolve_dtype(dtype)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = Qwen2Config(**dims)
-    torch.manual_seed(seed)
-    with torch.device(dev):
-        body = Qwen2Model(cfg).to(dt).eval()
-    weight = body.embed_tokens.weight.detach()  # [V, d] the tied head
-    vocab = weight.shape[0]
-    prompt = torch.randint(vocab, (1, context), device=dev)  # [1, context]
-    token = torch.randint(vocab, (1, 1), device=dev)  # [1, 1]
-    position = torch.tensor([[context]], device=dev)  # [1, 1]
-    cache = StaticCache(config=cfg, max_cache_len=context + 1)
-    body(input_ids=prompt, past_key_values=cache, use_cache=True)
-    lengths = [layer.cumulative_length for layer in cache.layers]
-
-    def body_step() -> torch.Tensor:
-        for length in lengths:
-            length.fill_(context)  # back to the context on the device: no host value to capture
-        return body(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).last_hidden_state[0]
-
-    dynamic = DynamicCache(config=cfg)
-    body(input_ids=prompt, past_key_values=dynamic, use_cache=True)
-    reference = body(input_ids=token, past_key_values=dynamic, use_cache=True).last_hidden_state[0]  # [1, d]
-    rows = {"full": weight}
-    for k in (k for k in heads if k < vocab):
-        rows[str(k)] = weight[torch.randperm(vocab, device=dev)[:k]].contiguous()  # [k, d]
-    steps = {name: (lambda w=w: F.linear(body_step(), w)) for name, w in rows.items()}
-    with host_reads() as reads:
-        steps["full"]()
-    eager_ms = {name: time_ms(fn, dev, repeats, warmup) for name, fn in steps.items()}
-    result = {
-        "dims": dims, "device": str(dev), "dtype": str(dt).removeprefix("torch."), "context": context,
-        "repeats": repeats, "host_reads_per_step": reads,
-        "static_vs_dynamic": float((body_step().float() - reference.float()).abs().max()),
-        "eager_ms": eager_ms,
-    }
-    if dev.type != "cuda":
-        reason = "CUDA graphs need a CUDA device; the step ran eagerly on the same static cache"
-        result["graph"] = {name: {"captured": False, "reason": reason} for name in steps}
-        return result
-    result["graph"] = {}
-    for name, fn in steps.items():
-        expected = fn().float()
-        try:
-            graph, out = capture(fn, dev)
-        except Exception as exc:  # a step that syncs or allocates dynamically: say why, time the next one
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize(dev)
-            result["graph"][name] = {"captured": False, "reason": f"{type(exc).__name__}: {exc}"[:800]}
-            continue
-        ms = time_ms(graph.replay, dev, repeats, warmup)
-        result["graph"][name] = {"captured": True, "ms": ms, "speedup": eager_ms[name] / ms,
-                                 "max_abs_diff": float((out.float() - expected).abs().max())}
-    return result
-
-
 def run_section(name: str, device: str, quick: bool) -> dict:
     """Run one benchmark section in this process; returns its JSON-ready result."""
     cfg = settings(quick, device)[name]
     if name == "graph_step":
+        from dynvocab.bench.graph_step import graph_step_bench
+
         return graph_step_bench(cfg["dims"], device, cfg["dtype"], cfg["context"], cfg["heads"], cfg["repeats"])
     if name == "draft_step":
         from dynvocab.bench.draft_step import draft_step_bench

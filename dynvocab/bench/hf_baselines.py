@@ -124,19 +124,58 @@ def hf_generate(session, row: str, prompt_ids: list[int], decode: DecodeConfig, 
     """Run ``hf-assisted`` or ``hf-lookup`` on the session's models; returns ``(new token ids, metrics dict)``."""
     from transformers import GenerationConfig
 
+    target, draft = _hf_models(session, row, prompt_ids)
+    cfg = _generation_config(row, decode, sorted(session.eos_ids), lookup_tokens)
+    cuda = session.target.device.type == "cuda"
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=session.target.device)  # [1, prompt]
+    # The checkpoints' own generation configs (sampling defaults, repetition penalties, the assistant's
+    # heuristic schedule) must not leak in: swap in blank ones for the call.
+    saved = [(m, m.generation_config) for m in (target, draft) if m is not None]
+    hooks: list[_Timed] = []
+    try:
+        target.generation_config = GenerationConfig()
+        hooks.append(_Timed(target, cuda, record_inputs=True))
+        kwargs = {}
+        if row == "hf-assisted":
+            draft.generation_config = GenerationConfig(
+                num_assistant_tokens=decode.gamma, num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=decode.stop_below,
+            )
+            hooks += [_Timed(draft, cuda), _Timed(draft.get_output_embeddings(), cuda)]
+            kwargs["assistant_model"] = draft
+        out, wall = _timed_generate(target, ids, cfg, row, decode.seed, cuda, kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for model, gen_cfg in saved:
+            model.generation_config = gen_cfg
+    new = _to_first_eos([int(t) for t in out[0, len(prompt_ids):]], session.eos_ids)
+    t_hook, *draft_hooks = hooks  # the target's; the draft's and its head's (hf-assisted)
+    d_hook, h_hook = draft_hooks or (None, None)
+    return new, hf_metrics(len(new), wall, t_hook, d_hook, h_hook, len(prompt_ids))
+
+
+def _hf_models(session, row: str, prompt_ids: list[int]):
+    """The target's and (``hf-assisted``) the draft's transformers models; refuses what transformers cannot run."""
     if row not in HF_ROWS:
         raise DynvocabError(f"unknown hf row '{row}'; use one of {', '.join(HF_ROWS)}")
     if not prompt_ids:
         raise DynvocabError("the prompt is empty; pass some text")
-    target = session.target.model
     draft = session.draft.info.hf_model if session.draft is not None else None
     if row == "hf-assisted" and session.draft is None:
         raise DynvocabError("hf-assisted needs a draft model; pass --draft")
     if row == "hf-assisted" and draft is None:
-        raise DynvocabError(f"hf-assisted needs a draft model; transformers cannot assist with an {session.draft.info.label}")
-    eos = sorted(session.eos_ids)
+        label = session.draft.info.label
+        raise DynvocabError(f"hf-assisted needs a draft model; transformers cannot assist with an {label}")
+    return session.target.model, draft
+
+
+def _generation_config(row: str, decode: DecodeConfig, eos: list[int], lookup_tokens: int):
+    """The call's whole generation config: our decoding settings in transformers' words."""
+    from transformers import GenerationConfig
+
     sampling = decode.temperature > 0
-    cfg = GenerationConfig(
+    return GenerationConfig(
         max_new_tokens=decode.max_new_tokens,
         do_sample=sampling,
         temperature=decode.temperature if sampling else 1.0,
@@ -150,45 +189,25 @@ def hf_generate(session, row: str, prompt_ids: list[int], decode: DecodeConfig, 
         assistant_confidence_threshold=decode.stop_below,
         prompt_lookup_num_tokens=lookup_tokens if row == "hf-lookup" else None,
     )
-    cuda = session.target.device.type == "cuda"
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=session.target.device)
-    # The checkpoints' own generation configs (sampling defaults, repetition penalties, the assistant's
-    # heuristic schedule) must not leak in: swap in blank ones for the call.
-    saved = [(m, m.generation_config) for m in (target, draft) if m is not None]
-    hooks: list[_Timed] = []
+
+
+def _timed_generate(target, ids: torch.Tensor, cfg, row: str, seed: int, cuda: bool, kwargs: dict):
+    """``target.generate`` seeded and timed (wall seconds, the device drained); its errors as one DynvocabError."""
+    torch.manual_seed(seed)
+    start = time.perf_counter()
     try:
-        target.generation_config = GenerationConfig()
-        t_hook = _Timed(target, cuda, record_inputs=True)
-        hooks.append(t_hook)
-        d_hook = h_hook = None
-        kwargs = {}
-        if row == "hf-assisted":
-            draft.generation_config = GenerationConfig(
-                num_assistant_tokens=decode.gamma, num_assistant_tokens_schedule="constant",
-                assistant_confidence_threshold=decode.stop_below,
-            )
-            d_hook = _Timed(draft, cuda)
-            h_hook = _Timed(draft.get_output_embeddings(), cuda)
-            hooks += [d_hook, h_hook]
-            kwargs["assistant_model"] = draft
-        torch.manual_seed(decode.seed)
-        start = time.perf_counter()
-        try:
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs)
-        except (ValueError, RuntimeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DynvocabError(f"{row} failed in transformers' generate: {first}") from exc
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    finally:
-        for hook in hooks:
-            hook.remove()
-        for model, gen_cfg in saved:
-            model.generation_config = gen_cfg
-    new = [int(t) for t in out[0, len(prompt_ids):]]
-    for i, tok in enumerate(new):  # stop at the first EOS, as our loop does
-        if tok in session.eos_ids:
-            new = new[: i + 1]
-            break
-    return new, hf_metrics(len(new), wall, t_hook, d_hook, h_hook, len(prompt_ids))
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs)
+    except (ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DynvocabError(f"{row} failed in transformers' generate: {first}") from exc
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def _to_first_eos(new: list[int], eos_ids) -> list[int]:
+    """``new`` up to and including its first EOS, as our loop stops."""
+    for i, tok in enumerate(new):
+        if tok in eos_ids:
+            return new[: i + 1]
+    return new

@@ -17,6 +17,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from dynvocab.cli import bench as _bench
 from dynvocab.cli import build as _build
 from dynvocab.cli import generate as _generate
+from dynvocab.cli import microbench as _microbench
 from dynvocab.errors import DynvocabError
 
 class OneLineUsageErrors(TyperGroup):
@@ -29,7 +30,7 @@ class OneLineUsageErrors(TyperGroup):
             exc.show()
             sys.exit(exc.exit_code)
         except typer.TyperException as exc:
-            command = f" {exc.ctx.info_name}" if getattr(exc, "ctx", None) and exc.ctx.parent else ""
+            command = _subcommand_path(getattr(exc, "ctx", None))
             print(f"error: {exc.format_message()} (see `dynvocab{command} --help`)", file=sys.stderr)
             sys.exit(exc.exit_code)
         except typer.Abort:
@@ -38,6 +39,15 @@ class OneLineUsageErrors(TyperGroup):
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _subcommand_path(ctx) -> str:
+    """`` microbench kernels`` for a context of ``dynvocab microbench kernels`` ("" for the app's own)."""
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    return "".join(f" {name}" for name in names)
 
 
 app = typer.Typer(
@@ -50,6 +60,7 @@ app = typer.Typer(
 )
 app.command("generate")(_generate.generate)
 app.command("bench")(_bench.bench)
+app.add_typer(_microbench.app, name="microbench")
 app.command("build-index")(_build.build_index)
 app.command("inspect")(_build.inspect)
 app.command("export")(_build.export)

@@ -1,13 +1,12 @@
-"""``dynvocab bench``: strategies side by side on the same loaded models."""
+"""``dynvocab bench``: strategies side by side on the same loaded models. (The microbenchmarks it used to run
+behind ``--kernels``, ``--policy-steps`` and ``--eagle-step`` are ``dynvocab microbench``'s commands.)"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from dynvocab.cli.common import (
     Device,
@@ -25,8 +24,23 @@ from dynvocab.cli.common import (
     with_strategy_flags,
 )
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.drafts import kind_names
-from dynvocab.files import write_atomic
+
+# Flags that turned bench into another program; refused for one version with the command that replaced them.
+MOVED = {
+    "kernels": ("--kernels", "microbench kernels"),
+    "policy_steps": ("--policy-steps", "microbench policy-steps"),
+    "eagle_step": ("--eagle-step", "microbench eagle-step"),
+    "draft_kind": ("--draft-kind", "microbench policy-steps --draft-kind"),
+}
+MovedFlag = Annotated[bool, typer.Option(hidden=True)]
+
+
+def refuse_moved(**given) -> None:
+    """Refuse a flag of :data:`MOVED` that was given, naming the command that replaced it."""
+    for name, value in given.items():
+        if value:
+            flag, command = MOVED[name]
+            raise DynvocabError(f"bench {flag} moved: run `dynvocab {command}`")
 
 
 @one_line_errors
@@ -80,25 +94,6 @@ def bench(
     score_sets: Annotated[
         bool, typer.Option("--coverage", help="Also score each active set: target probability mass and Recall@k of the target's top-k.")
     ] = False,
-    kernels: Annotated[
-        bool, typer.Option("--kernels", help="Instead: microbenchmark the draft-head paths (full, 32k, gathered, packed).")
-    ] = False,
-    policy_steps: Annotated[
-        bool,
-        typer.Option(
-            "--policy-steps",
-            help="Instead: time each dynamic policy's own work per draft step against an EAGLE-1 step with a 3k-row "
-            "head at the demo target's shapes (bfloat16 and float32; the --bundle's tables, else synthetic ones).",
-        ),
-    ] = False,
-    draft_kind: Annotated[
-        Optional[str],
-        typer.Option(
-            "--draft-kind",
-            help=f"With --policy-steps over synthetic tables: the draft kind whose random-weight stand-in the "
-            f"policies read (registered: {kind_names()}; default eagle1).",
-        ),
-    ] = None,
     llamacpp: Annotated[
         Optional[Path],
         typer.Option(
@@ -109,14 +104,6 @@ def bench(
             "binaries (scripts/build_llamacpp.sh builds them); --target/--draft must be .gguf files or demo:*.",
         ),
     ] = None,
-    eagle_step: Annotated[
-        bool,
-        typer.Option(
-            "--eagle-step",
-            help="Instead: time one EAGLE draft step at real shapes with random weights (demo target, Llama-3-8B "
-            "EAGLE-1, Llama-3.1-8B EAGLE-3): full head vs 32k vs 3k rows.",
-        ),
-    ] = False,
     vllm: Annotated[
         bool,
         typer.Option("--vllm", help="Instead: run the prompts through vLLM: rows vllm, vllm-spec (the draft's full "
@@ -132,18 +119,21 @@ def bench(
     tensor_parallel_size: Annotated[
         int, typer.Option("--tensor-parallel-size", min=1, help="With --vllm: vLLM's tensor-parallel ranks.")
     ] = 1,
+    kernels: MovedFlag = False,
+    policy_steps: MovedFlag = False,
+    eagle_step: MovedFlag = False,
+    draft_kind: Annotated[Optional[str], typer.Option("--draft-kind", hidden=True)] = None,
 ) -> None:
-    """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot."""
+    """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot.
+    (One part of a step timed alone: `dynvocab microbench`.)"""
     from dynvocab.cli.bench_run import BenchRequest, run_command
     from dynvocab.runtime.session import ModelConfig
 
+    refuse_moved(kernels=kernels, policy_steps=policy_steps, eagle_step=eagle_step, draft_kind=draft_kind)
     check_dtype_device(device, dtype, draft_weights)
     for path, flag in ((json_path, "--json"), (csv_path, "--csv"), (plot_path, "--plot")):
         check_out(path, flag)
     set_threads(threads)
-    if kernels:
-        _kernel_bench(device, dtype, json_path, threads)
-        return
     flags.check()
     if vllm:
         from dynvocab.cli.bench_run import BenchRequest, VllmRequest, run_vllm_command
@@ -154,12 +144,6 @@ def bench(
             json_path=json_path,
         )
         run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size))
-        return
-    if policy_steps:
-        _policy_step_bench(flags.bundle, dtype, draft_weights, json_path, threads, draft_kind)
-        return
-    if eagle_step:
-        _eagle_step_bench(device, dtype, draft_weights, json_path)
         return
     llama = None
     if llamacpp is not None:
@@ -180,67 +164,3 @@ def bench(
         run_quick(request, flags)
         return
     run_command(request, flags)
-
-
-def _kernel_bench(device: str | None, dtype: str | None, json_path: Path | None, threads: int | None) -> None:
-    from dynvocab.bench.microbench import render_kernel_table, run_kernel_bench
-    from dynvocab.models import default_device
-
-    device = device or default_device()
-    console = Console(stderr=True)
-    with console.status("timing draft-head paths…"):
-        result = run_kernel_bench(device=device, dtype=dtype or "float32", threads=threads)
-    Console().print(render_kernel_table(result))
-    if json_path is not None:
-        _write_json(json_path, result)
-        console.print(f"wrote {json_path}")
-
-
-def _policy_step_bench(
-    bundle: str | None, dtype: str | None, weights: str | None, json_path: Path | None, threads: int | None,
-    kind: str | None = None,
-) -> None:
-    from dynvocab.artifacts.bundle import load_bundle
-    from dynvocab.bench.policy_step import SYNTHETIC_KIND, policy_step_bench, render_policy_table
-    from dynvocab.models.prepack import INT8, default_draft_weights
-
-    console = Console(stderr=True)
-    opened = load_bundle(bundle) if bundle else None
-    weights = weights or default_draft_weights("cpu", dtype or "float32")
-    dtypes = (dtype,) if dtype else ("bfloat16", "float32")
-    if weights == INT8:  # the int8 rows an int8 draft's head reads, first
-        dtypes = (INT8, *dtypes)
-    with console.status("timing policy steps…"):
-        result = policy_step_bench(opened, dtypes=dtypes, threads=threads, kind=kind or SYNTHETIC_KIND)
-    Console().print(render_policy_table(result))
-    if json_path is not None:
-        _write_json(json_path, result)
-        console.print(f"wrote {json_path}")
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    """Write ``payload`` as JSON, whole or not at all."""
-    text = json.dumps(payload, ensure_ascii=False, indent=1)
-    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
-def _eagle_step_bench(device: str | None, dtype: str | None, weights: str | None, json_path: Path | None) -> None:
-    from dynvocab.bench.eagle_step import EAGLE_SHAPES, eagle_step_bench, render_eagle_step_table
-    from dynvocab.models import default_device, default_dtype
-    from dynvocab.models.prepack import INT8, default_draft_weights
-
-    device = device or default_device()
-    dtype = dtype or default_dtype(device)
-    weights = weights or default_draft_weights(device, dtype)
-    if weights not in (INT8, dtype):
-        raise DynvocabError(f"--eagle-step times --draft-weights int8 or {dtype} (the --dtype); pass --dtype {weights}")
-    console = Console(stderr=True)
-    results = []
-    for shape in EAGLE_SHAPES:
-        with console.status(f"timing an EAGLE draft step at {shape} shapes…"):
-            results.append(eagle_step_bench(shape, device=device, dtype=dtype, weights=weights))
-    Console().print(render_eagle_step_table(results))
-    if json_path is not None:
-        _write_json(json_path, {"eagle_step": results})
-        console.print(f"wrote {json_path}")
-

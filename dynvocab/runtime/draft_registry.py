@@ -3,7 +3,7 @@
 A :class:`DraftKind` entry holds a recogniser (does this model argument name a draft of this kind? it reads config
 and weight names, never loads weights), a loader that turns a :class:`LoadRequest` into a :class:`LoadedDraft` (the
 :class:`~dynvocab.runtime.draft.Proposer` and what the session reports of it), and an optional stand-in that
-``bench --policy-steps`` times policies against (random weights shaped as the kind's drafts are). ``Session`` asks
+``microbench policy-steps`` times policies against (random weights shaped as the kind's drafts are). ``Session`` asks
 the registry which kind a ``--draft`` names and never asks a kind anything else; adding a draft kind is one module
 (its proposer and loader) and one :func:`register` call, or an entry point in the ``dynvocab.drafts`` group of an
 installed package (:mod:`dynvocab.runtime.plugins`).
@@ -61,7 +61,7 @@ class DraftKind:
     ``recognize(spec)`` returns something truthy (handed to ``load`` as ``found``) when the model argument names a
     draft of this kind, else None; entries are asked in ``priority`` order (highest first), so a catch-all kind
     (a draft model: any causal LM) sits last. ``stand_in(vocab, hidden, generator)``: a :class:`DraftInfo` with
-    random weights for ``bench --policy-steps`` (None: the kind offers none).
+    random weights for ``microbench policy-steps`` (None: the kind offers none).
     """
 
     name: str

@@ -76,7 +76,7 @@ class Aligner:
 
     ``trainable``: ``"lora"`` (the runtime path), ``"full-qv"`` (the same q/v modules, full weights) or
     ``"full"`` (every draft parameter). The two full modes write the base weights; use them only on a model
-    of your own (the bench measures their memory: ``update_peak_memory`` in its align_memory module).
+    of your own (tests/test_align.py compares the state each mode keeps).
     """
 
     def __init__(self, lm, cfg: AlignConfig = AlignConfig(), trainable: str = "lora"):
