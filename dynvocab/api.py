@@ -316,13 +316,11 @@ def train_router(
 def export(bundle: str | Path, out: str | Path, format: str = "sglang", size: int | None = None, *,
            strategy: str | None = None, draft: str | None = None, budget: int | None = None,
            copy: bool = False) -> Path:
-    """Export the bundle in ``format`` (:data:`dynvocab.artifacts.export.FORMATS`); returns ``out``.
+    """Export the bundle in ``format``, one of :data:`dynvocab.artifacts.export.FORMATS`; returns ``out``.
 
-    - ``"sglang"``: its top-``size`` frequency ranking as an SGLang / FR-Spec token map (a list of ids);
-    - ``"eagle3"``: the same ids as EAGLE-3's ``{d2t, t2d}`` (both written whole with ``torch.save``);
-    - ``"vllm"``: a draft folder vLLM loads as it is (``speculative_config={"method": …, "model": out}``), its
-      head running ``strategy``'s selector over ``draft``; ``budget`` is the selector's size, ``copy`` copies the
-      draft's files instead of linking them (:func:`dynvocab.serving.vllm.folder.write_draft_folder`).
+    ``dynvocab export --help`` lists the formats and the stages each reads. ``size``, ``strategy``, ``draft``,
+    ``budget`` and ``copy`` go to the format that takes them (:class:`~dynvocab.artifacts.export.ExportRequest`);
+    one it does not take is refused in one line.
     """
     from dynvocab.artifacts.export import ExportRequest, export_bundle
 
