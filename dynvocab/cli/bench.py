@@ -125,7 +125,8 @@ def bench(
     draft_kind: Annotated[Optional[str], typer.Option("--draft-kind", hidden=True)] = None,
 ) -> None:
     """Run every strategy on every prompt with the models loaded once; print a table, optionally write JSON/CSV/plot.
-    (One part of a step timed alone: `dynvocab microbench`.)"""
+
+    One part of a draft step timed alone (head kernels, policy steps, a draft step): `dynvocab microbench`."""
     from dynvocab.cli.bench_run import BenchRequest, run_command
     from dynvocab.runtime.session import ModelConfig
 
