@@ -1,7 +1,6 @@
 """The kernel microbenchmark and draft-step benchmark run and report well-formed results (no timing asserts);
 ``dynvocab microbench``'s modes, at tiny shapes, print their tables and write their JSON."""
 
-import functools
 import io
 import json
 

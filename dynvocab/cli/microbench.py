@@ -39,7 +39,6 @@ app = typer.Typer(
 )
 
 
-
 def mode(name: str):
     """Register the decorated function as ``microbench NAME`` (errors as one line). Its docstring is its --help,
     each paragraph joined into one line: typer would keep the docstring's line breaks after the first."""
