@@ -25,7 +25,8 @@ import torch
 
 from dynvocab.files import write_atomic
 from dynvocab.models import load_model, resolve_model
-from dynvocab.models.prepack import Int8Rows, prepack_linears, quantize_linears, step_weight_bytes
+from dynvocab.models.prepack import prepack_linears, quantize_linears, step_weight_bytes
+from dynvocab.models.rows import Int8Rows
 from dynvocab.runtime.active_set import ActiveSet, Prefix
 from dynvocab.runtime.draft_model import DraftModel
 

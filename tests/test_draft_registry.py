@@ -17,6 +17,7 @@ from dynvocab.bench.policy_step import bench_context, policy_step_bench
 from dynvocab.bench.scripted import ScriptedDraft
 from dynvocab.errors import DynvocabError
 from dynvocab.models import resolve_model
+from dynvocab.models.rows import FloatRows
 from dynvocab.runtime import drafts, plugins
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.draft import DraftInfo, OwnsHead, Proposer, protocol_gaps
@@ -24,7 +25,6 @@ from dynvocab.runtime.draft_model import DraftModel
 from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.rows import FloatRows
 from dynvocab.runtime.strategies import Strategy, strategy_names
 from dynvocab.runtime.strategies import register as register_strategy
 from dynvocab.runtime.strategies import unregister as unregister_strategy

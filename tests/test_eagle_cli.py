@@ -12,7 +12,7 @@ from cli_helpers import assert_one_line_error, run
 
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
-from dynvocab.models.prepack import int8_supported
+from dynvocab.models.int8 import int8_supported
 
 PROMPT = "w1 w2 w3 w4 w5 w1 w2"
 STRATEGIES = ("full", "fr", "fr-pa", "microspec", "hybrid")

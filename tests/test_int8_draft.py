@@ -13,23 +13,17 @@ from conftest import tiny_qwen2
 from test_eagle_loop import LAYERS, eagle1, eagle3
 from test_loop import VOCAB, greedy_case, make_policy
 from dynvocab.models.eagle import EAGLE1, LayerTap
-from dynvocab.models.prepack import (
-    INT8,
-    REDUCE_RANGE,
-    Int8Linear,
-    Int8Rows,
-    int8_supported,
-    quantize_linears,
-    quantize_rows,
-)
+from dynvocab.models.int8 import INT8, REDUCE_RANGE, int8_supported, quantize_rows
+from dynvocab.models.prepack import Int8Linear, quantize_linears
+from dynvocab.models.rows import Int8Rows
 from dynvocab.runtime.active_set import ActiveSet, Gathered, RowRanges
+from dynvocab.runtime.draft_model import DraftModel
 from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import VocabPolicy
 from dynvocab.runtime.session import ModelConfig, Session
-from dynvocab.runtime.draft_model import DraftModel
 
 pytestmark = [
     pytest.mark.skipif(not int8_supported("cpu"), reason="this torch has no fbgemm"),
@@ -227,7 +221,7 @@ def test_session_defaults_to_int8_for_bfloat16_on_cpu_too(tiny_dirs):
 def test_activations_keep_all_8_bits_where_vnni_sums_in_int32(monkeypatch):
     """On a VNNI CPU the default product quantizes activations to 8 bits, not quantize_dynamic's 7: half the
     rounding error (the draft's agreement with the target fell 1.2 points with 7 bits, docs/bench.md)."""
-    import dynvocab.models.prepack as prepack
+    import dynvocab.models.int8 as kernels
 
     gen = torch.Generator().manual_seed(0)
     rows = Int8Rows(torch.randn(256, 128, generator=gen))
@@ -235,7 +229,7 @@ def test_activations_keep_all_8_bits_where_vnni_sums_in_int32(monkeypatch):
     x[:, 7] *= 40  # one outlier channel, as Qwen2's activations have
     ref = x @ (rows.q.float() * rows.scale[:, None]).T
     default = (rows.linear(x) - ref).abs().mean()
-    monkeypatch.setattr(prepack, "REDUCE_RANGE", True)
+    monkeypatch.setattr(kernels, "REDUCE_RANGE", True)
     seven_bits = (rows.linear(x) - ref).abs().mean()
     assert default < 0.7 * seven_bits
 

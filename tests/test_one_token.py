@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama, tiny_qwen2
-from dynvocab.models.prepack import int8_supported, quantize_linears
+from dynvocab.models.int8 import int8_supported
+from dynvocab.models.prepack import quantize_linears
 from dynvocab.runtime import one_token
 from dynvocab.runtime.lm import CausalLM
 

@@ -10,6 +10,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from dynvocab.models.loading import DTYPE_ALIASES, DTYPES
+
 CPU_FLUSH_BYTES = 64 << 20  # larger than this machine's 32 MiB L3
 
 
@@ -17,11 +19,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` → ``torch.bfloat16`` (likewise float32, float16)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
-    return names[dtype]
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted([*DTYPES, *DTYPE_ALIASES])}")
+    return DTYPES[name]
 
 
 @contextlib.contextmanager

@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 
 from dynvocab.errors import DynvocabError
+from dynvocab.models.int8 import INT8
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the names options take
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}  # microbenchmarks' too
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,9 @@ def check_device_options(device: str | None, dtype: str | None, draft_weights: s
     draft weights off a CPU."""
     if device is not None and device != "cpu" and not device.startswith("cuda"):
         raise DynvocabError(f"unknown device '{device}'; use cpu or cuda")
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+    if dtype is not None and dtype not in DTYPES:
         raise DynvocabError(f"unknown dtype '{dtype}'; use float32, bfloat16 or float16")
-    if draft_weights is not None and draft_weights not in ("int8", "float32", "bfloat16", "float16"):
+    if draft_weights is not None and draft_weights not in (INT8, *DTYPES):
         raise DynvocabError(f"unknown draft weights '{draft_weights}'; use int8, bfloat16, float32 or float16")
     if draft_weights == "int8" and device is not None and device != "cpu":
         raise DynvocabError("--draft-weights int8 runs on a CPU (fbgemm); pass --draft-weights bfloat16 on a GPU")

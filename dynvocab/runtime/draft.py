@@ -15,15 +15,15 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from dynvocab.models.rows import prepare_order, row_source
 from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.rows import prepare_order, row_source
 
 
 @dataclass(frozen=True, eq=False)
 class DraftInfo:
     """What a policy may read of a draft: fixed for the draft's life.
 
-    ``rows``: the draft head's rows as a row source (:mod:`dynvocab.runtime.rows`) whose row ``i`` is target id
+    ``rows``: the draft head's rows as a row source (:mod:`dynvocab.models.rows`) whose row ``i`` is target id
     ``i`` — what a policy packs a fixed order of at build, what a per-step search is weighed against — or None
     where the head's rows are not target ids (EAGLE-3's own draft vocabulary).
     """
@@ -134,7 +134,7 @@ class OwnsHead:
 
     @property
     def head_rows(self):
-        """The head's rows as one row source (:func:`~dynvocab.runtime.rows.row_source` of ``step_rows``)."""
+        """The head's rows as one row source (:func:`~dynvocab.models.rows.row_source` of ``step_rows``)."""
         if self._rows is None:
             self._rows = row_source(*self.step_rows)
         return self._rows

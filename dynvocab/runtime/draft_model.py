@@ -73,7 +73,7 @@ def load(request: LoadRequest) -> LoadedDraft:
 
 def stand_in(vocab: int, hidden: int, generator: torch.Generator) -> DraftInfo:
     """A draft model's info with random weights: its own head rows (tied to its embedding) as ``index_rows``."""
-    from dynvocab.runtime.rows import FloatRows
+    from dynvocab.models.rows import FloatRows
 
     rows = torch.randn(vocab, hidden, generator=generator)
     return DraftInfo(LABEL, vocab, hidden, torch.device("cpu"), rows, FloatRows(rows), index_rows=rows)

@@ -10,17 +10,9 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.models import parse_dtype
-from dynvocab.models.prepack import (
-    INT8,
-    Int8Linear,
-    Int8Rows,
-    PrepackedLinear,
-    default_draft_weights,
-    int8_supported,
-    prepack_linears,
-    quantize_linears,
-    step_weight_bytes,
-)
+from dynvocab.models.int8 import INT8, default_draft_weights, int8_supported
+from dynvocab.models.prepack import Int8Linear, PrepackedLinear, prepack_linears, quantize_linears, step_weight_bytes
+from dynvocab.models.rows import Int8Rows
 
 
 def prepare_draft_weights(

@@ -209,7 +209,7 @@ def load_eagle3(request: LoadRequest) -> LoadedDraft:
 
 def _stand_in(label: str, shares_target_head: bool):
     def make(vocab: int, hidden: int, generator: torch.Generator) -> DraftInfo:
-        from dynvocab.runtime.rows import FloatRows
+        from dynvocab.models.rows import FloatRows
 
         rows = torch.randn(vocab, hidden, generator=generator)  # the head's rows, tied to its embedding
         return DraftInfo(

@@ -9,7 +9,7 @@ ids per cycle copies a few dozen rows, not thousands. :class:`~dynvocab.runtime.
 clusters, the centroid blocks, FR-Spec's prefixes) are rows of a fixed order gathered once and kept on the row source,
 and each step multiplies only the chosen ranges, so a set that changes completely between steps copies nothing.
 
-The rows come from a :class:`~dynvocab.runtime.rows.RowSource` (float rows, a one-row dtype copy, or int8 rows with
+The rows come from a :class:`~dynvocab.models.rows.RowSource` (float rows, a one-row dtype copy, or int8 rows with
 per-row scales), chosen once at load; the heads never ask which one they read.
 """
 
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from dynvocab.kernels._triton import triton_available
 from dynvocab.kernels.gathered_head import gathered_logits
+from dynvocab.models.rows import ordered_rows, row_source
 from dynvocab.runtime.active_set import (
     CHANGED,
     PREFIX,
@@ -32,7 +33,6 @@ from dynvocab.runtime.active_set import (
     segment_key,
     segment_size,
 )
-from dynvocab.runtime.rows import ordered_rows, row_source
 from dynvocab.runtime.slots import SlotTable, grown
 
 
@@ -52,7 +52,7 @@ class PackedHead:
 
     def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
         """``weight``: the head's rows [V, d] (a tensor, with ``bias``) or a
-        :class:`~dynvocab.runtime.rows.RowSource` (:func:`~dynvocab.runtime.rows.row_source`)."""
+        :class:`~dynvocab.models.rows.RowSource` (:func:`~dynvocab.models.rows.row_source`)."""
         self.source = row_source(weight, bias)
         self.softcap = softcap
         vocab, dim = self.source.shape
@@ -237,7 +237,7 @@ class DraftHead:
 
     def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
         """``weight``: the head's rows [V, d] (a tensor, with ``bias``) or a
-        :class:`~dynvocab.runtime.rows.RowSource` (:func:`~dynvocab.runtime.rows.row_source`); every segment and
+        :class:`~dynvocab.models.rows.RowSource` (:func:`~dynvocab.models.rows.row_source`); every segment and
         the full head read the same source."""
         self.source = row_source(weight, bias)
         self.softcap = softcap

@@ -8,6 +8,7 @@ import torch
 
 from dynvocab.runtime.active_set import ActiveSet, Gathered, Prefix, RowRanges, Segment, SegmentKey, merge_ranges
 from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.host import to_host
 
 
 class MappedHead:
@@ -31,7 +32,7 @@ class MappedHead:
     KEEP_SEGMENTS = 64  # mapped prefixes and range selections kept
 
     def __init__(self, weight, row_token: torch.Tensor, vocab_size: int, softcap: float | None = None):
-        """``weight``: the rows [Vd, d], a tensor or a :class:`~dynvocab.runtime.rows.RowSource` (int8)."""
+        """``weight``: the rows [Vd, d], a tensor or a :class:`~dynvocab.models.rows.RowSource` (int8)."""
         self.weight = weight  # [Vd, d]
         self.row_token = row_token  # [Vd] target ids
         self.row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=row_token.device)  # [V] -> row or -1
@@ -84,7 +85,7 @@ class MappedHead:
 
         def build() -> Prefix:
             rows, before = self.mapped_order(segment.key, segment.ranking)
-            return Prefix(rows, int(before[segment.n]))
+            return Prefix(rows, to_host(before[segment.n]))
 
         return self._kept(segment.key, build)
 
@@ -93,7 +94,8 @@ class MappedHead:
 
         def build() -> RowRanges:
             rows, before = self.mapped_order(segment.key, segment.order)
-            starts, ends = before[list(segment.starts)].tolist(), before[list(segment.ends)].tolist()
+            bounds = to_host(before[list(segment.starts) + list(segment.ends)])  # one read: [starts…, ends…]
+            starts, ends = bounds[: len(segment.starts)], bounds[len(segment.starts) :]
             return RowRanges(rows, *merge_ranges(starts, ends))
 
         return self._kept((segment.key, segment.starts, segment.ends), build)

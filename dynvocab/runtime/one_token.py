@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynvocab.models.prepack import Int8Linear, Int8Rows
+from dynvocab.models.prepack import Int8Linear
+from dynvocab.models.rows import Int8Rows
 
 SUPPORTED_TYPES = ("llama", "qwen2")
 

@@ -82,7 +82,8 @@ class LowRankSelector:
     def __init__(self, proj: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, k: int, int8: bool | None = None):
         """``proj`` [r, d], ``rows`` [V, r], ``bias`` [V] (float32); ``int8``: score with fbgemm int8 rows (None:
         wherever the device runs them)."""
-        from dynvocab.models.prepack import Int8Rows, int8_supported
+        from dynvocab.models.int8 import int8_supported
+        from dynvocab.models.rows import Int8Rows
 
         if k < 1:
             raise DynvocabError(f"lowrank needs at least 1 candidate (got {k})")
