@@ -140,5 +140,5 @@ def test_eagle_step_bench_times_int8_weights_as_the_runtime_steps_them():
 
 
 def test_eagle_step_refuses_a_step_dtype_other_than_the_dtype():
-    result = run("bench", "--eagle-step", "--device", "cpu", "--dtype", "float32", "--draft-weights", "bfloat16")
-    assert_one_line_error(result, "--eagle-step", "pass --dtype bfloat16")
+    result = run("microbench", "eagle-step", "--device", "cpu", "--dtype", "float32", "--draft-weights", "bfloat16")
+    assert_one_line_error(result, "eagle-step", "pass --dtype bfloat16")
