@@ -31,7 +31,6 @@ from dynvocab.models import default_device, load_tokenizer, match_vocabularies, 
 from dynvocab.progress import Reporter, SilentReporter
 
 C = TypeVar("C")
-STAGES = build_stage_names()  # the built-in stages, in bundle order (the registry may hold more: build_stage_names)
 
 
 @dataclass(frozen=True)
@@ -215,12 +214,12 @@ def _kept_stages(old: Bundle | None, cfg: BuildConfig, reporter: Reporter) -> li
     if old is None:
         return []
     kept = []
-    for name in old.stages:
+    for name in (s for s in old.stages if s not in cfg.stages):
         kind = find_stage(name)
         stale = [d for d in (kind.made_from if kind else ()) if d in cfg.stages]
         if stale:
             reporter.log(f"dropping stage {name}: it was made from the old {', '.join(stale)}; build it again")
-        elif name not in cfg.stages:
+        else:
             kept.append(name)
     return kept
 
