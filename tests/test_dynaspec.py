@@ -58,7 +58,7 @@ def test_union_of_top_clusters_plus_eos():
         return sorted(set(ids[ids < 18].tolist()) | {2, 11})
 
     for step, clusters in ((0, [1, 3, 4]), (1, [1, 3, 4]), (2, [1]), (5, [1])):
-        active = policy.active_ids(step, h, token=7)
+        active = policy.active_ids(step, h, token=torch.tensor([7]))
         ranges = active.segments[0]
         assert isinstance(ranges, RowRanges) and ranges.order is policy.order  # packed once, sliced after
         assert len(ranges.starts) <= len(clusters)
@@ -68,7 +68,7 @@ def test_union_of_top_clusters_plus_eos():
         assert sorted(ids.tolist()) == expected(clusters)
     # EOS inside a chosen cluster is not repeated.
     wide = DynaSpecPolicy(DynaSpecConfig(k_max=5), table, fixed_router(scores), torch.randn(20, 4), 18, eos)
-    active = wide.active_ids(0, h, 3)
+    active = wide.active_ids(0, h, torch.tensor([3]))
     assert sorted(flat(active).tolist()) == list(range(18))
     assert len(active.segments[0].starts) == 1  # all five clusters: adjacent ranges merge into one matmul and wide.calls == 1 and wide.router_s >= 0
 
@@ -82,7 +82,7 @@ def test_routing_depends_on_hidden_state_and_token():
     for token in range(8):
         h = torch.randn(1, 2)
         want = int(mlp(h, embedding[token : token + 1]).argmax())
-        assert sorted(flat(policy.active_ids(0, h, token)).tolist()) == [want, want + 4]
+        assert sorted(flat(policy.active_ids(0, h, torch.tensor([token]))).tolist()) == [want, want + 4]
     with pytest.raises(ValueError):
         policy.active_ids(0)
 

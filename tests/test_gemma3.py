@@ -82,10 +82,10 @@ def test_a_tree_pass_past_the_window_scores_each_row_as_its_own_sequence(target_
     lm = CausalLM(target_model)
     prefix = list(range(3, 3 + 2 * WINDOW))
     chain, leaves = [20, 21, 22], {1: 30, 2: 31}
-    tree = DraftTree(chain, leaves)
+    tree = DraftTree.of(chain, leaves)
     lm.reset()
     lm.step(torch.tensor(prefix[:-1]))
-    hidden = lm.step(torch.tensor(tree.inputs(prefix[-1])), tree)
+    hidden = lm.step(tree.inputs(torch.tensor(prefix[-1:])), tree)
     logits = lm.logits(hidden)  # [1 + 3 + 2, V]
     with torch.no_grad():
         def last(seq):

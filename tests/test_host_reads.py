@@ -1,62 +1,52 @@
-"""The loop's device→host reads, counted on CPU: at most one per draft step and one per cycle, all through
-:func:`dynvocab.runtime.host.to_host`, and no ``int()``/``float()``/``.item()``/``.tolist()``/``bool()`` of a
-tensor anywhere else in dynvocab while a generation runs (on a GPU each would be a wait).
+"""The loop's device→host reads, counted on CPU for every registered strategy, greedy and sampled: every read goes
+through :func:`dynvocab.runtime.host.to_host`, with no ``int()``/``float()``/``.item()``/``.tolist()``/``bool()`` of
+a tensor anywhere else in dynvocab while a generation runs (on a GPU each would be a wait), and the drafted tokens
+stay on the device: the loop reads once per cycle (the verdict, with the drafted tokens) and once per draft step
+only where early stops or runner-up leaves need the step's confidence.
 
-Before run_cycle, the same count gave 6 reads per ranked greedy draft step (early stop and runner-up leaves), 3 per
-unranked one, 4 per sampled one plus 2–4 per sampled cycle."""
+Before (run_cycle's first form): 1 read per draft step whatever the settings (the token, the runner-up and the
+confidence), stray ``.tolist()`` per step for dynaspec and centroids, stray ``int()`` per step for the hybrid's graph
+successors. Per strategy: /work/runs/h41/host_reads_before.md and host_reads_after.md (the script beside them)."""
 
 from __future__ import annotations
 
-import collections
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import dynvocab
-from dynvocab.runtime import host
+from dynvocab.artifacts import ModelFingerprint, Stage, load_bundle, write_bundle
+from dynvocab.runtime.host import PACKAGE, HostReads
 from dynvocab.runtime.draft_model import DraftModel
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
-from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
+from dynvocab.runtime.policies import FullPolicy
+from dynvocab.runtime.policies.evospec import EvoSpecConfig
+from dynvocab.runtime.policies.hybrid import HybridConfig
+from dynvocab.runtime.policies.microspec import MicroSpecConfig
+from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategy_names
 
-CONVERSIONS = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")
-PACKAGE = str(Path(dynvocab.__file__).parent)
-HOST = str(Path(host.__file__))
-
-
-class Reads:
-    """Counts :func:`to_host` calls by the function that made them, and every other tensor conversion made from
-    a dynvocab frame (file:line), while installed."""
-
-    def __init__(self, monkeypatch, roots: tuple[str, ...] = (PACKAGE,)):
-        self.roots = roots
-        self.helper: collections.Counter = collections.Counter()
-        self.elsewhere: collections.Counter = collections.Counter()
-        helper = host.to_host
-        for module in list(sys.modules.values()):
-            if getattr(module, "__name__", "").startswith("dynvocab") and getattr(module, "to_host", None) is helper:
-                monkeypatch.setattr(module, "to_host", self._counting(helper))
-        for name in CONVERSIONS:
-            monkeypatch.setattr(torch.Tensor, name, self._watching(name, getattr(torch.Tensor, name)))
-
-    def _counting(self, to_host):
-        def counted(t):
-            self.helper[sys._getframe(1).f_code.co_name] += 1
-            return to_host(t)
-        return counted
-
-    def _watching(self, name, conversion):
-        def watched(t, *args, **kwargs):
-            frame = sys._getframe(1)
-            while frame is not None and "/torch/" in frame.f_code.co_filename:
-                frame = frame.f_back
-            where = "" if frame is None else frame.f_code.co_filename
-            if where.startswith(self.roots) and where != HOST:
-                self.elsewhere[f"{Path(where).name}:{frame.f_lineno} {name}"] += 1
-            return conversion(t, *args, **kwargs)
-        return watched
+VOCAB = 96
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+CONFIGS = {
+    "greedy-ranked": DecodeConfig(max_new_tokens=16),  # the defaults: early stops and runner-up leaves
+    "greedy": DecodeConfig(max_new_tokens=16, stop_below=0.0, branch_below=0.0),
+    "sampling-ranked": DecodeConfig(max_new_tokens=16, temperature=0.9, seed=3),
+    "sampling": DecodeConfig(max_new_tokens=16, temperature=0.9, seed=3, stop_below=0.0),
+}
+LOOP = {"read_confidence", "verify_tree_greedy", "verify_sampling", "finish"}  # finish: the tally's hits, once
+HEAD = {"_counts"}  # the packed head's slot counts, where a changed segment replaces some of its rows
+POLICY_READS = {  # where a strategy reads the device itself, through to_host, and why
+    "dynaspec": {"_ranges"},  # the routed clusters' row ranges, per step
+    "centroids": {"_ranges"},  # the picked blocks' row ranges, per step
+    "hybrid": {"_neighbours", "contains"},  # a missed token and its neighbours, per cycle
+    "evospec": {"contains", "observe", "semantic", "prefill"},  # OOV events, per cycle; the prompt, once
+}
+OPTIONS = StrategyOptions(configs=(
+    EvoSpecConfig(static_size=40, dynamic_size=16, synchronous=True),
+    HybridConfig(core_size=24, window=24, step_neighbours=4, step_successors=4),  # the per-step search runs
+    MicroSpecConfig(window=24),
+))
 
 
 @pytest.fixture(scope="module")
@@ -65,55 +55,123 @@ def pair(tiny_pair):
     return CausalLM(target), DraftModel(draft, one_token_steps=True)  # the draft steps as a session runs it
 
 
-CONFIGS = {
-    "greedy-ranked": DecodeConfig(gamma=4, max_new_tokens=40, stop_below=0.05, branch_below=0.9),
-    "greedy": DecodeConfig(gamma=4, max_new_tokens=40, stop_below=0.0, branch_below=0.0),
-    "sampling": DecodeConfig(gamma=4, max_new_tokens=40, stop_below=0.05, temperature=0.9, seed=3),
-}
+def tiny_bundle(path: Path, target: CausalLM, draft: DraftModel):
+    """Every stage a built-in strategy reads, small and random: freq, clusters + router, hnsw (target head),
+    draft_hnsw (draft head), graph, lowrank, centroids."""
+    from dynvocab.artifacts.bundle import tensor_sha256
+    from dynvocab.artifacts.router import RouterMLP, RouterTable
+    from dynvocab.artifacts.selectors import random_selectors
+    from dynvocab.builders.hnsw import HnswConfig, build
+
+    g = torch.Generator().manual_seed(0)
+    dim, clusters, fanout = draft.hidden_size, 12, 6
+    ranking = torch.randperm(VOCAB, generator=g)
+    counts = torch.empty(VOCAB, dtype=torch.long)
+    counts[ranking] = torch.arange(VOCAB, 0, -1)
+    assign = torch.randint(clusters, (VOCAB,), generator=g)
+    torch.manual_seed(0)
+    router = RouterTable.from_module(RouterMLP(dim, dim, 16, clusters), {"clusters_sha256": tensor_sha256(assign)})
+    hnsw_cfg = HnswConfig(m=8, ef_construction=32)
+    hnsw, params, _ = build(hnsw_cfg, target.weight.detach().float())
+    draft_hnsw, draft_params, _ = build(hnsw_cfg, draft.info.index_rows.float())
+    low, cen = random_selectors(VOCAB, dim, g, rank=8, candidates=24, block=8, blocks=3)
+    centroids = torch.nn.functional.normalize(torch.randn(clusters, dim, generator=g), dim=-1)
+    stages = [
+        Stage("freq", {"counts": counts, "ranking": ranking, "eos_ids": torch.tensor([VOCAB - 1])}, {}),
+        Stage("clusters", {"assign": assign, "centroids": centroids}, {}),
+        Stage("router", router.to_tensors(), router.config),
+        Stage("hnsw", hnsw, hnsw_cfg.as_dict(), {"index": params.as_dict(), "model": "target"}),
+        Stage("draft_hnsw", draft_hnsw, hnsw_cfg.as_dict(), {"index": draft_params.as_dict(), "model": "draft"}),
+        Stage("graph", {
+            "indptr": torch.arange(0, (VOCAB + 1) * fanout, fanout, dtype=torch.long),
+            "indices": torch.randint(VOCAB, (VOCAB * fanout,), generator=g, dtype=torch.int32),
+            "probs": torch.full((VOCAB * fanout,), 1.0 / fanout),
+        }, {}),
+        *(Stage(t.kind, t.tensors, t.config) for t in (low, cen)),
+    ]
+    fingerprint = ModelFingerprint(VOCAB, "synthetic", VOCAB, dim, "synthetic")
+    return load_bundle(write_bundle(path, stages, fingerprint, None))
 
 
-@pytest.mark.parametrize("policy", ["full", "fr"])
+@pytest.fixture(scope="module")
+def ctx(pair, tmp_path_factory):
+    target, draft = pair
+    bundle = tiny_bundle(tmp_path_factory.mktemp("reads") / "tiny.safetensors", target, draft)
+    return PolicyContext(VOCAB, {VOCAB - 1}, "cpu", bundle, draft.info, target)
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_one_host_read_per_draft_step_and_one_per_cycle(pair, monkeypatch, config, policy):
+@pytest.mark.parametrize("name", strategy_names())
+def test_every_strategy_reads_through_to_host_and_drafts_on_the_device(pair, ctx, name, config):
     target, draft = pair
     cfg = CONFIGS[config]
-    make = {"full": lambda: FullPolicy(draft.vocab_size), "fr": lambda: FrequencyPolicy(torch.arange(60))}[policy]
-    expected = speculative_generate(target, [3, 1, 4, 1, 5], cfg, set(), draft, make())
-    reads = Reads(monkeypatch)
-    g = speculative_generate(target, [3, 1, 4, 1, 5], cfg, set(), draft, make())
-    monkeypatch.undo()
+    draft = None if name == "ar" else draft
+    expected = speculative_generate(target, PROMPT, cfg, set(), draft, make_policy(name, OPTIONS, ctx))
+    policy = make_policy(name, OPTIONS, ctx)  # built outside the count: loading a bundle's index is no decoding
+    with HostReads() as reads:
+        g = speculative_generate(target, PROMPT, cfg, set(), draft, policy)
     m = g.metrics
     assert g.token_ids == expected.token_ids  # counting changed nothing
-    assert m.draft_steps >= m.cycles > 1
     assert not reads.elsewhere, dict(reads.elsewhere)
-    assert reads.helper["read_choice"] == m.draft_steps  # the draft step's one read
-    verdicts = reads.helper["verify_tree_greedy"] + reads.helper["verify_sampling"]
-    assert verdicts == m.cycles
-    assert sum(reads.helper.values()) <= m.draft_steps + m.cycles + 1  # + the tally's hit count, once
+    ranked = cfg.stop_below > 0 or (cfg.temperature == 0 and cfg.branch_below > 0)
+    assert reads.helper["read_confidence"] == (m.draft_steps if ranked else 0)  # the step's one read, if any
+    assert reads.helper["verify_tree_greedy"] + reads.helper["verify_sampling"] == m.cycles  # with the tokens
+    assert reads.helper["finish"] <= 1
+    assert set(reads.helper) - LOOP - HEAD <= POLICY_READS.get(name, set()), dict(reads.helper)
+    if name != "ar":
+        assert m.draft_steps > 0 and m.cycles > 1
 
 
-def test_autoregressive_decoding_reads_once_per_token(pair, monkeypatch):
+def test_autoregressive_decoding_reads_once_per_token(pair):
     target, _ = pair
-    reads = Reads(monkeypatch)
-    g = speculative_generate(target, [3, 1, 4], DecodeConfig(max_new_tokens=12), set())
-    monkeypatch.undo()
+    with HostReads() as reads:
+        g = speculative_generate(target, [3, 1, 4], DecodeConfig(max_new_tokens=12), set())
     assert not reads.elsewhere, dict(reads.elsewhere)
     assert reads.helper == {"verify_tree_greedy": 12} and len(g.token_ids) == 12
 
 
-def test_the_counter_sees_a_stray_read(pair, monkeypatch):
-    """The check can fail: a policy that reads a tensor with ``int()`` on its step is caught."""
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_eagle_heads_draft_on_the_device(kind):
+    from conftest import tiny_qwen2
+    from test_eagle_loop import LAYERS, eagle1, eagle3
+    from dynvocab.models.eagle import LayerTap
+    from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
+
+    model = tiny_qwen2(layers=LAYERS, seed=0)
+    target = CausalLM(model)
+    if kind == "eagle1":
+        draft, tap = Eagle1Draft(eagle1(model), target), None
+    else:
+        head = eagle3(model)
+        tap = LayerTap(model, head.config.target_layers(LAYERS))
+        draft = Eagle3Draft(head, target, tap)
+    cfg = CONFIGS["greedy"]
+    try:
+        with HostReads() as reads:
+            g = speculative_generate(target, PROMPT, cfg, set(), draft, FullPolicy(VOCAB))
+    finally:
+        if tap is not None:
+            tap.remove()
+    assert g.token_ids == speculative_generate(target, PROMPT, cfg, set()).token_ids
+    assert not reads.elsewhere, dict(reads.elsewhere)
+    assert reads.helper == {"verify_tree_greedy": g.metrics.cycles}  # none per draft step
+
+
+def test_policies_get_the_fed_token_on_the_device_and_the_counter_sees_a_stray_read(pair):
+    """The check can fail: a policy that reads the token with ``int()`` on its step is caught."""
     target, draft = pair
+    seen = []
 
     class Reading(FullPolicy):
         def active_ids(self, step, hidden=None, token=None):
-            int(hidden.argmax())
+            seen.append((type(token), tuple(token.shape), token.device))
+            int(token)
             return super().active_ids(step, hidden, token)
 
-    reads = Reads(monkeypatch, roots=(PACKAGE, __file__))
-    g = speculative_generate(target, [3, 1, 4], DecodeConfig(gamma=2, max_new_tokens=6), set(), draft,
-                             Reading(draft.vocab_size))
-    monkeypatch.undo()
+    with HostReads(roots=(PACKAGE, __file__)) as reads:
+        g = speculative_generate(target, [3, 1, 4], DecodeConfig(gamma=2, max_new_tokens=6), set(), draft,
+                                 Reading(draft.vocab_size))
+    assert set(seen) == {(torch.Tensor, (1,), draft.device)}
     (where, count), = reads.elsewhere.items()
     assert where.startswith(f"{Path(__file__).name}:") and where.endswith("__int__")
     assert count == g.metrics.draft_steps

@@ -169,7 +169,7 @@ def test_hybrid_step_candidates_find_the_draft_argmax_outside_the_active_set():
     for seed in range(20):
         hidden = torch.randn(1, dim, generator=torch.Generator().manual_seed(seed))
         best = int((hidden @ head.T).argmax())
-        dyn, core, extra = policy.active_ids(0, hidden, 10).id_segments()
+        dyn, core, extra = policy.active_ids(0, hidden, torch.tensor([10])).id_segments()
         segments = [set(dyn.tolist()), set(core.tolist()), set(extra.tolist())]
         assert sum(map(len, segments)) == len(set.union(*segments))  # disjoint
         assert 250 in segments[2] and 20 not in segments[2]  # successors join unless already active

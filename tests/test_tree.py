@@ -23,7 +23,7 @@ def onehot(choices: list[int], vocab: int = 8) -> torch.Tensor:
 
 
 def test_leaf_at_the_stopping_depth_is_accepted_with_its_own_next_token():
-    tree = DraftTree([1, 2, 3], {1: 5, 2: 6})  # inputs: root, 1, 2, 3, leaf 5 (depth 1), leaf 6 (depth 2)
+    tree = DraftTree.of([1, 2, 3], {1: 5, 2: 6})  # inputs: root, 1, 2, 3, leaf 5 (depth 1), leaf 6 (depth 2)
     # The target takes 1, then 5 (not 2): the leaf at depth 1 is accepted; its row (index 4) says 7 comes next.
     verdict = verify_tree_greedy(tree, onehot([1, 5, 0, 0, 7, 0]))
     assert verdict.path == [1, 5] and verdict.next_token == 7
@@ -31,7 +31,7 @@ def test_leaf_at_the_stopping_depth_is_accepted_with_its_own_next_token():
 
 
 def test_leaf_elsewhere_or_wrong_is_not_accepted():
-    tree = DraftTree([1, 2, 3], {2: 6})
+    tree = DraftTree.of([1, 2, 3], {2: 6})
     assert verify_tree_greedy(tree, onehot([1, 4, 0, 0, 6])).path == [1]  # stopped at depth 1: no leaf there
     verdict = verify_tree_greedy(tree, onehot([1, 2, 4, 0, 6]))  # stopped at depth 2, target wants 4, leaf is 6
     assert verdict.path == [1, 2] and verdict.next_token == 4 and verdict.leaf_row is None
@@ -40,8 +40,8 @@ def test_leaf_elsewhere_or_wrong_is_not_accepted():
 
 
 def test_tree_mask_and_positions():
-    tree = DraftTree([10, 11, 12], {0: 20, 2: 22})
-    assert tree.inputs(9) == [9, 10, 11, 12, 20, 22]
+    tree = DraftTree.of([10, 11, 12], {0: 20, 2: 22})
+    assert tree.inputs(torch.tensor([9])).tolist() == [9, 10, 11, 12, 20, 22]
     assert tree.positions(5, "cpu").tolist() == [[5, 6, 7, 8, 6, 8]]
     allowed = tree.attention_mask(2, torch.float32, "cpu")[0, 0] == 0
     assert allowed[:, :2].all()  # the cached prefix is visible to every row
@@ -69,11 +69,11 @@ def test_tree_pass_equals_chain_passes_and_rollback_keeps_the_leaf(pair):
     target, _ = pair
     prompt = torch.tensor([3, 14, 15, 92, 65])
     chain, leaf = [35, 89, 79], 32  # leaf at depth 1: an alternative to 89 after 35
-    tree = DraftTree(chain, {1: leaf})
+    tree = DraftTree.of(chain, {1: leaf})
 
     target.reset()
     target.step(prompt[:-1])
-    hidden = target.step(torch.tensor(tree.inputs(int(prompt[-1]))), tree)  # [5, d]
+    hidden = target.step(tree.inputs(prompt[-1:]), tree)  # [5, d]
 
     target.reset()
     reference = target.step(torch.cat([prompt, torch.tensor(chain)]))
@@ -85,7 +85,7 @@ def test_tree_pass_equals_chain_passes_and_rollback_keeps_the_leaf(pair):
     # Accept chain[:1] + leaf: keep the prefix, the root and chain[0], then the leaf's cache entry.
     target.reset()
     target.step(prompt[:-1])
-    target.step(torch.tensor(tree.inputs(int(prompt[-1]))), tree)
+    target.step(tree.inputs(prompt[-1:]), tree)
     start = prompt.numel() - 1
     target.rollback(prompt.numel() + 1, keep=start + tree.leaf_row(1))
     assert target.length == prompt.numel() + 2

@@ -28,9 +28,10 @@ def onehot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:
     ],
 )
 def test_verify_greedy(draft, target, expected):
-    verdict = verify_tree_greedy(DraftTree(draft, {}), onehot_logits(target))
+    verdict = verify_tree_greedy(DraftTree.of(draft, {}), onehot_logits(target))
     assert (len(verdict.path), verdict.next_token) == expected
     assert verdict.path == draft[: expected[0]] and verdict.leaf_row is None
+    assert verdict.chain == draft  # the drafted tokens come back with the verdict
 
 
 def test_top_p_keeps_the_nucleus():
@@ -40,6 +41,11 @@ def test_top_p_keeps_the_nucleus():
     torch.testing.assert_close(probs[:2], torch.tensor([0.625, 0.375]))
 
 
+def step_of(token: int, support, q) -> DraftStep:
+    """A drafted ``token`` as the loop keeps it: a [1] tensor on the device."""
+    return DraftStep(torch.tensor([token]), support, q)
+
+
 def _sample_first_token(p_logits, q_support, q_probs, draws, seed):
     """Draw the first emitted token many times: draft samples from q on its support, target verifies."""
     gen = torch.Generator().manual_seed(seed)
@@ -47,8 +53,8 @@ def _sample_first_token(p_logits, q_support, q_probs, draws, seed):
     counts = torch.zeros(p_logits.shape[-1])
     for _ in range(draws):
         x = int(q_support[torch.multinomial(q_probs, 1, generator=gen)])
-        step = DraftStep(x, q_support, q_probs)
-        k, nxt = verify_sampling([step], p_logits, cfg, gen)
+        verdict = verify_sampling([step_of(x, q_support, q_probs)], p_logits, cfg, gen)
+        k, nxt = verdict.accepted, verdict.next_token
         counts[x if k == 1 else nxt] += 1
     return counts / draws
 
@@ -81,7 +87,8 @@ def test_rejection_sampling_with_top_p_matches_filtered_target():
     counts = torch.zeros(vocab)
     for _ in range(draws):
         x = int(torch.multinomial(q, 1, generator=gen))
-        k, nxt = verify_sampling([DraftStep(x, support, q)], p_logits, cfg, gen)
+        verdict = verify_sampling([step_of(x, support, q)], p_logits, cfg, gen)
+        k, nxt = verdict.accepted, verdict.next_token
         counts[x if k == 1 else nxt] += 1
     p = probs_from_logits(p_logits[0], cfg)
     keep = p > 0
@@ -94,9 +101,9 @@ def test_all_accepted_takes_bonus_from_last_position():
     p_logits = torch.full((2, 4), -30.0)
     p_logits[0, 1] = 10.0
     p_logits[1, 3] = 10.0
-    step = DraftStep(1, torch.tensor([1, 2]), torch.tensor([1.0, 0.0]))
-    k, nxt = verify_sampling([step], p_logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
-    assert (k, nxt) == (1, 3)
+    step = step_of(1, torch.tensor([1, 2]), torch.tensor([1.0, 0.0]))
+    verdict = verify_sampling([step], p_logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    assert (verdict.path, verdict.next_token, verdict.chain) == ([1], 3, [1])
 
 
 # Chains of γ = 4 drafted tokens on an 8-token vocabulary: the emitted sequence must follow the target exactly.
@@ -139,13 +146,14 @@ def sample_chain(target, rows, n_tokens: int, gen: torch.Generator, rng: random.
             support, q = rows[contexts[-1]]
             ids = range(VOCAB) if support is None else support.tolist()
             token = rng.choices(ids, weights=q.tolist())[0]
-            steps.append(DraftStep(token, support, q))
+            steps.append(step_of(token, support, q))
             contexts.append(token)
         target_logits = target[contexts].log()  # [γ+1, V]: row j conditions on the token before position j
-        k, nxt = verify_sampling(steps, target_logits, cfg, gen)
+        verdict = verify_sampling(steps, target_logits, cfg, gen)
+        k, nxt = verdict.accepted, verdict.next_token
         if bonus is not None and k == GAMMA:
-            bonus[steps[-1].token, nxt] += 1
-        emitted += [s.token for s in steps[:k]] + [nxt]
+            bonus[contexts[-1], nxt] += 1
+        emitted += verdict.path + [nxt]
     return emitted[:n_tokens]
 
 

@@ -99,7 +99,7 @@ class ScriptedDraft:
     def verify(self, tree: DraftTree, steps: list[DraftStep], tokens: list[int]) -> Checked:
         """The script's verdict over the drafted chain, with its target pass."""
         c = self._cycle
-        verdict = Verdict(tree.chain[: c.accepted], c.next_token)
+        verdict = Verdict(c.draft_tokens[: c.accepted], c.next_token, c.draft_tokens)
         return Checked(verdict, c.target_logits, c.target_hidden)
 
 

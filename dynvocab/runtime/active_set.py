@@ -22,6 +22,8 @@ from typing import Union
 
 import torch
 
+from dynvocab.runtime.host import to_host
+
 PREFIX, RANGES, CHANGED_KIND = "prefix", "ranges", "changed"
 
 
@@ -261,10 +263,11 @@ class ActiveSet:
         return [_segment_ids(s) for s in self.segments]
 
     def contains(self, token: int) -> bool:
-        """Whether ``token`` is in the set (reads the device: not for a step's hot path on a GPU)."""
+        """Whether ``token`` is in the set (one host read: not for a step's hot path on a GPU)."""
         if self.is_full:
             return 0 <= token < self.vocab
-        return any(bool((ids == token).any()) for ids in self.id_segments())
+        hits = [(ids == token).any() for ids in self.id_segments()]
+        return bool(hits) and to_host(torch.stack(hits).any())
 
     def mask(self, width: int, device: torch.device | str | None = None) -> torch.Tensor:
         """BoolTensor [width]: True at the set's ids (ids at or beyond ``width`` are left out)."""

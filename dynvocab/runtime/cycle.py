@@ -2,12 +2,13 @@
 --policy-steps`` and the policy tests (a scripted draft and verdicts, no models).
 
 :func:`run_cycle`: for each draft step the proposer runs over the new token, the policy names the active ids, the
-proposer's head scores them and :func:`choose` picks a token on the device; one host read per step
-(:func:`~dynvocab.runtime.host.to_host`) brings back the token, and the runner-up and confidence where early stops
-or runner-up leaves need them. Then the verifier scores and verifies the draft (one more host read), the proposer
-rolls back and observes the committed rows, and the policy observes a
-:class:`~dynvocab.runtime.policies.base.CycleReport`. Terms follow vLLM's rejection sampler: accepted, recovered,
-bonus (:mod:`dynvocab.runtime.verify`).
+proposer's head scores them and :func:`choose` picks a token on the device. The drafted tokens stay there: each
+feeds the next step and the policy as a [1] tensor, and the verifier concatenates them into its pass on the device.
+The host reads the device (:func:`~dynvocab.runtime.host.to_host`) only where a decision needs a value: once per
+draft step for the step's confidence where early stops or runner-up leaves need it (:attr:`CycleSetup.ranked`),
+and once per cycle for the verdict, which brings back the drafted tokens with it. Then the proposer rolls back and
+observes the committed rows, and the policy observes a :class:`~dynvocab.runtime.policies.base.CycleReport`. Terms
+follow vLLM's rejection sampler: accepted, recovered, bonus (:mod:`dynvocab.runtime.verify`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class TargetVerifier:
         self.target, self.sampling, self.generator = target, sampling, generator
 
     def __call__(self, tree: DraftTree, steps: list[DraftStep], tokens: list[int]) -> Checked:
-        """Score root, chain and leaves in one pass; verify; keep the accepted path in the target's cache."""
+        """Score root, chain and leaves in one pass; verify; keep the accepted path in the target's cache. The pass
+        ids are concatenated on the device: only the root, a committed token, is uploaded."""
         n, target = len(tokens), self.target
-        pass_ids = torch.tensor(tree.inputs(tokens[-1]), dtype=torch.long, device=target.device)
+        pass_ids = tree.inputs(torch.tensor(tokens[-1:], dtype=torch.long, device=target.device))  # [1 + chain + leaves]
         hidden = target.step(pass_ids, tree if tree.leaves else None)  # [1 + chain + leaves, d]
         logits = target.logits(hidden)  # [1 + chain + leaves, V]
         verdict = verify(tree, steps, logits, self.sampling, self.generator)
@@ -94,7 +96,7 @@ class CycleSetup:
 
     @property
     def ranked(self) -> bool:
-        """Whether draft steps need their confidence (and runner-up): early stops or leaves."""
+        """Whether draft steps need their confidence on the host (one read per step): early stops or leaves."""
         return self.branch or self.stop_below > 0
 
 
@@ -135,26 +137,20 @@ def _target_id(col: torch.Tensor | None, cols: torch.Tensor | None) -> torch.Ten
     return col if col is None or cols is None else cols.index_select(0, col)
 
 
-def read_choice(choice: Choice) -> tuple[int, int | None, float]:
-    """The draft step's one host read: (token, runner-up or None, confidence; 1.0 when not ranked)."""
-    parts = [choice.token.double()]
-    parts += [] if choice.confidence is None else [choice.confidence.double()]
-    parts += [] if choice.runner_up is None else [choice.runner_up.double()]
-    values = to_host(torch.cat(parts))  # ids < 2**53: exact in float64
-    token = int(values[0])
-    confidence = values[1] if choice.confidence is not None else 1.0
-    runner_up = int(values[-1]) if choice.runner_up is not None else None
-    return token, runner_up, confidence
+def read_confidence(choice: Choice) -> float:
+    """A ranked draft step's one host read: the draft's probability of its token (1.0 when not ranked: no read)."""
+    return 1.0 if choice.confidence is None else to_host(choice.confidence)[0]
 
 
 @dataclass
 class Drafted:
-    """One cycle's draft: its chain's steps, each step's active set, its top alternatives and runner-up leaves."""
+    """One cycle's draft: its chain's steps, each step's active set, its top alternatives and runner-up leaves
+    (the runner-up [1] on the device by chain depth)."""
 
     steps: list[DraftStep] = field(default_factory=list)
     sets: list[ActiveSet] = field(default_factory=list)
     tops: list[torch.Tensor] = field(default_factory=list)
-    leaves: dict[int, int] = field(default_factory=dict)
+    leaves: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def tree(self) -> DraftTree:
@@ -163,30 +159,31 @@ class Drafted:
 
 
 def draft_chain(setup: CycleSetup, tokens: list[int], gamma: int) -> Drafted:
-    """Draft up to ``gamma`` tokens after the committed ``tokens``: one host read per step, none when ``gamma`` is 0.
+    """Draft up to ``gamma`` tokens after the committed ``tokens``, on the device: one host read per step where
+    the setup is :attr:`~CycleSetup.ranked` (the step's confidence), none otherwise.
 
-    The first step feeds the proposer the committed tokens it has not seen; each later step feeds the previous
-    step's token straight from the device. The policy gets the last fed token as an int (from the step's read)."""
+    The first step feeds the proposer the committed tokens it has not seen (one upload per cycle); each later step
+    feeds the previous step's token straight from the device. The policy gets the last fed token as a [1] tensor on
+    the device."""
     draft, proposer, policy, timer, sec = Drafted(), setup.proposer, setup.policy, setup.timer, setup.sections
     if not gamma:
         return draft
     feed = torch.tensor(tokens[proposer.length:], dtype=torch.long, device=proposer.info.device)  # once per cycle
-    token = tokens[-1]
     for j in range(gamma):
         hidden = proposer.step(feed)[-1:]  # [1, d]
         t_active = timer.mark()
-        active = policy.active_ids(j, hidden, token)
+        active = policy.active_ids(j, hidden, feed[-1:])
         t_head = timer.mark()
         logits, cols = proposer.head_logits(hidden, active)  # [1, n], [n] or None
         timer.add(sec.active, t_active, t_head)
         timer.add(sec.head, t_head)
         row = logits[0]
         choice = choose(row, cols, setup.sampling, setup.generator, setup.ranked)
-        token, runner_up, confidence = read_choice(choice)
-        draft.steps.append(DraftStep(token, choice.support, choice.q))
+        confidence = read_confidence(choice)
+        draft.steps.append(DraftStep(choice.token, choice.support, choice.q))
         draft.sets.append(active)
-        if setup.branch and runner_up is not None and confidence < setup.branch_below:
-            draft.leaves[j] = runner_up
+        if setup.branch and choice.runner_up is not None and confidence < setup.branch_below:
+            draft.leaves[j] = choice.runner_up
         if policy.draft_topk:
             top = row.topk(min(policy.draft_topk, row.numel())).indices
             draft.tops.append(top if cols is None else cols[top])
@@ -218,7 +215,7 @@ def _emitted(verdict: Verdict, limit: int, eos_ids: frozenset[int]) -> tuple[lis
 
 def _report(n: int, draft: Drafted, checked: Checked, emitted: list[int]) -> CycleReport:
     """The policy's view of the cycle: the chain's rows of the pass (an accepted leaf's row replaces its sibling's)."""
-    verdict, chain = checked.verdict, draft.tree.chain
+    verdict, chain = checked.verdict, checked.verdict.chain
     k = verdict.accepted
     rows = slice(0, len(chain) + 1)
     if verdict.leaf_row is not None:
@@ -229,8 +226,8 @@ def _report(n: int, draft: Drafted, checked: Checked, emitted: list[int]) -> Cyc
 
 def run_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> CycleResult:
     """One draft-verify cycle after the committed ``tokens``: draft up to ``gamma`` tokens, verify them, roll the
-    proposer back to what was kept, and let the policy observe; emits at most ``limit`` tokens. Host reads: one per
-    draft step and one for the verdict."""
+    proposer back to what was kept, and let the policy observe; emits at most ``limit`` tokens. Host reads: one for
+    the verdict (with the drafted tokens), and one per draft step where the setup is ranked."""
     timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
     t_draft = timer.mark()
     draft = draft_chain(setup, tokens, gamma)

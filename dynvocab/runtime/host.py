@@ -1,12 +1,17 @@
-"""The loop's one way from the device to the host (vLLM's ``parse_output``).
+"""The loop's one way from the device to the host (vLLM's ``parse_output``), and the spy that checks it.
 
-Every value the speculative loop needs as a Python number — a draft step's token, runner-up and confidence, a
-cycle's verdict, a generation's counters — comes back through :func:`to_host`, one small tensor at a time. Each
-call is one device→host copy (on a GPU, one wait); anything else on the hot path stays a device tensor. The
-host-read test (tests/test_host_reads.py) counts these calls and forbids the others.
+Every value the speculative loop needs as a Python number — a ranked draft step's confidence, a cycle's verdict
+with its drafted tokens, a head's slot counts, a generation's counters — comes back through :func:`to_host`, one
+small tensor at a time. Each call is one device→host copy (on a GPU, one wait); anything else on the hot path stays
+a device tensor. :class:`HostReads` counts these calls and every other conversion of a tensor to Python numbers
+(tests/test_host_reads.py runs every strategy under it and forbids the others).
 """
 
 from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
 
 import torch
 
@@ -14,3 +19,56 @@ import torch
 def to_host(t: torch.Tensor) -> list | int | float | bool:
     """``t`` as Python numbers: a list for a tensor with dimensions, a scalar for a 0-d tensor (one device wait)."""
     return t.tolist()
+
+
+CONVERSIONS = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")  # the ways a tensor reaches Python
+PACKAGE = str(Path(__file__).parents[1])  # dynvocab/
+HOST = str(Path(__file__))
+
+
+class HostReads:
+    """While entered: ``helper`` counts :func:`to_host` calls by the name of the function that made them, and
+    ``elsewhere`` every other conversion of a tensor (:data:`CONVERSIONS`) made from a frame in a file under
+    ``roots`` (by ``file:line conversion``). Counting changes nothing else; leaving restores everything."""
+
+    def __init__(self, roots: tuple[str, ...] = (PACKAGE,)):
+        self.roots = roots
+        self.helper: collections.Counter = collections.Counter()
+        self.elsewhere: collections.Counter = collections.Counter()
+        self._undo: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> "HostReads":
+        original = to_host  # this module's own name is patched too
+        counted = self._counting(original)
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("dynvocab") and getattr(module, "to_host", None) is original:
+                self._patch(module, "to_host", counted)
+        for name in CONVERSIONS:
+            self._patch(torch.Tensor, name, self._watching(name, getattr(torch.Tensor, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        while self._undo:
+            owner, name, original = self._undo.pop()
+            setattr(owner, name, original)
+
+    def _patch(self, owner, name: str, value) -> None:
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def _counting(self, original):
+        def counted(t):
+            self.helper[sys._getframe(1).f_code.co_name] += 1
+            return original(t)
+        return counted
+
+    def _watching(self, name: str, conversion):
+        def watched(t, *args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and "/torch/" in frame.f_code.co_filename:
+                frame = frame.f_back
+            where = "" if frame is None else frame.f_code.co_filename
+            if where.startswith(self.roots) and where != HOST:
+                self.elsewhere[f"{Path(where).name}:{frame.f_lineno} {name}"] += 1
+            return conversion(t, *args, **kwargs)
+        return watched

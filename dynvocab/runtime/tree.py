@@ -21,19 +21,32 @@ import torch
 
 @dataclass(frozen=True)
 class DraftTree:
-    """The chain and its leaves; ``leaves`` maps a chain depth j (0-based) to the runner-up token there."""
+    """The chain and its leaves, on the device: ``chain`` holds the drafted tokens (γ × [1]), ``leaves`` maps a
+    chain depth j (0-based) to the runner-up token there ([1]). Only the tree's shape (the chain's length, the
+    leaves' depths) is known on the host; the tokens come back with the verdict."""
 
-    chain: list[int]
-    leaves: dict[int, int]
+    chain: list[torch.Tensor]
+    leaves: dict[int, torch.Tensor]
+
+    @classmethod
+    def of(cls, chain: list[int], leaves: dict[int, int], device="cpu") -> "DraftTree":
+        """A tree from host token ids (tests, scripted drafts)."""
+        token = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        return cls([token([t]) for t in chain], {j: token([t]) for j, t in leaves.items()})
 
     @functools.cached_property
     def depths(self) -> list[int]:
         """The leaves' depths in the order the pass feeds them."""
         return sorted(self.leaves)
 
-    def inputs(self, root: int) -> list[int]:
-        """The token ids of one verification pass: root, chain, then the leaves in depth order."""
-        return [root, *self.chain, *(self.leaves[j] for j in self.depths)]
+    def drafted(self) -> list[torch.Tensor]:
+        """The drafted tokens in pass order, chain then leaves (each [1])."""
+        return [*self.chain, *(self.leaves[j] for j in self.depths)]
+
+    def inputs(self, root: torch.Tensor) -> torch.Tensor:
+        """The token ids [1 + chain + leaves] of one verification pass, concatenated on the device: ``root`` [1]
+        (the last committed token), the chain, then the leaves in depth order."""
+        return torch.cat([root, *(t.to(root.device) for t in self.drafted())])
 
     def leaf_row(self, depth: int) -> int:
         """Index in :meth:`inputs` (and in the pass's logits) of the leaf at ``depth``."""

@@ -1,5 +1,6 @@
 """Verification of a draft against the target: :func:`verify` for greedy decoding (a draft tree, :mod:`.tree`)
-and exact rejection sampling (a chain), one :class:`Verdict` either way, read to the host once per cycle
+and exact rejection sampling (a chain), one :class:`Verdict` either way. The drafted tokens stay on the device until
+here: each verifier reads them back together with its decision, in the cycle's one read
 (:func:`~dynvocab.runtime.host.to_host`).
 
 Glossary (vLLM's rejection sampler): **accepted** tokens are the draft tokens the target kept; at the first
@@ -46,67 +47,13 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
     return probs
 
 
-@dataclass
-class DraftStep:
-    """One drafted token with the draft distribution it was sampled from (sparse: ``support`` ids)."""
-
-    token: int
-    support: torch.Tensor | None  # [n] token ids where q may be non-zero; None = full vocabulary
-    q: torch.Tensor | None  # [n] (or [V]) draft probabilities; None when greedy
-
-
-def verify_sampling(
-    steps: list[DraftStep], target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
-) -> tuple[int, int]:
-    """Exact rejection sampling: accept x_j with prob min(1, p(x_j)/q(x_j)); at the first rejection draw the
-    recovered token from the residual ``norm(max(0, p - q))``, after full acceptance the bonus token from p.
-
-    Computed on the device for every step at once and read to the host in one conversion.
-
-    Args:
-        steps: the γ drafted tokens with their draft distributions.
-        target_logits: [γ+1, V] target logits.
-    Returns:
-        (accepted: the number of draft tokens kept, the recovered or bonus token after them).
-    """
-    p = probs_from_logits(target_logits, cfg)  # [γ+1, V]
-    gamma, device = len(steps), p.device
-    if gamma:
-        q = torch.stack([_dense_q(step, p.shape[-1], device) for step in steps])  # [γ, V]
-        rows = torch.arange(gamma, device=device)
-        x = torch.tensor([step.token for step in steps], dtype=torch.long, device=device)  # [γ]
-        px, qx = p[rows, x], q[rows, x]  # [γ] each
-        uniforms = torch.rand(gamma, generator=generator, device=device)
-        kept = (qx > 0) & (uniforms * qx < px)  # [γ]
-        accepted = kept.long().cumprod(0).sum().view(1)  # [1] the first rejection, or γ
-        residual = (p[:gamma] - q).clamp_(min=0.0)  # [γ, V]
-        total = residual.sum(dim=-1, keepdim=True)
-        p = torch.cat([torch.where(total > 0, residual / total, p[:gamma]), p[gamma:]])  # [γ+1, V]: where to draw
-    else:
-        accepted = torch.zeros(1, dtype=torch.long, device=device)
-    token = torch.multinomial(p.index_select(0, accepted), 1, generator=generator)[0]  # [1], no host index
-    n, token = to_host(torch.cat([accepted, token]))
-    return n, token
-
-
-def _dense_q(step: DraftStep, vocab: int, device) -> torch.Tensor:
-    """The draft distribution over the target's ``vocab`` ids [V]; support ids at or past ``vocab`` (a padded draft
-    head) land in a spare slot that is dropped, so nothing waits on the device."""
-    q = torch.zeros(vocab + 1, device=device)
-    if step.support is None:
-        n = min(step.q.numel(), vocab)
-        q[:n] = step.q[:n]
-    else:
-        q[step.support.clamp(max=vocab)] = step.q.to(q.dtype)
-    return q[:vocab]
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What verification kept: the accepted draft tokens and the target's token after them (greedy or sampling)."""
 
     path: list[int]  # the accepted draft tokens: a chain prefix, possibly ending in a leaf
     next_token: int  # the target's token after the path: recovered (after a rejection) or bonus
+    chain: list[int]  # the drafted chain, read back with the verdict
     leaf_row: int | None = None  # the accepted leaf's row in the pass, or None
 
     @property
@@ -126,18 +73,80 @@ class Verdict:
         return rows if self.leaf_row is None else rows + [self.leaf_row]
 
 
+@dataclass
+class DraftStep:
+    """One drafted token, on the device, with the draft distribution it was sampled from (sparse: ``support``
+    ids)."""
+
+    token: torch.Tensor  # [1] the drafted target id
+    support: torch.Tensor | None  # [n] token ids where q may be non-zero; None = full vocabulary
+    q: torch.Tensor | None  # [n] (or [V]) draft probabilities; None when greedy
+
+
+def verify_sampling(
+    steps: list[DraftStep], target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
+) -> Verdict:
+    """Exact rejection sampling: accept x_j with prob min(1, p(x_j)/q(x_j)); at the first rejection draw the
+    recovered token from the residual ``norm(max(0, p - q))``, after full acceptance the bonus token from p.
+
+    Computed on the device for every step at once and read to the host in one conversion, with the drafted
+    tokens.
+
+    Args:
+        steps: the γ drafted tokens with their draft distributions.
+        target_logits: [γ+1, V] target logits.
+    Returns:
+        the verdict: the accepted prefix of the chain and the recovered or bonus token after it.
+    """
+    p = probs_from_logits(target_logits, cfg)  # [γ+1, V]
+    gamma, device = len(steps), p.device
+    if gamma:
+        q = torch.stack([_dense_q(step, p.shape[-1], device) for step in steps])  # [γ, V]
+        rows = torch.arange(gamma, device=device)
+        x = torch.cat([step.token for step in steps]).to(device)  # [γ]
+        px, qx = p[rows, x], q[rows, x]  # [γ] each
+        uniforms = torch.rand(gamma, generator=generator, device=device)
+        kept = (qx > 0) & (uniforms * qx < px)  # [γ]
+        accepted = kept.long().cumprod(0).sum().view(1)  # [1] the first rejection, or γ
+        residual = (p[:gamma] - q).clamp_(min=0.0)  # [γ, V]
+        total = residual.sum(dim=-1, keepdim=True)
+        p = torch.cat([torch.where(total > 0, residual / total, p[:gamma]), p[gamma:]])  # [γ+1, V]: where to draw
+    else:
+        accepted = torch.zeros(1, dtype=torch.long, device=device)
+    token = torch.multinomial(p.index_select(0, accepted), 1, generator=generator)[0]  # [1], no host index
+    n, token, *chain = to_host(torch.cat([accepted, token, *(step.token.to(device) for step in steps)]))
+    return Verdict(chain[:n], token, chain)
+
+
+def _dense_q(step: DraftStep, vocab: int, device) -> torch.Tensor:
+    """The draft distribution over the target's ``vocab`` ids [V]; support ids at or past ``vocab`` (a padded draft
+    head) land in a spare slot that is dropped, so nothing waits on the device."""
+    q = torch.zeros(vocab + 1, device=device)
+    if step.support is None:
+        n = min(step.q.numel(), vocab)
+        q[:n] = step.q[:n]
+    else:
+        q[step.support.clamp(max=vocab)] = step.q.to(q.dtype)
+    return q[:vocab]
+
+
 def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
     """Accept the longest chain prefix matching the target's argmax, then the leaf at the stopping depth if it
-    matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs` (one host read)."""
-    choice = to_host(target_logits.argmax(dim=-1))
+    matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs`. One host read
+    brings back the target's argmax rows [n] and the drafted tokens (chain, leaves) together."""
+    device = target_logits.device
+    values = to_host(torch.cat([target_logits.argmax(dim=-1), *(t.to(device) for t in tree.drafted())]))
+    n, gamma = target_logits.shape[0], len(tree.chain)
+    choice, chain = values[:n], values[n : n + gamma]
+    leaves = dict(zip(tree.depths, values[n + gamma :]))
     k = 0
-    while k < len(tree.chain) and tree.chain[k] == choice[k]:
+    while k < gamma and chain[k] == choice[k]:
         k += 1
-    leaf = tree.leaves.get(k) if k < len(tree.chain) else None
+    leaf = leaves.get(k) if k < gamma else None
     if leaf is not None and leaf == choice[k]:
         row = tree.leaf_row(k)
-        return Verdict(tree.chain[:k] + [leaf], choice[row], row)
-    return Verdict(tree.chain[:k], choice[k])
+        return Verdict(chain[:k] + [leaf], choice[row], chain, row)
+    return Verdict(chain[:k], choice[k], chain)
 
 
 def verify(
@@ -148,5 +157,4 @@ def verify(
     the tree (:func:`verify_tree_greedy`), sampling runs exact rejection sampling over the chain's ``steps``."""
     if cfg.greedy:
         return verify_tree_greedy(tree, target_logits)
-    accepted, token = verify_sampling(steps, target_logits, cfg, generator)
-    return Verdict(tree.chain[:accepted], token)
+    return verify_sampling(steps, target_logits, cfg, generator)

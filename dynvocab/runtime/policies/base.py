@@ -32,8 +32,11 @@ class VocabPolicy:
     """Chooses the draft's active vocabulary before each draft step and learns from each cycle.
 
     The loop calls ``prefill`` once, then per cycle ``active_ids(j, hidden, token)`` for each draft step and
-    ``observe`` after verification. Returning the same tensor object (or a prefix view of a tensor the head
-    packed in order) tells the packed head nothing changed, so it copies no rows.
+    ``observe`` after verification. The head decides what it may reuse from each segment's key alone
+    (:class:`~dynvocab.runtime.active_set.SegmentKey`): a :class:`~dynvocab.runtime.active_set.Prefix` of a ranking
+    the policy keeps, or :class:`~dynvocab.runtime.active_set.RowRanges` of a fixed order, copies no rows once
+    packed; a bare id tensor (or a :class:`~dynvocab.runtime.active_set.Gathered` one) is always a change, even the
+    same tensor object, and its rows are brought up to date incrementally.
     """
 
     name = "base"
@@ -43,11 +46,15 @@ class VocabPolicy:
     def prefill(self, prompt_ids: torch.Tensor, target_logits: torch.Tensor | None, target_hidden) -> None:
         """See the prompt [L] (and, if asked for, target logits [L-1, V] and hidden states [L-1, d])."""
 
-    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> ActiveSet:
+    def active_ids(self, step: int, hidden: torch.Tensor | None = None,
+                   token: torch.Tensor | None = None) -> ActiveSet:
         """Token ids the draft may propose at draft position ``step`` (0-based).
 
-        ``hidden`` [1, d] is the draft's final hidden state at this step (before its head) and ``token`` the
-        last token fed to the draft; context-routed policies (DynaSpec) use them, others ignore them.
+        ``hidden`` [1, d] is the draft's final hidden state at this step (before its head) and ``token`` [1] the
+        last token fed to the draft, a LongTensor on the draft's device (the loop does not read drafted tokens
+        to the host: a policy that needs its value reads it with :func:`~dynvocab.runtime.host.to_host`, one
+        device wait per step); context-routed policies (DynaSpec, the hybrid's successors) use them, others
+        ignore them.
         Returns an :class:`~dynvocab.runtime.active_set.ActiveSet`: the full vocabulary or disjoint segments.
         """
         raise NotImplementedError

@@ -94,9 +94,9 @@ class DynaSpecPolicy(VocabPolicy):
         return policy
 
     @torch.inference_mode()
-    def scores(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
-        """Router logits [M] for the draft's hidden state ``hidden`` [1, d] and the token it was fed."""
-        e = self.embedding[token : token + 1].to(self.device, torch.float32)  # [1, d_e]
+    def scores(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Router logits [M] for the draft's hidden state ``hidden`` [1, d] and the token [1] it was fed."""
+        e = self.embedding.index_select(0, token.to(self.embedding.device)).to(self.device, torch.float32)  # [1, d_e]
         return self.router(hidden.to(self.device, torch.float32), e)[0]
 
     @torch.inference_mode()
@@ -110,8 +110,9 @@ class DynaSpecPolicy(VocabPolicy):
         """[V] ids grouped by cluster: the order the head packs once."""
         return self.groups.order
 
-    def active_ids(self, step: int, hidden: torch.Tensor | None = None, token: int | None = None) -> ActiveSet:
-        """The active set at draft step ``step`` for the draft's ``hidden`` [1, d] and last fed ``token``:
+    def active_ids(self, step: int, hidden: torch.Tensor | None = None,
+                   token: torch.Tensor | None = None) -> ActiveSet:
+        """The active set at draft step ``step`` for the draft's ``hidden`` [1, d] and last fed ``token`` [1]:
         two segments, the routed clusters (:class:`~dynvocab.runtime.active_set.RowRanges`) and the EOS ids
         outside them."""
         if hidden is None or token is None:

@@ -41,6 +41,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 from dynvocab.runtime.policies.arc import ARCCache
 from dynvocab.runtime.active_set import ActiveSet, Prefix
+from dynvocab.runtime.host import to_host
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class Retriever:
         """HNSW top-``hnsw_topk`` ids for one target hidden state [d]."""
         from dynvocab.artifacts.hnsw import mips_search
 
-        return mips_search(self.index, hidden, self.cfg.hnsw_topk, num_threads=self.cfg.hnsw_threads)[0].tolist()
+        return to_host(mips_search(self.index, hidden, self.cfg.hnsw_topk, num_threads=self.cfg.hnsw_threads)[0])
 
     def candidates(self, event: OOVEvent) -> tuple[list[int], float]:
         """(ordered candidate ids, seconds spent)."""
@@ -278,7 +279,7 @@ class EvoSpecPolicy(VocabPolicy):
     # -- the policy interface -----------------------------------------------------------------------------
     def prefill(self, prompt_ids: torch.Tensor, target_logits, target_hidden) -> None:
         """Remember the prompt (the context of alignment samples); the dynamic buffer starts empty."""
-        self.tokens = prompt_ids.tolist()
+        self.tokens = to_host(prompt_ids)
 
     def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
         """Two segments, the core and the dynamic ids; at step 0 the cache first takes every retrieval that has
@@ -299,7 +300,7 @@ class EvoSpecPolicy(VocabPolicy):
                     self.cache.touch(tok)
                 continue
             top = cycle.target_logits[j, : self.vocab_size].topk(self.cfg.target_topk).indices  # [k]
-            event = OOVEvent(tok, tuple(top.tolist()), cycle.target_hidden[j].float().cpu().clone(), self.stats.cycles)
+            event = OOVEvent(tok, tuple(to_host(top)), cycle.target_hidden[j].float().cpu().clone(), self.stats.cycles)
             self.stats.oov_events += 1
             if self.cfg.synchronous:
                 self._ready.append((event, *self.retriever.candidates(event)))

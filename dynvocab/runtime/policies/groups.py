@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from dynvocab.runtime.active_set import RowRanges
+from dynvocab.runtime.host import to_host
 
 
 class Groups:
@@ -47,6 +48,6 @@ class Groups:
         breaks = bounds[0, 1:] != bounds[1, :-1]  # [k'-1] a gap before the next picked group
         first = torch.cat([breaks.new_ones(1), breaks])  # [k'] starts a merged range
         last = torch.cat([breaks, breaks.new_ones(1)])  # [k'] ends one
-        flat = torch.cat([bounds[0, first], bounds[1, last]]).tolist()  # the one host read: [starts…, ends…]
+        flat = to_host(torch.cat([bounds[0, first], bounds[1, last]]))  # the one host read: [starts…, ends…]
         half = len(flat) // 2
         return tuple(flat[:half]), tuple(flat[half:])

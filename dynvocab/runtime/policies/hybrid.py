@@ -34,6 +34,7 @@ import torch
 from dynvocab.artifacts import mips_search
 from dynvocab.budget import pa_budget
 from dynvocab.runtime.active_set import ActiveSet, Prefix
+from dynvocab.runtime.host import to_host
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.evospec import assemble_candidates
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
@@ -102,6 +103,7 @@ class HybridPolicy(MicroSpecPolicy):
         self.graph = graph  # dynvocab.artifacts.GraphTable or None
         empty = np.zeros(1, dtype=np.int64)
         self._csr = (graph.indptr.numpy(), graph.indices.numpy()) if graph is not None else (empty, empty[:0])
+        self._device_csr = None if graph is None else (graph.indptr.long().to(device), graph.indices.to(device))
         self._in_core = (self.core_rank < core.numel()).cpu().numpy()  # [V] bool
         self.hnsw = hnsw  # a MipsIndex over the target head (dynvocab.artifacts.load_hnsw) or None
         self.draft_hnsw = draft_hnsw  # a MipsIndex over the draft head (load_hnsw(bundle, "draft_hnsw")) or None
@@ -126,19 +128,34 @@ class HybridPolicy(MicroSpecPolicy):
         return ActiveSet.of(self.window_segment(), self._views[k], self.step_candidates(k, hidden, token))
 
     def step_candidates(self, core_size: int, hidden=None, token=None) -> torch.Tensor:
-        """Draft-head neighbours of ``hidden`` [1, d] and graph successors of ``token`` that are not already
-        active (outside the context and the first ``core_size`` core ids), LongTensor [n], ascending."""
+        """Draft-head neighbours of ``hidden`` [1, d] and graph successors of ``token`` [1] (on the device) that are
+        not already active (outside the context and the first ``core_size`` core ids), LongTensor [n], ascending."""
         cfg = self.hcfg
         parts = []
         if self.draft_hnsw is not None and hidden is not None and cfg.step_neighbours:
             parts.append(mips_search(self.draft_hnsw, hidden[-1:], cfg.step_neighbours).flatten())
-        if self.graph is not None and token is not None and cfg.step_successors and token < self.vocab_size:
-            parts.append(self.graph.successors(token, cfg.step_successors)[0])
+        if self.graph is not None and token is not None and cfg.step_successors:
+            parts.append(self._successors(token, cfg.step_successors))
         if not parts:
             return self._none
         ids = torch.unique(torch.cat(parts).to(self.core.device))
         ids = ids[ids < self.vocab_size]
         return ids[~self.member[ids] & (self.core_rank[ids] >= core_size)]
+
+    def _successors(self, token: torch.Tensor, k: int) -> torch.Tensor:
+        """The first ``k`` graph successors of ``token`` [1], looked up on the device (no host read), LongTensor
+        [k]: slots past its successor list, and all of them for a token outside the graph or the vocabulary, hold
+        ``vocab_size``, which :meth:`step_candidates` drops."""
+        indptr, indices = self._device_csr  # [V_graph + 1], [E]
+        last = min(self.vocab_size, indptr.numel() - 1) - 1
+        if indices.numel() == 0 or last < 0:
+            return self._none
+        token = token.to(indptr.device)
+        t = token.clamp(0, last)  # [1]
+        slots = indptr[t] + torch.arange(k, device=indptr.device)  # [k]
+        ids = indices[slots.clamp(max=indices.numel() - 1)].long()  # [k]
+        valid = (slots < indptr[t + 1]) & (token >= 0) & (token <= last)
+        return torch.where(valid, ids, self.vocab_size)
 
     def observe(self, cycle: CycleReport) -> None:
         """Handle a miss (the target's token at the first rejected position was outside that step's active set),
@@ -156,10 +173,10 @@ class HybridPolicy(MicroSpecPolicy):
         retrieval (:func:`~dynvocab.runtime.policies.evospec.assemble_candidates`) over the target's top ids
         there and the HNSW neighbours of its hidden state, run in the loop's thread."""
         cfg = self.hcfg
-        top = cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices.tolist()
+        top = to_host(cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices)
         semantic = []
         if self.hnsw is not None:
-            semantic = mips_search(self.hnsw, cycle.target_hidden[k : k + 1].float().cpu(), cfg.miss_topk)[0].tolist()
+            semantic = to_host(mips_search(self.hnsw, cycle.target_hidden[k : k + 1].float().cpu(), cfg.miss_topk)[0])
         found = assemble_candidates(token, top, semantic, *self._csr, cfg.successors, self._in_core)
         return torch.tensor(found[: cfg.max_insert], dtype=torch.long, device=self.core.device)
 
