@@ -1,8 +1,11 @@
 """The loop as an iterator (:class:`~dynvocab.runtime.loop.Decoding`) on tiny random models: its cycles are
 ``speculative_generate``'s, closing it runs no further cycle and still finishes the metrics, ``on_end`` runs once
-however it ends, and inference mode does not leak into the consumer's code between cycles."""
+however it ends (dropped unclosed included), and inference mode does not leak into the consumer's code between
+cycles."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -95,6 +98,16 @@ def test_on_end_runs_once_at_the_end_and_after_a_failure(pair, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         next(decoding)
     assert ended == ["end", "failed"] and decoding.generation.token_ids == []
+
+
+def test_a_decoding_dropped_unclosed_still_calls_on_end(pair):
+    target, draft = pair
+    ended = []
+    decoding = Decoding(target, PROMPT, CFG, set(), draft, on_end=lambda: ended.append(1))
+    next(decoding)
+    del decoding
+    gc.collect()
+    assert ended == [1]
 
 
 def test_the_consumer_runs_outside_inference_mode(pair):

@@ -106,7 +106,8 @@ def _interrupted(reply, strategy: str, shown, json_out: bool) -> Interrupted:
         partial = reply.result
         ids, text = partial.token_ids, partial.text
     if json_out:
-        print(json.dumps({"text": text, "token_ids": ids, "strategy": strategy, "interrupted": True}, ensure_ascii=False))
+        partial_json = {"text": text, "token_ids": ids, "strategy": strategy, "interrupted": True}
+        print(json.dumps(partial_json, ensure_ascii=False))
     else:
         sys.stdout.write(shown.tail(text, final=True) + "\n")
     return Interrupted(f"interrupted after {len(ids)} new tokens")

@@ -23,6 +23,7 @@ hands it the committed rows (``observe``), which an EAGLE head reads its feature
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -99,7 +100,8 @@ class Decoding:
 
     :attr:`generation` holds the :class:`Generation` once the iterator is exhausted or closed: the tokens so far,
     their metrics finished either way. ``close()`` stops after the cycle in flight (the one the last ``next`` ran)
-    and calls ``on_end`` once, as does the end of the iteration or a failure inside it.
+    and calls ``on_end`` once, as does the end of the iteration, a failure inside it, or the decoding being dropped
+    unclosed (garbage-collected).
     """
 
     def __init__(
@@ -116,7 +118,7 @@ class Decoding:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         self.generation: Generation | None = None
-        self._on_end = on_end
+        self._end = None if on_end is None else weakref.finalize(self, on_end)  # calls on_end at most once
         self._cycles = self._run(target, prompt_ids, cfg, eos_ids, draft, policy, timing)
 
     def __iter__(self) -> Decoding:
@@ -134,9 +136,8 @@ class Decoding:
         self._cycles.close()
         if self.generation is None:  # closed before its first cycle: nothing ran
             self.generation = Generation([], Metrics())
-        if self._on_end is not None:
-            on_end, self._on_end = self._on_end, None
-            on_end()
+        if self._end is not None:
+            self._end()
 
     def run(self) -> Generation:
         """Run the remaining cycles; the whole generation."""

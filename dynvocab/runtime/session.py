@@ -118,7 +118,8 @@ class Session:
         info = None if self.draft is None else self.draft.info
         return PolicyContext(
             vocab_size=self.target.vocab_size if info is None else info.vocab_size, eos_ids=self.eos_ids,
-            device=self.target.device if info is None else info.device, bundle=self.bundle, draft=info, target=self.target, tokenizer_sha256=self.tokenizer_sha256,
+            device=self.target.device if info is None else info.device, bundle=self.bundle, draft=info,
+            target=self.target, tokenizer_sha256=self.tokenizer_sha256,
         )
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, where: str = "the prompt") -> None:
