@@ -13,7 +13,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.batch_select import (
     BATCH_STRATEGIES, CentroidSelector, LowRankSelector, SelectedHead, SelectorSpec, StaticSelector, build_selector,
     refusal, scatter_logits)
-from dynvocab.runtime.policies.candidates import CentroidPolicy, LowRankPolicy
+from dynvocab.runtime.policies.centroids import CentroidPolicy
+from dynvocab.runtime.policies.lowrank import LowRankPolicy
 from dynvocab.runtime.policies.frequency import FrequencyPolicy
 
 V, D = 1000, 32

@@ -169,7 +169,8 @@ def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts:
     run), the draft head (:class:`~dynvocab.runtime.head.DraftHead` over the step's rows) multiplies the set."""
     from dynvocab.artifacts.selectors import random_selectors
     from dynvocab.runtime.head import DraftHead
-    from dynvocab.runtime.policies.candidates import CentroidPolicy, LowRankPolicy
+    from dynvocab.runtime.policies.centroids import CentroidPolicy
+    from dynvocab.runtime.policies.lowrank import LowRankPolicy
 
     dim = source.shape[1]
     gen = torch.Generator().manual_seed(seed + 7)

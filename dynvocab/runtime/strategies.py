@@ -13,11 +13,12 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy
-from dynvocab.runtime.policies.candidates import CentroidConfig, CentroidPolicy, LowRankConfig, LowRankPolicy
+from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
 from dynvocab.runtime.policies.frequency import PositionAwareConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
+from dynvocab.runtime.policies.lowrank import LowRankConfig, LowRankPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.policies.step_search import search_pays
 from dynvocab.runtime.registry import (
