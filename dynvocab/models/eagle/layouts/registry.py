@@ -11,6 +11,7 @@ from there.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,7 +25,7 @@ Names = Callable[[], set[str]]  # the checkpoint's tensor names without a ``mode
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(ABC):
     """One registry entry: a published checkpoint layout of EAGLE heads of one ``kind``.
 
     ``family``: the name ``train-draft --format`` knows it by; one family holds one layout per kind (``eagle``:
@@ -53,10 +54,10 @@ class Layout:
     scaled_embeddings: bool = True
     help: str = ""  # one line for --help listings
 
+    @abstractmethod
     def recognize(self, config: dict, names: Names) -> bool:
         """Whether a folder with this ``config.json`` and these tensor names is in this layout (refuses, in one
         line, a folder that is plainly this layout's but of a form dynvocab cannot run)."""
-        raise NotImplementedError
 
     def layer_of(self, config: dict) -> dict:
         """The part of ``config.json`` that describes the decoder layer (the whole of it unless nested)."""
@@ -66,10 +67,10 @@ class Layout:
         """The decoder layer family (:data:`~dynvocab.models.eagle.config.ARCHS`) of the layer config ``layer``."""
         return "llama"
 
+    @abstractmethod
     def config_json(self, cfg: EagleConfig, layer: dict, target_name: str | None) -> dict:
         """``config.json`` of ``cfg`` in this layout, given the decoder layer's fields ``layer``; refuses, in one line
         naming the field, what the layout's readers cannot hold. ``target_name``: the verifier, where recorded."""
-        raise NotImplementedError
 
     def read_aux(self, ids) -> tuple[int, ...] | None:
         """The layout's explicit layer ids as target hidden-state indices (None: none given)."""
