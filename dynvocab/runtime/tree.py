@@ -46,7 +46,8 @@ class DraftTree:
     def inputs(self, root: torch.Tensor) -> torch.Tensor:
         """The token ids [1 + chain + leaves] of one verification pass, concatenated on the device: ``root`` [1]
         (the last committed token), the chain, then the leaves in depth order."""
-        return torch.cat([root, *(t.to(root.device) for t in self.drafted())])
+        drafted = self.drafted()
+        return torch.cat([root, *(t.to(root.device) for t in drafted)]) if drafted else root
 
     def leaf_row(self, depth: int) -> int:
         """Index in :meth:`inputs` (and in the pass's logits) of the leaf at ``depth``."""

@@ -134,8 +134,8 @@ def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
     """Accept the longest chain prefix matching the target's argmax, then the leaf at the stopping depth if it
     matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs`. One host read
     brings back the target's argmax rows [n] and the drafted tokens (chain, leaves) together."""
-    device = target_logits.device
-    values = to_host(torch.cat([target_logits.argmax(dim=-1), *(t.to(device) for t in tree.drafted())]))
+    argmax, drafted = target_logits.argmax(dim=-1), tree.drafted()  # [n], chain + leaves × [1]
+    values = to_host(torch.cat([argmax, *(t.to(argmax.device) for t in drafted)]) if drafted else argmax)
     n, gamma = target_logits.shape[0], len(tree.chain)
     choice, chain = values[:n], values[n : n + gamma]
     leaves = dict(zip(tree.depths, values[n + gamma :]))
