@@ -27,15 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import xml.etree.ElementTree as ET
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 from dynvocab.bench.draft_step import QWEN2_0_5B
+from dynvocab.runtime.host import CONVERSIONS, HostReads
 
 SECTIONS = ("tests", "graph_step", "draft_step", "eagle_step", "kernels")
 LIMIT_S = {"tests": 200, "graph_step": 150, "draft_step": 120, "eagle_step": 200, "kernels": 150}
@@ -44,7 +43,6 @@ TINY_DRAFT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads"
               "vocab_size": 4096, "max_position_embeddings": 512}
 # What the test files use to mark a test as one that runs on CUDA (tests/triton_modes.py).
 CUDA_TEST_MARKS = ("needs_cuda", "KERNEL_DEVICE", "kernel_runs_here")
-HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu")
 CUDA_ONLY = {
     "tests": "the CUDA parametrizations of the Triton kernel tests, compiled (on CPU: interpreted, TRITON_INTERPRET=1)",
     "graph_step": "torch.cuda.CUDAGraph capture and replay of each draft step, replay vs eager ms and max |diff|",
@@ -188,29 +186,11 @@ def _junit_outcomes(path: Path) -> dict:
             "skip_reasons": skipped}
 
 
-@contextlib.contextmanager
-def host_reads() -> Iterator[list[str]]:
-    """Records every device-to-host read of a tensor (``.item()``, ``bool()``, ``.cpu()``, …) in the block, as
-    ``"name at file:line"`` of the first caller outside torch: a step with any cannot be captured as a CUDA graph."""
-    seen: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-    def spy(name: str, original: Callable) -> Callable:
-        def read(self, *args, **kwargs):
-            frames = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}torch{os.sep}" not in f.filename]
-            site = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
-            seen.append(f"{name} at {site}")
-            return original(self, *args, **kwargs)
-
-        return read
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, spy(name, original))
-    try:
-        yield seen
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+def host_reads() -> HostReads:
+    """Records every device-to-host read of a tensor (``.item()``, ``bool()``, ``.cpu()``, …) in the block by
+    ``"file:line name"`` of the first caller outside torch (``.elsewhere``): a step with any cannot be captured as
+    a CUDA graph. The loop's own spy (:class:`~dynvocab.runtime.host.HostReads`), watching every caller."""
+    return HostReads(roots=("",), conversions=CONVERSIONS + ("cpu",))
 
 
 def run_section(name: str, device: str, quick: bool) -> dict:

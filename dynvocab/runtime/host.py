@@ -28,11 +28,14 @@ HOST = str(Path(__file__))
 
 class HostReads:
     """While entered: ``helper`` counts :func:`to_host` calls by the name of the function that made them, and
-    ``elsewhere`` every other conversion of a tensor (:data:`CONVERSIONS`) made from a frame in a file under
-    ``roots`` (by ``file:line conversion``). Counting changes nothing else; leaving restores everything."""
+    ``elsewhere`` every other read of a tensor (``conversions``, by default :data:`CONVERSIONS`) made from a frame
+    in a file under ``roots`` (by ``file:line conversion``; ``roots=("",)``: from anywhere outside torch).
+    Counting changes nothing else; leaving restores everything. The loop's test (tests/test_host_reads.py) and
+    ``scripts/gpu_check.sh``'s CUDA-graph step (``conversions=CONVERSIONS + ("cpu",)``) use it."""
 
-    def __init__(self, roots: tuple[str, ...] = (PACKAGE,)):
+    def __init__(self, roots: tuple[str, ...] = (PACKAGE,), conversions: tuple[str, ...] = CONVERSIONS):
         self.roots = roots
+        self.conversions = conversions
         self.helper: collections.Counter = collections.Counter()
         self.elsewhere: collections.Counter = collections.Counter()
         self._undo: list[tuple[object, str, object]] = []
@@ -43,7 +46,7 @@ class HostReads:
         for module in list(sys.modules.values()):
             if getattr(module, "__name__", "").startswith("dynvocab") and getattr(module, "to_host", None) is original:
                 self._patch(module, "to_host", counted)
-        for name in CONVERSIONS:
+        for name in self.conversions:
             self._patch(torch.Tensor, name, self._watching(name, getattr(torch.Tensor, name)))
         return self
 
