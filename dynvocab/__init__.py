@@ -11,8 +11,8 @@ The Python API (the CLI is a thin layer over it; docs/python.md has runnable exa
         print(piece, end="")
     pair.bench(["Sort a list in Python."], strategies=["ar", "full"]).to_pandas()
 
-- :func:`load` -> :class:`Pair` (``generate`` -> :class:`GenerationResult`, ``stream``, ``bench`` ->
-  :class:`BenchResult`, ``encode``)
+- :func:`load` -> :class:`Pair` (``start`` -> :class:`Reply`, iterated one cycle at a time, ``generate`` ->
+  :class:`GenerationResult`, ``stream``, ``bench`` -> :class:`BenchResult`, ``encode``)
 - :func:`build_index`, :func:`train_router`, :func:`export`: the offline artifacts
 - :class:`DynvocabError`: every refusal, with the one-line message the CLI prints
 
@@ -24,9 +24,9 @@ from dynvocab.version import __version__
 
 TYPE_CHECKING = False  # True to type checkers (mypy, pyright read the name); spares importing typing (~3 ms)
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names come from dynvocab.api on first use
-    from dynvocab.api import BenchResult, GenerationResult, Pair, build_index, export, load, train_router
+    from dynvocab.api import BenchResult, GenerationResult, Pair, Reply, build_index, export, load, train_router
 
-_API = ("BenchResult", "GenerationResult", "Pair", "build_index", "export", "load", "train_router")
+_API = ("BenchResult", "GenerationResult", "Pair", "Reply", "build_index", "export", "load", "train_router")
 
 
 def __getattr__(name):

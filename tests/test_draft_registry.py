@@ -1,7 +1,8 @@
 """The draft registry: a toy draft kind defined here (a proposer, its recogniser, loader and stand-in, one registry
-entry) runs through ``generate``, ``bench`` and ``bench --policy-steps`` with no other edit; every draft — the
-built-in kinds, the toy, bench's stand-ins — satisfies the protocol the loop drives and policies read; kinds and
-strategies register from installed packages through entry points; the registry is left as it was found."""
+entry) runs through ``generate``, ``bench`` and ``microbench policy-steps --draft-kind`` (``policy_step_bench``)
+with no other edit; every draft — the built-in kinds, the toy, bench's stand-ins — satisfies the protocol the loop
+drives and policies read; kinds and strategies register from installed packages through entry points; the
+registry is left as it was found."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The strategy registry: a toy strategy defined here (a VocabPolicy subclass, its config and one registry entry)
-runs through make_policy, ``generate``, ``bench`` and ``bench --policy-steps`` with no other edit, its flag
-included, and the registry is left as it was found."""
+runs through make_policy, ``generate``, ``bench`` and ``microbench policy-steps`` (``policy_step_bench``) with no
+other edit, its flag included, and the registry is left as it was found."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The stage registries: a toy bundle stage defined here (its table, one ``BundleStage`` for its readers and one
 ``StageBuilder`` for build-index) is built by ``build-index --stages toy``, read back, shown by ``inspect``, kept
-and dropped like the built-in stages, resumed after a killed build, and made at random for ``bench
---policy-steps``, with no other edit; the registries are left as they were found."""
+and dropped like the built-in stages, resumed after a killed build, and made at random for ``microbench
+policy-steps``, with no other edit; the registries are left as they were found."""
 
 from __future__ import annotations
 

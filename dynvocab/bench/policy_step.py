@@ -118,7 +118,7 @@ def bench_context(bundle, vocab: int, dim: int, seed: int, kind: str = SYNTHETIC
         return
     entry = lookup_kind(kind)
     if entry.stand_in is None:
-        raise DynvocabError(f"draft kind '{kind}' offers no stand-in for bench --policy-steps")
+        raise DynvocabError(f"draft kind '{kind}' offers no stand-in for microbench policy-steps")
     with tempfile.TemporaryDirectory(prefix="dynvocab-policy-step-") as folder:
         rows = torch.randn(min(4096, vocab), dim, generator=g)  # [n, d] a small index: retrieval's cost, not its recall
         path = synthetic_bundle(Path(folder) / "synthetic.safetensors", vocab, rows, g)
@@ -164,7 +164,7 @@ def _stand_ins(bundle, vocab: int, dim: int, g: torch.Generator) -> tuple[_Targe
 
 
 def policy_rows() -> tuple[str, ...]:
-    """The rows ``bench --policy-steps`` times: every registered strategy whose active set follows the context
+    """The rows ``microbench policy-steps`` times: every registered strategy whose active set follows the context
     (:attr:`~dynvocab.runtime.registry.Strategy.dynamic`), each followed by its variants."""
     rows: list[str] = []
     for entry in strategies():

@@ -1,6 +1,6 @@
 """A scripted draft and verifier that drive :func:`~dynvocab.runtime.cycle.run_cycle` without models.
 
-``bench --policy-steps`` and the policy tests replay scripted cycles — the draft's hidden states and tokens per
+``microbench policy-steps`` and the policy tests replay scripted cycles — the draft's hidden states and tokens per
 step, the verdict, the target's logits and hidden states — through the same ``run_cycle`` the loop runs, so a
 policy sees exactly the calls, in the order and with the tokens, that ``generate`` gives it.
 """

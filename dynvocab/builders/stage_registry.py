@@ -3,7 +3,7 @@
 An entry names its :class:`~dynvocab.artifacts.stage_registry.BundleStage` (what readers know of the stage), the
 frozen config dataclass whose defaults are the stage's defaults, the function ``build-index`` runs to make it (None
 for a stage another command makes: ``train-router``'s), what that function reads (:data:`NEEDS`), and how to make a
-random stand-in of demo sizes for ``bench --policy-steps``. ``build-index`` (:mod:`dynvocab.builders.pipeline`),
+random stand-in of demo sizes for ``microbench policy-steps``. ``build-index`` (:mod:`dynvocab.builders.pipeline`),
 its ``--stages`` option and the bench's synthetic bundle read it, so adding a stage is one builder module and one
 :func:`register` call.
 

@@ -1,5 +1,5 @@
-"""One draft-verify cycle, the sequence every driver shares: the loop (a real draft and target), ``bench
---policy-steps`` and the policy tests (a scripted draft and verdicts, no models).
+"""One draft-verify cycle, the sequence every driver shares: the loop (a real draft and target), ``dynvocab
+microbench policy-steps`` and the policy tests (a scripted draft and verdicts, no models).
 
 :func:`run_cycle`: for each draft step the proposer runs over the new token, the policy names the active ids, the
 proposer's head scores them and :func:`choose` picks a token on the device. The drafted tokens stay there: each

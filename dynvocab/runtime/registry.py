@@ -3,7 +3,7 @@
 A :class:`Strategy` entry holds the strategy's config dataclass (its defaults are the command-line defaults), the
 factory that builds its policy from the user's :class:`StrategyOptions` and the session's :class:`PolicyContext`,
 the bundle stages it cannot run without, and the command-line flags it contributes. :func:`make_policy`, the stage
-check, the strategy-name checks, the ``generate`` / ``bench`` flags and ``bench --policy-steps`` all read it, so
+check, the strategy-name checks, the ``generate`` / ``bench`` flags and ``microbench policy-steps`` all read it, so
 adding a policy is one module (the policy and its config) and one :func:`register` call.
 
 The built-in strategies are registered by :mod:`dynvocab.runtime.strategies`; import the API from there, so that
@@ -101,7 +101,7 @@ class Strategy:
     factory: Callable[[StrategyOptions, PolicyContext], VocabPolicy | None]  # None: no draft runs (``ar``)
     stages: tuple[str, ...] = ()  # bundle stages it cannot run without (checked before any model loads)
     flags: tuple[Flag, ...] = ()  # options that set fields of ``config``
-    dynamic: bool = True  # its active set follows the context: ``bench --policy-steps`` times its work per step
+    dynamic: bool = True  # its active set follows the context: ``microbench policy-steps`` times its work per step
     drafts: bool = True  # it runs a draft (False: the target decodes alone, and the factory returns None)
 
     def __post_init__(self):
