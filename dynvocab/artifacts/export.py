@@ -22,6 +22,7 @@ import torch
 from dynvocab.artifacts.tables import FreqTable
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
+from dynvocab.registry import Registry
 
 DEFAULT_EXPORT_SIZE = 32768  # FR-Spec's K
 
@@ -90,22 +91,9 @@ class ExportFormat:
     folder: bool = False
 
 
-FORMATS: dict[str, ExportFormat] = {}
-
-
-def register(fmt: ExportFormat) -> ExportFormat:
-    """Add an export format (refuses a name already registered); returns it."""
-    if fmt.name in FORMATS:
-        raise ValueError(f"export format '{fmt.name}' is already registered")
-    FORMATS[fmt.name] = fmt
-    return fmt
-
-
-def lookup_format(name: str) -> ExportFormat:
-    """The format ``name``; a one-line error naming the formats otherwise."""
-    if name not in FORMATS:
-        raise DynvocabError(f"unknown export format '{name}'; use one of {', '.join(FORMATS)}")
-    return FORMATS[name]
+FORMATS: Registry[ExportFormat] = Registry("export format")  # a read-only mapping name -> format
+register = FORMATS.register  # add an export format (refuses a name already registered); returns it
+lookup_format = FORMATS.lookup  # the format of a name; a one-line error naming the formats otherwise
 
 
 def check_request(fmt: ExportFormat, request: ExportRequest) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from dynvocab.errors import DynvocabError
+from dynvocab.registry import Registry
 
 if TYPE_CHECKING:
     from dynvocab.artifacts.bundle import Bundle
@@ -51,22 +52,15 @@ class BundleStage:
     headline: Callable[[dict], str] | None = None  # ``inspect``'s closing line about it, from its described entry
 
 
-_REGISTRY: dict[str, BundleStage] = {}
+_REGISTRY: Registry[BundleStage] = Registry("bundle stage")
+unregister = _REGISTRY.unregister  # remove a stage kind (tests, plugins); unknown names are ignored
 
 
 def register(kind: BundleStage) -> BundleStage:
     """Add a stage kind (refuses a name already registered or one a tensor name cannot start with); returns it."""
-    if kind.name in _REGISTRY:
-        raise ValueError(f"bundle stage '{kind.name}' is already registered")
     if not kind.name or "." in kind.name:
         raise ValueError(f"bad stage name {kind.name!r}")
-    _REGISTRY[kind.name] = kind
-    return kind
-
-
-def unregister(name: str) -> None:
-    """Remove a stage kind (tests, plugins); unknown names are ignored."""
-    _REGISTRY.pop(name, None)
+    return _REGISTRY.register(kind)
 
 
 def stage_kinds() -> tuple[BundleStage, ...]:
@@ -76,7 +70,7 @@ def stage_kinds() -> tuple[BundleStage, ...]:
 
 def stage_names() -> tuple[str, ...]:
     """Every registered stage name, in bundle order."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def find_stage(name: str) -> BundleStage | None:

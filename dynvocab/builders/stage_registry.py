@@ -25,6 +25,7 @@ from dynvocab.builders.counting import CorpusCounts
 from dynvocab.errors import DynvocabError
 from dynvocab.models import ModelSpec
 from dynvocab.progress import Reporter
+from dynvocab.registry import Registry
 
 COUNTS = "counts"  # token counts of the corpus, from the one tokenization pass (BuildInputs.counts.unigrams)
 BIGRAMS = "bigrams"  # bigram counts, counted in the same pass (BuildInputs.counts.bigram_keys / bigram_counts)
@@ -100,7 +101,7 @@ def config_dict(config) -> dict:
     return config.as_dict() if hasattr(config, "as_dict") else asdict(config)
 
 
-_REGISTRY: dict[str, StageBuilder] = {}
+_REGISTRY: Registry[StageBuilder] = Registry("stage builder")
 _ADDED_KINDS: set[str] = set()  # kinds registered through a builder (removed with it)
 
 
@@ -111,18 +112,16 @@ def register(entry: StageBuilder) -> StageBuilder:
         raise ValueError(f"stage '{entry.name}' needs {', '.join(unknown)}; a builder may need {', '.join(NEEDS)}")
     if entry.build is not None and entry.config is None:
         raise ValueError(f"stage '{entry.name}' is built by build-index and so needs a config dataclass")
-    if entry.name in _REGISTRY:
-        raise ValueError(f"stage builder '{entry.name}' is already registered")
+    _REGISTRY.check_new(entry)
     if kinds.find_stage(entry.name) is None:
         kinds.register(entry.kind)
         _ADDED_KINDS.add(entry.name)
-    _REGISTRY[entry.name] = entry
-    return entry
+    return _REGISTRY.register(entry)
 
 
 def unregister(name: str) -> None:
     """Remove a stage builder (and its kind, when registering the builder added it); unknown names are ignored."""
-    _REGISTRY.pop(name, None)
+    _REGISTRY.unregister(name)
     if name in _ADDED_KINDS:
         _ADDED_KINDS.discard(name)
         kinds.unregister(name)

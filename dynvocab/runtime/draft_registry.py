@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from dynvocab.errors import DynvocabError
+from dynvocab.registry import Registry
 from dynvocab.runtime.draft import DraftInfo, Proposer
 
 
@@ -73,20 +74,9 @@ class DraftKind:
     help: str = field(default="", compare=False)  # one line for --help listings
 
 
-_REGISTRY: dict[str, DraftKind] = {}
-
-
-def register(kind: DraftKind) -> DraftKind:
-    """Add a draft kind (refuses a name already registered); returns it."""
-    if kind.name in _REGISTRY:
-        raise ValueError(f"draft kind '{kind.name}' is already registered")
-    _REGISTRY[kind.name] = kind
-    return kind
-
-
-def unregister(name: str) -> None:
-    """Remove the draft kind ``name`` (tests, plugins replacing a kind)."""
-    _REGISTRY.pop(name, None)
+_REGISTRY: Registry[DraftKind] = Registry("draft kind")
+register = _REGISTRY.register  # add a draft kind (refuses a name already registered); returns it
+unregister = _REGISTRY.unregister  # remove a draft kind (tests, plugins replacing a kind)
 
 
 def draft_kinds() -> list[DraftKind]:
@@ -96,9 +86,10 @@ def draft_kinds() -> list[DraftKind]:
 
 def lookup_kind(name: str) -> DraftKind:
     """The kind registered as ``name``; a one-line error naming the registered kinds otherwise."""
-    if name not in _REGISTRY:
-        raise DynvocabError(f"unknown draft kind '{name}'; registered: {', '.join(k.name for k in draft_kinds())}")
-    return _REGISTRY[name]
+    kind = _REGISTRY.get(name)
+    if kind is None:
+        raise DynvocabError(f"unknown draft kind '{name}'; registered: {kind_names()}")
+    return kind
 
 
 def find_kind(spec) -> tuple[DraftKind, object]:

@@ -21,6 +21,7 @@ import torch
 
 from dynvocab.artifacts.stages import adding_commands
 from dynvocab.errors import DynvocabError
+from dynvocab.registry import Registry
 from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.policies.base import VocabPolicy
 
@@ -113,24 +114,19 @@ class Strategy:
                 raise ValueError(f"strategy '{self.name}': bool flag '{flag.name}' switches on; default it to False")
 
 
-_REGISTRY: dict[str, Strategy] = {}
+_REGISTRY: Registry[Strategy] = Registry("strategy", duplicate="{noun} '{name}' is registered already")
+unregister = _REGISTRY.pop  # remove strategy ``name`` from the registry; returns its entry
+lookup = _REGISTRY.lookup  # the entry of strategy ``name``; an unknown name is refused in one line
 
 
 def register(entry: Strategy) -> Strategy:
     """Add ``entry`` to the registry (a flag it shares with another strategy must be declared alike)."""
-    if entry.name in _REGISTRY:
-        raise ValueError(f"strategy '{entry.name}' is registered already")
+    _REGISTRY.check_new(entry)
     for flag in entry.flags:
         for other, users in strategy_flags():
             if other.name == flag.name and _spec(other, users[0].config) != _spec(flag, entry.config):
                 raise ValueError(f"flag '{flag.name}' of '{entry.name}' differs from the one of '{users[0].name}'")
-    _REGISTRY[entry.name] = entry
-    return entry
-
-
-def unregister(name: str) -> Strategy:
-    """Remove strategy ``name`` from the registry; returns its entry."""
-    return _REGISTRY.pop(name)
+    return _REGISTRY.register(entry)
 
 
 def _spec(flag: Flag, config: type) -> tuple:
@@ -144,14 +140,7 @@ def strategies() -> tuple[Strategy, ...]:
 
 def strategy_names() -> tuple[str, ...]:
     """Names of every registered strategy, in registration order."""
-    return tuple(_REGISTRY)
-
-
-def lookup(name: str) -> Strategy:
-    """The entry of strategy ``name``; an unknown name is refused in one line."""
-    if name not in _REGISTRY:
-        raise DynvocabError(f"unknown strategy '{name}'; use one of {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    return _REGISTRY.names()
 
 
 def check_strategy(name: str) -> None:

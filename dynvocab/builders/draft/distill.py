@@ -20,7 +20,6 @@ and the shard index, so a resumed run writes the same documents as one that neve
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,11 +28,12 @@ from typing import Iterator
 import torch
 
 from dynvocab.artifacts import ModelFingerprint
+from dynvocab.builders.draft import manifest as manifests
+from dynvocab.builders.draft.manifest import MANIFEST  # noqa: F401 (the file name, for callers)
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 from dynvocab.progress import Reporter
 
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
@@ -65,26 +65,16 @@ def shard_path(folder: Path, index: int) -> Path:
 
 def open_manifest(folder: Path, fingerprint: ModelFingerprint, settings: dict) -> dict:
     """The manifest of ``folder`` (created when absent); another target or other settings are refused."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / MANIFEST
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if old.get("format_version") != FORMAT_VERSION:
-            raise DynvocabError(f"{folder} holds self-distilled documents in another format; delete that folder")
-        diffs = ModelFingerprint.from_dict(old["target"]).differences(fingerprint)
-        if diffs:
-            raise DynvocabError(f"{folder} holds another target's documents ({diffs[0]}); use another --out or delete it")
-        if old["settings"] != settings:
-            changed = sorted(k for k in settings if old["settings"].get(k) != settings[k])
-            raise DynvocabError(
-                f"{folder} holds documents made with other settings ({', '.join(changed)}); "
-                "rerun with the same options, use another --out, or delete that folder"
-            )
-        return old
-    manifest = {"format_version": FORMAT_VERSION, "target": fingerprint.as_dict(), "settings": settings, "docs": 0,
-                "exhausted": False}
-    _write_manifest(folder, manifest)
-    return manifest
+    return manifests.open_manifest(
+        folder, FORMAT_VERSION, fingerprint, settings, changed=_changed, cached="documents", outs="--out",
+        old_format="{folder} holds self-distilled documents in another format; delete that folder",
+        other_target="{folder} holds another target's documents ({diff}); use another --out or delete it",
+    )
+
+
+def _changed(have: dict, want: dict) -> list[str] | None:
+    """The settings in which recorded documents differ from a run's (None: they serve it)."""
+    return None if have == want else sorted(k for k in want if have.get(k) != want[k])
 
 
 def with_bos(prompt: list[int], tokenizer) -> list[int]:
@@ -147,7 +137,7 @@ def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manif
     if made:
         seconds = time.perf_counter() - started
         manifest["generate"] = {"new_tokens": made, "seconds": round(seconds, 2), "tokens_per_s": round(made / seconds, 1)}
-    _write_manifest(folder, manifest)
+    manifests.write_manifest(folder, manifest)
     return manifest
 
 
@@ -209,10 +199,6 @@ def _write_shard(path: Path, docs: list[list[int]], prompt_lengths: list[int]) -
     }
     write_atomic(path, lambda p: save_file(tensors, str(p)))
     return sum(lengths) - sum(prompt_lengths)
-
-
-def _write_manifest(folder: Path, manifest: dict) -> None:
-    write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
 
 
 def settings_of(cfg: DistillConfig, corpus: dict) -> dict:

@@ -34,12 +34,13 @@ from typing import Iterator
 import torch
 
 from dynvocab.artifacts import ModelFingerprint
+from dynvocab.builders.draft import manifest as manifests
+from dynvocab.builders.draft.manifest import MANIFEST
 from dynvocab.builders.draft.ranks import Ranks
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 from dynvocab.progress import Reporter
 
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 3
 
 
@@ -93,31 +94,20 @@ def open_manifest(folder: Path, fingerprint: ModelFingerprint, settings: dict) -
     """The manifest of ``folder`` (created when absent). A cache serves a run when the target, the feature settings
     and the corpus match and, for EAGLE-3, it holds the same layer taps (an EAGLE-3 cache also serves EAGLE-1, whose
     feature is the final hidden state every cache keeps); anything else is refused rather than mixed."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / MANIFEST
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if old.get("format_version") != FORMAT_VERSION:
-            raise DynvocabError(f"{folder} holds features in an older format; delete that folder to rebuild them")
-        diffs = ModelFingerprint.from_dict(old["target"]).differences(fingerprint)
-        if diffs:
-            raise DynvocabError(
-                f"{folder} holds features of another target ({diffs[0]}); use another --out/--features or delete it"
-            )
-        have, want = old["settings"], settings
-        changed = sorted(k for k in ("features", "corpus") if have[k] != want[k])
-        if want["entering_layers"] and have["entering_layers"] != want["entering_layers"]:
-            changed.append("entering_layers (EAGLE-3 layer taps)")
-        if changed:
-            raise DynvocabError(
-                f"{folder} holds features made with other settings ({', '.join(changed)}); "
-                "rerun with the same options, use another --out/--features, or delete that folder"
-            )
-        return old
-    manifest = {"format_version": FORMAT_VERSION, "target": fingerprint.as_dict(), "settings": settings,
-                "docs": 0, "exhausted": False}
-    write_atomic(path, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
-    return manifest
+    return manifests.open_manifest(
+        folder, FORMAT_VERSION, fingerprint, settings, changed=_changed, cached="features", outs="--out/--features",
+        old_format="{folder} holds features in an older format; delete that folder to rebuild them",
+        other_target="{folder} holds features of another target ({diff}); use another --out/--features or delete it",
+    )
+
+
+def _changed(have: dict, want: dict) -> list[str] | None:
+    """The settings in which a cache differs from a run (None: it serves the run; its EAGLE-3 layer taps count only
+    when the run taps layers)."""
+    changed = sorted(k for k in ("features", "corpus") if have[k] != want[k])
+    if want["entering_layers"] and have["entering_layers"] != want["entering_layers"]:
+        changed.append("entering_layers (EAGLE-3 layer taps)")
+    return changed or None
 
 
 def needs_extraction(manifest: dict, max_docs: int) -> bool:
@@ -201,7 +191,7 @@ def extract(
                                "ranks": ranks.world}
 
     def write() -> dict:
-        write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+        manifests.write_manifest(folder, manifest)
         return manifest
 
     return ranks.on_main(write)

@@ -17,6 +17,7 @@ from typing import Callable
 
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import EAGLE1, EAGLE3, EagleConfig
+from dynvocab.registry import Registry
 
 KIND_LABELS = {EAGLE1: "EAGLE-1/2", EAGLE3: "EAGLE-3"}
 DEFAULT_FAMILY = "eagle"  # what save_eagle writes when no layout is named: the EAGLE repo's form of the head's kind
@@ -122,20 +123,9 @@ def eagle3_fields(cfg: EagleConfig, layout: Layout) -> dict:
     return fields
 
 
-_REGISTRY: dict[str, Layout] = {}
-
-
-def register(layout: Layout) -> Layout:
-    """Add a layout (refuses a name already registered); returns it."""
-    if layout.name in _REGISTRY:
-        raise ValueError(f"EAGLE layout '{layout.name}' is already registered")
-    _REGISTRY[layout.name] = layout
-    return layout
-
-
-def unregister(name: str) -> None:
-    """Remove the layout ``name`` (tests, plugins replacing a layout)."""
-    _REGISTRY.pop(name, None)
+_REGISTRY: Registry[Layout] = Registry("EAGLE layout")
+register = _REGISTRY.register  # add a layout (refuses a name already registered); returns it
+unregister = _REGISTRY.unregister  # remove a layout (tests, plugins replacing a layout)
 
 
 def layouts() -> list[Layout]:
@@ -145,7 +135,7 @@ def layouts() -> list[Layout]:
 
 def layout_names() -> tuple[str, ...]:
     """The registered layouts' names: what :func:`~dynvocab.models.eagle.save_eagle` writes."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def families() -> tuple[str, ...]:
@@ -166,9 +156,7 @@ def lookup_layout(layout: str | Layout) -> Layout:
     registered layouts otherwise."""
     if isinstance(layout, Layout):
         return layout
-    if layout not in _REGISTRY:
-        raise DynvocabError(f"unknown EAGLE layout '{layout}'; use one of {', '.join(_REGISTRY)}")
-    return _REGISTRY[layout]
+    return _REGISTRY.lookup(layout)
 
 
 def layout_for(family: str, kind: str) -> Layout | None:
