@@ -148,3 +148,33 @@ def tiny_dirs(tmp_path_factory):
         tiny_tokenizer(shift=shift).save_pretrained(path)
         dirs[name] = path
     return dirs
+
+
+def random_eagle3(cfg, seed: int = 0):
+    """A random EAGLE-3 head for ``cfg`` (weights N(0, 0.2) but the norms) drafting every other target id."""
+    from dynvocab.models.eagle import EagleModel
+
+    torch.manual_seed(seed)
+    model = EagleModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+        model.set_draft_vocab(torch.arange(0, cfg.vocab_size, 2))
+    return model
+
+
+@pytest.fixture
+def cycles_run(monkeypatch):
+    """A counter of the cycles the loop runs (``loop.run_cycle`` wrapped for the test)."""
+    from dynvocab.runtime import loop
+
+    count = [0]
+    real = loop.run_cycle
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "run_cycle", counted)
+    return count

@@ -51,6 +51,29 @@ def test_rows_sorted_by_probability_and_capped():
     assert stats["edges"] == table.num_edges and stats["sources"] == int((degree > 0).sum())
 
 
+def test_top_successors_is_successors_padded_on_the_device_form():
+    """The draft step's fixed-width lookup (no host read) agrees with the host one: the first k successors, then
+    the fill; every slot the fill for a token outside the graph or at or past ``below``."""
+    import torch
+
+    rng = np.random.default_rng(2)
+    vocab = 40
+    counter = BigramCounter(vocab, flush_at=1000)
+    for _ in range(100):
+        counter.add(rng.zipf(1.4, size=100).clip(max=vocab) - 1)
+    keys, counts = counter.result()
+    table = graph.build(graph.GraphConfig(max_out_degree=5), keys, counts, vocab).to("cpu")
+    fill = vocab
+    for k in (1, 3, 8):
+        for u in range(vocab):
+            want = table.successors(u, k)[0].tolist()
+            got = table.top_successors(torch.tensor([u]), k, fill).tolist()
+            assert got == want + [fill] * (k - len(want))
+        for u in (-1, vocab, vocab + 7):
+            assert table.top_successors(torch.tensor([u]), k, fill).tolist() == [fill] * k
+        assert table.top_successors(torch.tensor([vocab - 1]), k, fill, below=vocab - 1).tolist() == [fill] * k
+
+
 def test_defaults_are_the_papers():
     cfg = graph.GraphConfig()
     assert (cfg.min_count, cfg.tau, cfg.max_out_degree) == (5, 1e-4, 64)

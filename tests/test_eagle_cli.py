@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, run
+from conftest import random_eagle3
 
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
@@ -16,17 +17,6 @@ from dynvocab.models.int8 import int8_supported
 
 PROMPT = "w1 w2 w3 w4 w5 w1 w2"
 STRATEGIES = ("full", "fr", "fr-pa", "microspec", "hybrid")
-
-
-def random_eagle3(target, cfg, seed=0) -> EagleModel:
-    torch.manual_seed(seed)
-    model = EagleModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.2)
-        model.set_draft_vocab(torch.arange(0, 96, 2))  # every other target id: EOS (95) is outside
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +29,7 @@ def heads(tiny_dirs, tmp_path_factory):
     with torch.no_grad():
         eagle1.fc.weight.add_(0.05 * torch.randn_like(eagle1.fc.weight))
     cfg3 = config_like(target.config, EAGLE3, draft_vocab_size=48, aux_hidden_states=(1, 1, 2))
-    eagle3 = random_eagle3(target, cfg3)
+    eagle3 = random_eagle3(cfg3)  # every other target id: EOS (95) is outside
     dirs = {
         "eagle": save_eagle(eagle1, root / "eagle"),
         "eagle3": save_eagle(eagle3, root / "eagle3", embeddings=True),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from cli_helpers import run
+from conftest import random_eagle3
 from safetensors.torch import load_file
 
 from dynvocab.builders.draft.config import TrainDraftConfig, check_config
@@ -74,17 +75,6 @@ def toy():
     """The toy layout, registered for one test."""
     with registered(TOY):
         yield TOY
-
-
-def random_eagle3(cfg: EagleConfig, seed: int = 0) -> EagleModel:
-    torch.manual_seed(seed)
-    model = EagleModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.2)
-        model.set_draft_vocab(torch.arange(0, cfg.vocab_size, 2))
-    return model
 
 
 def tiny_eagle3(**kw) -> EagleModel:

@@ -28,20 +28,6 @@ def pair(tiny_pair):
     return CausalLM(target), DraftModel(draft)
 
 
-@pytest.fixture
-def cycles_run(monkeypatch):
-    """A counter of the cycles the loop runs."""
-    count = [0]
-    real = loop.run_cycle
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "run_cycle", counted)
-    return count
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_iterating_yields_each_cycle_and_ends_with_the_whole_generation(pair, temperature):
     target, draft = pair

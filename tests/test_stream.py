@@ -11,7 +11,6 @@ import pytest
 import dynvocab
 from dynvocab.api import TextStream
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime import loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,20 +21,6 @@ ARGS = {"chat_template": False, "max_new_tokens": 24}
 @pytest.fixture(scope="module")
 def pair(tiny_dirs):
     return dynvocab.load(target=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"]), dtype="float32")
-
-
-@pytest.fixture
-def cycles_run(monkeypatch):
-    """A counter of the cycles the loop runs."""
-    count = [0]
-    real = loop.run_cycle
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "run_cycle", counted)
-    return count
 
 
 @pytest.mark.parametrize("strategy", ["ar", "full", "microspec"])

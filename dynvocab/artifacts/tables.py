@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -95,6 +95,25 @@ class GraphTable:
         if k is not None:
             end = min(end, begin + k)
         return self.indices[begin:end].long(), self.probs[begin:end]
+
+    def to(self, device: torch.device | str) -> "GraphTable":
+        """The same graph with its tensors on ``device`` (``indptr`` as int64)."""
+        return replace(self, indptr=self.indptr.long().to(device), indices=self.indices.to(device),
+                       probs=self.probs.to(device))
+
+    def top_successors(self, token: torch.Tensor, k: int, fill: int, below: int | None = None) -> torch.Tensor:
+        """The first ``k`` successors of ``token`` [1] (on this table's device), looked up there with no host read:
+        LongTensor [k], ``fill`` past its successor list and in every slot for a token outside the graph (or at or
+        past ``below``). The fixed-width, on-device form of :meth:`successors`, for a draft step."""
+        last = min(self.indptr.numel() - 1, self.indptr.numel() - 1 if below is None else below) - 1
+        if self.indices.numel() == 0 or last < 0:
+            return torch.full((k,), fill, dtype=torch.long, device=self.indices.device)
+        token = token.to(self.indptr.device)
+        t = token.clamp(0, last)  # [1]
+        slots = self.indptr[t] + torch.arange(k, device=self.indptr.device)  # [k]
+        ids = self.indices[slots.clamp(max=self.indices.numel() - 1)].long()  # [k]
+        valid = (slots < self.indptr[t + 1]) & (token >= 0) & (token <= last)
+        return torch.where(valid, ids, fill)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors for the bundle, keyed without the stage prefix."""

@@ -103,7 +103,7 @@ class HybridPolicy(MicroSpecPolicy):
         self.graph = graph  # dynvocab.artifacts.GraphTable or None
         empty = np.zeros(1, dtype=np.int64)
         self._csr = (graph.indptr.numpy(), graph.indices.numpy()) if graph is not None else (empty, empty[:0])
-        self._device_csr = None if graph is None else (graph.indptr.long().to(device), graph.indices.to(device))
+        self._device_graph = None if graph is None else graph.to(device)  # per-step successors, no host read
         self._in_core = (self.core_rank < core.numel()).cpu().numpy()  # [V] bool
         self.hnsw = hnsw  # a MipsIndex over the target head (dynvocab.artifacts.load_hnsw) or None
         self.draft_hnsw = draft_hnsw  # a MipsIndex over the draft head (load_hnsw(bundle, "draft_hnsw")) or None
@@ -135,27 +135,13 @@ class HybridPolicy(MicroSpecPolicy):
         if self.draft_hnsw is not None and hidden is not None and cfg.step_neighbours:
             parts.append(mips_search(self.draft_hnsw, hidden[-1:], cfg.step_neighbours).flatten())
         if self.graph is not None and token is not None and cfg.step_successors:
-            parts.append(self._successors(token, cfg.step_successors))
+            parts.append(self._device_graph.top_successors(token, cfg.step_successors, self.vocab_size,
+                                                           below=self.vocab_size))
         if not parts:
             return self._none
         ids = torch.unique(torch.cat(parts).to(self.core.device))
         ids = ids[ids < self.vocab_size]
         return ids[~self.member[ids] & (self.core_rank[ids] >= core_size)]
-
-    def _successors(self, token: torch.Tensor, k: int) -> torch.Tensor:
-        """The first ``k`` graph successors of ``token`` [1], looked up on the device (no host read), LongTensor
-        [k]: slots past its successor list, and all of them for a token outside the graph or the vocabulary, hold
-        ``vocab_size``, which :meth:`step_candidates` drops."""
-        indptr, indices = self._device_csr  # [V_graph + 1], [E]
-        last = min(self.vocab_size, indptr.numel() - 1) - 1
-        if indices.numel() == 0 or last < 0:
-            return self._none
-        token = token.to(indptr.device)
-        t = token.clamp(0, last)  # [1]
-        slots = indptr[t] + torch.arange(k, device=indptr.device)  # [k]
-        ids = indices[slots.clamp(max=indices.numel() - 1)].long()  # [k]
-        valid = (slots < indptr[t + 1]) & (token >= 0) & (token <= last)
-        return torch.where(valid, ids, self.vocab_size)
 
     def observe(self, cycle: CycleReport) -> None:
         """Handle a miss (the target's token at the first rejected position was outside that step's active set),
