@@ -364,6 +364,30 @@ def test_trained_head_drafts_losslessly(target_dir, trained, tmp_path, name):
         assert out["metrics"]["cycles"] > 0
 
 
+@pytest.mark.parametrize("name", ["eagle3", "eagle1"])
+def test_init_from_continues_the_trained_head(target_dir, corpus_txt, trained, tmp_path, name):
+    """--init-from starts from the trained head's own weights: the new run's step-0 held-out score is the trained
+    run's last one (same documents), not a fresh start's, and training goes on from there."""
+    before = json.loads((trained[name] / "training.json").read_text())["heldout"][-1]
+    cfg = TrainDraftConfig(**{**small_config(corpus_txt, name, epochs=1).__dict__, "init_from": str(trained[name])})
+    report = trainer.train_draft(str(target_dir), tmp_path / "more", cfg)
+    start = report.info["heldout"][0]
+    assert start["step"] == 0 and (start["loss"], start["top1"]) == (before["loss"], before["top1"])
+    fresh = trainer.train_draft(str(target_dir), tmp_path / "fresh", small_config(corpus_txt, name, epochs=1))
+    assert fresh.info["heldout"][0]["loss"] > start["loss"]
+    assert report.info["config"]["init_from"] == str(trained[name]) and report.info["steps"] > 0
+
+
+def test_init_from_refuses_another_kind_or_no_head(target_dir, corpus_txt, trained, tmp_path):
+    common = ("--target", target_dir, "--corpus", corpus_txt, "--max-docs", 12, "--max-tokens", 16, "--device", "cpu",
+              "--threads", 1, "--draft-vocab", 96)
+    result = run("train-draft", *common, "--out", tmp_path / "a", "--arch", "eagle1", "--init-from", trained["eagle3"])
+    assert_one_line_error(result, "is an eagle3 head; pass --arch eagle3")
+    result = run("train-draft", *common, "--out", tmp_path / "b", "--arch", "eagle1", "--init-from", target_dir)
+    assert_one_line_error(result, "is not an EAGLE head")
+    assert not (tmp_path / "a" / "model.safetensors").exists() and not (tmp_path / "b" / "model.safetensors").exists()
+
+
 # ---- batches and ranks -------------------------------------------------------------------------------------
 
 

@@ -55,6 +55,7 @@ def train_draft(
     distill_new_tokens: Annotated[int, typer.Option(help="--self-distill: tokens the target writes per prompt.")] = _DISTILL.new_tokens,
     distill_temperature: Annotated[float, typer.Option(help="--self-distill: 0 greedy, else sampled from the target's full distribution.")] = _DISTILL.temperature,
     distill_batch: Annotated[int, typer.Option(help="--self-distill: prompts per generation call (and per cache shard).")] = _DISTILL.batch,
+    init_from: Annotated[Optional[str], typer.Option("--init-from", help="Continue training this EAGLE head (a folder, a hub id or demo:gemma-eagle1) instead of starting from the target's last layer; same --arch and target.")] = None,
     save_dtype: Annotated[Optional[str], typer.Option(help="The head's weights on disk: float32 (default, as trained), bfloat16 or float16 (half the bytes; loading casts).")] = None,
     fmt: Annotated[str, typer.Option("--format", help=f"The head's layout family. {describe_families()}.")] = _DEFAULTS.layout,
     device: Device = None,
@@ -80,6 +81,7 @@ def train_draft(
         device=device,
         features_dir=str(features) if features else None,
         save_dtype=save_dtype,
+        init_from=init_from,
         distill=DistillConfig(prompt_tokens=distill_prompt_tokens, new_tokens=distill_new_tokens,
                               temperature=distill_temperature, batch=distill_batch) if self_distill else None,
     )

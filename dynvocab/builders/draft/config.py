@@ -66,6 +66,7 @@ class TrainDraftConfig:
     features_dir: str | None = None  # the feature cache (default OUT/work/features); heads may share one
     distill: distill.DistillConfig | None = None  # train on the target's own continuations of the corpus's prompts
     save_dtype: str | None = None  # the head's weights on disk (None: float32, as trained; bfloat16 halves them)
+    init_from: str | None = None  # continue training this head (a folder or a demo name) instead of starting from the target
 
     @property
     def kind(self) -> str:
@@ -82,7 +83,8 @@ class TrainDraftReport:
 
 
 def check_config(cfg: TrainDraftConfig) -> None:
-    """One-line refusals before any model is loaded: unknown arch/format, the evaluation split, empty corpus."""
+    """One-line refusals before any model is loaded: unknown arch/format, the evaluation split, empty corpus, an
+    ``--init-from`` that is no EAGLE head of the arch's kind."""
     if cfg.arch not in ARCHS:
         raise DynvocabError(f"unknown --arch '{cfg.arch}'; use eagle3 or eagle1")
     _check_layout(cfg)
@@ -106,6 +108,10 @@ def check_config(cfg: TrainDraftConfig) -> None:
         raise DynvocabError(f"--negatives must be 0 (the whole head) or positive, got {o.negatives}")
     if cfg.distill is not None:
         cfg.distill.check()
+    if cfg.init_from is not None:
+        from dynvocab.builders.draft.init import check_init_head
+
+        check_init_head(cfg.init_from, cfg.kind)
 
 
 def _check_layout(cfg: TrainDraftConfig) -> None:

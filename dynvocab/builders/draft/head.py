@@ -7,7 +7,7 @@ import torch
 
 from dynvocab.builders.draft import vocab
 from dynvocab.builders.draft.config import TrainDraftConfig
-from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
+from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target, init_from_head
 from dynvocab.builders.models import end_token_ids
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleConfig, EagleModel, config_like
 
@@ -36,8 +36,9 @@ def draft_vocab(cfg: TrainDraftConfig, reader, spec, tokenizer, target_fp) -> tu
     return vocab.from_counts(counts, end_token_ids(spec, tokenizer), cfg.draft_vocab)
 
 
-def build_head(model, head_cfg: EagleConfig, draft_ids: torch.Tensor | None) -> EagleModel:
-    """A head initialised from the target where the shapes allow (its last layer, embeddings, norm, head rows)."""
+def build_head(model, head_cfg: EagleConfig, draft_ids: torch.Tensor | None, init_from: str | None = None) -> EagleModel:
+    """A head initialised from the target where the shapes allow (its last layer, embeddings, norm, head rows), or
+    from the trained head ``init_from`` (its weights, the target's embeddings)."""
     torch.manual_seed(0)
     head = EagleModel(head_cfg).float()
     if head_cfg.kind == EAGLE1:
@@ -45,5 +46,7 @@ def build_head(model, head_cfg: EagleConfig, draft_ids: torch.Tensor | None) -> 
     else:
         head.set_draft_vocab(draft_ids)
         init_eagle3_from_target(head, model, draft_ids)
+    if init_from is not None:
+        init_from_head(head, init_from, model)
     head.embed_tokens.weight.requires_grad_(False)  # the target's embeddings, frozen (EAGLE: requires_grad False)
     return head.to(next(model.parameters()).device)

@@ -8,14 +8,21 @@
   o_proj, the MLP and the norms are copied as they are; ``norm`` is the target's final norm; ``lm_head`` is the
   target's head rows of the draft vocabulary; ``fc`` passes the highest tapped layer through ([0 | 0 | I]). Only
   tensors whose shapes match are copied, so a target of another family still gets a runnable head.
+- Either kind, ``--init-from HEAD``: a trained head's own weights replace that start (continued training, e.g. on
+  more self-distilled documents or with more training-time-test steps), refused where its kind, shapes or draft
+  vocabulary differ from the head the run builds.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel
+from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, load_eagle
+from dynvocab.models.eagle.checkpoint import detect_kind, eagle_checkpoint
+from dynvocab.models.loading import resolve_model
 
 
 def init_eagle1_from_target(model: EagleModel, target_model) -> EagleModel:
@@ -83,3 +90,40 @@ def init_eagle3_from_target(head: EagleModel, target_model, draft_ids: torch.Ten
         head.fc.weight[:, 2 * d :].copy_(torch.eye(d))
         copied.append("fc.weight (identity on the highest layer)")
     return copied
+
+
+def check_init_head(source: str, kind: str) -> Path:
+    """The folder of the trained EAGLE head ``source`` names (a folder, a hub id or a ``demo:`` head), refused in one
+    line where it is none or of another kind than ``kind``."""
+    folder = eagle_checkpoint(resolve_model(source))
+    if folder is None:
+        raise DynvocabError(f"--init-from {source} is not an EAGLE head (no EAGLE config.json and weights there)")
+    found = detect_kind(folder)
+    if found != kind:
+        names = {EAGLE1: "eagle1", EAGLE3: "eagle3"}
+        raise DynvocabError(f"--init-from {source} is an {names[found]} head; pass --arch {names[found]}")
+    return folder
+
+
+@torch.no_grad()
+def init_from_head(head: EagleModel, source: str, target_model) -> EagleModel:
+    """Load the weights of the trained EAGLE head ``source`` (see :func:`check_init_head`) into ``head``, which keeps
+    its target's embeddings; returns it. Refuses a head of another kind, shape or draft vocabulary."""
+    folder = check_init_head(source, head.kind)
+    embeddings = getattr(target_model, target_model.base_model_prefix).embed_tokens.weight.detach().float()
+    try:
+        trained = load_eagle(folder, embeddings=embeddings)
+    except DynvocabError as exc:
+        raise DynvocabError(f"--init-from {source}: {exc}") from exc
+    own = {k: v for k, v in head.state_dict().items() if k != "embed_tokens.weight" and "rotary_emb" not in k}
+    theirs = trained.state_dict()
+    wrong = [k for k, v in own.items() if k not in theirs or theirs[k].shape != v.shape]
+    if wrong:
+        raise DynvocabError(f"--init-from {source} is shaped for another target ({wrong[0]} differs); train it anew")
+    if head.kind == EAGLE3 and not torch.equal(theirs["d2t"].cpu(), own["d2t"].cpu()):
+        raise DynvocabError(
+            f"--init-from {source} has another draft vocabulary; pass the --bundle (or data) it was trained with"
+        )
+    for name, tensor in own.items():
+        tensor.copy_(theirs[name])
+    return head

@@ -77,7 +77,7 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     draft_ids, vocab_info = (None, {})
     if cfg.kind == EAGLE3:
         draft_ids, vocab_info = draft_vocab(cfg, reader, spec, tokenizer, target_fp)
-    head = build_head(model, head_cfg, draft_ids)
+    head = build_head(model, head_cfg, draft_ids, cfg.init_from)
     ranks.broadcast_([p.data for p in head.parameters() if p.requires_grad])  # one start on every rank, as DDP's
     weight = model.get_output_embeddings().weight.detach().float()  # [V, d] the target's LM head
     target_head = weight if cfg.kind == EAGLE1 else weight[draft_ids].clone()  # EAGLE-1 [V, d]; EAGLE-3 [K, d]
