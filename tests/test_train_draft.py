@@ -102,10 +102,13 @@ def test_speculators_format_and_eagle1(target_dir, corpus_txt, tmp_path):
     assert any(k.startswith("layers.0.") for k in weights) and "embed_tokens.weight" in weights
     out1 = tmp_path / "e1"
     result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", out1, "--arch", "eagle1",
-                 "--max-docs", 12, "--max-tokens", 16, "--device", "cpu", "--threads", 1)
+                 "--max-docs", 12, "--max-tokens", 16, "--eval-every", 5, "--device", "cpu", "--threads", 1)
     assert result.exit_code == 0, result.output
     head = load_eagle(out1, embeddings=target_embeddings(target_dir))
     assert head.kind == EAGLE1 and "fc.bias" in head_weights(out1)
+    info = json.loads((out1 / "training.json").read_text())
+    steps = info["steps"]
+    assert [h["step"] for h in info["heldout"]] == sorted({0, *range(5, steps + 1, 5), steps})
 
 
 def test_training_lowers_heldout_loss(target_dir, corpus_txt, tmp_path):
