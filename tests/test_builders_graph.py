@@ -32,15 +32,20 @@ def test_pruning_follows_evospec():
     assert table.indices.dtype.is_floating_point is False and table.probs.dtype.is_floating_point
 
 
-def test_rows_sorted_by_probability_and_capped():
-    rng = np.random.default_rng(1)
-    vocab = 50
+def zipf_graph(cfg, vocab: int, seed: int, exponent: float, rounds: int, size: int):
+    """The graph of ``rounds`` Zipf-distributed token streams of ``size`` ids below ``vocab``."""
+    rng = np.random.default_rng(seed)
     counter = BigramCounter(vocab, flush_at=1000)
-    for _ in range(300):
-        counter.add(rng.zipf(1.3, size=200).clip(max=vocab) - 1)
+    for _ in range(rounds):
+        counter.add(rng.zipf(exponent, size=size).clip(max=vocab) - 1)
     keys, counts = counter.result()
+    return graph.build(cfg, keys, counts, vocab)
+
+
+def test_rows_sorted_by_probability_and_capped():
+    vocab = 50
     cfg = graph.GraphConfig(max_out_degree=8)
-    table = graph.build(cfg, keys, counts, vocab)
+    table = zipf_graph(cfg, vocab, seed=1, exponent=1.3, rounds=300, size=200)
     degree = (table.indptr[1:] - table.indptr[:-1]).numpy()
     assert degree.max() <= 8 and table.indptr[-1] == table.num_edges
     for u in range(vocab):
@@ -56,13 +61,8 @@ def test_top_successors_is_successors_padded_on_the_device_form():
     the fill; every slot the fill for a token outside the graph or at or past ``below``."""
     import torch
 
-    rng = np.random.default_rng(2)
     vocab = 40
-    counter = BigramCounter(vocab, flush_at=1000)
-    for _ in range(100):
-        counter.add(rng.zipf(1.4, size=100).clip(max=vocab) - 1)
-    keys, counts = counter.result()
-    table = graph.build(graph.GraphConfig(max_out_degree=5), keys, counts, vocab).to("cpu")
+    table = zipf_graph(graph.GraphConfig(max_out_degree=5), vocab, seed=2, exponent=1.4, rounds=100, size=100).to("cpu")
     fill = vocab
     for k in (1, 3, 8):
         for u in range(vocab):

@@ -115,7 +115,7 @@ def init_from_head(head: EagleModel, source: str, target_model) -> EagleModel:
         trained = load_eagle(folder, embeddings=embeddings)
     except DynvocabError as exc:
         raise DynvocabError(f"--init-from {source}: {exc}") from exc
-    own = {k: v for k, v in head.state_dict().items() if k != "embed_tokens.weight" and "rotary_emb" not in k}
+    own = head.own_state()
     theirs = trained.state_dict()
     wrong = [k for k, v in own.items() if k not in theirs or theirs[k].shape != v.shape]
     if wrong:

@@ -161,13 +161,12 @@ def _train_settings(cfg: TrainDraftConfig, feature_settings: dict) -> dict:
     optim = {k: v for k, v in asdict(cfg.optim).items() if k != "micro_docs"}  # any micro-batch resumes
     return {"optim": optim, "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle,
             "max_docs": cfg.corpus.max_docs, "features": feature_settings,
-            **({"init_from": cfg.init_from} if cfg.init_from else {})}
+            **({"init_from": cfg.init_from} if cfg.init_from else {})}  # absent when unset: older checkpoints resume
 
 
 def _checkpoint(path: Path, head, opt, sched, state: dict) -> None:
     """Weights, optimizer, scheduler and progress, written whole."""
-    weights = {k: v for k, v in head.state_dict().items() if k != "embed_tokens.weight" and "rotary_emb" not in k}
-    blob = {"head": weights, "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state}
+    blob = {"head": head.own_state(), "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state}
     write_atomic(path, lambda p: torch.save(blob, p))
 
 

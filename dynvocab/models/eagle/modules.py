@@ -121,6 +121,11 @@ class EagleModel(nn.Module):
         """:data:`EAGLE1` or :data:`EAGLE3`."""
         return self.config.kind
 
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """The state dict without the target's embeddings and the rotary buffers: what training changes and a
+        checkpoint or a continued run (``train-draft --init-from``) carries over."""
+        return {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight" and "rotary_emb" not in k}
+
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embeddings (the target's, shared, when the checkpoint has none)."""
         return self.embed_tokens
