@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -146,9 +147,69 @@ def test_generation_resumes_and_refuses_other_settings(loaded, corpus_txt, tmp_p
         distill.open_manifest(folder, fp, other)
 
 
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture
+def chat_corpus(tmp_path) -> Path:
+    rows = [
+        {"conversations": [{"from": "human", "value": "Write a short def in python"}, {"from": "gpt", "value": "def f(): pass"}]},
+        {"messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Name a fast model"},
+                      {"role": "assistant", "content": "The draft"}, {"role": "user", "content": "Another one"}]},
+        {"conversations": [{"from": "gpt", "value": "An answer with no question"}]},  # opens with the assistant
+        {"text": "A plain text row is one user turn of its own " * 6},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("template", [None, TEMPLATE])
+def test_turn_prompts_are_the_first_user_turns_encoded_as_the_runtime_encodes_prompts(loaded, chat_corpus, template):
+    """--distill-prompts turn: each row's first user turn (system turn kept, a plain-text row as one turn, a
+    conversation opening with the assistant skipped), cut beyond prompt_tokens, encoded by the runtime's own
+    encode_prompt: with the chat template and the model's turn opened, or as plain text without one."""
+    import copy
+
+    from dynvocab.runtime.prompts import encode_prompt
+
+    tokenizer = copy.deepcopy(loaded[1])
+    tokenizer.chat_template = template
+    cfg = distill.DistillConfig(prompt_tokens=30)
+    assert all(len(tokenizer(t)["input_ids"]) < 30 for t in ("Write a short def in python", "Name a fast model"))
+    got = list(distill.prompt_ids(cfg, CorpusConfig(sources=(str(chat_corpus),), max_docs=10), iter(()), tokenizer))
+    long = "A plain text row is one user turn of its own " * 6
+    cut = tokenizer.decode(tokenizer(long, add_special_tokens=False)["input_ids"][:30]).rstrip() + " …"
+    want = [[{"role": "user", "content": "Write a short def in python"}],
+            [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Name a fast model"}],
+            [{"role": "user", "content": cut}]]
+    assert got == [encode_prompt(tokenizer, m) for m in want]
+    if template:
+        assert tokenizer.decode(got[1]).endswith("<user>Name a fast model</user><assistant>")
+    assert len(list(distill.prompt_ids(cfg, CorpusConfig(sources=(str(chat_corpus),), max_docs=2), iter(()), tokenizer))) == 2
+
+
+def test_text_prompts_are_the_documents_first_tokens_after_a_bos(loaded):
+    _, tokenizer, _ = loaded
+    cfg = distill.DistillConfig(prompts="text", prompt_tokens=3)
+    docs = [[5, 6, 7, 8, 9], [10, 11]]
+    assert list(distill.prompt_ids(cfg, None, iter(docs), tokenizer)) == [distill.with_bos(d[:3], tokenizer) for d in docs]
+
+
+def test_text_caches_made_before_the_prompt_styles_still_serve_their_runs():
+    """Caches made before --distill-prompts are all text caches and record no `prompts` key; a text run's settings
+    equal theirs, and a turn run's differ."""
+    old = {"prompt_tokens": 64, "new_tokens": 192, "temperature": 0.0, "batch": 32, "dtype": "bfloat16", "seed": 0}
+    text = distill.DistillConfig(prompts="text", prompt_tokens=64, batch=32, dtype="bfloat16")
+    assert distill.as_settings(text) == old
+    assert distill.as_settings(replace(text, prompts="turn")) == {**old, "prompts": "turn"}
+
+
 def test_refusals_of_impossible_settings():
     for cfg, flag in ((distill.DistillConfig(new_tokens=0), "--distill-new-tokens"),
                       (distill.DistillConfig(batch=0), "--distill-batch"),
+                      (distill.DistillConfig(prompts="chat"), "--distill-prompts"),
                       (distill.DistillConfig(temperature=-1), "--distill-temperature")):
         with pytest.raises(DynvocabError, match=flag):
             cfg.check()
@@ -244,3 +305,5 @@ def test_cli_self_distill_refusals(target_dir, corpus_txt, tmp_path):
                               "--self-distill", "--distill-new-tokens", 0), "--distill-new-tokens must be at least 1")
     assert_one_line_error(run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h",
                               "--negatives", -1), "--negatives must be 0")
+    assert_one_line_error(run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h",
+                              "--self-distill", "--distill-prompts", "chat"), "unknown --distill-prompts 'chat'")

@@ -68,22 +68,53 @@ def iter_documents(cfg: CorpusConfig) -> Iterator[str]:
 
 
 def _source(src: str, cfg: CorpusConfig) -> Iterator[str]:
+    return (row_text(row) for row in _rows(src, cfg))
+
+
+def _rows(src: str, cfg: CorpusConfig) -> Iterator[dict]:
     if src == "sharegpt":
-        return (conversation_text(r) for r in sharegpt_train())
+        return sharegpt_train()
     if src == "slimpajama":
-        return stream_texts(cfg.slimpajama_id)
+        return stream_rows(cfg.slimpajama_id)
     path = Path(src).expanduser()
     if path.is_dir():
-        return _saved_dataset_texts(path)
+        return _saved_dataset_rows(path)
     if path.suffix == ".txt":
-        return _txt_lines(path)
-    return stream_texts(str(path))
+        return ({"text": line} for line in _txt_lines(path))
+    return stream_rows(str(path))
 
 
 def row_text(row: dict) -> str:
     """The text of one corpus row: ``text``, else its conversation turns."""
     text = row.get("text")
     return text if isinstance(text, str) else conversation_text(row)
+
+
+def row_messages(row: dict) -> list[dict]:
+    """A row's conversation as chat messages (ShareGPT ``conversations`` or chat ``messages``); [] for plain text."""
+    if row.get("conversations"):
+        return to_messages(row)
+    turns = row.get("messages") or []
+    return [{"role": t["role"], "content": t["content"]} for t in turns if isinstance(t, dict)
+            and t.get("role") in ("system", "user", "assistant") and isinstance(t.get("content"), str) and t["content"]]
+
+
+def first_turns(cfg: CorpusConfig) -> Iterator[list[dict]]:
+    """Each row's messages up to its first user turn (system turns before it kept), in corpus order; a plain-text
+    row is one user turn, and a conversation that opens with the assistant is skipped. At most ``cfg.max_docs``."""
+    check_sources(cfg)
+    count = 0
+    for src in cfg.sources:
+        for row in _rows(src, cfg):
+            text = row.get("text")
+            messages = [{"role": "user", "content": text}] if isinstance(text, str) else row_messages(row)
+            user = next((k for k, m in enumerate(messages) if m["role"] == "user" and m["content"].strip()), None)
+            if user is None or any(m["role"] == "assistant" for m in messages[:user]):
+                continue
+            yield messages[: user + 1]
+            count += 1
+            if count >= cfg.max_docs:
+                return
 
 
 # ---- token ids (the router and train-draft read documents as a model sees them) ------------------------
@@ -138,6 +169,11 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def stream_texts(source: str) -> Iterator[str]:
     """Stream the documents of a hub dataset id or a local .jsonl/.json/.parquet file with ``datasets``."""
+    return (row_text(row) for row in stream_rows(source))
+
+
+def stream_rows(source: str) -> Iterator[dict]:
+    """Stream the rows of a hub dataset id or a local .jsonl/.json/.parquet file with ``datasets``."""
     import datasets
 
     local = Path(source).expanduser()
@@ -152,8 +188,7 @@ def stream_texts(source: str) -> Iterator[str]:
         args, kwargs = (source,), {}
     try:
         stream = datasets.load_dataset(*args, split="train", streaming=True, **kwargs)
-        for row in stream:
-            yield row_text(row)
+        yield from stream
     except DynvocabError:
         raise
     except Exception as exc:  # datasets raises many types (network, format, schema)
@@ -161,7 +196,7 @@ def stream_texts(source: str) -> Iterator[str]:
         raise DynvocabError(f"cannot read corpus {source}: {first}; check the path or your connection") from exc
 
 
-def _saved_dataset_texts(path: Path) -> Iterator[str]:
+def _saved_dataset_rows(path: Path) -> Iterator[dict]:
     import datasets
 
     try:
@@ -170,8 +205,7 @@ def _saved_dataset_texts(path: Path) -> Iterator[str]:
         raise DynvocabError(f"cannot load the saved dataset {path} ({type(exc).__name__}); re-save it with save_to_disk") from exc
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    for row in ds:
-        yield row_text(row)
+    yield from ds
 
 
 def _txt_lines(path: Path) -> Iterator[str]:

@@ -52,7 +52,8 @@ def train_draft(
     ] = None,
     negatives: Annotated[Optional[int], typer.Option(help=f"EAGLE-1: uniformly sampled head ids its cross-entropy scores beside the target's top-{_DEFAULTS.features.topk} (default {OptimConfig.negatives:,}); 0 scores the whole head.")] = None,
     self_distill: Annotated[bool, typer.Option("--self-distill", help="Train on the target's own continuations of the corpus's prompts (generated in batches, cached, resumable) instead of the corpus text.")] = False,
-    distill_prompt_tokens: Annotated[int, typer.Option(help="--self-distill: corpus tokens per prompt.")] = _DISTILL.prompt_tokens,
+    distill_prompts: Annotated[str, typer.Option(help="--self-distill: turn (the target answers each conversation's first user turn, encoded as at run time) or text (it continues each document's first tokens).")] = _DISTILL.prompts,
+    distill_prompt_tokens: Annotated[int, typer.Option(help="--self-distill: tokens per prompt (turn: of the user's turn, cut beyond; text: of the document).")] = _DISTILL.prompt_tokens,
     distill_new_tokens: Annotated[int, typer.Option(help="--self-distill: tokens the target writes per prompt.")] = _DISTILL.new_tokens,
     distill_temperature: Annotated[float, typer.Option(help="--self-distill: 0 greedy, else sampled from the target's full distribution.")] = _DISTILL.temperature,
     distill_batch: Annotated[int, typer.Option(help="--self-distill: prompts per generation call (and per cache shard).")] = _DISTILL.batch,
@@ -84,7 +85,8 @@ def train_draft(
         save_dtype=save_dtype,
         init_from=init_from,
         distill=DistillConfig(prompt_tokens=distill_prompt_tokens, new_tokens=distill_new_tokens,
-                              temperature=distill_temperature, batch=distill_batch) if self_distill else None,
+                              temperature=distill_temperature, batch=distill_batch,
+                              prompts=distill_prompts) if self_distill else None,
     )
     check_config(cfg)  # refusals before the progress display starts
     if env_rank() != 0:  # under torchrun only rank 0 draws and reports; the others print only their errors

@@ -3,10 +3,19 @@ prompts, generated in batches, cached in shards, resumable.
 
 A draft head must predict what the *target* writes at run time, not what people wrote: SpecForge regenerates every
 assistant turn with the target before training (``scripts/regenerate_train_data.py``), Medusa-2 self-distills,
-and speculators computes its verifier's states in a separate data-generation step. Here each corpus document
-gives a prompt (its first ``prompt_tokens`` tokens, after the BOS token the tokenizer puts before a prompt at run
-time), and the target continues it by ``new_tokens`` tokens, greedily (``temperature`` 0) or sampled, stopping
-at an end token. Document = prompt + continuation; the feature pass (:mod:`.features`) then runs over these
+and speculators computes its verifier's states in a separate data-generation step. Each corpus document gives a
+prompt, in one of two styles (``prompts``):
+
+* ``turn`` (the default): a conversation's first user turn (cut to ``prompt_tokens`` tokens), encoded exactly as
+  the runtime encodes a prompt (:func:`dynvocab.runtime.prompts.encode_prompt`: with the chat template and the
+  model's turn opened; a model without a template continues the turn's text after its BOS). The target writes what
+  it writes when serving, which is what a draft must predict. A plain-text row is one user turn.
+* ``text``: the document's first ``prompt_tokens`` tokens (ShareGPT: of the chat-template-encoded conversation,
+  so the target continues the user's text or the recorded answer), after the BOS token the tokenizer puts before
+  a prompt at run time. This is how the heads shipped before ``turn`` were trained.
+
+The target continues each prompt by ``new_tokens`` tokens, greedily (``temperature`` 0) or sampled, stopping at
+an end token. Document = prompt + continuation; the feature pass (:mod:`.features`) then runs over these
 documents as over corpus text.
 
 The target generates ``batch`` prompts per call (left-padded, one batched pass per new token: a CPU makes them at
@@ -35,18 +44,20 @@ from dynvocab.files import write_atomic
 from dynvocab.progress import Reporter
 
 FORMAT_VERSION = 1
+PROMPT_STYLES = ("turn", "text")
 
 
 @dataclass(frozen=True)
 class DistillConfig:
     """How the target's own documents are made (any change means other documents)."""
 
-    prompt_tokens: int = 64  # corpus tokens the target continues (after its BOS)
+    prompt_tokens: int = 256  # turn: the user turn is cut beyond this many tokens; text: the document's first tokens
     new_tokens: int = 192  # tokens the target writes per prompt (fewer when it ends)
     temperature: float = 0.0  # 0: greedy; > 0: sampled from the target's full distribution (no top-k/top-p)
     batch: int = 16  # prompts per generation call and per cache shard
     dtype: str | None = None  # the target's dtype while generating; None: the runtime's default for the device
     seed: int = 0
+    prompts: str = "turn"  # PROMPT_STYLES: the target answers each first user turn, or continues the document
 
     def check(self) -> None:
         """One-line refusals of impossible settings."""
@@ -56,6 +67,8 @@ class DistillConfig:
                 raise DynvocabError(f"{flag} must be at least {low}, got {value}")
         if self.temperature < 0:
             raise DynvocabError(f"--distill-temperature must be 0 (greedy) or positive, got {self.temperature}")
+        if self.prompts not in PROMPT_STYLES:
+            raise DynvocabError(f"unknown --distill-prompts '{self.prompts}'; use turn or text")
 
 
 def shard_path(folder: Path, index: int) -> Path:
@@ -75,6 +88,25 @@ def open_manifest(folder: Path, fingerprint: ModelFingerprint, settings: dict) -
 def _changed(have: dict, want: dict) -> list[str] | None:
     """The settings in which recorded documents differ from a run's (None: they serve it)."""
     return None if have == want else sorted(k for k in want if have.get(k) != want[k])
+
+
+def prompt_ids(cfg: DistillConfig, corpus, documents: Iterator[list[int]], tokenizer) -> Iterator[list[int]]:
+    """The prompts the target continues, in corpus order: ``documents`` (the corpus's token ids) cut to
+    ``cfg.prompt_tokens`` after a BOS (``text``), or each conversation's first user turn as the runtime encodes it
+    (``turn``, read from ``corpus``, a :class:`~dynvocab.builders.corpus.CorpusConfig`)."""
+    if cfg.prompts == "text":
+        return (with_bos(p[: cfg.prompt_tokens], tokenizer) for p in documents)
+    from dynvocab.builders.corpus import first_turns
+    from dynvocab.runtime.prompts import encode_prompt
+
+    def cut(messages: list[dict]) -> list[dict]:
+        *before, user = messages
+        ids = tokenizer(user["content"], add_special_tokens=False)["input_ids"]
+        if len(ids) <= cfg.prompt_tokens:
+            return messages
+        return [*before, {"role": "user", "content": tokenizer.decode(ids[: cfg.prompt_tokens]).rstrip() + " …"}]
+
+    return (encode_prompt(tokenizer, cut(m)) for m in first_turns(corpus))
 
 
 def with_bos(prompt: list[int], tokenizer) -> list[int]:
@@ -116,13 +148,13 @@ def continue_batch(model, prompts: list[list[int]], cfg: DistillConfig, pad_id: 
 def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manifest: dict, cfg: DistillConfig,
              max_docs: int, end_ids: list[int], reporter: Reporter) -> dict:
     """Fill ``folder`` with the shards of the first ``max_docs`` prompts' documents not yet written; returns the
-    manifest. ``prompts`` yields corpus token ids in a fixed order (truncated here to ``cfg.prompt_tokens``)."""
+    manifest. ``prompts`` yields the prompts' token ids in a fixed order (:func:`prompt_ids`)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     docs, made, started = 0, 0, time.perf_counter()
     with reporter.task("self-distilled documents (the target writes)", total=max_docs) as advance:
         chunks = iter(lambda: list(itertools.islice(prompts, cfg.batch)), [])
         for index, chunk in enumerate(itertools.islice(chunks, -(-max_docs // cfg.batch))):
-            chunk = [with_bos(p[: cfg.prompt_tokens], tokenizer) for p in chunk[: max_docs - docs]]
+            chunk = chunk[: max_docs - docs]
             path = shard_path(folder, index)
             if _shard_docs(path) != len(chunk):
                 made += _write_shard(path, continue_batch(model, chunk, cfg, pad_id, end_ids, cfg.seed * 1_000_003 + index),
@@ -203,4 +235,13 @@ def _write_shard(path: Path, docs: list[list[int]], prompt_lengths: list[int]) -
 
 def settings_of(cfg: DistillConfig, corpus: dict) -> dict:
     """What the documents depend on, as the manifest records it (the document limit is not: a cache grows)."""
-    return {"distill": asdict(cfg), "corpus": {k: v for k, v in corpus.items() if k != "max_docs"}}
+    return {"distill": as_settings(cfg), "corpus": {k: v for k, v in corpus.items() if k != "max_docs"}}
+
+
+def as_settings(cfg: DistillConfig) -> dict:
+    """``cfg`` as caches record it. ``prompts`` is left out when it is ``text``: caches made before it existed are
+    all ``text`` caches and record no such key, and they still serve the runs that made them."""
+    out = asdict(cfg)
+    if out["prompts"] == "text":
+        del out["prompts"]
+    return out

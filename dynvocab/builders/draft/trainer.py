@@ -116,7 +116,8 @@ def _features(cfg: TrainDraftConfig, spec, model, tokenizer, documents, work: Pa
     if extracted:
         if cfg.distill is not None:
             docs_dir = folder / "documents"
-            made = ranks.on_main(lambda: _self_distill(spec, model, tokenizer, documents, docs_dir, cfg, device, target_fp, reporter))
+            prompts = distill.prompt_ids(cfg.distill, cfg.corpus, documents, tokenizer)
+            made = ranks.on_main(lambda: _self_distill(spec, model, tokenizer, prompts, docs_dir, cfg, device, target_fp, reporter))
             documents = distill.documents(docs_dir, cfg.corpus.max_docs, cfg.features.max_tokens)
         feats.extract(model, documents, folder, manifest, cfg.features, cfg.corpus.max_docs, reporter, ranks)
     features = feats.load_features(folder, cfg.corpus.max_docs)
@@ -157,7 +158,7 @@ def _corpus_settings(cfg: TrainDraftConfig) -> dict:
     """What the documents are, as the feature cache's manifest records it: the corpus, and how the target rewrote it."""
     corpus = cfg.corpus.describe()
     if cfg.distill is not None:
-        corpus["self_distill"] = asdict(cfg.distill)
+        corpus["self_distill"] = distill.as_settings(cfg.distill)
     return corpus
 
 
