@@ -133,14 +133,18 @@ DEMO_HEADS = {
     "gemma-eagle1": DemoHead(
         name="gemma-eagle1",
         target="demo:gemma",
-        sha256="1862844b2f074e91d1000ac1c8e8442c1c8c48b0e7a753a05df8fd09bc143f57",
+        sha256="07e39aedd4aea1476b155f0562f9c50a9054626517c15161f79538ed03f672c0",
         command="dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill --distill-prompts text "
         "--distill-prompt-tokens 64 --max-docs 1600 --distill-batch 32 --feature-dtype bfloat16 --features gemma-features "
         "--epochs 2 --save-dtype bfloat16 --threads 2 --out gemma-eagle1-base && "
         "dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill --distill-prompts text "
         "--distill-prompt-tokens 64 --max-docs 3200 --distill-batch 32 --feature-dtype bfloat16 --features gemma-features "
         "--epochs 1 --ttt-steps 2 --lr 2e-4 --eval-every 400 --init-from gemma-eagle1-base --save-dtype bfloat16 "
-        "--threads 2 --out gemma-eagle1",
+        "--threads 2 --out gemma-eagle1-text && "
+        "dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill --distill-prompts turn --max-docs 1600 "
+        "--max-tokens 448 --distill-batch 32 --feature-dtype bfloat16 --features gemma-turn-features --epochs 1 "
+        "--ttt-steps 2 --lr 2e-4 --eval-every 400 --init-from gemma-eagle1-text --save-dtype bfloat16 --threads 2 "
+        "--out gemma-eagle1",
     ),
 }
 
