@@ -307,3 +307,16 @@ def test_cli_self_distill_refusals(target_dir, corpus_txt, tmp_path):
                               "--negatives", -1), "--negatives must be 0")
     assert_one_line_error(run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h",
                               "--self-distill", "--distill-prompts", "chat"), "unknown --distill-prompts 'chat'")
+    assert_one_line_error(run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h",
+                              "--self-distill", "--max-tokens", 200), "--max-tokens 200 would cut the target's answers")
+    assert not (tmp_path / "h").exists()
+
+
+def test_self_distill_documents_default_to_room_for_a_whole_answer():
+    """Turn prompts get --max-tokens for prompt + answer + the template's markers unless given; text prompts keep
+    the feature default (the shipped heads' text runs were made with it)."""
+    from dynvocab.cli.train_draft import DISTILL_ROOM, _max_tokens
+
+    assert _max_tokens(None, True, "turn", 448) == 448 + DISTILL_ROOM
+    assert _max_tokens(300, True, "turn", 448) == 300
+    assert _max_tokens(None, True, "text", 448) is None and _max_tokens(None, False, "turn", 448) is None

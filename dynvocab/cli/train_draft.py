@@ -17,6 +17,7 @@ from dynvocab.progress import SilentReporter, make_reporter
 
 _DEFAULTS = TrainDraftConfig()
 _DISTILL = DistillConfig()
+DISTILL_ROOM = 16  # --max-tokens beyond a self-distilled prompt and answer: the BOS and the chat template's turn markers
 
 
 def _override(cfg, **values):
@@ -36,7 +37,7 @@ def train_draft(
     draft_vocab: Annotated[Optional[int], typer.Option(help=f"EAGLE-3: draft vocabulary size K (default {_DEFAULTS.draft_vocab:,}).")] = None,
     bundle: Annotated[Optional[str], typer.Option("--bundle", help="EAGLE-3: take the draft vocabulary from this bundle's freq stage (default: count the training data).")] = None,
     max_docs: Annotated[Optional[int], typer.Option(help=f"Documents to compute features for (default {_DEFAULTS.corpus.max_docs}).")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(help=f"Tokens per document (default {_DEFAULTS.features.max_tokens}).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help=f"Tokens per document (default {_DEFAULTS.features.max_tokens}; with --self-distill and turn prompts, --distill-prompt-tokens + --distill-new-tokens + {DISTILL_ROOM}: room for a whole answer).")] = None,
     epochs: Annotated[Optional[int], typer.Option(help=f"Training epochs (default {OptimConfig.epochs}).")] = None,
     lr: Annotated[Optional[float], typer.Option(help=f"AdamW peak learning rate (default {OptimConfig.lr:g}).")] = None,
     ttt_steps: Annotated[Optional[int], typer.Option(min=1, help="Chained training-time-test steps per document (default: 1 for eagle1, 3 for eagle3).")] = None,
@@ -76,7 +77,9 @@ def train_draft(
         draft_vocab=draft_vocab if draft_vocab is not None else _DEFAULTS.draft_vocab,
         bundle=bundle,
         corpus=_override(_DEFAULTS.corpus, sources=tuple(corpus) if corpus else None, max_docs=max_docs),
-        features=_override(_DEFAULTS.features, max_tokens=max_tokens, batch_docs=feature_batch, dtype=feature_dtype),
+        features=_override(_DEFAULTS.features, max_tokens=_max_tokens(max_tokens, self_distill, distill_prompts,
+                                                                      distill_prompt_tokens + distill_new_tokens),
+                           batch_docs=feature_batch, dtype=feature_dtype),
         optim=_override(_DEFAULTS.optim, epochs=epochs, lr=lr, ttt_steps=ttt_steps, seed=seed, eval_every=eval_every,
                         batch_docs=batch_docs, micro_docs=micro_docs, negatives=negatives),
         layout=fmt,
@@ -108,3 +111,10 @@ def train_draft(
         f"peak memory {info['peak_memory_mb'] / 1024:.1f} GiB{agree}",
         highlight=False, soft_wrap=True,
     )
+
+
+def _max_tokens(given: int | None, self_distill: bool, prompts: str, prompt_and_answer: int) -> int | None:
+    """--max-tokens as given, else room for a whole self-distilled answer after a turn prompt (None: the default)."""
+    if given is not None or not self_distill or prompts != "turn":
+        return given
+    return prompt_and_answer + DISTILL_ROOM
