@@ -108,7 +108,7 @@ def check_config(cfg: TrainDraftConfig) -> None:
         raise DynvocabError(f"--negatives must be 0 (the whole head) or positive, got {o.negatives}")
     if cfg.distill is not None:
         cfg.distill.check()
-        if cfg.distill.prompts == "turn" and cfg.features.max_tokens <= cfg.distill.prompt_tokens:
+        if cfg.features.max_tokens <= cfg.distill.prompt_tokens:
             raise DynvocabError(
                 f"--max-tokens {cfg.features.max_tokens} would cut the target's answers after prompts of up to "
                 f"{cfg.distill.prompt_tokens} tokens; pass --max-tokens of at least --distill-prompt-tokens + "
