@@ -90,15 +90,6 @@ def row_text(row: dict) -> str:
     return text if isinstance(text, str) else conversation_text(row)
 
 
-def row_messages(row: dict) -> list[dict]:
-    """A row's conversation as chat messages (ShareGPT ``conversations`` or chat ``messages``); [] for plain text."""
-    if row.get("conversations"):
-        return to_messages(row)
-    turns = row.get("messages") or []
-    return [{"role": t["role"], "content": t["content"]} for t in turns if isinstance(t, dict)
-            and t.get("role") in ("system", "user", "assistant") and isinstance(t.get("content"), str) and t["content"]]
-
-
 def first_turns(cfg: CorpusConfig) -> Iterator[list[dict]]:
     """Each row's messages up to its first user turn (system turns before it kept), in corpus order; a plain-text
     row is one user turn, and a conversation that opens with the assistant is skipped. At most ``cfg.max_docs``."""
@@ -107,7 +98,7 @@ def first_turns(cfg: CorpusConfig) -> Iterator[list[dict]]:
     for src in cfg.sources:
         for row in _rows(src, cfg):
             text = row.get("text")
-            messages = [{"role": "user", "content": text}] if isinstance(text, str) else row_messages(row)
+            messages = [{"role": "user", "content": text}] if isinstance(text, str) else to_messages(row)
             user = next((k for k, m in enumerate(messages) if m["role"] == "user" and m["content"].strip()), None)
             if user is None or any(m["role"] == "assistant" for m in messages[:user]):
                 continue

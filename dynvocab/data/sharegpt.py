@@ -76,10 +76,15 @@ def sharegpt_eval() -> Iterator[dict]:
 
 
 def to_messages(record: dict) -> list[dict]:
-    """A ShareGPT record as chat messages ``[{"role", "content"}]`` (human -> user, gpt -> assistant)."""
+    """A ShareGPT record (``conversations`` of ``from``/``value``: human -> user, gpt -> assistant) or a chat row
+    (``messages`` of ``role``/``content``) as chat messages ``[{"role", "content"}]``; turns of other roles or
+    without text are dropped."""
     out = []
-    for turn in record.get("conversations") or []:
-        role, text = _ROLES.get(str(turn.get("from", "")).lower()), turn.get("value")
+    for turn in record.get("conversations") or record.get("messages") or []:
+        if not isinstance(turn, dict):
+            continue
+        role = _ROLES.get(str(turn.get("from", turn.get("role", ""))).lower())
+        text = turn.get("value", turn.get("content"))
         if role and isinstance(text, str) and text:
             out.append({"role": role, "content": text})
     return out
