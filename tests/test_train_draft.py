@@ -226,6 +226,61 @@ def test_heads_share_one_feature_cache(target_dir, corpus_txt, tmp_path, monkeyp
         trainer.train_draft(str(target_dir), tmp_path / "e3", TrainDraftConfig(**{**small("eagle3", 6).__dict__, "features_dir": e1_cache}))
 
 
+def test_extra_features_train_beside_this_runs_documents(target_dir, corpus_txt, tmp_path):
+    """Another run's cache joins this run's: every document of both, interleaved, each held out exactly when its own
+    run held it out; the run records it, and a resume with other extras is refused."""
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(sentences(30, seed=11)) + "\n")
+    own = lambda corpus, docs, folder, **kw: TrainDraftConfig(**{
+        **small_config(corpus, "eagle1", epochs=1).__dict__, "features_dir": str(folder),
+        "corpus": CorpusConfig(sources=(str(corpus),), max_docs=docs), **kw})
+    trainer.train_draft(str(target_dir), tmp_path / "chat", own(corpus_txt, 23, tmp_path / "chat-f"))
+    mixed = trainer.train_draft(str(target_dir), tmp_path / "mixed",
+                                own(other, 12, tmp_path / "code-f", extra_features=(str(tmp_path / "chat-f"),)))
+    data = mixed.info["data"]
+    assert data["extra"][0]["docs"] == 23 and data["extra"][0]["features_dir"] == str(tmp_path / "chat-f")
+    assert data["train_docs"] == (12 - 1) + (23 - 2) and data["heldout_docs"] == 1 + 2
+    o = OptimConfig()
+    a = features.FeatureReader(features.load_features(tmp_path / "code-f", 12), aux=False)
+    b = features.FeatureReader(features.load_features(tmp_path / "chat-f", 23), aux=False)
+    reader = features.MixedReader([a, b], o.holdout_every)
+    assert len(reader) == 35 and reader.tokens == a.tokens + b.tokens
+    own_docs = {(c, r.doc_id(k)): (r.read(k)["ids"].tolist(), o.held_out(r.doc_id(k)))
+                for c, r in enumerate((a, b)) for k in range(len(r))}
+    seen = {}
+    for k in range(len(reader)):
+        c, j = reader.index[k]
+        seen[(c, (a, b)[c].doc_id(j))] = (reader.read(k)["ids"].tolist(), o.held_out(reader.doc_id(k)))
+        assert reader.length(k) == len(seen[(c, (a, b)[c].doc_id(j))][0])
+    assert seen == own_docs  # the same documents, each held out as in its own run
+    assert len({reader.doc_id(k) for k in range(len(reader))}) == 35
+    first = [reader.index[k][0] for k in range(len(reader)) if o.held_out(reader.doc_id(k))][:2]
+    assert sorted(first) == [0, 1]  # the held-out documents scored first come from both caches
+    again = own(other, 12, tmp_path / "code-f", extra_features=())
+    assert (tmp_path / "mixed" / "work" / "checkpoint.pt").is_file()
+    with pytest.raises(DynvocabError, match="other training settings"):
+        trainer.train_draft(str(target_dir), tmp_path / "mixed", again)
+
+
+def test_extra_features_refusals(target_dir, corpus_txt, tmp_path):
+    chat = tmp_path / "chat-f"
+    trainer.train_draft(str(target_dir), tmp_path / "chat", TrainDraftConfig(**{
+        **small_config(corpus_txt, "eagle1", epochs=1).__dict__, "features_dir": str(chat),
+        "corpus": CorpusConfig(sources=(str(corpus_txt),), max_docs=6)}))
+    base = ["train-draft", "--target", target_dir, "--corpus", corpus_txt, "--max-docs", 6, "--max-tokens", 24,
+            "--out", tmp_path / "h", "--threads", 1, "--arch", "eagle1"]
+    assert_one_line_error(run(*base, "--extra-features", tmp_path / "none"), "is no folder")
+    assert_one_line_error(run(*base, "--features", chat, "--extra-features", chat), "this run's own --features folder")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run(*base, "--extra-features", tmp_path / "empty"), "is no feature cache")
+    assert_one_line_error(run(*base[:-1], "eagle3", "--draft-vocab", 96, "--extra-features", chat), "taps layers")
+    topk = TrainDraftConfig(**{**small_config(corpus_txt, "eagle1", epochs=1).__dict__,
+                               "features": FeatureConfig(max_tokens=24, shard_docs=4, topk=8),
+                               "extra_features": (str(chat),)})
+    with pytest.raises(DynvocabError, match="top-16 ids, this run the top-8"):
+        trainer.train_draft(str(target_dir), tmp_path / "k8", topk)
+
+
 # ---- the unroll -------------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,8 @@
 - ``slimpajama``: ``cerebras/SlimPajama-627B`` streamed through ``datasets`` (rows with ``text`` and ``meta``).
 - ``sharegpt``: the embedded ShareGPT V3 conversations, **training split only** (see :mod:`dynvocab.data`):
   positions ≡ 9 (mod 10) are the evaluation split and never reach a builder.
+- ``python-stubs``: code-completion prompts made from the running Python's standard library (signature and
+  docstring of each documented public function; see :mod:`dynvocab.data.python_stubs`), for self-distilled heads.
 - paths: ``.txt`` (one document per non-empty line), ``.jsonl``/``.json`` (``text``, ShareGPT
   ``conversations`` or chat ``messages``), ``.parquet``, or a folder written by ``datasets.save_to_disk``.
   JSON lines and parquet go through ``datasets`` streaming, the same path as SlimPajama.
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
+from dynvocab.data import python_stubs
 from dynvocab.data.sharegpt import EVAL_EVERY, EVAL_REMAINDER, conversation_text, sharegpt_train, to_messages
 from dynvocab.errors import DynvocabError
 
@@ -27,7 +30,8 @@ _STREAMED = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 @dataclass(frozen=True)
 class CorpusConfig:
-    """Which documents to read. ``sources`` items are ``slimpajama``, ``sharegpt`` or file/folder paths."""
+    """Which documents to read. ``sources`` items are ``slimpajama``, ``sharegpt``, ``python-stubs`` or file/folder
+    paths."""
 
     sources: tuple[str, ...] = ("sharegpt",)
     max_docs: int = 1_000_000  # FR-Spec counts 1M SlimPajama documents
@@ -39,21 +43,23 @@ class CorpusConfig:
         out["sources"] = list(self.sources)
         if "sharegpt" in self.sources:
             out["sharegpt_split"] = f"train (positions not ≡ {EVAL_REMAINDER} mod {EVAL_EVERY})"
+        if python_stubs.NAME in self.sources:
+            out["python_stubs"] = python_stubs.describe()
         return out
 
 
 def check_sources(cfg: CorpusConfig) -> None:
     """Fail early on empty or missing sources, before any model is loaded."""
     if not cfg.sources:
-        raise DynvocabError("no corpus given; pass --corpus sharegpt, --corpus slimpajama or file paths")
+        raise DynvocabError("no corpus given; pass --corpus sharegpt, slimpajama, python-stubs or file paths")
     if cfg.max_docs < 1:
         raise DynvocabError("--max-docs must be at least 1")
     for src in cfg.sources:
-        if src in ("sharegpt", "slimpajama"):
+        if src in ("sharegpt", "slimpajama", python_stubs.NAME):
             continue
         path = Path(src).expanduser()
         if not path.exists():
-            raise DynvocabError(f"corpus {src} does not exist; pass sharegpt, slimpajama or existing files")
+            raise DynvocabError(f"corpus {src} does not exist; pass sharegpt, slimpajama, python-stubs or existing files")
         if path.is_file() and path.suffix not in (".txt", *_STREAMED):
             raise DynvocabError(f"corpus file {src} has an unknown type; use .txt, .jsonl, .json or .parquet")
         if path.is_dir() and not ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
@@ -76,6 +82,8 @@ def _rows(src: str, cfg: CorpusConfig) -> Iterator[dict]:
         return sharegpt_train()
     if src == "slimpajama":
         return stream_rows(cfg.slimpajama_id)
+    if src == python_stubs.NAME:
+        return python_stubs.stub_rows()
     path = Path(src).expanduser()
     if path.is_dir():
         return _saved_dataset_rows(path)

@@ -31,7 +31,7 @@ def train_draft(
     target: Target = "demo:target",
     corpus: Annotated[
         Optional[List[str]],
-        typer.Option(help="sharegpt (training split, chat-template encoded), slimpajama, or .txt/.jsonl/.json/.parquet files; repeatable."),
+        typer.Option(help="sharegpt (training split, chat-template encoded), slimpajama, python-stubs (code prompts from this Python's standard library), or .txt/.jsonl/.json/.parquet files; repeatable."),
     ] = None,
     arch: Annotated[str, typer.Option(help="eagle3 (own lm_head over a draft vocabulary, three target layers) or eagle1 (the target's head).")] = _DEFAULTS.arch,
     draft_vocab: Annotated[Optional[int], typer.Option(help=f"EAGLE-3: draft vocabulary size K (default {_DEFAULTS.draft_vocab:,}).")] = None,
@@ -50,6 +50,10 @@ def train_draft(
     features: Annotated[
         Optional[Path],
         typer.Option("--features", help="Feature cache folder (default OUT/work/features). Heads may share one: fewer --max-docs read its first documents, more extend it, an eagle3 cache serves eagle1."),
+    ] = None,
+    extra_features: Annotated[
+        Optional[List[Path]],
+        typer.Option("--extra-features", help="A finished --features folder of an earlier run for the same target (say chat, beside this run's code), trained on beside this run's documents: all of them, its held-out ones kept out; repeatable."),
     ] = None,
     negatives: Annotated[Optional[int], typer.Option(help=f"EAGLE-1: uniformly sampled head ids its cross-entropy scores beside the target's top-{_DEFAULTS.features.topk} (default {OptimConfig.negatives:,}); 0 scores the whole head.")] = None,
     self_distill: Annotated[bool, typer.Option("--self-distill", help="Train on the target's own continuations of the corpus's prompts (generated in batches, cached, resumable) instead of the corpus text.")] = False,
@@ -85,6 +89,7 @@ def train_draft(
         layout=fmt,
         device=device,
         features_dir=str(features) if features else None,
+        extra_features=tuple(str(f) for f in extra_features or ()),
         save_dtype=save_dtype,
         init_from=init_from,
         distill=DistillConfig(prompt_tokens=distill_prompt_tokens, new_tokens=distill_new_tokens,

@@ -64,6 +64,7 @@ class TrainDraftConfig:
     layout: str = "eagle"  # a layout family: eagle (the EAGLE repo's layout of its kind), speculators (EAGLE-3)
     device: str | None = None
     features_dir: str | None = None  # the feature cache (default OUT/work/features); heads may share one
+    extra_features: tuple[str, ...] = ()  # finished caches of earlier runs for the same target, trained on beside this one
     distill: distill.DistillConfig | None = None  # train on the target's own continuations of the corpus's prompts
     save_dtype: str | None = None  # the head's weights on disk (None: float32, as trained; bfloat16 halves them)
     init_from: str | None = None  # continue training this head (a folder or a demo name) instead of starting from the target
@@ -114,6 +115,12 @@ def check_config(cfg: TrainDraftConfig) -> None:
                 f"{cfg.distill.prompt_tokens} tokens; pass --max-tokens of at least --distill-prompt-tokens + "
                 f"--distill-new-tokens ({cfg.distill.prompt_tokens + cfg.distill.new_tokens})"
             )
+    for folder in cfg.extra_features:
+        if not Path(folder).is_dir():
+            raise DynvocabError(f"--extra-features {folder} is no folder; pass the --features folder of a finished run")
+        if cfg.features_dir is not None and Path(folder).resolve() == Path(cfg.features_dir).resolve():
+            raise DynvocabError(f"--extra-features {folder} is this run's own --features folder; pass another run's")
+        feats.extra_manifest(Path(folder), cfg.features.topk)
     if cfg.init_from is not None:
         from dynvocab.builders.draft.init import check_init_head
 

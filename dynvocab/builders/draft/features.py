@@ -318,3 +318,74 @@ class FeatureReader:
         if self.has_aux:
             out["aux"] = f.get_slice("aux")[a:b].float()
         return out
+
+
+def extra_manifest(folder: Path, topk: int) -> dict:
+    """The manifest of another run's cache named by ``--extra-features``, refused in one line when the folder holds
+    no finished cache of this format or keeps another top-k than this run's ``topk``."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise DynvocabError(f"--extra-features {folder} is no feature cache (no {MANIFEST}); pass a --features folder of a finished run")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DynvocabError(f"--extra-features {folder} holds features in another format; rebuild it with this version")
+    if not manifest["docs"]:
+        raise DynvocabError(f"--extra-features {folder} holds no documents yet; finish the run that makes it first")
+    if manifest["settings"]["features"]["topk"] != topk:
+        raise DynvocabError(f"--extra-features {folder} keeps the top-{manifest['settings']['features']['topk']} ids, "
+                            f"this run the top-{topk}; use caches of one top-k")
+    return manifest
+
+
+def open_extra(folder: Path, fingerprint: ModelFingerprint, settings: dict) -> FeatureSet:
+    """All documents of another run's finished cache, to train on beside this run's (``--extra-features``). Its
+    documents and pass may differ (corpus, prompts, dtype, length); besides :func:`extra_manifest`'s refusals, it is
+    refused when made for another target or, when this run taps layers (EAGLE-3), not holding the same taps."""
+    manifest = extra_manifest(folder, settings["features"]["topk"])
+    diffs = ModelFingerprint.from_dict(manifest["target"]).differences(fingerprint)
+    if diffs:
+        raise DynvocabError(f"--extra-features {folder} holds features of another target ({diffs[0]})")
+    taps = manifest["settings"]["entering_layers"]
+    if settings["entering_layers"] and taps != settings["entering_layers"]:
+        raise DynvocabError(f"--extra-features {folder} taps layers {taps}, this head {settings['entering_layers']}; "
+                            "use a cache made for this EAGLE-3 head")
+    return load_features(folder, manifest["docs"])
+
+
+class MixedReader:
+    """Several caches' documents read as one: interleaved in proportion to their sizes (so the held-out documents
+    scored first come from every cache), each keeping its own held-out documents.
+
+    ``doc_id`` is the document's corpus position in its cache plus an offset per cache that is a multiple of
+    ``holdout_every``, so a document is held out here exactly when it was held out in its own cache's run."""
+
+    def __init__(self, readers: list[FeatureReader], holdout_every: int):
+        self.readers = readers
+        top = max((r.doc_id(k) for r in readers for k in range(len(r))), default=0) + 1
+        self.stride = holdout_every * -(-top // holdout_every)
+        keyed = [((k + 0.5) / len(r), c, k) for c, r in enumerate(readers) for k in range(len(r))]
+        self.index = [(c, k) for _, c, k in sorted(keyed)]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens (positions) in the documents read."""
+        return sum(r.tokens for r in self.readers)
+
+    def length(self, k: int) -> int:
+        """Tokens in document ``k`` (nothing read)."""
+        c, j = self.index[k]
+        return self.readers[c].length(j)
+
+    def doc_id(self, k: int) -> int:
+        """Document ``k``'s corpus position in its cache, offset by its cache's multiple of the held-out period."""
+        c, j = self.index[k]
+        return c * self.stride + self.readers[c].doc_id(j)
+
+    def read(self, k: int) -> dict[str, torch.Tensor]:
+        """Document ``k``, as :meth:`FeatureReader.read` gives it."""
+        c, j = self.index[k]
+        return self.readers[c].read(j)
+

@@ -108,6 +108,7 @@ def _features(cfg: TrainDraftConfig, spec, model, tokenizer, documents, work: Pa
     """Phase 1: the target's features over the documents (or its own continuations of them, ``--self-distill``),
     extracted where the cache lacks them; returns the reader, the cache's settings and what was done."""
     settings = feats.settings_of(cfg.features, _corpus_settings(cfg), entering)
+    extras = [feats.open_extra(Path(f), target_fp, settings) for f in cfg.extra_features]  # refused before any work
     folder = Path(cfg.features_dir) if cfg.features_dir else work / "features"
     manifest = ranks.on_main(lambda: feats.open_manifest(folder, target_fp, settings))
     start = time.perf_counter()
@@ -123,8 +124,13 @@ def _features(cfg: TrainDraftConfig, spec, model, tokenizer, documents, work: Pa
     features = feats.load_features(folder, cfg.corpus.max_docs)
     reader = feats.FeatureReader(features, aux=cfg.kind == EAGLE3)
     reporter.log(f"features: {features.docs:,} documents · {reader.tokens:,} tokens in {folder}")
+    if extras:
+        readers = [reader, *(feats.FeatureReader(x, aux=cfg.kind == EAGLE3) for x in extras)]
+        for x, r in zip(extras, readers[1:]):
+            reporter.log(f"extra features: {x.docs:,} documents · {r.tokens:,} tokens in {x.folder}")
+        reader = feats.MixedReader(readers, cfg.optim.holdout_every)
     return {"reader": reader, "features": features, "folder": folder, "settings": settings, "extracted": extracted,
-            "made": made, "seconds": time.perf_counter() - start}
+            "made": made, "extras": extras, "seconds": time.perf_counter() - start}
 
 
 def _info(cfg: TrainDraftConfig, target_fp, phase1: dict, history: dict, vocab_info: dict, entering, seconds: dict,
@@ -140,7 +146,8 @@ def _info(cfg: TrainDraftConfig, target_fp, phase1: dict, history: dict, vocab_i
                  "train_docs": history["train_docs"], "heldout_docs": history["heldout_docs"],
                  "extract": features.manifest.get("extract", {}) if phase1["extracted"] else {},
                  "features_dir": str(folder),
-                 "self_distilled": _distill_summary(cfg, folder, features.docs, phase1["made"])},
+                 "self_distilled": _distill_summary(cfg, folder, features.docs, phase1["made"]),
+                 **({"extra": [_extra_summary(x) for x in phase1["extras"]]} if phase1["extras"] else {})},
         "draft_vocab": vocab_info,
         "target_layers": list(entering or ()),
         "steps": history["step"],
@@ -178,6 +185,11 @@ def _self_distill(spec, model, tokenizer, prompts, folder: Path, cfg: TrainDraft
         del writer
         gc.collect()
     return manifest.get("generate", {})
+
+
+def _extra_summary(extra: feats.FeatureSet) -> dict:
+    """An ``--extra-features`` cache as ``training.json`` records it: where, how much, and what it was made from."""
+    return {"features_dir": str(extra.folder), "docs": extra.docs, "settings": extra.manifest["settings"]}
 
 
 def _distill_summary(cfg: TrainDraftConfig, folder: Path, docs: int, made: dict) -> dict:
