@@ -19,7 +19,7 @@ from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, distill, reci
 from dynvocab.builders.draft.features import FeatureConfig
 from dynvocab.builders.models import fingerprint
 from dynvocab.errors import DynvocabError
-from dynvocab.progress import SilentReporter
+from dynvocab.progress import SilentReporter, callback_reporter
 
 
 @pytest.fixture(autouse=True)
@@ -138,8 +138,11 @@ def test_generation_resumes_and_refuses_other_settings(loaded, corpus_txt, tmp_p
     calls = []
     real = distill.continue_batch
     monkeypatch.setattr(distill, "continue_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    seen, logs = [], []
     distill.generate(model, tokenizer, iter(prompts(tokenizer, corpus_txt, 7, 24)), folder, manifest, cfg, 7, end,
-                     SilentReporter())
+                     callback_reporter(lambda *call: seen.append(call), logs.append))
+    assert seen[0][1:] == (0, 3) and seen[-1][1:] == (3, 3)  # the bar counts the missing shard only: a true ETA
+    assert logs == ["self-distilled documents: 4 of 7 written before; resuming"]
     assert len(calls) == 1 and list(distill.documents(folder, 7, 100)) == docs  # only the missing shard, the same documents
     assert [len(d) for d in distill.documents(folder, 7, 8)] == [min(8, len(d)) for d in docs]
     other = distill.settings_of(distill.DistillConfig(prompt_tokens=5, new_tokens=6, batch=3, temperature=0.7), {"sources": ["x"]})

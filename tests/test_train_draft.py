@@ -19,7 +19,7 @@ from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, features, rec
 from dynvocab.builders.draft.features import FeatureConfig
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, load_eagle
-from dynvocab.progress import SilentReporter
+from dynvocab.progress import SilentReporter, callback_reporter
 
 
 @pytest.fixture(autouse=True)
@@ -151,12 +151,19 @@ def test_resume_after_interruptions_equals_one_run(target_dir, corpus_txt, tmp_p
         return real_unroll(*args, **kwargs)
 
     monkeypatch.setattr(recipe, "unroll", crash_mid_training)
+    seen, logs = [], []
     with pytest.raises(RuntimeError, match="power cut"):
-        trainer.train_draft(str(target_dir), out, cfg)
+        trainer.train_draft(str(target_dir), out, cfg, callback_reporter(lambda *call: seen.append(call), logs.append))
     assert (out / "work" / "checkpoint.pt").is_file() and not (out / "config.json").exists()
+    assert ("target features (documents)", 0, 30 - 8) in seen  # the bar counts the work left, so its ETA is true
+    assert "target features: 8 of 30 documents cached before; resuming" in logs
     monkeypatch.setattr(recipe, "unroll", real_unroll)
 
-    resumed = trainer.train_draft(str(target_dir), out, cfg)
+    step = torch.load(out / "work" / "checkpoint.pt", weights_only=False)["state"]["step"]
+    seen.clear()
+    resumed = trainer.train_draft(str(target_dir), out, cfg, callback_reporter(lambda *call: seen.append(call)))
+    training = [call for call in seen if call[0].startswith("training")]
+    assert 0 < step and training[0][1:] == (0, whole.info["steps"] - step) and training[-1][1] == whole.info["steps"] - step
     assert resumed.info["steps"] == whole.info["steps"]
     assert resumed.info["losses"] == whole.info["losses"]
     a, b = head_weights(tmp_path / "whole"), head_weights(out)

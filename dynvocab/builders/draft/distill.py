@@ -151,15 +151,19 @@ def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manif
     manifest. ``prompts`` yields the prompts' token ids in a fixed order (:func:`prompt_ids`)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     docs, made, started = 0, 0, time.perf_counter()
-    with reporter.task("self-distilled documents (the target writes)", total=max_docs) as advance:
+    written = manifests.finished_docs(lambda i: _shard_docs(shard_path(folder, i)), cfg.batch, max_docs)
+    if written:
+        reporter.log(f"self-distilled documents: {written:,} of {max_docs:,} written before; resuming")
+    with reporter.task("self-distilled documents (the target writes)", total=max_docs - written) as advance:
         chunks = iter(lambda: list(itertools.islice(prompts, cfg.batch)), [])
         for index, chunk in enumerate(itertools.islice(chunks, -(-max_docs // cfg.batch))):
             chunk = chunk[: max_docs - docs]
             path = shard_path(folder, index)
-            if _shard_docs(path) != len(chunk):
-                made += _write_shard(path, continue_batch(model, chunk, cfg, pad_id, end_ids, cfg.seed * 1_000_003 + index),
-                                     [len(p) for p in chunk])
             docs += len(chunk)
+            if _shard_docs(path) == len(chunk):
+                continue  # written before: not counted in this run's bar, rate or ETA
+            made += _write_shard(path, continue_batch(model, chunk, cfg, pad_id, end_ids, cfg.seed * 1_000_003 + index),
+                                 [len(p) for p in chunk])
             seconds = time.perf_counter() - started
             rate = f" · {made / seconds:,.0f} new tok/s" if made and seconds > 0 else ""
             advance(len(chunk), description=f"self-distilled documents{rate}")

@@ -168,14 +168,18 @@ def extract(
     store = getattr(torch, cfg.store_dtype)
     tap = LayerTap(model, entering) if entering else None
     docs, ran, started = 0, 0, time.perf_counter()
+    cached = manifests.finished_docs(lambda i: _shard_docs(shard_path(folder, i)), cfg.shard_docs, max_docs)
+    if cached:
+        reporter.log(f"target features: {cached:,} of {max_docs:,} documents cached before; resuming")
     try:
-        with reporter.task("target features (documents)", total=max_docs) as advance:
+        with reporter.task("target features (documents)", total=max_docs - cached) as advance:
             chunks = _chunks(itertools.islice(documents, max_docs), cfg.shard_docs)
             for index, batch in enumerate(chunks):
                 if index % ranks.world == ranks.rank:
-                    ran += _shard(model, batch, index, docs, folder, store, entering, tap, cfg)
-                    # rank 0's bar counts every rank's documents, taking the others to keep its pace
-                    advance(len(batch) * ranks.world, description=_rate("target features", ran * ranks.world, started))
+                    now = _shard(model, batch, index, docs, folder, store, entering, tap, cfg)
+                    ran += now
+                    if now:  # rank 0's bar counts every rank's documents, taking the others to keep its pace
+                        advance(len(batch) * ranks.world, description=_rate("target features", ran * ranks.world, started))
                 docs += len(batch)
     finally:
         if tap is not None:

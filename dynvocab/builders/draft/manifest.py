@@ -47,3 +47,9 @@ def open_manifest(folder: Path, version: int, fingerprint: ModelFingerprint, set
 def write_manifest(folder: Path, manifest: dict) -> None:
     """Write ``manifest`` into ``folder`` (atomically: never a half-written file)."""
     write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+
+
+def finished_docs(shard_docs, per_shard: int, max_docs: int) -> int:
+    """Documents of the first ``max_docs`` already in whole shards (``shard_docs(i)``: the documents shard ``i``
+    holds, 0 when absent), so that a resumed run's progress counts only the work left."""
+    return sum(n for i in range(-(-max_docs // per_shard)) if (n := shard_docs(i)) == min(per_shard, max_docs - i * per_shard))

@@ -67,8 +67,7 @@ def train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pat
     if heldout and ranks.main and not state["heldout"]:  # the starting point, for the report's before/after
         state["heldout"].append(score())
     unit = "documents" if o.batch_docs == 1 else f"steps of {o.batch_docs} documents"
-    with reporter.task(f"training ({unit})", total=total) as advance:
-        advance(state["step"])
+    with reporter.task(f"training ({unit})", total=total - state["step"]) as advance:  # the work left: a true ETA
         running = None
         while state["step"] < total:
             batch = _batch(run, train_docs, state["step"], per_epoch)
