@@ -392,4 +392,3 @@ class MixedReader:
         """Document ``k``, as :meth:`FeatureReader.read` gives it."""
         c, j = self.index[k]
         return self.readers[c].read(j)
-
