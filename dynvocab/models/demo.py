@@ -133,7 +133,7 @@ DEMO_HEADS = {
     "gemma-eagle1": DemoHead(
         name="gemma-eagle1",
         target="demo:gemma",
-        sha256="07e39aedd4aea1476b155f0562f9c50a9054626517c15161f79538ed03f672c0",
+        sha256="c073a38953c6095df22bb0a5ae1f7b6c1e42d8e9ac9e8e767cbb2c544709e112",
         command="dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill --distill-prompts text "
         "--distill-prompt-tokens 64 --max-docs 1600 --distill-batch 32 --feature-dtype bfloat16 --features gemma-features "
         "--epochs 2 --save-dtype bfloat16 --threads 2 --out gemma-eagle1-base && "
@@ -144,7 +144,11 @@ DEMO_HEADS = {
         "dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill --distill-prompts turn --max-docs 1600 "
         "--max-tokens 448 --distill-batch 32 --feature-dtype bfloat16 --features gemma-turn-features --epochs 1 "
         "--ttt-steps 2 --lr 2e-4 --eval-every 400 --init-from gemma-eagle1-text --save-dtype bfloat16 --threads 2 "
-        "--out gemma-eagle1",
+        "--out gemma-eagle1-turn && "
+        "dynvocab train-draft --target demo:gemma --arch eagle1 --self-distill --corpus python-stubs --max-docs 1088 "
+        "--distill-batch 32 --feature-dtype bfloat16 --features gemma-code-features --extra-features gemma-turn-features "
+        "--epochs 1 --ttt-steps 2 --lr 2e-4 --eval-every 400 --init-from gemma-eagle1-turn --save-dtype bfloat16 "
+        "--threads 2 --out gemma-eagle1",
     ),
 }
 
