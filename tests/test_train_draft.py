@@ -288,6 +288,33 @@ def test_extra_features_refusals(target_dir, corpus_txt, tmp_path):
         trainer.train_draft(str(target_dir), tmp_path / "k8", topk)
 
 
+def test_features_only_builds_a_cache_that_a_later_run_trains_beside(target_dir, corpus_txt, tmp_path):
+    """--features-only stops after phase 1: the cache is whole and no head is written; a later run trains on it
+    beside its own documents (the EAGLE-3 layer taps included), and the flag refuses the extras it cannot use."""
+    chat = tmp_path / "chat-f"
+    base = ["train-draft", "--target", target_dir, "--max-tokens", 24, "--threads", 1, "--arch", "eagle3",
+            "--draft-vocab", 96]
+    made = run(*base, "--corpus", corpus_txt, "--max-docs", 10, "--features", chat, "--features-only",
+               "--out", tmp_path / "cache")
+    assert made.exit_code == 0, made.output
+    assert "10 documents" in made.output and "no head trained (--features-only)" in made.output
+    assert not list((tmp_path / "cache").glob("*.json")) and not list((tmp_path / "cache").glob("*.safetensors"))
+    cached = features.load_features(chat, 10)
+    assert cached.docs == 10 and features.FeatureReader(cached, aux=True).read(0)["aux"].shape[-1] == 3 * 32
+    again = run(*base, "--corpus", corpus_txt, "--max-docs", 10, "--features", chat, "--features-only",
+                "--out", tmp_path / "cache")
+    assert again.exit_code == 0 and "no head trained" in again.output  # a finished cache: nothing to redo
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(sentences(12, seed=11)) + "\n")
+    trained = run(*base, "--corpus", other, "--max-docs", 12, "--extra-features", chat, "--epochs", 1,
+                  "--out", tmp_path / "head")
+    assert trained.exit_code == 0, trained.output
+    info = json.loads((tmp_path / "head" / "training.json").read_text())
+    assert info["data"]["extra"][0]["docs"] == 10 and info["data"]["train_docs"] == (12 - 1) + (10 - 1)
+    assert_one_line_error(run(*base, "--corpus", other, "--features-only", "--extra-features", chat,
+                              "--out", tmp_path / "x"), "--features-only trains nothing")
+
+
 # ---- the unroll -------------------------------------------------------------------------------------------
 
 

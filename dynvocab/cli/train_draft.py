@@ -62,6 +62,7 @@ def train_draft(
     distill_new_tokens: Annotated[int, typer.Option(help="--self-distill: tokens the target writes per prompt.")] = _DISTILL.new_tokens,
     distill_temperature: Annotated[float, typer.Option(help="--self-distill: 0 greedy, else sampled from the target's full distribution.")] = _DISTILL.temperature,
     distill_batch: Annotated[int, typer.Option(help="--self-distill: prompts per generation call (and per cache shard).")] = _DISTILL.batch,
+    features_only: Annotated[bool, typer.Option("--features-only", help="Build (or resume) the feature cache and stop, writing no head: a cache that later runs name with --features or --extra-features.")] = False,
     init_from: Annotated[Optional[str], typer.Option("--init-from", help="Continue training this EAGLE head (a folder, a hub id or demo:gemma-eagle1) instead of starting from the target's last layer; same --arch and target.")] = None,
     save_dtype: Annotated[Optional[str], typer.Option(help="The head's weights on disk: float32 (default, as trained), bfloat16 or float16 (half the bytes; loading casts).")] = None,
     fmt: Annotated[str, typer.Option("--format", help=f"The head's layout family. {describe_families()}.")] = _DEFAULTS.layout,
@@ -92,6 +93,7 @@ def train_draft(
         extra_features=tuple(str(f) for f in extra_features or ()),
         save_dtype=save_dtype,
         init_from=init_from,
+        features_only=features_only,
         distill=DistillConfig(prompt_tokens=distill_prompt_tokens, new_tokens=distill_new_tokens,
                               temperature=distill_temperature, batch=distill_batch,
                               prompts=distill_prompts) if self_distill else None,
@@ -103,6 +105,10 @@ def train_draft(
     with make_reporter(err_console) as reporter:
         report = run(target, out, cfg, reporter)
     info = report.info
+    if cfg.features_only:
+        err_console.print(f"feature cache {report.path} · {info['docs']:,} documents · {info['tokens']:,} tokens · "
+                          f"{info['seconds']['features']:.0f} s; no head trained (--features-only)", highlight=False, soft_wrap=True)
+        return
     held = info["heldout"][-1] if info["heldout"] else None
     agree = (
         f" · held-out top-1 {held['top1'][0]:.1%} (steps {', '.join(f'{a:.0%}' for a in held['top1'])}; "

@@ -68,6 +68,7 @@ class TrainDraftConfig:
     distill: distill.DistillConfig | None = None  # train on the target's own continuations of the corpus's prompts
     save_dtype: str | None = None  # the head's weights on disk (None: float32, as trained; bfloat16 halves them)
     init_from: str | None = None  # continue training this head (a folder or a demo name) instead of starting from the target
+    features_only: bool = False  # build (or resume) the feature cache and stop: a cache for other runs, no head
 
     @property
     def kind(self) -> str:
@@ -77,9 +78,9 @@ class TrainDraftConfig:
 
 @dataclass(frozen=True)
 class TrainDraftReport:
-    """What ``train-draft`` did (also written as ``OUT/training.json``)."""
+    """What ``train-draft`` did (also written as ``OUT/training.json``); with ``features_only``, the cache it left."""
 
-    path: Path
+    path: Path  # the head's folder, or the feature cache's with features_only
     info: dict
 
 
@@ -115,6 +116,8 @@ def check_config(cfg: TrainDraftConfig) -> None:
                 f"{cfg.distill.prompt_tokens} tokens; pass --max-tokens of at least --distill-prompt-tokens + "
                 f"--distill-new-tokens ({cfg.distill.prompt_tokens + cfg.distill.new_tokens})"
             )
+    if cfg.features_only and cfg.extra_features:
+        raise DynvocabError("--features-only trains nothing, so --extra-features has nothing to join; pass one or the other")
     for folder in cfg.extra_features:
         if not Path(folder).is_dir():
             raise DynvocabError(f"--extra-features {folder} is no folder; pass the --features folder of a finished run")

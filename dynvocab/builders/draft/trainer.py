@@ -39,7 +39,8 @@ from dynvocab.progress import Reporter, SilentReporter
 
 def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraftConfig(), reporter: Reporter = SilentReporter()) -> TrainDraftReport:
     """Build an EAGLE head of ``cfg.arch`` for ``target`` into ``out`` (resuming whatever a previous run left): in
-    this process, or data-parallel over the ranks of a ``torchrun`` launch (every rank returns the report)."""
+    this process, or data-parallel over the ranks of a ``torchrun`` launch (every rank returns the report). With
+    ``cfg.features_only`` it stops once the feature cache is whole and reports the cache, not a head."""
     t0 = time.perf_counter()
     check_config(cfg)
     out = Path(out)
@@ -74,6 +75,11 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     phase1 = _features(cfg, spec, model, tokenizer, itertools.chain([first], documents), work, entering, target_fp,
                        device, reporter, ranks)
     reader = phase1["reader"]
+    if cfg.features_only:
+        features = phase1["features"]
+        return TrainDraftReport(phase1["folder"], {"features_only": True, "docs": features.docs, "tokens": reader.tokens,
+                                                   "extract": features.manifest.get("extract", {}) if phase1["extracted"] else {},
+                                                   "seconds": {"features": round(phase1["seconds"], 1)}})
     draft_ids, vocab_info = (None, {})
     if cfg.kind == EAGLE3:
         draft_ids, vocab_info = draft_vocab(cfg, reader, spec, tokenizer, target_fp)
