@@ -66,7 +66,6 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     if cfg.kind == EAGLE3:
         vocab.check_size(cfg.draft_vocab, target_fp.head_rows)
     work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
     model = load_model(spec, device, cfg.features.dtype)
     layout = _layout_for(cfg, model, target)
     layers = len(getattr(model, model.base_model_prefix).layers)
@@ -80,6 +79,7 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
         return TrainDraftReport(phase1["folder"], {"features_only": True, "docs": features.docs, "tokens": reader.tokens,
                                                    "extract": features.manifest.get("extract", {}) if phase1["extracted"] else {},
                                                    "seconds": {"features": round(phase1["seconds"], 1)}})
+    work.mkdir(parents=True, exist_ok=True)
     draft_ids, vocab_info = (None, {})
     if cfg.kind == EAGLE3:
         draft_ids, vocab_info = draft_vocab(cfg, reader, spec, tokenizer, target_fp)
