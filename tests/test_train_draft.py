@@ -294,11 +294,10 @@ def test_features_only_builds_a_cache_that_a_later_run_trains_beside(target_dir,
     chat = tmp_path / "chat-f"
     base = ["train-draft", "--target", target_dir, "--max-tokens", 24, "--threads", 1, "--arch", "eagle3",
             "--draft-vocab", 96]
-    made = run(*base, "--corpus", corpus_txt, "--max-docs", 10, "--features", chat, "--features-only",
-               "--out", tmp_path / "cache")
+    made = run(*base, "--corpus", corpus_txt, "--max-docs", 10, "--features", chat, "--features-only")
     assert made.exit_code == 0, made.output
     assert "10 documents" in made.output and "no head trained (--features-only)" in made.output
-    assert not (tmp_path / "cache").exists()  # the cache is in --features; nothing else is written
+    assert sorted(p.name for p in chat.iterdir() if not p.name.startswith("shard-")) == ["manifest.json"]
     cached = features.load_features(chat, 10)
     assert cached.docs == 10 and features.FeatureReader(cached, aux=True).read(0)["aux"].shape[-1] == 3 * 32
     again = run(*base, "--corpus", corpus_txt, "--max-docs", 10, "--features", chat, "--features-only",
@@ -313,6 +312,7 @@ def test_features_only_builds_a_cache_that_a_later_run_trains_beside(target_dir,
     assert info["data"]["extra"][0]["docs"] == 10 and info["data"]["train_docs"] == (12 - 1) + (10 - 1)
     assert_one_line_error(run(*base, "--corpus", other, "--features-only", "--extra-features", chat,
                               "--out", tmp_path / "x"), "--features-only trains nothing")
+    assert_one_line_error(run(*base, "--corpus", other, "--features-only"), "pass --out")
 
 
 # ---- the unroll -------------------------------------------------------------------------------------------

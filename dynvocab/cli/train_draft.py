@@ -12,6 +12,7 @@ from dynvocab.builders.draft import OptimConfig, TrainDraftConfig
 from dynvocab.builders.draft.distill import DistillConfig
 from dynvocab.builders.draft.ranks import env_rank
 from dynvocab.cli.common import Device, Target, Threads, check_dtype_device, err_console, one_line_errors, set_threads
+from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.layouts import describe_families
 from dynvocab.progress import SilentReporter, make_reporter
 
@@ -27,7 +28,7 @@ def _override(cfg, **values):
 
 @one_line_errors
 def train_draft(
-    out: Annotated[Path, typer.Option("--out", help="Folder of the head (config.json, model.safetensors, training.json); rerun to resume.")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder of the head (config.json, model.safetensors, training.json); rerun to resume. Required unless --features-only names --features.")] = None,
     target: Target = "demo:target",
     corpus: Annotated[
         Optional[List[str]],
@@ -75,6 +76,10 @@ def train_draft(
     from dynvocab.builders.draft import train_draft as run
     from dynvocab.builders.draft.config import check_config
 
+    if out is None:
+        if not (features_only and features):
+            raise DynvocabError("pass --out, the head's folder (only --features-only with --features needs none)")
+        out = features  # nothing is written under it: the cache is the whole output
     check_dtype_device(device, feature_dtype)
     set_threads(threads)
     cfg = TrainDraftConfig(
