@@ -106,6 +106,25 @@ def test_sampling_is_seeded_and_leaves_the_global_generator_alone(loaded, corpus
     assert a != greedy
 
 
+def test_sample_by_cdf_draws_from_the_tempered_distribution():
+    """The inverse-CDF sampler's frequencies match softmax(scores / T) within sampling error (a chi-square test at
+    a 1e-4 false-alarm rate; a sampler off by a temperature or a position fails it), and ids at -inf never come."""
+    critical = 23.51  # chi2.ppf(1 - 1e-4, df=4) (scipy, not a dependency): each row has 5 live ids
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5], [0.0, 0.0, 3.0, float("-inf"), -2.0, 1.0]])
+    n, temperature = 20_000, 0.7
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([distill.sample_by_cdf(scores, temperature, generator) for _ in range(n)])  # [n, 2]
+    for row in range(2):
+        want = torch.softmax(scores[row] / temperature, -1)
+        counts = torch.bincount(draws[:, row], minlength=6).double()
+        assert counts[want == 0].sum() == 0
+        live = want > 0
+        stat = (((counts[live] - n * want[live]) ** 2) / (n * want[live])).sum().item()
+        assert int(live.sum()) == 5 and stat < critical, (row, counts, n * want)
+        wrong = torch.softmax(scores[row] / 1.0, -1)[live]  # the same scores at temperature 1: must be told apart
+        assert (((counts[live] - n * wrong) ** 2) / (n * wrong)).sum().item() > critical
+
+
 def test_with_bos_follows_the_tokenizer(loaded):
     _, tokenizer, _ = loaded
 

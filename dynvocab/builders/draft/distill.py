@@ -130,19 +130,40 @@ def continue_batch(model, prompts: list[list[int]], cfg: DistillConfig, pad_id: 
     for b, p in enumerate(prompts):
         ids[b, width - len(p):] = torch.tensor(p)
         mask[b, width - len(p):] = 1
-    sample = cfg.temperature > 0
-    options = dict(max_new_tokens=cfg.new_tokens, do_sample=sample, pad_token_id=pad_id, eos_token_id=end_ids)
-    options.update(temperature=cfg.temperature, top_k=0, top_p=1.0, min_p=None) if sample else options.update(
-        temperature=None, top_k=None, top_p=None)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
+    options = dict(max_new_tokens=cfg.new_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=end_ids,
+                   temperature=None, top_k=None, top_p=None)
+    if cfg.temperature > 0:  # greedy search over scores that are -inf but at one sampled id a row: a sample
+        generator = torch.Generator(device=device).manual_seed(seed)
+        options["logits_processor"] = _sampler(lambda scores: sample_by_cdf(scores, cfg.temperature, generator))
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
     ends = set(end_ids)
     docs = []
     for p, row in zip(prompts, out[:, width:].tolist()):
         cut = next((k + 1 for k, t in enumerate(row) if t in ends), len(row))
         docs.append([*p, *row[:cut]])
     return docs
+
+
+def sample_by_cdf(scores: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """One draw a row from softmax(``scores`` / ``temperature``) ([B, V] -> [B]), by inverting each row's cumulative
+    distribution (summed in float64) at one uniform: on a CPU core, 0.12 s for 32 rows of 262,144 ids against
+    ``torch.multinomial``'s 0.5 s, which made sampled generation 3.7x slower than greedy. Ids of probability 0 are
+    never drawn."""
+    cdf = torch.softmax(scores.float() / temperature, dim=-1).cumsum(dim=-1, dtype=torch.float64)  # [B, V]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)[:, 0]
+
+
+def _sampler(draw):
+    """A transformers logits processor that leaves only ``draw(scores)``'s id a row (0, the rest -inf)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Sampled(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            picked = draw(scores)  # [B]
+            return torch.full_like(scores, float("-inf")).scatter_(1, picked[:, None], 0.0)
+
+    return LogitsProcessorList([Sampled()])
 
 
 def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manifest: dict, cfg: DistillConfig,
