@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from dynvocab.errors import DynvocabError
+from dynvocab.bench import stability
 from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.bench.llamacpp import LLAMA_ROWS, LlamaCpp, prompt_text
 from dynvocab.bench.llamacpp import generate as llama_generate
@@ -26,7 +27,7 @@ from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.bench.recorder import PolicyRecorder
 from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summarize_bench
 from dynvocab.bench.prompts import PromptRow
-from dynvocab.runtime.prompts import encode_prompt
+from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.session import Session
 from dynvocab.runtime.strategies import StrategyOptions, lookup, make_policy, parse_strategies
 from dynvocab.bench.tasks import HISTORY_CHARS, BenchItem, as_item
@@ -183,6 +184,7 @@ def run_bench(
     order = sorted(cfg.strategies, key=lambda s: s != "ar")  # ar first: its answers are the replayed context
     seeds = cfg.seeds or (cfg.decode.seed,)
     generations = []
+    probe = stability.Probe()
     for item in items:
         for seed in seeds:
             decode = replace(cfg.decode, seed=seed)
@@ -195,7 +197,9 @@ def run_bench(
                     prompt_ids = encode_prompt(session.tokenizer, messages, cfg.chat_template)
                     if on_start is not None:
                         on_start(row_id, strategy)
+                    probe.start()
                     token_ids, metrics = generate_row(session, strategy, prompt_ids, decode, cfg)
+                    row_load = probe.stop()
                     text = session.tokenizer.decode(token_ids, skip_special_tokens=True)
                     answers[strategy].append(text)
                     record = {
@@ -209,6 +213,7 @@ def run_bench(
                         "turn": turn + 1,
                         "seed": seed,
                         "prompt_tokens": len(prompt_ids),
+                        "load": row_load,
                     }
                     if item.labels:
                         record["segment"] = item.labels[turn]
@@ -251,4 +256,6 @@ def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -
         "generations": generations,
         "summary": summarize_bench(generations, cfg.strategies, greedy=cfg.decode.temperature == 0),
         "oracle": oracle_summary(generations),
+        "machine": stability.machine([g.get("load") for g in generations]),
+        "warnings": stability.bench_warnings(generations),
     }

@@ -181,6 +181,8 @@ def show_and_write(req: BenchRequest, results: dict, console: Console) -> None:
     out = Console(width=None if stdout_is_terminal() else 200)
     for table in render_tables(results):
         out.print(table)
+    if results.get("warnings"):
+        console.print(f"[bold yellow]warning:[/] {'; '.join(results['warnings'])}", highlight=False, soft_wrap=True)
     for note in notes(results):
         console.print(f"[dim]{note}[/]", highlight=False, soft_wrap=True)
     if req.json_path is not None:
@@ -209,7 +211,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
     through vLLM in a child process (:mod:`dynvocab.bench.vllm_rows`); print the table, write the JSON."""
     from dynvocab.bench import vllm_rows as v
     from dynvocab.models import default_dtype, load_tokenizer, resolve_model
-    from dynvocab.runtime.prompts import encode_prompt
+    from dynvocab.prompts import encode_prompt
 
     if flags.temperature > 0:
         raise DynvocabError("--vllm rows decode greedily (the plugin's get_top_tokens); drop --temperature")
