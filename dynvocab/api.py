@@ -97,7 +97,7 @@ class Pair:
     def encode(self, prompt, chat_template: bool = True) -> list[int]:
         """Token ids of a user message or chat messages, with the chat template (and its assistant opener)
         unless ``chat_template`` is False."""
-        from dynvocab.runtime.prompts import encode_prompt
+        from dynvocab.prompts import encode_prompt
 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         return encode_prompt(self.session.tokenizer, messages, chat_template)

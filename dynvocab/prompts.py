@@ -1,8 +1,18 @@
-"""Prompts: chat-template encoding of a conversation into token ids."""
+"""Prompts as the models see them: a conversation encoded into token ids, and the code instruction.
+
+Everything that turns a conversation into a target's prompt reads this module, so a generation, a bench row and a
+self-distilled training prompt open the same way: the API and ``generate``, the bench's rows and tasks, the
+``python-stubs`` corpus and ``train-draft --self-distill``. It sits low (beside ``data/``, importing only
+:mod:`dynvocab.errors`) because builders and the runtime both need it and never import each other; it takes a
+tokenizer as it comes and loads nothing.
+"""
 
 from __future__ import annotations
 
 from dynvocab.errors import DynvocabError
+
+# The instruction a code prompt is wrapped in: the bench's ``code`` task (HumanEval) and the ``python-stubs`` corpus.
+CODE_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 
 
 def encode_prompt(tokenizer, messages: list[dict] | tuple[dict, ...], chat_template: bool = True) -> list[int]:

@@ -145,7 +145,7 @@ def prompts(args, target: Path) -> list[dict]:
     from transformers import AutoTokenizer
 
     from dynvocab.bench.tasks import embedded_items
-    from dynvocab.runtime.prompts import encode_prompt
+    from dynvocab.prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(str(target))
     folder = args.work / "prompts"

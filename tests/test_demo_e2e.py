@@ -11,7 +11,7 @@ import torch
 from conftest import DEMO_PAIR, requires_packages
 
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.prompts import encode_prompt
+from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 
 pytestmark = [pytest.mark.demo, requires_packages(*DEMO_PAIR)]

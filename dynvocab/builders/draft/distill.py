@@ -7,7 +7,7 @@ and speculators computes its verifier's states in a separate data-generation ste
 prompt, in one of two styles (``prompts``):
 
 * ``turn`` (the default): a conversation's first user turn (cut to ``prompt_tokens`` tokens), encoded exactly as
-  the runtime encodes a prompt (:func:`dynvocab.runtime.prompts.encode_prompt`: with the chat template and the
+  the runtime encodes a prompt (:func:`dynvocab.prompts.encode_prompt`: with the chat template and the
   model's turn opened; a model without a template continues the turn's text after its BOS). The target writes what
   it writes when serving, which is what a draft must predict. A plain-text row is one user turn.
 * ``text``: the document's first ``prompt_tokens`` tokens (ShareGPT: of the chat-template-encoded conversation,
@@ -97,7 +97,7 @@ def prompt_ids(cfg: DistillConfig, corpus, documents: Iterator[list[int]], token
     if cfg.prompts == "text":
         return (with_bos(p[: cfg.prompt_tokens], tokenizer) for p in documents)
     from dynvocab.builders.corpus import first_turns
-    from dynvocab.runtime.prompts import encode_prompt
+    from dynvocab.prompts import encode_prompt
 
     def cut(messages: list[dict]) -> list[dict]:
         *before, user = messages
