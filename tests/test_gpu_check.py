@@ -2,6 +2,7 @@
 writes the JSON it promises, naming what the CUDA run times (so the script cannot rot before a GPU shows up)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,14 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynvocab.bench.gpu_check import SECTIONS, host_reads
+from dynvocab.bench.gpu_check import BUDGET_S, LIMIT_S, SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
-def gpu_check(*args: str, timeout: float = 170) -> subprocess.CompletedProcess:
-    """The script as a user runs it, with this interpreter and no Triton mode chosen."""
+def gpu_check(*args: str, timeout: float = BUDGET_S + 60) -> subprocess.CompletedProcess:
+    """The script as a user runs it, with this interpreter and no Triton mode chosen (``timeout``: a hang guard
+    past the script's own budget, which ends it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHON"] = sys.executable
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -38,7 +40,17 @@ def test_cpu_run_passes_every_section(report):
     assert {name: s["status"] for name, s in report["sections"].items()} == {name: "ok" for name in SECTIONS}
     env = report["env"]
     assert env["torch"] == torch.__version__ and env["device_name"] and "triton" in env and env["transformers"]
-    assert report["total_s"] < 170
+
+
+def test_the_run_reports_its_budget_and_each_sections_time(report):
+    """The time budget is a field of the report, not a test's threshold (a busy machine is slower, not wrong)."""
+    sections = report["sections"]
+    assert report["budget_s"] == BUDGET_S
+    assert list(sections) == list(SECTIONS)
+    assert all(0 < s["limit_s"] <= LIMIT_S[name] for name, s in sections.items())  # the budget's share, at most
+    seconds = [s["seconds"] for s in sections.values()]
+    assert all(math.isfinite(t) and t >= 0 for t in seconds) and math.isfinite(report["total_s"])
+    assert sum(seconds) <= report["total_s"] + 0.05 * len(seconds)  # each rounded to 0.1 s
 
 
 def test_the_cuda_marked_tests_ran_interpreted(report):
@@ -84,15 +96,3 @@ def test_help_and_bad_arguments():
 def test_cuda_without_a_gpu_is_refused(tmp_path):
     run = gpu_check("--device", "cuda", "--out", str(tmp_path / "r.json"), timeout=60)
     assert run.returncode == 2 and "no CUDA device" in run.stderr and not (tmp_path / "r.json").exists()
-
-
-def test_host_reads_are_recorded_where_they_happen():
-    x = torch.ones(2)
-    with host_reads() as reads:
-        (x * 2).sum()
-        float(x[0])
-        x.tolist()
-    sites = list(reads.elsewhere)
-    assert [s.split()[1] for s in sites] == ["__float__", "tolist"]  # the product and the sum read nothing
-    assert all(s.startswith("test_gpu_check.py:") for s in sites)  # the caller, not torch
-    assert torch.Tensor.item.__name__ == "item"  # restored

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dynvocab.artifacts import ModelFingerprint, Stage, load_bundle, write_bundle
-from dynvocab.runtime.host import PACKAGE, HostReads
+from dynvocab.runtime.host import PACKAGE, HostReads, host_reads
 from dynvocab.runtime.draft_model import DraftModel
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
@@ -175,3 +175,17 @@ def test_policies_get_the_fed_token_on_the_device_and_the_counter_sees_a_stray_r
     (where, count), = reads.elsewhere.items()
     assert where.startswith(f"{Path(__file__).name}:") and where.endswith("__int__")
     assert count == g.metrics.draft_steps
+
+
+def test_host_reads_are_recorded_where_they_happen():
+    """The watch-everything spy (the CUDA-graph step's): a read is charged to its caller, not to torch."""
+    x = torch.ones(2)
+    with host_reads() as reads:
+        (x * 2).sum()
+        float(x[0])
+        x.tolist()
+        x.cpu()
+    sites = list(reads.elsewhere)
+    assert [s.split()[1] for s in sites] == ["__float__", "tolist", "cpu"]  # the product and the sum read nothing
+    assert all(s.startswith(f"{Path(__file__).name}:") for s in sites)  # the caller, not torch
+    assert torch.Tensor.item.__name__ == "item" and torch.Tensor.cpu.__name__ == "cpu"  # restored

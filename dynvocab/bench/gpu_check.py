@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from dynvocab.bench.draft_step import QWEN2_0_5B
-from dynvocab.runtime.host import CONVERSIONS, HostReads
+from dynvocab.files import write_atomic
 
 SECTIONS = ("tests", "graph_step", "draft_step", "eagle_step", "kernels")
 LIMIT_S = {"tests": 200, "graph_step": 150, "draft_step": 120, "eagle_step": 200, "kernels": 150}
@@ -159,7 +159,7 @@ def run_tests(device: str, root: Path, limit_s: float) -> dict:
         try:
             run = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=limit_s)
         except subprocess.TimeoutExpired:
-            return {"status": "timeout", "files": files, "limit_s": limit_s}
+            return {"status": "timeout", "files": files}
         result = {"files": files, "returncode": run.returncode, "TRITON_INTERPRET": env["TRITON_INTERPRET"],
                   "summary": (run.stdout.strip().splitlines() or [""])[-1]}
         if not xml.exists():
@@ -184,13 +184,6 @@ def _junit_outcomes(path: Path) -> dict:
             passed += 1
     return {"passed": passed, "failed": len(failed), "skipped": sum(skipped.values()), "failures": failed,
             "skip_reasons": skipped}
-
-
-def host_reads() -> HostReads:
-    """Records every device-to-host read of a tensor (``.item()``, ``bool()``, ``.cpu()``, …) in the block by
-    ``"file:line name"`` of the first caller outside torch (``.elsewhere``): a step with any cannot be captured as
-    a CUDA graph. The loop's own spy (:class:`~dynvocab.runtime.host.HostReads`), watching every caller."""
-    return HostReads(roots=("",), conversions=CONVERSIONS + ("cpu",))
 
 
 def run_section(name: str, device: str, quick: bool) -> dict:
@@ -229,7 +222,7 @@ def _child(name: str, device: str, quick: bool, root: Path, limit_s: float) -> d
         try:
             run = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=limit_s)
         except subprocess.TimeoutExpired:
-            return {"status": "timeout", "limit_s": limit_s}
+            return {"status": "timeout"}
         if run.returncode != 0 or not out.exists():
             return {"status": "failed", "returncode": run.returncode, "error": (run.stdout + run.stderr)[-4000:]}
         return {"status": "ok", "result": json.loads(out.read_text())}
@@ -237,11 +230,12 @@ def _child(name: str, device: str, quick: bool, root: Path, limit_s: float) -> d
 
 def gpu_check(device: str, out: Path, quick: bool, root: Path, budget_s: float = BUDGET_S) -> dict:
     """Every section in turn within ``budget_s`` seconds; writes the JSON to ``out`` and returns it. Keys:
-    ``ok``, ``device``, ``quick``, ``started``, ``total_s``, ``env``, ``sections`` (per section ``status``:
-    ok/failed/timeout/skipped, ``seconds``, and ``result`` or ``error``/``reason``), ``would_time_on_cuda``."""
+    ``ok``, ``device``, ``quick``, ``started``, ``budget_s``, ``total_s``, ``env``, ``sections`` (per section
+    ``status``: ok/failed/timeout/skipped, ``limit_s`` (the seconds it was given, unless skipped), ``seconds``, and
+    ``result`` or ``error``/``reason``), ``would_time_on_cuda``."""
     start = time.monotonic()
     report = {"ok": False, "device": device, "quick": quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "total_s": None, "env": environment(device, root), "sections": {},
+              "budget_s": budget_s, "total_s": None, "env": environment(device, root), "sections": {},
               "would_time_on_cuda": would_time_on_cuda()}
     for name in SECTIONS:
         left = budget_s - (time.monotonic() - start)
@@ -251,6 +245,7 @@ def gpu_check(device: str, out: Path, quick: bool, root: Path, budget_s: float =
         t0 = time.monotonic()
         limit = min(LIMIT_S[name], left)
         section = run_tests(device, root, limit) if name == "tests" else _child(name, device, quick, root, limit)
+        section["limit_s"] = round(limit, 1)
         section["seconds"] = round(time.monotonic() - t0, 1)
         report["sections"][name] = section
         print(f"gpu_check: {name}: {section['status']} ({section['seconds']} s)", file=sys.stderr, flush=True)
@@ -261,10 +256,10 @@ def gpu_check(device: str, out: Path, quick: bool, root: Path, budget_s: float =
 
 
 def _write(path: Path, payload: dict) -> None:
+    """``payload`` as JSON at ``path``, whole or not at all (its folder made first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
-    os.replace(tmp, path)
+    text = json.dumps(payload, indent=1, default=str)
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dynvocab.bench.gpu_check import host_reads
 from dynvocab.bench.timing import resolve_dtype, time_ms
+from dynvocab.runtime.host import host_reads
 
 
 def capture(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

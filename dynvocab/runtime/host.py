@@ -4,7 +4,8 @@ Every value the speculative loop needs as a Python number — a ranked draft ste
 with its drafted tokens, a head's slot counts, a generation's counters — comes back through :func:`to_host`, one
 small tensor at a time. Each call is one device→host copy (on a GPU, one wait); anything else on the hot path stays
 a device tensor. :class:`HostReads` counts these calls and every other conversion of a tensor to Python numbers
-(tests/test_host_reads.py runs every strategy under it and forbids the others).
+(tests/test_host_reads.py runs every strategy under it and forbids the others); :func:`host_reads` is the same spy
+watching every caller, for a step that must read nothing back (``scripts/gpu_check.sh``'s CUDA-graph step).
 """
 
 from __future__ import annotations
@@ -75,3 +76,10 @@ class HostReads:
                 self.elsewhere[f"{Path(where).name}:{frame.f_lineno} {name}"] += 1
             return conversion(t, *args, **kwargs)
         return watched
+
+
+def host_reads() -> HostReads:
+    """Records every device-to-host read of a tensor (``.item()``, ``bool()``, ``.cpu()``, …) in the block by
+    ``"file:line name"`` of the first caller outside torch (``.elsewhere``): a step with any cannot be captured as
+    a CUDA graph. :class:`HostReads` watching every caller, with ``.cpu()`` counted too."""
+    return HostReads(roots=("",), conversions=CONVERSIONS + ("cpu",))
