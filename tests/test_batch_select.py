@@ -10,9 +10,9 @@ import torch
 from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.selectors import SelectorTable, random_selectors
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector, refusal
 from dynvocab.runtime.policies.batch_select import (
-    BATCH_STRATEGIES, CentroidSelector, LowRankSelector, SelectedHead, SelectorSpec, StaticSelector, build_selector,
-    refusal, scatter_logits)
+    CentroidSelector, LowRankSelector, SelectedHead, StaticSelector, scatter_logits)
 from dynvocab.runtime.policies.centroids import CentroidPolicy
 from dynvocab.runtime.policies.lowrank import LowRankPolicy
 from dynvocab.runtime.policies.frequency import FrequencyPolicy
@@ -76,7 +76,7 @@ def test_fr_is_the_rankings_prefix_for_every_row(bundle):
     assert build_selector(bundle, SelectorSpec("fr"), V, D).k == V  # default: FR-Spec's 32k, at most the vocabulary
 
 
-@pytest.mark.parametrize("strategy", BATCH_STRATEGIES)
+@pytest.mark.parametrize("strategy", batch_strategies())
 def test_selected_head_is_the_full_head_over_each_rows_set_and_shards_score_each_id_once(bundle, strategy):
     g = torch.Generator().manual_seed(3)
     weight, hidden = torch.randn(V, D, generator=g), torch.randn(6, D, generator=g)

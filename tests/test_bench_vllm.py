@@ -67,6 +67,23 @@ def test_last_error_line_skips_vllms_generic_wrapper():
     assert last_error_line(out) == "ValueError: max_model_len 4096 is larger than the model's 512"
 
 
+def test_last_error_line_finds_a_workers_root_cause_behind_vllms_log_prefix():
+    """vLLM logs a worker's traceback line by line behind ``(Worker pid=N) ERROR <date> [file.py:NNN]``; the root
+    cause is the last error there, not the engine's generic wrappers after it."""
+    where = "ERROR 11-25 10:11:12 [multiproc_executor.py:953]"
+    out = (f"INFO 11-25 10:11:00 [core.py:90] loading\n"
+           f"(Worker pid=4242) {where} WorkerProc failed to start.\n"
+           f"(Worker pid=4242) {where} Traceback (most recent call last):\n"
+           f"(Worker pid=4242) {where}   File \"llama.py\", line 3, in __init__\n"
+           f"(Worker pid=4242) {where} ValueError: Unsupported activation: gelu_pytorch_tanh. Only silu is supported "
+           "for now\n"
+           "\x1b[1;36m(EngineCore_DP0 pid=4200)\x1b[0;0m ERROR 11-25 10:11:13 [core.py:1000] Exception: WorkerProc "
+           "initialization failed due to an exception in a background process. See stack trace for root cause.\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert last_error_line(out) == ("ValueError: Unsupported activation: gelu_pytorch_tanh. Only silu is supported "
+                                    "for now")
+
+
 def test_last_error_line_reads_pydantics_reason():
     out = ("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
            "  Value error, Model architectures ['X'] are not supported for now. [type=value_error, input_value=…]\n"

@@ -19,7 +19,8 @@ from dynvocab.bench.scripted import ScriptedDraft
 from dynvocab.errors import DynvocabError
 from dynvocab.models import resolve_model
 from dynvocab.models.rows import FloatRows
-from dynvocab.runtime import drafts, plugins
+from dynvocab.registry import forget_plugins, load_plugins
+from dynvocab.runtime import drafts, strategies
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.draft import DraftInfo, OwnsHead, Proposer, protocol_gaps
 from dynvocab.runtime.draft_model import DraftModel
@@ -207,15 +208,15 @@ def test_plugins_register_through_entry_points(monkeypatch, toy_dir, tiny_dirs):
     """What an installed package declares (entry points in ``dynvocab.drafts`` / ``dynvocab.strategies``) is
     registered by the same call that registers the built-ins' plugins at import; nothing is installed here."""
     points = {
-        plugins.DRAFTS: [metadata.EntryPoint("toy", "test_draft_registry:TOY_KIND", plugins.DRAFTS)],
-        plugins.STRATEGIES: [metadata.EntryPoint("plugged", "test_draft_registry:PLUGIN_STRATEGY", plugins.STRATEGIES)],
+        drafts.ENTRY_POINTS: [metadata.EntryPoint("toy", "test_draft_registry:TOY_KIND", drafts.ENTRY_POINTS)],
+        strategies.ENTRY_POINTS: [metadata.EntryPoint("plugged", "test_draft_registry:PLUGIN_STRATEGY", strategies.ENTRY_POINTS)],
     }
-    monkeypatch.setattr(plugins.metadata, "entry_points", lambda group: points.get(group, []))
+    monkeypatch.setattr(metadata, "entry_points", lambda group: points.get(group, []))
     for group in points:
-        plugins.forget_plugins(group)
+        forget_plugins(group)
     try:
-        assert plugins.load_plugins(plugins.DRAFTS, drafts.register, drafts.DraftKind) == ["toy"]
-        assert plugins.load_plugins(plugins.STRATEGIES, register_strategy, Strategy) == ["plugged"]
+        assert load_plugins(drafts.ENTRY_POINTS, drafts.register, drafts.DraftKind) == ["toy"]
+        assert load_plugins(strategies.ENTRY_POINTS, register_strategy, Strategy) == ["plugged"]
         assert "toy" in drafts.kind_names() and "plugged" in strategy_names()
         assert drafts.find_kind(resolve_model(str(toy_dir)))[0] is TOY_KIND
         result = run("generate", PROMPT, *models(tiny_dirs, toy_dir), "--quiet", "--strategy", "full",
@@ -225,16 +226,16 @@ def test_plugins_register_through_entry_points(monkeypatch, toy_dir, tiny_dirs):
         drafts.unregister(TOY_KIND.name)
         unregister_strategy(PLUGIN_STRATEGY.name)
         for group in points:
-            plugins.forget_plugins(group)
+            forget_plugins(group)
     assert "toy" not in drafts.kind_names() and "plugged" not in strategy_names()
 
 
 def test_a_broken_plugin_is_refused_in_one_line(monkeypatch):
-    point = metadata.EntryPoint("broken", "no_such_module_here:THING", plugins.DRAFTS)
-    monkeypatch.setattr(plugins.metadata, "entry_points", lambda group: [point])
-    plugins.forget_plugins(plugins.DRAFTS)
+    point = metadata.EntryPoint("broken", "no_such_module_here:THING", drafts.ENTRY_POINTS)
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [point])
+    forget_plugins(drafts.ENTRY_POINTS)
     try:
         with pytest.raises(DynvocabError, match="plugin 'broken'.*failed to load"):
-            plugins.load_plugins(plugins.DRAFTS, drafts.register, drafts.DraftKind)
+            load_plugins(drafts.ENTRY_POINTS, drafts.register, drafts.DraftKind)
     finally:
-        plugins.forget_plugins(plugins.DRAFTS)
+        forget_plugins(drafts.ENTRY_POINTS)

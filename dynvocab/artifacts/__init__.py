@@ -2,11 +2,11 @@
 
 from dynvocab.artifacts.bundle import FORMAT_VERSION, Bundle, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.export import (
-    DEFAULT_EXPORT_SIZE,
     FORMATS,
     ExportRequest,
     eagle3_mapping,
     export_bundle,
+    formats,
     save_torch_atomic,
     sglang_token_map,
 )
@@ -16,7 +16,6 @@ from dynvocab.artifacts.stages import BundleStage, find_stage, read_stage, stage
 from dynvocab.artifacts.tables import ClusterTable, FreqTable, GraphTable
 
 __all__ = [
-    "DEFAULT_EXPORT_SIZE",
     "FORMATS",
     "FORMAT_VERSION",
     "Bundle",
@@ -33,6 +32,7 @@ __all__ = [
     "eagle3_mapping",
     "export_bundle",
     "find_stage",
+    "formats",
     "load_bundle",
     "load_hnsw",
     "mips_search",

@@ -5,10 +5,13 @@
 - ``eagle3``: EAGLE-3 / vLLM / SpecForge draft-vocabulary mapping, a ``torch.save``d dict with
   ``d2t`` (int64 [K]: the kept target ids sorted ascending, minus their draft index, so
   ``target_id = draft_index + d2t[draft_index]``) and ``t2d`` (bool [V]: which target ids are kept).
-- ``vllm``: a draft folder vLLM loads as it is, whose head runs a dynvocab selector
-  (:mod:`dynvocab.serving.vllm.folder`).
 
-Adding a format is one writer and one :func:`register` call.
+Formats written above this floor come from installed packages, through entry points in the :data:`ENTRY_POINTS`
+group, loaded the first time the formats are read (:func:`formats`, :func:`lookup_format`): dynvocab's own ``vllm``
+(a draft folder vLLM loads as it is, whose head runs a dynvocab selector) is declared by
+:mod:`dynvocab.serving.vllm.folder`, so nothing here imports a serving adapter.
+
+Adding a format is one writer and one :func:`register` call (or one entry point).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from typing import Callable
 import torch
 
 from dynvocab.artifacts.tables import FreqTable
+from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
-from dynvocab.registry import Registry
+from dynvocab.registry import Registry, load_plugins
 
-DEFAULT_EXPORT_SIZE = 32768  # FR-Spec's K
+ENTRY_POINTS = "dynvocab.export_formats"  # the entry-point group of formats that installed packages bring
 
 
 def _check_size(freq: FreqTable, size: int) -> None:
@@ -63,7 +67,7 @@ def save_torch_atomic(obj, path: str | Path) -> Path:
 class ExportRequest:
     """What ``dynvocab export`` was given besides the bundle and ``--out``; each format reads the fields it takes."""
 
-    size: int | None = None  # sglang, eagle3: ids K (None: DEFAULT_EXPORT_SIZE)
+    size: int | None = None  # sglang, eagle3: ids K (None: FR-Spec's, budget.FR_SIZE)
     strategy: str | None = None  # vllm: the selector the draft's head runs
     draft: str | None = None  # vllm: the draft folder (or demo:draft)
     budget: int | None = None  # vllm: the selector's size (None: the bundle's default)
@@ -76,6 +80,7 @@ class Exported:
 
     path: Path
     summary: str  # e.g. "sglang, 32,768 ids"
+    notes: tuple[str, ...] = ()  # lines the CLI prints after its one line (what to pass the reader)
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,17 @@ class ExportFormat:
 
 FORMATS: Registry[ExportFormat] = Registry("export format")  # a read-only mapping name -> format
 register = FORMATS.register  # add an export format (refuses a name already registered); returns it
-lookup_format = FORMATS.lookup  # the format of a name; a one-line error naming the formats otherwise
+
+
+def formats() -> Registry[ExportFormat]:
+    """Every export format: the built-ins and those the installed packages declare (loaded on the first call)."""
+    load_plugins(ENTRY_POINTS, register, ExportFormat)
+    return FORMATS
+
+
+def lookup_format(name: str) -> ExportFormat:
+    """The format ``name``; a one-line error naming the formats otherwise."""
+    return formats().lookup(name)
 
 
 def check_request(fmt: ExportFormat, request: ExportRequest) -> None:
@@ -119,7 +134,7 @@ def _freq_writer(name: str, make: Callable[[FreqTable, int], object]):
         from dynvocab.artifacts.bundle import load_bundle
         from dynvocab.artifacts.stages import FREQ, read_stage
 
-        size = DEFAULT_EXPORT_SIZE if request.size is None else request.size
+        size = FR_SIZE if request.size is None else request.size
         with load_bundle(bundle, verify=True) as opened:
             obj = make(read_stage(opened, FREQ.name), size)
         return Exported(save_torch_atomic(obj, out), f"{name}, {size:,} ids")
@@ -127,17 +142,7 @@ def _freq_writer(name: str, make: Callable[[FreqTable, int], object]):
     return write
 
 
-def _vllm_writer(bundle: Path, out: Path, request: ExportRequest) -> Exported:
-    from dynvocab.serving.vllm.folder import write_draft_folder
-
-    folder = write_draft_folder(bundle, request.draft, request.strategy, out, request.budget, request.copy)
-    return Exported(folder.path, folder.summary())
-
-
 register(ExportFormat("sglang", _freq_writer("sglang", sglang_token_map),
                       "a list of token ids (FR-Spec / SGLang --speculative-token-map)", takes=("size",)))
 register(ExportFormat("eagle3", _freq_writer("eagle3", eagle3_mapping),
                       "EAGLE-3's {d2t, t2d} draft-vocabulary map", takes=("size",)))
-register(ExportFormat("vllm", _vllm_writer,
-                      "a draft folder vLLM loads, its head running --strategy's selector over --draft",
-                      takes=("strategy", "draft", "budget", "copy"), needs=("strategy", "draft"), folder=True))

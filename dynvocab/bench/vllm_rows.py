@@ -2,7 +2,7 @@
 
 Rows: ``vllm`` (plain decoding), ``vllm-spec`` (vLLM's own speculation, the draft's full head) and
 ``vllm-spec:<strategy>`` (the plugin's head switched to a batched selector, :mod:`dynvocab.serving.vllm`). This
-module imports no vLLM: it writes one draft folder, builds the driver's request (:mod:`dynvocab.serving.vllm.run`),
+module imports no vLLM: it writes one draft folder, builds the driver's request (:mod:`dynvocab.bench.vllm_run`),
 runs the driver as a child process in the environment that has vLLM (``--vllm-python``), one engine at a time, and
 summarises what it returns. Every speculative row shares one engine, whose head the driver switches between
 interleaved rounds, so the machine's drift falls on every row alike; figures are medians over rounds.
@@ -28,7 +28,7 @@ from dynvocab.errors import DynvocabError
 PLAIN, SPEC, PLUGIN = "vllm", "vllm-spec", "vllm-spec:"
 ORACLE = "oracle"
 DEFAULT_ROUNDS = 3
-DRIVER = "dynvocab.serving.vllm.run"
+DRIVER = "dynvocab.bench.vllm_run"
 DOCS = "docs/vllm.md"
 OUR_FULL_ROWS = ("ar", "full")  # the vllm and vllm-spec rows, which always run
 
@@ -59,7 +59,7 @@ class VllmBench:
 def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
     """The plugin strategies ``--strategies`` asks for (``ar``/``full`` are the always-run ``vllm``/``vllm-spec``
     rows); one that cannot run inside vLLM is refused in one line. Default: those the bundle has stages for."""
-    from dynvocab.runtime.policies.batch_select import BATCH_STRATEGIES, bundle_stages, refusal
+    from dynvocab.runtime.batched import batch_strategies, bundle_stages, refusal
 
     if text is None:
         if bundle is None:
@@ -67,7 +67,7 @@ def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
         from dynvocab.artifacts import load_bundle
 
         with load_bundle(bundle) as b:
-            return tuple(s for s in BATCH_STRATEGIES if all(b.has(st) for st in bundle_stages(s)))
+            return tuple(s for s in batch_strategies() if all(b.has(st) for st in bundle_stages(s)))
     names = [s.strip() for s in text.split(",") if s.strip()]
     if len(set(names)) != len(names):
         raise DynvocabError(f"--strategies names a row twice: {text}")
@@ -137,14 +137,18 @@ def find_iomp(python: str) -> Path | None:
 
 
 ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception)|error):? (.*)$")
-LOG_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*(\([\w ]+pid=\d+\)\s*)?")
+# vLLM's log prefix (``vllm/logger.py``: "(Worker pid=12) ERROR 11-25 10:11:12 [multiproc_executor.py:953] "), in
+# parts: the process, then the level, date, time and source line; each may be there or not
+LOG_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*(\([\w ]+pid=\d+\)\s*)?"
+                        r"((DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(\.\d+)? \[[\w./-]+:\d+\]\s*)?")
 GENERIC = ("See root cause above", "initialization failed", "Engine core")
 MAX_LINE = 300
 
 
 def last_error_line(output: str) -> str:
     """The last meaningful error line of a child's output: its last ``SomeError: …`` line that is not vLLM's
-    generic "see above" wrapper, else the last non-blank line."""
+    generic "see above" wrapper, else the last non-blank line; vLLM's log prefixes (process, level, time, source
+    line) are stripped first, so a worker's root cause is found behind them."""
     lines = [LOG_PREFIX.sub("", re.sub(r"\x1b\[[0-9;]*m", "", ln)).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
     errors = [i for i, ln in enumerate(lines) if ERROR_LINE.match(ln)]
@@ -195,8 +199,8 @@ def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
 
 
 def active_ids(rows: list[dict]) -> dict[str, int]:
-    """Each speculative row's set size per draft step, as its worker reported it (``run.read_timer``: the
-    selector's k; the head's vocabulary for ``vllm-spec``)."""
+    """Each speculative row's set size per draft step, as its worker reported it (``vllm_run.HeadSwitch.read``:
+    the selector's k; the head's rows for ``vllm-spec``)."""
     return {r["name"]: r["rounds"][0]["head"]["ids"] for r in rows if (r["rounds"][0].get("head") or {}).get("ids")}
 
 
@@ -235,13 +239,13 @@ def _plain_draft_folder(cfg: VllmBench) -> _PlainFolder:
     """Without plugin rows the speculative row runs the draft folder as it is (vLLM's own classes, no plugin)."""
     from dynvocab.models import resolve_model
     from dynvocab.runtime.drafts import find_kind
-    from dynvocab.serving.vllm.names import METHODS
+    from dynvocab.serving.vllm.kinds import KINDS
 
     spec = resolve_model(cfg.draft)
     kind = find_kind(spec)[0].name
-    if kind not in METHODS or spec.gguf_file is not None or not spec.is_local:
+    if kind not in KINDS or spec.gguf_file is not None or not spec.is_local:
         raise DynvocabError(f"--draft {cfg.draft} is not a local model folder or EAGLE head vLLM can load; pass one")
-    return _PlainFolder(Path(spec.path), METHODS[kind])
+    return _PlainFolder(Path(spec.path), KINDS[kind].method)
 
 
 def _median(values: list[float]) -> float | None:

@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE, FORMATS
+from dynvocab.artifacts.export import formats
+from dynvocab.budget import FR_SIZE
 from dynvocab.builders.clusters import ClustersConfig
 from dynvocab.builders.corpus import CorpusConfig
 from dynvocab.builders.hnsw import HnswConfig
@@ -19,7 +20,7 @@ from dynvocab.builders.stages import build_stage_names
 from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import make_reporter
-from dynvocab.runtime.policies.batch_select import BATCH_STRATEGIES
+from dynvocab.runtime.batched import batch_strategies
 
 
 def _override(cfg, **values):
@@ -175,9 +176,9 @@ def inspect(
 def export(
     bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="A bundle (sglang, eagle3: with a freq stage; vllm: with the stages --strategy reads).")],
     out: Annotated[Path, typer.Option("--out", help="The file to write (torch.save), or for vllm the folder (new or empty).")],
-    fmt: Annotated[str, typer.Option("--format", help=f"One of {', '.join(FORMATS)}. " + "; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()) + ".")] = "sglang",
-    size: Annotated[Optional[int], typer.Option(min=1, help=f"sglang, eagle3: number of token ids K (default {DEFAULT_EXPORT_SIZE}).")] = None,
-    strategy: Annotated[Optional[str], typer.Option(help=f"vllm: the selector the draft's head runs, one of {', '.join(BATCH_STRATEGIES)}.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help=f"One of {', '.join(formats())}. " + "; ".join(f"{f.name}: {f.help}" for f in formats().values()) + ".")] = "sglang",
+    size: Annotated[Optional[int], typer.Option(min=1, help=f"sglang, eagle3: number of token ids K (default {FR_SIZE}).")] = None,
+    strategy: Annotated[Optional[str], typer.Option(help=f"vllm: the selector the draft's head runs, one of {', '.join(batch_strategies())}.")] = None,
     draft: Annotated[Optional[str], typer.Option(help="vllm: the draft the bundle was built for: a local model folder, demo:draft, or an EAGLE head (eagle layout).")] = None,
     budget: Annotated[Optional[int], typer.Option(min=1, help="vllm: the selector's size (fr: ids; lowrank: candidates; centroids: blocks; default: the bundle's).")] = None,
     copy: Annotated[bool, typer.Option("--copy", help="vllm: copy the draft's files into the folder instead of linking them.")] = False,
@@ -190,3 +191,5 @@ def export(
     request = ExportRequest(size=size, strategy=strategy, draft=draft, budget=budget, copy=copy)
     done = export_bundle(bundle_path, out, fmt, request)
     err_console.print(f"wrote {done.path} ({done.summary})", highlight=False, soft_wrap=True)
+    for note in done.notes:
+        err_console.print(note, highlight=False, soft_wrap=True, markup=False)

@@ -1,5 +1,5 @@
 """The built-in draft kinds, each one entry in the draft registry (:mod:`dynvocab.runtime.draft_registry`), and
-those installed packages bring (entry points in the ``dynvocab.drafts`` group, :mod:`dynvocab.runtime.plugins`).
+those installed packages bring (entry points in the :data:`ENTRY_POINTS` group, :func:`dynvocab.registry.load_plugins`).
 
 Adding a kind: its proposer (:class:`~dynvocab.runtime.draft.Proposer`), a loader and a recogniser in one module,
 and one ``register(DraftKind(…))`` call (below, or in the module or package that brings it). Import the registry's
@@ -8,6 +8,7 @@ API from here, so that the built-in kinds are in it.
 
 from __future__ import annotations
 
+from dynvocab.registry import load_plugins
 from dynvocab.runtime import draft_model, eagle_draft
 from dynvocab.runtime.draft_registry import (
     DraftKind,
@@ -20,13 +21,15 @@ from dynvocab.runtime.draft_registry import (
     register,
     unregister,
 )
-from dynvocab.runtime.plugins import DRAFTS, load_plugins
+
+ENTRY_POINTS = "dynvocab.drafts"  # the entry-point group of draft kinds that installed packages bring
 
 for _kind in (eagle_draft.EAGLE1_KIND, eagle_draft.EAGLE3_KIND, draft_model.KIND):
     register(_kind)
-load_plugins(DRAFTS, register, DraftKind)
+load_plugins(ENTRY_POINTS, register, DraftKind)
 
 __all__ = [
+    "ENTRY_POINTS",
     "DraftKind",
     "LoadRequest",
     "LoadedDraft",

@@ -2,9 +2,11 @@
 
 A :class:`Strategy` entry holds the strategy's config dataclass (its defaults are the command-line defaults), the
 factory that builds its policy from the user's :class:`StrategyOptions` and the session's :class:`PolicyContext`,
-the bundle stages it cannot run without, and the command-line flags it contributes. :func:`make_policy`, the stage
-check, the strategy-name checks, the ``generate`` / ``bench`` flags and ``microbench policy-steps`` all read it, so
-adding a policy is one module (the policy and its config) and one :func:`register` call.
+the bundle stages it cannot run without, the command-line flags it contributes, and how it runs in a batched host
+such as the vLLM plugin (:class:`Batched`, or why it cannot). :func:`make_policy`, the stage check, the
+strategy-name checks, the ``generate`` / ``bench`` flags, ``microbench policy-steps`` and the batched hosts
+(:mod:`dynvocab.runtime.batched`) all read it, so adding a policy is one module (the policy and its config) and one
+:func:`register` call, in both hosts.
 
 The built-in strategies are registered by :mod:`dynvocab.runtime.strategies`; import the API from there, so that
 they are in the registry.
@@ -94,6 +96,16 @@ class Flag:
 
 
 @dataclass(frozen=True)
+class Batched:
+    """How a strategy runs in a batched host (the vLLM plugin): one selector ``hidden [B, d] -> ids [B, k]`` of a
+    fixed ``k``, built from bundle stages (:mod:`dynvocab.runtime.policies.batch_select`), each row its own set."""
+
+    stages: tuple[str, ...]  # the bundle stages its selector reads
+    build: Callable[..., object]  # (bundle, budget, vocab_size, hidden_size, device) -> BatchSelector
+    default_budget: Callable[[object, int], int]  # (bundle, vocab_size) -> the budget when none is given
+
+
+@dataclass(frozen=True)
 class Strategy:
     """One registry entry: what it takes to run strategy ``name``."""
 
@@ -104,8 +116,12 @@ class Strategy:
     flags: tuple[Flag, ...] = ()  # options that set fields of ``config``
     dynamic: bool = True  # its active set follows the context: ``microbench policy-steps`` times its work per step
     drafts: bool = True  # it runs a draft (False: the target decodes alone, and the factory returns None)
+    batched: Batched | None = None  # its selector in a batched host (None: it does not run there)
+    why_not_batched: str = ""  # why it cannot run in a batched host, for the refusal ("": it has no batched form)
 
     def __post_init__(self):
+        if self.batched is not None and self.why_not_batched:
+            raise ValueError(f"strategy '{self.name}' runs batched and says why it cannot; drop why_not_batched")
         fields = {f.name for f in dataclasses.fields(self.config)} if self.config is not None else set()
         for flag in self.flags:
             if flag.field not in fields:

@@ -2,7 +2,10 @@
 
 The loop never knows which policy it runs. Adding a strategy: its policy and frozen config in a module under
 ``runtime/policies/``, a factory ``(options, ctx) -> VocabPolicy``, and one ``register(Strategy(…))`` call (below, or
-in the module that brings it). Import the registry's API from here, so that the built-in strategies are in it.
+in the module that brings it, or through an entry point in the :data:`ENTRY_POINTS` group). A strategy whose set
+depends only on the draft's hidden state also runs inside vLLM when its entry says how (``batched=Batched(stages,
+build, default_budget)``, :mod:`dynvocab.runtime.batched`); one that cannot says why (``why_not_batched``). Import
+the registry's API from here, so that the built-in strategies are in it.
 """
 
 from __future__ import annotations
@@ -11,8 +14,17 @@ import json
 
 import torch
 
+from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
+from dynvocab.registry import load_plugins
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy
+from dynvocab.runtime.policies.batch_select import (
+    centroids_from_bundle,
+    frequency_budget,
+    frequency_selector,
+    lowrank_from_bundle,
+    stage_budget,
+)
 from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
@@ -22,6 +34,7 @@ from dynvocab.runtime.policies.lowrank import LowRankConfig, LowRankPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.policies.step_search import search_pays
 from dynvocab.runtime.registry import (
+    Batched,
     Flag,
     PolicyContext,
     Strategy,
@@ -38,14 +51,13 @@ from dynvocab.runtime.registry import (
     strategy_names,
     unregister,
 )
-from dynvocab.runtime.plugins import STRATEGIES, load_plugins
 from dynvocab.runtime.token_map import load_token_map
 
-FR_SIZE = 32768  # FR-Spec's K when the ranking comes from a bundle
+ENTRY_POINTS = "dynvocab.strategies"  # the entry-point group of strategies that installed packages bring
 
 
 def frequency_ranking(options: StrategyOptions, ctx: PolicyContext, name: str) -> torch.Tensor:
-    """The FR ranking: the token map if given, else the bundle's ``freq`` stage (top 32768 by default)."""
+    """The FR ranking: the token map if given, else the bundle's ``freq`` stage (top ``FR_SIZE`` by default)."""
     if options.token_map is not None:
         ranking = load_token_map(options.token_map, ctx.vocab_size)
         size = options.fr_size
@@ -181,32 +193,44 @@ def _draft_head_index(ctx: PolicyContext, target_index):
 K_PRE = Flag("k_pre", "target top-K_pre per prompt position joining the stream.", min=1)
 K_VER = Flag("k_ver", "target top-K_ver per verified position joining the stream.", min=1)
 
-register(Strategy("ar", None, _ar, dynamic=False, drafts=False))
-register(Strategy("full", None, _full, dynamic=False))
-register(Strategy("fr", None, _fr, dynamic=False))
+NO_REQUEST = "which vLLM does not give a draft head"  # a batched head sees hidden states, not the request
+
+register(Strategy("ar", None, _ar, dynamic=False, drafts=False, why_not_batched="it drafts nothing"))
+register(Strategy("full", None, _full, dynamic=False,
+                  why_not_batched="it is the draft's own full head: run vLLM's speculation without the plugin"))
+register(Strategy("fr", None, _fr, dynamic=False,
+                  batched=Batched(("freq",), frequency_selector, frequency_budget)))
 register(Strategy(
     "fr-pa", PositionAwareConfig, _fr_pa, dynamic=False,
     flags=(Flag("pa_k_max", "k_max of the position-aware budget (default: the map size).", attr="k_max", min=1),),
+    why_not_batched=f"its set shrinks with the draft position, {NO_REQUEST}",
 ))
 register(Strategy(
     "dynaspec", DynaSpecConfig, _dynaspec, stages=("clusters", "router"),
     flags=(Flag("k_max", "clusters routed at draft steps 0 and 1 (k_max).", min=1),),
+    why_not_batched="its router reads the embedding of the token the draft was fed, which vLLM's head hooks "
+                    "(compute_logits, get_top_tokens) do not receive",
 ))
 register(Strategy(
     "lowrank", LowRankConfig, _lowrank, stages=("lowrank",),
     flags=(Flag("candidates", "lowrank: candidate ids per draft step (default: the bundle stage's budget).", min=1),),
+    batched=Batched(("lowrank",), lowrank_from_bundle, stage_budget("lowrank")),
 ))
 register(Strategy(
     "centroids", CentroidConfig, _centroids, stages=("centroids",),
     flags=(Flag("blocks", "centroids: vocabulary blocks per draft step (default: the bundle stage's budget).", min=1),),
+    batched=Batched(("centroids",), centroids_from_bundle, stage_budget("centroids")),
 ))
 register(Strategy(
     "microspec", MicroSpecConfig, _microspec,
     flags=(K_PRE, K_VER, Flag("window", "W_max, the stream entries the active set is drawn from.", min=1)),
+    why_not_batched=f"its window holds the request's own prompt and verified tokens, {NO_REQUEST}",
 ))
 register(Strategy(
     "evospec", EvoSpecConfig, _evospec, stages=("freq", "hnsw", "graph"),
     flags=(Flag("online_align", "online LoRA alignment of the draft (q, v projections)."),),
+    why_not_batched="it retrieves from the target's hidden state and adapts the draft online, neither of which "
+                    "vLLM gives a draft head",
 ))
 register(Strategy(
     "hybrid", HybridConfig, _hybrid,
@@ -229,12 +253,14 @@ register(Strategy(
             min=0,
         ),
     ),
+    why_not_batched=f"it reads the request's own tokens (MicroSpec's window), {NO_REQUEST}",
 ))
 
-load_plugins(STRATEGIES, register, Strategy)  # strategies that installed packages bring
+load_plugins(ENTRY_POINTS, register, Strategy)  # strategies that installed packages bring
 
 __all__ = [
-    "FR_SIZE",
+    "ENTRY_POINTS",
+    "Batched",
     "Flag",
     "PolicyContext",
     "Strategy",

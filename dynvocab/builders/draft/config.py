@@ -9,6 +9,7 @@ from pathlib import Path
 from dynvocab.builders.corpus import CorpusConfig, check_sources
 from dynvocab.builders.draft import distill
 from dynvocab.builders.draft import features as feats
+from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle import EAGLE1, EAGLE3
 from dynvocab.models.eagle.layouts import KIND_LABELS, families, layout_for
@@ -56,7 +57,7 @@ class TrainDraftConfig:
     """Everything ``train-draft`` needs besides the target and the output folder."""
 
     arch: str = "eagle3"
-    draft_vocab: int = 32768  # EAGLE-3 only: lm_head rows (FR-Spec's and the export's K)
+    draft_vocab: int = FR_SIZE  # EAGLE-3 only: lm_head rows (FR-Spec's and the export's K)
     bundle: str | None = None  # a bundle whose freq stage gives the draft vocabulary (else: counted from the data)
     corpus: CorpusConfig = field(default_factory=lambda: CorpusConfig(max_docs=128))  # ~30k tokens: see docs/train-draft.md
     features: feats.FeatureConfig = field(default_factory=feats.FeatureConfig)

@@ -7,6 +7,7 @@ input of layer i (each layout converts its ids on reading and writing, :mod:`.la
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from dynvocab.errors import DynvocabError
@@ -15,6 +16,14 @@ EAGLE1 = "eagle"  # EAGLE-1 and EAGLE-2 share one head (EAGLE-2 changes only the
 EAGLE3 = "eagle3"
 KINDS = (EAGLE1, EAGLE3)
 ARCHS = {EAGLE1: ("llama", "qwen2"), EAGLE3: ("llama", "qwen3")}  # the decoder layer each kind is built from
+
+
+def head_rows(config) -> int:
+    """The rows of a draft's head, the one rule every reader uses: an EAGLE-3 head's own draft vocabulary
+    (``draft_vocab_size``) where it has one, else ``vocab_size``. ``config``: a ``config.json`` mapping or a config
+    object (:class:`EagleConfig`, transformers', vLLM's)."""
+    get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
+    return int(get("draft_vocab_size") or get("vocab_size"))
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class EagleConfig:
     @property
     def draft_vocab(self) -> int:
         """Rows of the head's own ``lm_head`` (EAGLE-3) or of the target's head (EAGLE-1)."""
-        return self.draft_vocab_size or self.vocab_size
+        return head_rows(self)
 
     @property
     def has_fc_bias(self) -> bool:

@@ -13,6 +13,10 @@ calls them with the engine's batch, each row its own set. The shape follows Gemm
 - :class:`CentroidSelector` (``centroids``): ``s = C h + b`` over blocks of one id order, the top-c blocks'
   ids (c · block_size of them, a short last block padded by repeating its first id) and the EOS ids.
 
+Each is built from a bundle by one function (:func:`frequency_selector`, :func:`lowrank_from_bundle`,
+:func:`centroids_from_bundle`) that its strategy's registry entry names (``Strategy.batched``); which strategies
+run batched, and how a host builds one by name, is :mod:`dynvocab.runtime.batched`.
+
 A set may hold an id twice (padding); its two logits are equal, so the argmax and the scattered row are the same as
 with one copy.
 """
@@ -20,19 +24,17 @@ with one copy.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from dynvocab.artifacts.bundle import Bundle
-from dynvocab.artifacts.export import DEFAULT_EXPORT_SIZE as DEFAULT_FR_SIZE  # FR-Spec's K, the one constant
 from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, SelectorTable
 from dynvocab.artifacts.tables import FreqTable
+from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
 
-BATCH_STRATEGIES = ("fr", LOWRANK, CENTROIDS)  # the policies a batched host (the vLLM plugin) can run
 SAMPLE_STRIDE = 16  # top_ids: every 16th score estimates the threshold
 
 
@@ -146,77 +148,57 @@ class CentroidSelector:
         return torch.cat([ids, self.eos.expand(ids.shape[0], -1)], dim=1)
 
 
-@dataclass(frozen=True)
-class SelectorSpec:
-    """What a batched host needs to build a selector: the strategy and its budget (``fr``: ids; ``lowrank``:
-    candidates; ``centroids``: blocks; None: the bundle's default)."""
-
-    strategy: str
-    budget: int | None = None
+def _eos(bundle: Bundle) -> torch.Tensor:
+    """The EOS ids [E] the bundle's ``freq`` stage records (none without one)."""
+    return FreqTable.from_bundle(bundle).eos_ids if bundle.has("freq") else torch.empty(0, dtype=torch.long)
 
 
-def refusal(strategy: str) -> str | None:
-    """Why ``strategy`` cannot run as a batched selector over the hidden state alone, in one line (None: it can)."""
-    reasons = {
-        "fr-pa": "its set shrinks with the draft position, which vLLM does not give a draft head",
-        "dynaspec": "its router reads the embedding of the token the draft was fed, which vLLM's head hooks "
-                    "(compute_logits, get_top_tokens) do not receive",
-        "microspec": "its window holds the request's own prompt and verified tokens, which vLLM does not give a "
-                     "draft head",
-        "hybrid": "it reads the request's own tokens (MicroSpec's window), which vLLM does not give a draft head",
-        "evospec": "it retrieves from the target's hidden state and adapts the draft online, neither of which "
-                   "vLLM gives a draft head",
-        "full": "it is the draft's own full head: run vLLM's speculation without the plugin",
-        "ar": "it drafts nothing",
-    }
-    if strategy in BATCH_STRATEGIES:
-        return None
-    why = reasons.get(strategy, "it is not a dynvocab strategy")
-    return f"strategy '{strategy}' cannot run inside vLLM: {why}; use one of {', '.join(BATCH_STRATEGIES)}"
+def frequency_budget(bundle: Bundle, vocab_size: int) -> int:
+    """``fr``'s default set size: FR-Spec's K, at most the head's rows."""
+    return min(FR_SIZE, vocab_size)
 
 
-def bundle_stages(strategy: str) -> tuple[str, ...]:
-    """The bundle stages ``strategy``'s batched selector reads."""
-    return {"fr": ("freq",), LOWRANK: (LOWRANK,), CENTROIDS: (CENTROIDS,)}[strategy]
+def stage_budget(stage: str):
+    """The default budget of a selector stage's strategy: the one the stage was trained with, ``(bundle,
+    vocab_size) -> int``."""
+    return lambda bundle, vocab_size: int(bundle.config(stage)["budget"])
 
 
-def default_budget(bundle: Bundle, strategy: str, vocab_size: int) -> int:
-    """The budget a selector of ``strategy`` uses when none is given: FR-Spec's K (at most the vocabulary), or the
-    selector stage's own."""
-    if strategy == "fr":
-        return min(DEFAULT_FR_SIZE, vocab_size)
-    return int(bundle.config(strategy)["budget"])
+def frequency_selector(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
+                       device: torch.device) -> StaticSelector:
+    """``fr``: the first ``budget`` ids of the bundle's frequency ranking that a head of ``vocab_size`` rows has."""
+    freq = FreqTable.from_bundle(bundle)
+    ranking = freq.ranking[freq.ranking < vocab_size]
+    if not 1 <= budget <= ranking.numel():
+        raise DynvocabError(f"fr needs between 1 and {ranking.numel()} ids (got {budget})")
+    return StaticSelector(ranking[:budget].to(device))
 
 
-def build_selector(bundle: Bundle, spec: SelectorSpec, vocab_size: int, hidden_size: int,
-                   device: torch.device | str = "cpu") -> BatchSelector:
-    """The batched selector of ``spec`` from ``bundle``, for a draft head of ``vocab_size`` rows read at
-    ``hidden_size``; mismatches and unknown strategies are one-line :class:`DynvocabError` s."""
-    why = refusal(spec.strategy)
-    if why:
-        raise DynvocabError(why)
-    for stage in bundle_stages(spec.strategy):
-        bundle.require(stage)
-    device = torch.device(device)
-    freq = FreqTable.from_bundle(bundle) if bundle.has("freq") else None
-    eos = freq.eos_ids if freq is not None else torch.empty(0, dtype=torch.long)
-    budget = spec.budget or default_budget(bundle, spec.strategy, vocab_size)
-    if spec.strategy == "fr":
-        ranking = freq.ranking[freq.ranking < vocab_size]
-        if not 1 <= budget <= ranking.numel():
-            raise DynvocabError(f"fr needs between 1 and {ranking.numel()} ids (got {budget})")
-        return StaticSelector(ranking[:budget].to(device))
-    table = SelectorTable.from_bundle(bundle, spec.strategy)
+def selector_table(bundle: Bundle, stage: str, hidden_size: int) -> SelectorTable:
+    """The selector stage ``stage`` of ``bundle``, refused in one line unless it reads hidden states of
+    ``hidden_size``."""
+    table = SelectorTable.from_bundle(bundle, stage)
     if int(table.config["hidden_dim"]) != hidden_size:
         raise DynvocabError(
-            f"the {spec.strategy} selector in {bundle.path} reads hidden size {table.config['hidden_dim']}, the "
-            f"draft has {hidden_size}; retrain it with `dynvocab train-router --selector {spec.strategy}`"
+            f"the {stage} selector in {bundle.path} reads hidden size {table.config['hidden_dim']}, the "
+            f"draft has {hidden_size}; retrain it with `dynvocab train-router --selector {stage}`"
         )
-    if spec.strategy == LOWRANK:
-        return lowrank_selector(table, vocab_size, eos, device, budget)
+    return table
+
+
+def lowrank_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
+                        device: torch.device) -> LowRankSelector:
+    """``lowrank``: the bundle's lowrank stage keeping ``budget`` candidates of a head of ``vocab_size`` rows."""
+    return lowrank_selector(selector_table(bundle, LOWRANK, hidden_size), vocab_size, _eos(bundle), device, budget)
+
+
+def centroids_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
+                          device: torch.device) -> CentroidSelector:
+    """``centroids``: the bundle's centroids stage picking ``budget`` blocks, with the EOS ids the head has."""
+    table = selector_table(bundle, CENTROIDS, hidden_size)
     t = {name: x.to(device) for name, x in table.tensors.items()}
-    order = t["order"].long()
-    return CentroidSelector(order, int(table.config["block_size"]), t["centroids"], t["bias"], budget,
+    eos = _eos(bundle)
+    return CentroidSelector(t["order"].long(), int(table.config["block_size"]), t["centroids"], t["bias"], budget,
                             eos[eos < vocab_size].to(device))
 
 

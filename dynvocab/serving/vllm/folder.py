@@ -11,8 +11,14 @@ policy file (:mod:`dynvocab.serving.vllm.head`). The folder holds:
 - everything else of the draft folder (weights, index, tokenizer, generation config), linked by absolute path or
   copied.
 
+What differs between draft kinds (vLLM's method, the config's rewrite, the head's vocabulary) is one row of
+:mod:`dynvocab.serving.vllm.kinds`. For a ``demo:`` draft the section also names the local folder of the demo target
+it drafts for (``demo_target``), the folder to give vLLM as ``model=``.
+
 The folder is staged beside ``out`` and renamed into place once its selector has been built from it, so it appears
-whole or not at all. Every refusal is one line saying what to do.
+whole or not at all. Every refusal is one line saying what to do. ``dynvocab export --format vllm`` finds this
+writer through the entry point ``dynvocab.export_formats: vllm`` (:data:`EXPORT_FORMAT`), so ``artifacts`` never
+imports the serving room.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynvocab.artifacts.export import ExportFormat, Exported, ExportRequest
 from dynvocab.errors import DynvocabError
-from dynvocab.serving.vllm.names import ARCHITECTURES, CONFIG_KEY, FOLDER_FORMAT, METHODS, POLICY_FILE, registered_name
+from dynvocab.models.eagle.config import head_rows
+from dynvocab.serving.vllm.kinds import VllmKind, vllm_kind
+from dynvocab.serving.vllm.names import ARCHITECTURES, CONFIG_KEY, FOLDER_FORMAT, POLICY_FILE, registered_name
 
 
 @dataclass(frozen=True)
@@ -37,10 +46,18 @@ class DraftFolder:
     method: str  # vLLM's speculative_config["method"]
     architecture: str  # the registered architecture its config.json names
     ids: int  # the selector's set size k
+    target: Path | None = None  # a demo draft's: the local folder of the demo target, vLLM's model=
 
     def summary(self) -> str:
         """``vllm, STRATEGY, N ids, ARCHITECTURE`` for the CLI's one line."""
         return f"vllm, {self.strategy}, {self.ids:,} ids, {self.architecture}"
+
+    def notes(self) -> tuple[str, ...]:
+        """What to give vLLM, where dynvocab knows the target (a demo draft's): one line."""
+        if self.target is None:
+            return ()
+        return (f"vLLM: model={self.target}, speculative_config={{\"method\": \"{self.method}\", "
+                f"\"model\": \"{self.path}\"}}",)
 
 
 def supported() -> str:
@@ -48,17 +65,17 @@ def supported() -> str:
     return ", ".join(f"{kind} {arch}" for kind, arch in ARCHITECTURES)
 
 
-def base_architecture(kind: str, architecture: str) -> str:
-    """The architecture an EAGLE head's config names, without EAGLE's prefix or suffix (``LlamaForCausalLMEagle3``,
-    the eagle3 layout's, and ``Eagle3LlamaForCausalLM`` are ``LlamaForCausalLM``); a draft model's as it is."""
-    if kind == "draft-model":
-        return architecture
-    for mark in ("Eagle3", "Eagle"):
-        if architecture.startswith(mark):
-            return architecture[len(mark):]
-        if architecture.endswith(mark):
-            return architecture[: -len(mark)]
-    return architecture
+def demo_target(draft: str) -> str | None:
+    """The demo target a ``demo:`` draft drafts for (``demo:draft`` -> ``demo:target``, ``demo:gemma-eagle1`` ->
+    ``demo:gemma``), None for any other draft."""
+    from dynvocab.models.demo import DEMO_HEADS, DEMO_MODELS
+
+    if not draft.startswith("demo:"):
+        return None
+    name = draft.removeprefix("demo:")
+    if name in DEMO_HEADS:
+        return DEMO_HEADS[name].target
+    return next((f"demo:{target}" for target, model in DEMO_MODELS.items() if draft in model.drafts_with), None)
 
 
 def _draft_folder(draft: str) -> tuple[object, Path, dict]:
@@ -84,7 +101,7 @@ def _draft_folder(draft: str) -> tuple[object, Path, dict]:
     return spec, folder, config
 
 
-def _architecture(kind: str, config: dict, draft: str) -> tuple[str, str]:
+def _architecture(row: VllmKind, config: dict, draft: str) -> tuple[str, str]:
     """(the draft's own architecture, the plugin's registered name for it); refused when the plugin has none."""
     if "speculators_model_type" in config:
         raise DynvocabError(
@@ -92,86 +109,21 @@ def _architecture(kind: str, config: dict, draft: str) -> tuple[str, str]:
             "eagle layout (`dynvocab train-draft --format eagle`) and export that"
         )
     own = (config.get("architectures") or ["(none)"])[0]
-    name = registered_name(kind, base_architecture(kind, own))
+    name = registered_name(row.name, row.base_architecture(own))
     if name is None:
-        raise DynvocabError(f"the vLLM plugin has no {kind} of architecture {own}; it supports: {supported()}")
+        raise DynvocabError(f"the vLLM plugin has no {row.name} of architecture {own}; it supports: {supported()}")
     return own, name
 
 
-def _check_fits(bundle, kind: str, spec, text: dict, draft: str) -> None:
+def _check_fits(bundle, row: VllmKind, spec, text: dict, draft: str) -> None:
     """Refuse a bundle built for another model than this draft (compared without loading weights)."""
-    from dynvocab.artifacts import ModelFingerprint
-
-    rows, hidden = int(text["vocab_size"]), int(text["hidden_size"])
-    if kind == "draft-model":
-        from dynvocab.models import load_tokenizer
-
-        given = ModelFingerprint.of(load_tokenizer(spec), (rows, hidden), draft)
-        role, built = "draft", bundle.fingerprints.get("draft")
-        diffs = [] if built is None else built.differences(given)
-    else:  # an EAGLE head reads the target's ids and hidden states: compare with the bundle's target
-        role, built = "target", bundle.fingerprints["target"]
-        width = int(text.get("target_hidden_size") or hidden)
-        diffs = [f"{key} {mine} != {theirs}" for key, theirs, mine in
-                 (("head_rows", built.head_rows, rows), ("hidden_size", built.hidden_size, width)) if mine != theirs]
+    role, diffs = row.fits(bundle, spec, text, draft)
     if diffs:
+        built = bundle.fingerprints[role]
         raise DynvocabError(
             f"bundle {bundle.path} was built for another {role} ({built.source or 'another model'}; "
             f"{', '.join(diffs)}) than --draft {draft}; pass the draft it was built for or rebuild the bundle"
         )
-
-
-def _check_head(kind: str, text: dict, strategy: str) -> None:
-    """Refuse a selector on an EAGLE-3 head with its own draft vocabulary (``d2t``): its rows are draft ids."""
-    own = int(text.get("draft_vocab_size") or text["vocab_size"])
-    if kind != "eagle3" or own == int(text["vocab_size"]):
-        return
-    if strategy == "fr":
-        raise DynvocabError(
-            f"fr on this EAGLE-3 head adds nothing: its own head is already a static set of {own:,} ids (d2t); run "
-            "vLLM's eagle3 without the plugin, or use lowrank/centroids with a head whose draft vocabulary is the target's"
-        )
-    raise DynvocabError(
-        f"the {strategy} selector picks target ids, but this EAGLE-3 head's rows are its own {own:,}-id draft "
-        "vocabulary (d2t); use a head whose draft vocabulary is the target's (draft_vocab_size == vocab_size)"
-    )
-
-
-def _eagle_config(kind: str, config: dict, source: Path) -> dict:
-    """The head's ``config.json`` as vLLM's EAGLE classes must read it (the head's own meaning kept); refused in
-    one line where vLLM's class cannot hold the head. vLLM's ``llama_eagle.py`` / ``llama_eagle3.py`` build ``fc``
-    without a bias; EAGLE-1 has no ``EagleQwen2ForCausalLM``, so a Qwen2 layer goes as a llama layer with q/k/v
-    biases (``qkv_bias``; ``model_type`` llama, whose config has no ``layer_types``, which vLLM's EAGLE-1 layer
-    cannot index); EAGLE-3's explicit layer ids are ``hidden_states[i]`` to vLLM (``gpu_model_runner.py``
-    ``_get_eagle3_aux_layers_from_config``, read as written, deduplicated), the output of layer i in the eagle3
-    layout, so they are written as vLLM reads them."""
-    if kind == "draft-model":
-        return config
-    from dynvocab.models.eagle import read_config
-
-    cfg = read_config(source)
-    if cfg.has_fc_bias:
-        raise DynvocabError(
-            f"this EAGLE head's fc has a bias, which vLLM's {kind} head does not load (its fc is built without one); "
-            "use a head trained without fc bias"
-        )
-    if kind == "eagle1":
-        if cfg.arch != "qwen2":
-            return config
-        types = config.get("layer_types") or []
-        if any(t != "full_attention" for t in types):
-            raise DynvocabError("vLLM's EAGLE-1 head attends fully; this head's layer_types ask for a sliding window")
-        out = {k: v for k, v in config.items() if k != "layer_types"}
-        return {**out, "model_type": "llama", "qkv_bias": True, "attention_bias": False}
-    ids = cfg.aux_hidden_states
-    if ids is None:
-        return config  # both read the default (2, L // 2, L - 3)
-    if len(set(ids)) != len(ids):
-        raise DynvocabError(
-            f"this EAGLE-3 head reads target hidden states {list(ids)} with repeats, which vLLM reads once each "
-            "(its fc would not fit); use a head over distinct layers"
-        )
-    return {**config, "eagle_aux_hidden_state_layer_ids": list(ids)}
 
 
 def _check_out(out: Path) -> None:
@@ -195,10 +147,10 @@ def _link_files(source: Path, staged: Path, copy: bool) -> None:
             shutil.copy2(item, dest)
 
 
-def section(strategy: str, budget: int | None, kind: str, own: str, bundle) -> dict:
+def section(strategy: str, budget: int | None, row: VllmKind, own: str, bundle) -> dict:
     """The ``config.json`` section the plugin reads (``head.draft_section``), with where the policy came from."""
+    from dynvocab.runtime.batched import bundle_stages
     from dynvocab.version import __version__
-    from dynvocab.runtime.policies.batch_select import bundle_stages
 
     kept = [s for s in (*bundle_stages(strategy), "freq") if bundle.has(s)]
     return {
@@ -206,8 +158,8 @@ def section(strategy: str, budget: int | None, kind: str, own: str, bundle) -> d
         "strategy": strategy,
         "budget": budget,
         "policy_file": POLICY_FILE,
-        "kind": kind,
-        "method": METHODS[kind],
+        "kind": row.name,
+        "method": row.method,
         "base_architecture": own,
         "bundle": {
             "path": str(Path(bundle.path).resolve()),
@@ -218,6 +170,17 @@ def section(strategy: str, budget: int | None, kind: str, own: str, bundle) -> d
     }
 
 
+def _target_folder(draft: str) -> tuple[str, Path] | None:
+    """A demo draft's demo target and its local folder (converted on first use, as every command does), else
+    None."""
+    target = demo_target(draft)
+    if target is None:
+        return None
+    from dynvocab.models import resolve_model
+
+    return target, Path(resolve_model(target).path)
+
+
 def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str | Path, budget: int | None = None,
                        copy: bool = False) -> DraftFolder:
     """Write ``out``: a draft folder vLLM loads as it is, whose head runs ``strategy``'s selector from ``bundle``
@@ -226,8 +189,8 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
     the draft's files instead of linking them. Every refusal is a one-line :class:`DynvocabError`."""
     from dynvocab.artifacts import load_bundle, write_bundle
     from dynvocab.files import publish_dir, temp_dir_for
+    from dynvocab.runtime.batched import SelectorSpec, build_selector, bundle_stages, refusal
     from dynvocab.runtime.drafts import find_kind
-    from dynvocab.runtime.policies.batch_select import SelectorSpec, build_selector, bundle_stages, refusal
 
     why = refusal(strategy)
     if why:
@@ -237,25 +200,25 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
     out = Path(out).expanduser()
     _check_out(out)
     spec, source, config = _draft_folder(draft)
-    kind = find_kind(spec)[0].name
-    if kind not in METHODS:
-        raise DynvocabError(f"draft kind '{kind}' has no vLLM speculative method; use a draft model or EAGLE head")
-    own, architecture = _architecture(kind, config, draft)
+    row = vllm_kind(find_kind(spec)[0].name)
+    own, architecture = _architecture(row, config, draft)
     source_ids = config.get("eagle_aux_hidden_state_layer_ids")
-    config = _eagle_config(kind, config, source)
+    config = row.rewrite(config, source)
     text = config.get("text_config") or config
-    _check_head(kind, text, strategy)
+    row.check_head(text, strategy)
     with load_bundle(bundle, verify=True) as src:
         for stage in bundle_stages(strategy):
             src.require(stage)
-        _check_fits(src, kind, spec, text, draft)
+        _check_fits(src, row, spec, text, draft)
         kept = dict.fromkeys(s for s in (*bundle_stages(strategy), "freq") if src.has(s))
         stages = [src.load_stage(s) for s in kept]
         fingerprints = (src.fingerprints["target"], src.fingerprints.get("draft"))
-        meta = section(strategy, budget, kind, own, src)
+        meta = section(strategy, budget, row, own, src)
     if config.get("eagle_aux_hidden_state_layer_ids") != source_ids:  # the head's own ids, as its layout writes them
         meta["source_eagle_aux_hidden_state_layer_ids"] = source_ids
-    vocab = int(text.get("draft_vocab_size") or text["vocab_size"])  # the head's rows, as head.load_policy reads
+    target = _target_folder(draft)
+    if target is not None:
+        meta["demo_target"] = {"source": target[0], "folder": str(target[1])}
     staged = temp_dir_for(out)
     try:
         umask = os.umask(0)
@@ -264,7 +227,7 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
         (staged / POLICY_FILE).parent.mkdir(parents=True, exist_ok=True)
         write_bundle(staged / POLICY_FILE, stages, *fingerprints)
         with load_bundle(staged / POLICY_FILE, verify=True) as policy:  # a folder that cannot build is never written
-            selector = build_selector(policy, SelectorSpec(strategy, budget), vocab, int(text["hidden_size"]))
+            selector = build_selector(policy, SelectorSpec(strategy, budget), head_rows(text), int(text["hidden_size"]))
         (staged / "config.json").write_text(
             json.dumps({**config, "architectures": [architecture], CONFIG_KEY: meta}, indent=2) + "\n")
         _link_files(source, staged, copy)
@@ -272,4 +235,16 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    return DraftFolder(out, strategy, kind, METHODS[kind], architecture, int(selector.k))
+    return DraftFolder(out, strategy, row.name, row.method, architecture, int(selector.k),
+                       None if target is None else target[1])
+
+
+def _export(bundle: Path, out: Path, request: ExportRequest) -> Exported:
+    folder = write_draft_folder(bundle, request.draft, request.strategy, out, request.budget, request.copy)
+    return Exported(folder.path, folder.summary(), folder.notes())
+
+
+# ``dynvocab export --format vllm``, declared in pyproject.toml's ``dynvocab.export_formats`` entry points
+EXPORT_FORMAT = ExportFormat("vllm", _export,
+                             "a draft folder vLLM loads, its head running --strategy's selector over --draft",
+                             takes=("strategy", "draft", "budget", "copy"), needs=("strategy", "draft"), folder=True)

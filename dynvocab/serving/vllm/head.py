@@ -14,8 +14,9 @@ import torch
 
 from dynvocab.artifacts.bundle import load_bundle
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.policies.batch_select import (BatchSelector, SelectedHead, SelectorSpec, build_selector,
-                                                    scatter_logits)
+from dynvocab.models.eagle.config import head_rows
+from dynvocab.runtime.batched import SelectorSpec, build_selector
+from dynvocab.runtime.policies.batch_select import BatchSelector, SelectedHead, scatter_logits
 from dynvocab.serving.vllm.names import CONFIG_KEY, POLICY_FILE
 
 
@@ -141,11 +142,17 @@ def load_policy(vllm_config) -> DraftHeadPolicy:
     if not path.is_file():
         raise DynvocabError(f"{path} is missing; make the folder again with `dynvocab export --format vllm`")
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    head_vocab = int(getattr(text, "draft_vocab_size", None) or text.vocab_size)
     bundle = load_bundle(path, verify=True)
     try:
-        selector = build_selector(bundle, SelectorSpec(section["strategy"], section.get("budget")),
-                                  head_vocab, int(text.hidden_size), vllm_config.device_config.device)
+        return policy_from_bundle(bundle, SelectorSpec(section["strategy"], section.get("budget")), text,
+                                  vllm_config.device_config.device)
     finally:
         bundle.close()
-    return DraftHeadPolicy(selector, int(text.vocab_size), section["strategy"])
+
+
+def policy_from_bundle(bundle, spec: SelectorSpec, text_config, device) -> DraftHeadPolicy:
+    """The selected head of ``spec`` from ``bundle`` for a draft whose (text) config is ``text_config``: the
+    selector over the head's rows (:func:`~dynvocab.models.eagle.config.head_rows`), rows as wide as the target's
+    vocabulary."""
+    selector = build_selector(bundle, spec, head_rows(text_config), int(text_config.hidden_size), device)
+    return DraftHeadPolicy(selector, int(text_config.vocab_size), spec.strategy)

@@ -28,7 +28,7 @@ class SelectedHeadMixin:
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self.dynvocab: DraftHeadPolicy | None = load_policy(vllm_config)  # None: the full head (bench's switch)
+        self.dynvocab: DraftHeadPolicy = load_policy(vllm_config)
 
     def load_weights(self, weights):
         """vLLM's own loading, less an EAGLE-3 head's identity ``d2t``/``t2d`` over the target's full vocabulary:
@@ -43,25 +43,14 @@ class SelectedHeadMixin:
                                               getattr(self, "draft_id_to_target_id", None))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Full rows [T, V]: the set's logits, ``-inf`` elsewhere (the full head's while ``dynvocab`` is None)."""
-        if self.dynvocab is None:
-            return super().compute_logits(hidden_states)
+        """Full rows [T, V]: the set's logits, ``-inf`` elsewhere."""
         logits, ids = self._selected(hidden_states)
         return self.dynvocab.scatter(logits, ids, self.lm_head, self.logits_processor)
 
     def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The argmax target id [T] of each row over its set (the full head's while ``dynvocab`` is None)."""
-        if self.dynvocab is None:
-            return self._full_top_tokens(hidden_states)
+        """The argmax target id [T] of each row over its set."""
         logits, ids = self._selected(hidden_states)
         return self.dynvocab.top_tokens(logits, ids, self.lm_head)
-
-    def _full_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """vLLM's own greedy draft token over the full head: its local-argmax reduction, or the argmax of the
-        mapped logits for an EAGLE-3 head with a draft vocabulary (``draft_id_to_target_id``)."""
-        if getattr(self, "draft_id_to_target_id", None) is not None:
-            return super().compute_logits(hidden_states).argmax(dim=-1)
-        return self.logits_processor.get_top_tokens(self.lm_head, hidden_states)
 
 
 def _without_identity_d2t(weights):

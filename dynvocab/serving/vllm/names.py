@@ -31,8 +31,6 @@ ARCHITECTURES: dict[tuple[str, str], tuple[str, str]] = {
                                      "vllm.model_executor.models.qwen3_eagle3:Eagle3Qwen3ForCausalLM"),
 }
 
-METHODS = {"draft-model": "draft_model", "eagle1": "eagle", "eagle3": "eagle3"}  # speculative_config["method"]
-
 
 def registered_name(kind: str, architecture: str) -> str | None:
     """The plugin's architecture for a draft of ``kind`` whose own architecture is ``architecture`` (None: none)."""

@@ -1,0 +1,300 @@
+"""Run prompts through a vLLM engine, with and without the plugin's heads: the child process behind
+``dynvocab bench --vllm`` and the plugin's engine tests (imports vLLM; run it in an environment that has it).
+
+``python -m dynvocab.bench.vllm_run REQUEST.json OUT.json``. The request names the target, the prompts (token ids),
+decoding settings and the rows:
+
+- ``{"name": "vllm"}``: plain decoding, an engine of its own;
+- ``{"name": "vllm-spec", "speculative_config": {...}}``: vLLM's own speculation with the draft's full head;
+- ``{"name": "vllm-spec:lowrank", "speculative_config": {...}, "strategy": "lowrank", "budget": null}``: the same
+  engine with the plugin's head switched to a strategy (the draft folder's architecture is the plugin's).
+
+Rows that share a ``speculative_config`` share one engine: the head is switched between them through
+``LLM.collective_rpc`` on the worker methods :class:`HeadBench` adds (vLLM's ``worker_extension_cls``: named
+methods, so nothing is sent by value), and with ``rounds`` > 1 the rows run interleaved, round after round, so the
+machine's drift falls on every row alike. Each row gets the generated ids per prompt, the wall time, vLLM's own
+spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position) and, with ``time_head``, the
+draft head's and the selector's time per call measured in the worker around the draft's ``compute_logits`` /
+``get_top_tokens`` (synchronous on a CPU; on a GPU the timer synchronises the device, which costs time).
+
+The switch between the plugin's head and vLLM's own full head, and the timers, are the bench's (:class:`HeadSwitch`):
+the served classes (:mod:`dynvocab.serving.vllm.models`) always run their selector.
+
+The output is written whole (temp file, then rename). Errors are one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+HEAD_CALLS = ("compute_logits", "get_top_tokens")  # the draft's head entry points the bench switches and times
+EXTENSION = "dynvocab.bench.vllm_run.HeadBench"  # LLM(worker_extension_cls=...)
+
+
+def _drafter_model(worker):
+    """The draft model inside ``worker``'s runner (vLLM's ``model_runner.drafter.model``)."""
+    drafter = getattr(worker.model_runner, "drafter", None)
+    if drafter is None:
+        raise RuntimeError("the engine has no drafter: the row has no speculative_config")
+    return drafter.model
+
+
+def full_head(model) -> dict:
+    """vLLM's own head entry points of the draft ``model`` (name -> callable): for the plugin's classes, those of
+    the vLLM class they extend (greedy: vLLM's local-argmax reduction, or the argmax of the mapped logits for an
+    EAGLE-3 head with a draft vocabulary, ``draft_id_to_target_id``); for vLLM's own classes, theirs."""
+    from dynvocab.serving.vllm.models import SelectedHeadMixin
+
+    if not isinstance(model, SelectedHeadMixin):
+        return {name: getattr(model, name) for name in HEAD_CALLS if hasattr(model, name)}
+    base = super(SelectedHeadMixin, model)
+
+    def top_tokens(hidden_states):
+        if getattr(model, "draft_id_to_target_id", None) is not None:
+            return base.compute_logits(hidden_states).argmax(dim=-1)
+        return model.logits_processor.get_top_tokens(model.lm_head, hidden_states)
+
+    return {"compute_logits": base.compute_logits, "get_top_tokens": top_tokens}
+
+
+class HeadSwitch:
+    """The bench's hold on one draft model: which head its entry points run (the plugin's selected head, or vLLM's
+    own full head) and, when on, the time their calls and the selector's take. Installed once per draft, as the
+    model's own ``compute_logits`` / ``get_top_tokens``."""
+
+    def __init__(self, model):
+        self.model = model
+        self.selected = {name: getattr(model, name) for name in HEAD_CALLS if hasattr(model, name)}
+        self.full = full_head(model)
+        self.plugin = hasattr(model, "dynvocab")  # one of the plugin's classes (it holds a DraftHeadPolicy)
+        self.strategy: str | None = None  # None: vLLM's own full head
+        self.reset(False)
+        for name in self.selected:
+            setattr(model, name, self._entry(name))
+
+    def reset(self, on: bool) -> None:
+        """Zero the timer; time the calls from now on when ``on``."""
+        self.on, self.head_s, self.selector_s, self.calls, self.rows = on, 0.0, 0.0, 0, 0
+
+    def _entry(self, name: str):
+        def call(hidden_states):
+            head = (self.full if self.strategy is None else self.selected)[name]
+            if not self.on:
+                return head(hidden_states)
+            start = time.perf_counter()
+            out = head(hidden_states)
+            self.head_s += time.perf_counter() - start
+            self.calls += 1
+            self.rows += int(hidden_states.shape[0])
+            return out
+
+        return call
+
+    def switch(self, strategy: str | None, budget: int | None, bundle: str | None, timed: bool) -> None:
+        """Run ``strategy``'s selector from ``bundle`` (None: vLLM's own full head); time the calls when ``timed``."""
+        if strategy is not None:
+            if not self.plugin:
+                raise RuntimeError("the draft is not one of the plugin's classes; export it with --format vllm")
+            from dynvocab.artifacts.bundle import load_bundle
+            from dynvocab.runtime.batched import SelectorSpec
+            from dynvocab.serving.vllm.head import policy_from_bundle
+
+            with load_bundle(bundle) as b:
+                policy = policy_from_bundle(b, SelectorSpec(strategy, budget), self.model.config,
+                                            self.model.lm_head.weight.device)
+            if timed:
+                self._time_selector(policy)
+            self.model.dynvocab = policy
+        self.strategy = strategy
+        self.reset(timed)
+
+    def _time_selector(self, policy) -> None:
+        """Time the policy's selector calls (a static set's selector is left as it is: its rows are packed once,
+        and its call is a view of its ids)."""
+        from dynvocab.runtime.policies.batch_select import StaticSelector
+
+        if not isinstance(policy.head.selector, StaticSelector):
+            policy.head.selector = _TimedSelector(policy.head.selector, self)
+
+    def read(self) -> dict:
+        """The timer since the last switch (head and selector seconds, calls, rows) and the ids the head scores per
+        step (the selector's k; the head's rows for the full head)."""
+        from dynvocab.models.eagle.config import head_rows
+
+        selected = self.strategy is not None
+        ids = int(self.model.dynvocab.selector.k) if selected else head_rows(self.model.config)
+        return {"head_s": self.head_s, "selector_s": self.selector_s if selected else 0.0, "calls": self.calls,
+                "rows": self.rows, "ids": ids}
+
+
+class _TimedSelector:
+    """A changing set's selector that adds its calls' time to the switch's ``selector_s``."""
+
+    def __init__(self, selector, switch: HeadSwitch):
+        self.inner, self.switch, self.k = selector, switch, selector.k
+
+    def __call__(self, hidden):
+        start = time.perf_counter()
+        out = self.inner(hidden)
+        self.switch.selector_s += time.perf_counter() - start
+        return out
+
+
+class HeadBench:
+    """Worker methods the driver calls by name through ``LLM.collective_rpc`` (vLLM mixes this class into its
+    worker: ``worker_extension_cls``); each runs on every rank, ``self`` the worker."""
+
+    def dynvocab_switch_head(self, strategy: str | None, budget: int | None, bundle: str | None, timed: bool) -> str:
+        """Run the draft's head with ``strategy`` from ``bundle`` (None: the draft's own full head), timed when
+        ``timed``; returns what the head now runs."""
+        _switch(self).switch(strategy, budget, bundle, timed)
+        return strategy or "full"
+
+    def dynvocab_read_timer(self) -> dict:
+        """The head timer since the last switch and the ids the head scores per step."""
+        return _switch(self).read()
+
+    def dynvocab_probe_head(self, rows: int, seed: int) -> dict:
+        """A check of the plugin's head on ``rows`` random hidden states (the same on every rank): each row's set,
+        ``get_top_tokens``, and where the rank has the full rows, the ids where ``compute_logits`` is finite, its
+        argmax, and the largest gap between the set's logits and the full head's at the same ids."""
+        import torch
+
+        switch = _switch(self)
+        model = switch.model
+        weight = model.lm_head.weight
+        g = torch.Generator().manual_seed(seed)
+        hidden = (torch.randn(rows, weight.shape[1], generator=g) * 4).to(weight.device, weight.dtype)
+        with torch.inference_mode():
+            _, ids = model._selected(hidden)
+            logits = switch.selected["compute_logits"](hidden)
+            top = switch.selected["get_top_tokens"](hidden)
+            full = switch.full["compute_logits"](hidden)
+        out = {"sets": [sorted(set(r.tolist())) for r in ids], "top": top.tolist()}
+        if logits is not None:  # None on the ranks a tensor-parallel gather leaves without the full rows
+            out.update(finite=[torch.nonzero(torch.isfinite(row)).flatten().tolist() for row in logits],
+                       argmax=logits.argmax(dim=-1).tolist(), vocab=int(logits.shape[1]),
+                       max_gap=max(float((logits[i, ids[i]] - full[i, ids[i]]).abs().max()) for i in range(rows)))
+        return out
+
+
+_SWITCHES: dict[int, HeadSwitch] = {}  # id(draft model) -> its switch, in this worker process
+
+
+def _switch(worker) -> HeadSwitch:
+    """The :class:`HeadSwitch` of ``worker``'s draft model, installed on first use."""
+    model = _drafter_model(worker)
+    if id(model) not in _SWITCHES:
+        _SWITCHES[id(model)] = HeadSwitch(model)
+    return _SWITCHES[id(model)]
+
+
+def _spec_counters(llm) -> dict:
+    """vLLM's spec-decode counters now (summed over engines)."""
+    out: dict = {v: 0 for v in SPEC_COUNTERS.values()}
+    out["accepted_per_pos"] = []
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[m.name]] += int(m.value)
+        elif m.name == PER_POS:
+            vals = list(m.values)
+            acc = out["accepted_per_pos"]
+            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (len(vals) - len(acc)), vals)]
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    out = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
+    b = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    out["accepted_per_pos"] = [x - y for x, y in zip(after["accepted_per_pos"], b)]
+    return out
+
+
+def _engine(req: dict, spec: dict | None):
+    from vllm import LLM
+
+    kw = dict(model=req["target"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True, seed=req.get("seed") or 0,
+              max_model_len=req.get("max_model_len", 2048), max_num_seqs=req.get("max_num_seqs", 8),
+              disable_log_stats=False, tensor_parallel_size=req.get("tensor_parallel_size", 1),
+              worker_extension_cls=EXTENSION)
+    if kw["tensor_parallel_size"] > 1:
+        kw["distributed_executor_backend"] = "mp"
+    if spec is not None:
+        kw["speculative_config"] = spec
+    return LLM(**kw)
+
+
+def _generate(llm, req: dict, params) -> tuple[list[list[int]], float]:
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]]
+    start = time.perf_counter()
+    if req.get("batch"):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
+def run(req: dict) -> dict:
+    """Every row of ``req`` (see the module's docstring); returns ``{"rows": [...]}``."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=req.get("temperature", 0.0), top_p=req.get("top_p", 1.0),
+                            max_tokens=req["max_tokens"], ignore_eos=req.get("ignore_eos", False),
+                            seed=req.get("seed", 0) if req.get("temperature", 0.0) > 0 else None)
+    groups: dict[str, list[dict]] = {}
+    for row in req["rows"]:
+        groups.setdefault(json.dumps(row.get("speculative_config"), sort_keys=True), []).append(row)
+    results: dict[str, dict] = {}
+    for key, rows in groups.items():
+        llm = _engine(req, json.loads(key))
+        if req.get("warmup", True):
+            _generate(llm, {**req, "prompts": req["prompts"][:1]}, SamplingParams(max_tokens=4))
+        for r in range(req.get("rounds", 1)):
+            for row in rows:
+                spec = row.get("speculative_config") is not None
+                if spec:
+                    llm.collective_rpc("dynvocab_switch_head", args=(row.get("strategy"), row.get("budget"),
+                                                                     req.get("bundle"), req.get("time_head", False)))
+                before = _spec_counters(llm)
+                ids, wall = _generate(llm, req, params)
+                counts = _delta(_spec_counters(llm), before)
+                timer = llm.collective_rpc("dynvocab_read_timer")[0] if spec else {}
+                out = results.setdefault(row["name"], {"name": row["name"], "rounds": []})
+                if row.get("probe"):
+                    out["probe"] = llm.collective_rpc("dynvocab_probe_head", args=(row["probe"], r))  # one per rank
+                out["token_ids"] = ids
+                out["rounds"].append({"wall_s": wall, "new_tokens": sum(map(len, ids)), **counts, "head": timer})
+        del llm
+    return {"rows": [results[row["name"]] for row in req["rows"]]}
+
+
+def main(argv: list[str]) -> int:
+    """``REQUEST.json OUT.json``: run, write the result whole."""
+    if len(argv) != 2:
+        print("usage: python -m dynvocab.bench.vllm_run REQUEST.json OUT.json", file=sys.stderr)
+        return 2
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        print(f"vLLM is not installed in {sys.executable} ({e}); see docs/vllm.md", file=sys.stderr)
+        return 2
+    from dynvocab.files import write_atomic
+
+    result = run(json.loads(Path(argv[0]).read_text()))
+    write_atomic(Path(argv[1]), lambda tmp: Path(tmp).write_text(json.dumps(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,75 @@
+"""Strategies in a batched host (the vLLM plugin), read off their registry entries.
+
+A strategy that runs batched says so on its :class:`~dynvocab.runtime.registry.Strategy` entry (``batched``: the
+bundle stages its selector reads, its default budget and the function that builds it from a bundle), and one that
+cannot says why (``why_not_batched``). This module only looks them up, so a new strategy is one module and one entry
+in both hosts: dynvocab's loop and the vLLM plugin. The selection maths is
+:mod:`dynvocab.runtime.policies.batch_select`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dynvocab.errors import DynvocabError
+from dynvocab.runtime.policies.batch_select import BatchSelector
+from dynvocab.runtime.registry import Batched
+from dynvocab.runtime.strategies import strategies
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    """What a batched host needs to build a selector: the strategy and its budget (``fr``: ids; ``lowrank``:
+    candidates; ``centroids``: blocks; None: the bundle's default)."""
+
+    strategy: str
+    budget: int | None = None
+
+
+def batch_strategies() -> tuple[str, ...]:
+    """The registered strategies that run in a batched host, in registration order."""
+    return tuple(entry.name for entry in strategies() if entry.batched is not None)
+
+
+def refusal(strategy: str) -> str | None:
+    """Why ``strategy`` cannot run as a batched selector inside vLLM, in one line (None: it can)."""
+    entry = next((e for e in strategies() if e.name == strategy), None)
+    if entry is not None and entry.batched is not None:
+        return None
+    use = ", ".join(batch_strategies())
+    if entry is None:
+        return f"strategy '{strategy}' cannot run inside vLLM: it is not a dynvocab strategy; use one of {use}"
+    if entry.why_not_batched:
+        return f"strategy '{strategy}' cannot run inside vLLM: {entry.why_not_batched}; use one of {use}"
+    return f"strategy '{strategy}' has no batched selector, so it cannot run inside vLLM; use one of {use}"
+
+
+def batched(strategy: str) -> Batched:
+    """The batched form of ``strategy``; refused in one line where it has none."""
+    why = refusal(strategy)
+    if why:
+        raise DynvocabError(why)
+    return next(e for e in strategies() if e.name == strategy).batched
+
+
+def bundle_stages(strategy: str) -> tuple[str, ...]:
+    """The bundle stages ``strategy``'s batched selector reads."""
+    return batched(strategy).stages
+
+
+def default_budget(bundle, strategy: str, vocab_size: int) -> int:
+    """The budget ``strategy``'s selector uses when none is given, for a head of ``vocab_size`` rows."""
+    return batched(strategy).default_budget(bundle, vocab_size)
+
+
+def build_selector(bundle, spec: SelectorSpec, vocab_size: int, hidden_size: int,
+                   device: torch.device | str = "cpu") -> BatchSelector:
+    """The batched selector of ``spec`` from ``bundle``, for a draft head of ``vocab_size`` rows read at
+    ``hidden_size``; mismatches and strategies without a batched form are one-line :class:`DynvocabError` s."""
+    form = batched(spec.strategy)
+    for stage in form.stages:
+        bundle.require(stage)
+    budget = spec.budget or form.default_budget(bundle, vocab_size)
+    return form.build(bundle, budget, vocab_size, hidden_size, torch.device(device))
