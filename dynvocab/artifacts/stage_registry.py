@@ -13,13 +13,18 @@ The built-in stages are registered by :mod:`dynvocab.artifacts.stages` (imported
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from dynvocab.errors import DynvocabError
 from dynvocab.registry import Registry
 
-if TYPE_CHECKING:
-    from dynvocab.artifacts.bundle import Bundle
+
+class BundleLike(Protocol):
+    """What this registry asks of a bundle (:class:`dynvocab.artifacts.bundle.Bundle` is one): the bundle reads the
+    registry for its stage order and messages, so the registry names the bundle only by what it calls."""
+
+    def require(self, stage: str) -> None:
+        """Raise a one-line error when ``stage`` is missing."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,8 @@ class BundleStage:
     help: str  # one line: what the stage holds
     made_by: Maker = BUILD_INDEX
     made_from: tuple[str, ...] = ()  # stages it was made from: it is dropped when one of them is rebuilt
-    table: Callable[["Bundle"], object] | None = None  # its typed reader (None: read by a function that needs more)
-    describe: Callable[["Bundle"], dict] | None = None  # fields ``inspect`` adds to the stage's entry (JSON-ready)
+    table: Callable[[BundleLike], object] | None = None  # its typed reader (None: read by a function that needs more)
+    describe: Callable[[BundleLike], dict] | None = None  # fields ``inspect`` adds to the stage's entry (JSON-ready)
     headline: Callable[[dict], str] | None = None  # ``inspect``'s closing line about it, from its described entry
 
 
@@ -78,7 +83,7 @@ def find_stage(name: str) -> BundleStage | None:
     return _REGISTRY.get(name)
 
 
-def read_stage(bundle: "Bundle", name: str):
+def read_stage(bundle: BundleLike, name: str):
     """Stage ``name``'s table, read from ``bundle`` by its entry (a one-line error when the bundle lacks it)."""
     bundle.require(name)
     kind = find_stage(name)
