@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import math
 
 import pytest
 import torch
@@ -13,42 +13,63 @@ from dynvocab.bench import policy_step
 from dynvocab.bench.policy_step import policy_rows, policy_step_bench, render_policy_table
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.timing import SectionTimer
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 3000, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 512}
 ACTIVE_MS, OBSERVE_MS = 5.0, 20.0  # what the scripted policy spends per draft step in active_ids and in observe
+TICK_MS = 1e-3  # what the clock moves by at each of the timer's marks, so every timed section takes some time
+
+
+class Clock:
+    """The section timer's clock for a scripted run: it moves only by what the scripted policy says it spent and by
+    ``TICK_MS`` per mark, so the bench's columns are checked exactly, whatever else the machine is doing."""
+
+    def __init__(self):
+        self.now_s = 0.0
+
+    def spend(self, ms: float) -> None:
+        """Time passes inside the policy."""
+        self.now_s += ms / 1e3
+
+    def mark(self) -> float:
+        """A point in time, as :meth:`SectionTimer.mark` gives one (each one a tick later)."""
+        self.spend(TICK_MS)
+        return self.now_s
 
 
 class Scripted(VocabPolicy):
     """A policy whose sets and costs are known: at draft step j of its n-th cycle (warm-up cycles counted) it returns
     ``10 (n + 1) + j`` ids, as one tensor on even steps and as two disjoint segments on odd ones; ``active_ids``
-    sleeps ``ACTIVE_MS`` and ``observe`` ``OBSERVE_MS`` per drafted token."""
+    spends ``ACTIVE_MS`` of ``clock`` and ``observe`` ``OBSERVE_MS`` per drafted token."""
 
     name = "scripted"
 
-    def __init__(self):
+    def __init__(self, clock: Clock):
+        self.clock = clock
         self.cycle = 0
         self.calls: list[tuple[int, int, int, torch.Tensor]] = []  # (cycle, step, fed token, hidden [1, d])
 
     def active_ids(self, step, hidden=None, token=None):
-        time.sleep(ACTIVE_MS / 1e3)
+        self.clock.spend(ACTIVE_MS)
         self.calls.append((self.cycle, step, token, hidden))
         n = 10 * (self.cycle + 1) + step
         ids = torch.arange(n)
         return ActiveSet.of(ids) if step % 2 == 0 else ActiveSet.of(ids[0::2], ids[1::2])
 
     def observe(self, cycle):
-        time.sleep(OBSERVE_MS / 1e3 * len(cycle.draft_tokens))
+        self.clock.spend(OBSERVE_MS * len(cycle.draft_tokens))
         self.cycle += 1
 
 
 def test_policy_step_bench_reports_the_driven_policys_sets_and_costs(monkeypatch):
-    policies, scripts = [], []
+    policies, scripts, clock = [], [], Clock()
+    monkeypatch.setattr(SectionTimer, "mark", lambda timer: clock.mark())  # sections on the scripted clock
 
     def scripted(name, tables):
         if name != "scripted":  # the full head's reference row
             return real_policy(name, tables)
-        policies.append(Scripted())
+        policies.append(Scripted(clock))
         return policies[-1]
 
     def keep_script(*args, **kwargs):
@@ -73,9 +94,10 @@ def test_policy_step_bench_reports_the_driven_policys_sets_and_costs(monkeypatch
     timed = [10 * (c + 1) + j for c in range(warmup, warmup + cycles) for j in range(gamma)]
     assert r["mean_active"] == pytest.approx(sum(timed) / len(timed))
     # the costs land in the right columns: active_ids and observe apart, the head's time not mixed with either
-    assert ACTIVE_MS <= r["active_ms"] < OBSERVE_MS <= r["observe_ms"]
-    assert r["policy_ms"] >= ACTIVE_MS + OBSERVE_MS
-    assert 0 < r["head_ms"] < ACTIVE_MS
+    assert r["active_ms"] == pytest.approx(ACTIVE_MS, abs=10 * TICK_MS)
+    assert r["observe_ms"] == pytest.approx(OBSERVE_MS, abs=10 * TICK_MS)
+    assert r["policy_ms"] == pytest.approx(r["active_ms"] + r["observe_ms"])
+    assert 0 < r["head_ms"] < 10 * TICK_MS
     eagle = result["dtypes"]["float32"]["eagle"]
     assert eagle["body_ms"] > 0 and eagle["head_ms"] > 0
     assert r["share_of_eagle_step"] > 0
@@ -88,6 +110,7 @@ def test_policy_step_bench_runs_every_dynamic_policy():
     assert set(res["policies"]) == {"full", *policy_rows()}
     for name, r in res["policies"].items():
         assert abs(r["policy_ms"] - r["active_ms"] - r["observe_ms"]) < 1e-9
+        assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("policy_ms", "active_ms", "observe_ms", "head_ms"))
         assert r["head_ms"] > 0 and 0 < r["mean_active"] <= TINY["vocab_size"]
         assert r["share_of_eagle_step"] == r["policy_ms"] / res["eagle"]["step_ms"]
     assert render_policy_table(result).row_count == len(policy_rows()) + 1
