@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from cli_helpers import assert_one_line_error, run
@@ -35,12 +41,35 @@ def test_bench_writes_json_csv_and_plot(tiny_dirs, prompts, tmp_path):
     assert data["summary"]["full"]["all"]["matches_ar"] == 1.0
     assert data["summary"]["full"]["all"]["target_mass"] == 1.0  # the full vocabulary holds all the mass
     assert set(data["oracle"]) == {"code", "chat", "all"}
+    assert all(0 <= g["load"]["others_share"] <= 1 for g in data["generations"])  # the machine's load, every row
+    assert data["machine"]["rows_measured"] == 6 and isinstance(data["warnings"], list)
     rows = list(csv.DictReader(out_csv.open()))
     assert {(r["strategy"], r["task"]) for r in rows} == {
         (s, t) for s in ("ar", "full", "hf-lookup", "oracle") for t in ("code", "chat", "all")
     }
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left behind
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="the load is read from /proc")
+def test_a_busy_machine_prints_one_warning_under_the_table(tiny_dirs, prompts, tmp_path):
+    """Another process spinning a core while the bench runs (detached: not this process's descendant): the JSON
+    records its share and one warning line says the figures are not the method's."""
+    spin = "import time\nt = time.time() + 20\nwhile time.time() < t: pass\n"
+    pid = int(subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" >/dev/null 2>&1 & echo $!', spin],
+                             check=True, capture_output=True, text=True).stdout)
+    try:
+        time.sleep(0.3)
+        out_json = tmp_path / "b.json"
+        result = run("bench", "--prompts", prompts, "--strategies", "ar,full", "--max-new-tokens", 24, "--json",
+                     out_json, *models(tiny_dirs))
+    finally:
+        os.kill(pid, signal.SIGTERM)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    assert data["machine"]["others_share_max"] >= 0.1
+    assert data["warnings"][0].startswith("the machine was busy")
+    assert result.output.count("warning:") == 1 and "the machine was busy" in result.output
 
 
 def test_bench_seeds_report_spread(tiny_dirs, prompts, tmp_path):

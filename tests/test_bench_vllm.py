@@ -133,6 +133,9 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     assert len(data["generations"]) == 2 * 4
     assert {g["id"] for g in data["generations"]} == {"a", "b"}
     assert "vllm-spec:centroids" in result.output and "oracle" in result.output
+    loads = [rnd["load"] for row in data["rows"] for rnd in row["rounds"]]  # measured in the engine's process tree
+    assert all(0 <= w["others_share"] <= 1 and len(w["loadavg_before"]) == 3 for w in loads)
+    assert data["machine"]["rows_measured"] == len(loads) and isinstance(data["warnings"], list)
 
 
 def test_a_model_vllm_cannot_load_is_one_line_with_the_engines_error(tmp_path, monkeypatch, request):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from dynvocab.bench import stability
 from dynvocab.errors import DynvocabError
 
 PLAIN, SPEC, PLUGIN = "vllm", "vllm-spec", "vllm-spec:"
@@ -306,7 +307,12 @@ def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[di
         "tensor_parallel_size": cfg.tensor_parallel_size, "chat_template": cfg.chat_template,
         "vllm_python": cfg.python, "prompts": len(prompts), "threads_bind": engine_env(cfg.python)["VLLM_CPU_OMP_THREADS_BIND"],
     }
-    return {"config": config, "rows": summary, "generations": generations}
+    loads = {r["name"]: [rnd.get("load") for rnd in r["rounds"]] for r in rows}
+    warnings = [stability.busy_warning(loads),
+                stability.rounds_warning({s["name"]: s["tokens_per_s_rounds"] for s in summary})]
+    return {"config": config, "rows": summary, "generations": generations,
+            "machine": stability.machine([w for ws in loads.values() for w in ws]),
+            "warnings": [w for w in warnings if w]}
 
 
 def _fmt(value, spec: str) -> str:

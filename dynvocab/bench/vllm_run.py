@@ -13,7 +13,8 @@ Rows that share a ``speculative_config`` share one engine: the head is switched 
 ``LLM.collective_rpc`` on the worker methods :class:`HeadBench` adds (vLLM's ``worker_extension_cls``: named
 methods, so nothing is sent by value), and with ``rounds`` > 1 the rows run interleaved, round after round, so the
 machine's drift falls on every row alike. Each row gets the generated ids per prompt, the wall time, vLLM's own
-spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position) and, with ``time_head``, the
+spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position), the machine's load over the
+round (:mod:`dynvocab.bench.stability`) and, with ``time_head``, the
 draft head's and the selector's time per call measured in the worker around the draft's ``compute_logits`` /
 ``get_top_tokens`` (synchronous on a CPU; on a GPU the timer synchronises the device, which costs time).
 
@@ -29,6 +30,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from dynvocab.bench.stability import Probe
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -256,6 +259,7 @@ def run(req: dict) -> dict:
     for row in req["rows"]:
         groups.setdefault(json.dumps(row.get("speculative_config"), sort_keys=True), []).append(row)
     results: dict[str, dict] = {}
+    probe = Probe()  # the machine's load around each round of each row (this process tree holds the engine)
     for key, rows in groups.items():
         llm = _engine(req, json.loads(key))
         if req.get("warmup", True):
@@ -267,14 +271,17 @@ def run(req: dict) -> dict:
                     llm.collective_rpc("dynvocab_switch_head", args=(row.get("strategy"), row.get("budget"),
                                                                      req.get("bundle"), req.get("time_head", False)))
                 before = _spec_counters(llm)
+                probe.start()
                 ids, wall = _generate(llm, req, params)
+                load = probe.stop()
                 counts = _delta(_spec_counters(llm), before)
                 timer = llm.collective_rpc("dynvocab_read_timer")[0] if spec else {}
                 out = results.setdefault(row["name"], {"name": row["name"], "rounds": []})
                 if row.get("probe"):
                     out["probe"] = llm.collective_rpc("dynvocab_probe_head", args=(row["probe"], r))  # one per rank
                 out["token_ids"] = ids
-                out["rounds"].append({"wall_s": wall, "new_tokens": sum(map(len, ids)), **counts, "head": timer})
+                out["rounds"].append({"wall_s": wall, "new_tokens": sum(map(len, ids)), **counts, "head": timer,
+                                      "load": load})
         del llm
     return {"rows": [results[row["name"]] for row in req["rows"]]}
 

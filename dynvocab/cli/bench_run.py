@@ -176,13 +176,19 @@ def _beside(path: Path | None, tag: str) -> Path | None:
     return None if path is None else path.with_name(f"{path.stem}.{tag}{path.suffix}")
 
 
+def print_warnings(results: dict, console: Console) -> None:
+    """One warning line under the table when the machine was busy or a row's spread is too wide
+    (:mod:`dynvocab.bench.stability`)."""
+    if results.get("warnings"):
+        console.print(f"[bold yellow]warning:[/] {'; '.join(results['warnings'])}", highlight=False, soft_wrap=True)
+
+
 def show_and_write(req: BenchRequest, results: dict, console: Console) -> None:
     """Print the tables and notes; write the requested JSON / CSV / plot."""
     out = Console(width=None if stdout_is_terminal() else 200)
     for table in render_tables(results):
         out.print(table)
-    if results.get("warnings"):
-        console.print(f"[bold yellow]warning:[/] {'; '.join(results['warnings'])}", highlight=False, soft_wrap=True)
+    print_warnings(results, console)
     for note in notes(results):
         console.print(f"[dim]{note}[/]", highlight=False, soft_wrap=True)
     if req.json_path is not None:
@@ -235,6 +241,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         rows, ids = v.run_vllm_rows(cfg, prompts, log=reporter.log)
     results = v.results(cfg, items, prompts, rows, ids, tokenizer)
     Console(width=None if stdout_is_terminal() else 200).print(v.render_table(results))
+    print_warnings(results, console)
     console.print(f"[dim]{v.NOTE}[/]", highlight=False, soft_wrap=True)
     if req.json_path is not None:
         text = json.dumps(results, ensure_ascii=False, indent=1)
