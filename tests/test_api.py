@@ -15,7 +15,7 @@ from cli_helpers import run
 import dynvocab
 from dynvocab.errors import DynvocabError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]
 
 PROMPT = "w1 w2 w3 w4 w5"
 HEAVY = ("torch", "transformers", "safetensors", "numpy", "triton", "tokenizers", "huggingface_hub", "typer", "rich")

@@ -29,7 +29,7 @@ from dynvocab.bench.tasks import (
     trim_history,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]
 
 # --- tasks ------------------------------------------------------------------------------------------------------
 

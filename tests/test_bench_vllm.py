@@ -14,6 +14,8 @@ from vllm_models import vllm_bundle, vllm_pair  # noqa: F401
 
 from dynvocab.bench.vllm_rows import engine_env, last_error_line, plugin_strategies, summarize_row
 
+pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
+
 
 def _python_without_vllm() -> str:
     for python in (sys.executable, "/usr/bin/python3", shutil.which("python3")):

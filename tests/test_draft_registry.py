@@ -31,7 +31,7 @@ from dynvocab.runtime.strategies import Strategy, strategy_names
 from dynvocab.runtime.strategies import register as register_strategy
 from dynvocab.runtime.strategies import unregister as unregister_strategy
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]
 
 PROMPT = "w1 w2 w3 w4 w5"
 TOY_TYPE = "toy-draft"  # its config.json's model_type

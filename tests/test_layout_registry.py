@@ -31,7 +31,7 @@ from dynvocab.models.eagle import (
 from dynvocab.models.eagle import layouts as registry
 from dynvocab.models.eagle.layouts import Layout, Names, eagle3_fields
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]
 
 PROMPT = "w1 w2 w3 w4 w5 w1 w2"
 

@@ -12,6 +12,8 @@ from dynvocab.models.prepack import quantize_linears
 from dynvocab.runtime import one_token
 from dynvocab.runtime.lm import CausalLM
 
+pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
+
 
 def pair(model, **kw):
     return CausalLM(model), CausalLM(model, one_token_steps=True, **kw)

@@ -21,6 +21,8 @@ from dynvocab.builders.models import fingerprint
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import SilentReporter, callback_reporter
 
+pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
+
 
 @pytest.fixture(autouse=True)
 def one_thread():

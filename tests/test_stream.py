@@ -12,7 +12,7 @@ import dynvocab
 from dynvocab.api import TextStream
 from dynvocab.errors import DynvocabError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]
 
 PROMPT = "w1 w2 w3 w4 w5"
 ARGS = {"chat_template": False, "max_new_tokens": 24}

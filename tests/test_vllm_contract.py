@@ -19,6 +19,8 @@ import dynvocab
 from dynvocab.errors import DynvocabError
 from dynvocab.serving.vllm import contract
 
+pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 SRC = Path(dynvocab.__file__).parent

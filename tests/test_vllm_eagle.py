@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
 
 import torch  # noqa: E402
 from cli_helpers import assert_one_line_error, run  # noqa: E402

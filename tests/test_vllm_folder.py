@@ -28,6 +28,8 @@ from dynvocab.serving.vllm import names
 from dynvocab.serving.vllm.folder import EXPORT_FORMAT, demo_target, write_draft_folder
 from dynvocab.serving.vllm.kinds import KINDS
 
+pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
+
 
 @pytest.fixture(scope="module")
 def bundles(tiny_dirs, corpus_jsonl, tmp_path_factory):  # noqa: F811

@@ -10,11 +10,12 @@ import json
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
 
 from vllm_models import BLOCK, BLOCKS, LOWRANK_K, run_rows, vllm_bundle, vllm_pair  # noqa: E402,F401
 
 from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
-from dynvocab.serving.vllm.names import CONFIG_KEY  # noqa: E402
+from dynvocab.serving.vllm.names import CONFIG_KEY, POLICY_FILE  # noqa: E402
 
 STRATEGIES = ("fr", "lowrank", "centroids")
 FR_SIZE = 40
@@ -115,14 +116,21 @@ def test_sampled_drafting_runs_with_q_zero_outside_the_set(greedy, vllm_pair, vl
     assert len({tuple(ids) for ids in row["token_ids"]}) > 1  # sampled, not greedy
 
 
-@pytest.mark.parametrize("strategy,why", [
-    ("microspec", "prompt and verified tokens"),
-    ("dynaspec", "embedding of the token the draft was fed"),
-])
+REFUSED = {
+    "fr-pa": "shrinks with the draft position",
+    "dynaspec": "embedding of the token the draft was fed",
+    "microspec": "prompt and verified tokens",
+    "hybrid": "the request's own tokens",
+    "evospec": "adapts the draft online",
+}
+
+
 def test_a_folder_naming_a_strategy_vllm_cannot_run_is_refused_in_one_line(
-        vllm_pair, vllm_bundle, folder, tmp_path, strategy, why):  # noqa: F811
+        vllm_pair, vllm_bundle, folder, tmp_path):  # noqa: F811
     """A hand-edited folder whose strategy needs what vLLM does not give a head: the engine does not start, and the
-    worker's error says why in one line."""
+    worker's error says why in one line (one engine; every refused strategy's line is checked on the function the
+    worker calls, below)."""
+    strategy, why = "microspec", REFUSED["microspec"]
     edited = tmp_path / "draft"
     edited.mkdir()
     for f in folder.iterdir():
@@ -136,3 +144,21 @@ def test_a_folder_naming_a_strategy_vllm_cannot_run_is_refused_in_one_line(
     assert result is None
     lines = [line for line in err.splitlines() if f"strategy '{strategy}' cannot run inside vLLM" in line]
     assert lines and why in lines[0], err[-3000:]
+
+
+@pytest.mark.parametrize("strategy", sorted(REFUSED))
+def test_the_head_refuses_each_strategy_vllm_cannot_run_in_one_line(folder, strategy):
+    """What the worker runs when vLLM builds the draft (``head.policy_from_bundle`` on the folder's policy file and
+    the draft's config), for every strategy that cannot run there: one line saying why."""
+    from transformers import AutoConfig
+
+    from dynvocab.artifacts.bundle import load_bundle
+    from dynvocab.errors import DynvocabError
+    from dynvocab.runtime.batched import SelectorSpec
+    from dynvocab.serving.vllm.head import policy_from_bundle
+
+    with load_bundle(folder / POLICY_FILE) as bundle, pytest.raises(DynvocabError) as refused:
+        policy_from_bundle(bundle, SelectorSpec(strategy), AutoConfig.from_pretrained(folder), "cpu")
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"strategy '{strategy}' cannot run inside vLLM")
+    assert REFUSED[strategy] in line

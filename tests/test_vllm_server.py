@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
 
 from vllm_models import ENGINE_ENV, run_rows, vllm_bundle, vllm_pair  # noqa: E402,F401
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
 
 from test_vllm_plugin import FR_SIZE, STRATEGIES, budget, folder, request, spec  # noqa: E402,F401
 from vllm_models import run_rows, vllm_bundle, vllm_pair  # noqa: E402,F401
