@@ -297,7 +297,13 @@ def main(argv: list[str]) -> int:
         print(f"vLLM is not installed in {sys.executable} ({e}); see docs/vllm.md", file=sys.stderr)
         return 2
     from dynvocab.files import write_atomic
+    from dynvocab.serving.vllm import contract
 
+    lost = contract.missing("bench")
+    if lost:
+        print(f"dynvocab bench --vllm cannot drive vLLM {contract.vllm_version()}: it lacks {', '.join(lost)} "
+              f"(tested: vLLM {', '.join(contract.TESTED_VERSIONS)})", file=sys.stderr)
+        return 2
     result = run(json.loads(Path(argv[0]).read_text()))
     write_atomic(Path(argv[1]), lambda tmp: Path(tmp).write_text(json.dumps(result)))
     return 0
