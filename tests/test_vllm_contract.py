@@ -210,3 +210,19 @@ def test_the_known_sampling_bug_table_matches_the_installed_vllm():
     out = expand_batch_to_tokens(temperature, cu_num_tokens, 5)  # [tokens]
     right = torch.equal(out, torch.tensor([0.123, 0.123, 4.56, 4.56, 4.56]))
     assert right == (installed_bug() is None), (out, installed_bug())
+
+
+@needs_vllm
+def test_the_bench_driver_refuses_a_vllm_without_its_seams(monkeypatch, tmp_path, capsys):
+    """``bench --vllm``'s child checks the bench seams before it starts an engine: one line, exit 2, nothing
+    written."""
+    import vllm
+
+    from dynvocab.bench import vllm_run
+
+    monkeypatch.delattr(vllm.LLM, "collective_rpc")
+    out = tmp_path / "out.json"
+    assert vllm_run.main([str(tmp_path / "request.json"), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("dynvocab bench --vllm cannot drive vLLM")
+    assert "vllm:LLM.collective_rpc" in err and not out.exists()
