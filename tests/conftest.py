@@ -34,8 +34,15 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 
 def pytest_collection_modifyitems(config, items):
+    """``--reverse``; and under pytest-xdist (``.ci/run`` runs the first suite with ``-n 2 --dist loadgroup``) each
+    file stays on one worker, so its module fixtures are built once, and the demo tests share one worker, so two
+    real demo pairs in float32 are never in memory at once."""
     if config.getoption("reverse"):
         items.reverse()
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            group = "demo" if item.get_closest_marker("demo") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def run_sample(tmp_path: Path, require: str | None) -> subprocess.CompletedProce
     """Run pytest on the sample file with only the ``require_demo`` plugin; ``require`` sets the variable."""
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    demo: a demo test\n")
-    env = {k: v for k, v in os.environ.items() if k != "DYNVOCAB_REQUIRE_DEMO"}
+    env = {k: v for k, v in os.environ.items() if k not in ("DYNVOCAB_REQUIRE_DEMO", "PYTEST_ADDOPTS")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     if require is not None:
         env["DYNVOCAB_REQUIRE_DEMO"] = require

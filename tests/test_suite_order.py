@@ -23,7 +23,7 @@ def test_compile_tests_pass_in_one_run_with_the_interpreter_tests(order, tmp_pat
     Before the Triton modules ran in child processes, the interpreter's patches of ``triton.language`` made every
     compile test fail here ("'value' object has no attribute 'dtype'")."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_ADDOPTS")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_FILES]
     if order == "reverse":

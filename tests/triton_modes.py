@@ -54,7 +54,8 @@ def runs_in_child(path: Path) -> bool:
 def child_env(name: str) -> dict[str, str]:
     """The environment of the child for module ``name``: the parent's, plus its Triton mode."""
     interpret = TRITON_MODULES[name] and not torch.cuda.is_available()
-    return {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # one process: no xdist workers
+    return {**env, "TRITON_INTERPRET": "1" if interpret else "0"}
 
 
 class ChildFailed(Exception):
