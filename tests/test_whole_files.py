@@ -133,7 +133,7 @@ def test_bundle_without_checksums_still_loads(whole, tmp_path):
     assert result.exit_code == 0, result.output
     info = json.loads(result.output.strip().splitlines()[-1])
     assert info["checksums"].startswith("no checksum (built before")
-    assert "no checksum (built before" in run("inspect", old).output
+    assert "no checksum (built before" in " ".join(run("inspect", old).output.split())  # rich wraps long paths
 
 
 def save_tiny(folder: Path) -> None:
