@@ -25,7 +25,8 @@ from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selec
 from dynvocab.runtime.policies.batch_select import StaticSelector
 from dynvocab.runtime.strategies import Batched, Strategy, register, unregister
 from dynvocab.serving.vllm import names
-from dynvocab.serving.vllm.folder import EXPORT_FORMAT, demo_target, write_draft_folder
+from dynvocab.models.demo import demo_target
+from dynvocab.serving.vllm.folder import EXPORT_FORMAT, write_draft_folder
 from dynvocab.serving.vllm.kinds import KINDS
 
 pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)

@@ -167,6 +167,17 @@ def ensure_head(name: str) -> Path:
     return head.folder()
 
 
+def demo_target(draft: str) -> str | None:
+    """The demo target a ``demo:`` draft drafts for (``demo:draft`` -> ``demo:target``, ``demo:gemma-eagle1`` ->
+    ``demo:gemma``), None for any other draft."""
+    if not draft.startswith("demo:"):
+        return None
+    name = draft.removeprefix("demo:")
+    if name in DEMO_HEADS:
+        return DEMO_HEADS[name].target
+    return next((f"demo:{target}" for target, model in DEMO_MODELS.items() if draft in model.drafts_with), None)
+
+
 def check_demo_pair(target: str, draft: str) -> None:
     """Refuse, before anything loads, a pair of demo models that do not share a tokenizer (``demo:gemma`` drafts
     with an EAGLE head trained for it, not with ``demo:draft``), and a shipped head passed as the target."""

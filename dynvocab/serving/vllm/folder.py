@@ -13,7 +13,7 @@ policy file (:mod:`dynvocab.serving.vllm.head`). The folder holds:
 
 What differs between draft kinds (vLLM's method, the config's rewrite, the head's vocabulary) is one row of
 :mod:`dynvocab.serving.vllm.kinds`. For a ``demo:`` draft the section also names the local folder of the demo target
-it drafts for (``demo_target``), the folder to give vLLM as ``model=``.
+it drafts for (``models.demo.demo_target``), the folder to give vLLM as ``model=``.
 
 The folder is staged beside ``out`` and renamed into place once its selector has been built from it, so it appears
 whole or not at all. Every refusal is one line saying what to do. ``dynvocab export --format vllm`` finds this
@@ -63,19 +63,6 @@ class DraftFolder:
 def supported() -> str:
     """The (kind, architecture) pairs the plugin registers, for error messages."""
     return ", ".join(f"{kind} {arch}" for kind, arch in ARCHITECTURES)
-
-
-def demo_target(draft: str) -> str | None:
-    """The demo target a ``demo:`` draft drafts for (``demo:draft`` -> ``demo:target``, ``demo:gemma-eagle1`` ->
-    ``demo:gemma``), None for any other draft."""
-    from dynvocab.models.demo import DEMO_HEADS, DEMO_MODELS
-
-    if not draft.startswith("demo:"):
-        return None
-    name = draft.removeprefix("demo:")
-    if name in DEMO_HEADS:
-        return DEMO_HEADS[name].target
-    return next((f"demo:{target}" for target, model in DEMO_MODELS.items() if draft in model.drafts_with), None)
 
 
 def _draft_folder(draft: str) -> tuple[object, Path, dict]:
@@ -173,6 +160,8 @@ def section(strategy: str, budget: int | None, row: VllmKind, own: str, bundle) 
 def _target_folder(draft: str) -> tuple[str, Path] | None:
     """A demo draft's demo target and its local folder (converted on first use, as every command does), else
     None."""
+    from dynvocab.models.demo import demo_target
+
     target = demo_target(draft)
     if target is None:
         return None
