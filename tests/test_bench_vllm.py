@@ -106,8 +106,8 @@ def test_row_figures_are_medians_and_vllms_counters():
 
 
 def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
-    """Plain vLLM, vLLM's own full head and two plugin strategies on 2 prompts × 8 tokens: every row, the same
-    tokens as plain vLLM, the JSON whole."""
+    """Plain vLLM, vLLM's own n-gram speculation, vLLM's own full head and two plugin strategies on 2 prompts × 8
+    tokens, at 1 and 2 requests in flight: every row, the same tokens as plain vLLM, the JSON whole."""
     pytest.importorskip("vllm")
     pair, bundle = request.getfixturevalue("vllm_pair"), request.getfixturevalue("vllm_bundle")
     for key, value in {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -119,43 +119,31 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
                        '{"id": "b", "task": "chat", "prompt": "the cat sat on the mat"}\n')
     out = tmp / "bench.json"
     result = run("bench", "--vllm", "--target", pair[0], "--draft", pair[1], "--bundle", bundle, "--strategies",
-                 "lowrank,centroids", "--prompts", prompts, "--max-new-tokens", 8, "--gamma", 3, "--rounds", 1,
-                 "--dtype", "float32", "--json", out)
+                 "ngram,lowrank,centroids", "--prompts", prompts, "--max-new-tokens", 8, "--gamma", 3, "--rounds", 1,
+                 "--dtype", "float32", "--concurrency", "1,2", "--json", out)
     assert result.exit_code == 0, result.output[-3000:]
     data = json.loads(out.read_text())
-    names = [r["name"] for r in data["rows"]]
-    assert names == ["vllm", "vllm-spec", "vllm-spec:lowrank", "vllm-spec:centroids"]
+    names = ["vllm", "vllm-spec:ngram", "vllm-spec", "vllm-spec:lowrank", "vllm-spec:centroids"]
+    assert [(r["name"], r["concurrency"]) for r in data["rows"]] == [(n, c) for n in names for c in (1, 2)]
     for row in data["rows"]:
         assert row["matches_vllm"] == 1.0, row["name"]
         assert row["tokens_per_s"] > 0
-    spec = {r["name"]: r for r in data["rows"]}
+        assert row["speedup_vs_vllm"] == round(row["tokens_per_s"] / next(
+            r["tokens_per_s"] for r in data["rows"] if r["name"] == "vllm" and r["concurrency"] == row["concurrency"]), 4)
+    spec = {r["name"]: r for r in data["rows"] if r["concurrency"] == 1}
     assert spec["vllm-spec"]["mal"] > 1 and spec["vllm-spec"]["head_ms_per_step"] > 0
+    assert spec["vllm-spec:ngram"]["drafts"] > 0 and spec["vllm-spec:ngram"]["head_ms_per_step"] is None
     assert spec["vllm-spec:lowrank"]["selector_ms_per_step"] > 0
     assert spec["vllm-spec:lowrank"]["active_ids"] < spec["vllm-spec"]["active_ids"]
-    assert len(data["generations"]) == 2 * 4
+    assert len(data["generations"]) == 2 * len(data["rows"])
     assert {g["id"] for g in data["generations"]} == {"a", "b"}
-    assert "vllm-spec:centroids" in result.output and "oracle" in result.output
+    assert "vllm-spec:centroids" in result.output and "oracle" in result.output and "in flight" in result.output
+    assert data["config"]["concurrency"] == [1, 2]
     loads = [rnd["load"] for row in data["rows"] for rnd in row["rounds"]]  # measured in the engine's process tree
     assert all(0 <= w["others_share"] <= 1 and len(w["loadavg_before"]) == 3 for w in loads)
     assert data["machine"]["rows_measured"] == len(loads) and isinstance(data["warnings"], list)
 
 
-def test_a_model_vllm_cannot_load_is_one_line_with_the_engines_error(tmp_path, monkeypatch, request):
-    """A target whose architecture vLLM does not know: the driver fails, the CLI quotes its last error line."""
-    pytest.importorskip("vllm")
-    pair = request.getfixturevalue("vllm_pair")
-    target = tmp_path / "target"
-    shutil.copytree(pair[0], target)
-    config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, "architectures": ["NopeForCausalLM"]}))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"id": "a", "task": "code", "prompt": "def add(a, b): return a + b"}\n')
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    result = run("bench", "--vllm", "--target", target, "--draft", pair[1], "--prompts", prompts,
-                 "--max-new-tokens", 4, "--rounds", 1, "--dtype", "float32")
-    assert result.exit_code == 1
-    lines = result.output.strip().splitlines()
-    assert lines[0].startswith("vllm: starting an engine") and "Traceback" not in result.output
-    error = lines[-1]
-    assert len(lines) == 2 and error.startswith("error: vLLM failed on the vllm rows"), result.output
-    assert "Model architectures ['NopeForCausalLM'] are not supported" in error and len(error) < 400
+@pytest.mark.parametrize("text", ["0", "1,1", "a,b", ""])
+def test_bad_concurrency_is_one_line(text):
+    assert_one_line_error(run("bench", "--vllm", "--concurrency", text), "--concurrency")

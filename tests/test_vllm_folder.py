@@ -48,8 +48,9 @@ def bundles(tiny_dirs, corpus_jsonl, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def heads(tiny_dirs, tmp_path_factory):  # noqa: F811
-    """EAGLE heads for the tiny target: Llama EAGLE-1, Qwen2 EAGLE-1 (what a Qwen2 target trains), EAGLE-3 over the
-    target's vocabulary, EAGLE-3 with a 200-id d2t vocabulary, and the speculators layout."""
+    """EAGLE heads for the tiny target: Llama EAGLE-1, Qwen2 EAGLE-1 (what a Qwen2 target trains; with an fc bias, and
+    with an activation the plugin has no kernel for), EAGLE-3 over the target's vocabulary (and with an fc bias, which
+    vLLM's eagle3 class cannot load), EAGLE-3 with a 200-id d2t vocabulary, and the speculators layout."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tiny_dirs[0])
@@ -62,7 +63,9 @@ def heads(tiny_dirs, tmp_path_factory):  # noqa: F811
         "eagle1": save_eagle(EagleModel(replace(config_like(config, EAGLE1, fc_bias=False), arch="llama")).eval(),
                              root / "e1"),
         "eagle1-qwen2": save_eagle(EagleModel(config_like(config, EAGLE1, fc_bias=False)).eval(), root / "e1q"),
-        "eagle1-bias": save_eagle(EagleModel(config_like(config, EAGLE1)).eval(), root / "e1b"),  # vLLM's fc has none
+        "eagle1-bias": save_eagle(EagleModel(config_like(config, EAGLE1)).eval(), root / "e1b"),  # the plugin's fc has one
+        "eagle1-relu": save_eagle(EagleModel(replace(config_like(config, EAGLE1), hidden_act="relu")).eval(), root / "e1r"),
+        "eagle3-bias": save_eagle(EagleModel(config_like(config, EAGLE3, fc_bias=True)).eval(), root / "e3b"),
         "eagle3": save_eagle(e3, root / "e3"),
         "eagle3-d2t": save_eagle(e3_d2t, root / "e3d2t"),
         "speculators": save_eagle(e3, root / "spec", layout="speculators", target_name=str(tiny_dirs[0])),
@@ -145,6 +148,7 @@ def test_an_empty_out_folder_is_used(bundles, tiny_dirs, tmp_path):  # noqa: F81
 @pytest.mark.parametrize("head, kind, arch", [
     ("eagle1", "eagle1", "EagleDynvocabLlamaForCausalLM"),
     ("eagle1-qwen2", "eagle1", "EagleDynvocabQwen2ForCausalLM"),
+    ("eagle1-bias", "eagle1", "EagleDynvocabQwen2ForCausalLM"),  # the plugin's EAGLE-1 class loads fc's bias
     ("eagle3", "eagle3", "Eagle3DynvocabLlamaForCausalLM"),
 ])
 def test_folder_for_an_eagle_head(bundles, heads, tmp_path, head, kind, arch):
@@ -159,6 +163,8 @@ def test_folder_for_an_eagle_head(bundles, heads, tmp_path, head, kind, arch):
     assert (out / "model.safetensors").is_symlink()
     if head == "eagle1-qwen2":  # vLLM has no EagleQwen2ForCausalLM: a llama layer with q/k/v biases
         assert (cfg["model_type"], cfg["qkv_bias"], cfg["attention_bias"]) == ("llama", True, False)
+    if kind == "eagle1":  # the EAGLE repo's "bias" is fc's; vLLM's llama layer would put it on q/k/v/o
+        assert "bias" not in cfg and cfg["attention_bias"] is False
 
 
 def assert_refused(result, out, *words):
@@ -180,7 +186,8 @@ def test_refusals(bundles, tiny_dirs, heads, tmp_path):  # noqa: F811
     shutil.copytree(draft, mistral)
     (mistral / "config.json").write_text(json.dumps({**config_of(draft), "architectures": ["MistralForCausalLM"]}))
     assert_refused(export(selectors, mistral, out, "fr"), out, "MistralForCausalLM", "supports", "Qwen2ForCausalLM")
-    assert_refused(export(selectors, heads["eagle1-bias"], out, "fr"), out, "fc has a bias")
+    assert_refused(export(selectors, heads["eagle3-bias"], out, "fr"), out, "fc has a bias", "eagle3")
+    assert_refused(export(selectors, heads["eagle1-relu"], out, "fr"), out, "activation relu", "gelu_pytorch_tanh")
     assert_refused(export(selectors, tiny_dirs[0], out, "fr"), out, "built for another draft", "hidden_size")
     assert_refused(export(freq, draft, out, "lowrank"), out, "no 'lowrank' stage")
     assert_refused(export(selectors, heads["eagle3-d2t"], out, "fr"), out, "static set", "d2t")

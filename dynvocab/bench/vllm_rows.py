@@ -1,11 +1,13 @@
 """``dynvocab bench --vllm``: the same prompts through a vLLM engine, with and without the plugin's heads.
 
-Rows: ``vllm`` (plain decoding), ``vllm-spec`` (vLLM's own speculation, the draft's full head) and
-``vllm-spec:<strategy>`` (the plugin's head switched to a batched selector, :mod:`dynvocab.serving.vllm`). This
-module imports no vLLM: it writes one draft folder, builds the driver's request (:mod:`dynvocab.bench.vllm_run`),
-runs the driver as a child process in the environment that has vLLM (``--vllm-python``), one engine at a time, and
-summarises what it returns. Every speculative row shares one engine, whose head the driver switches between
-interleaved rounds, so the machine's drift falls on every row alike; figures are medians over rounds.
+Rows: ``vllm`` (plain decoding), ``vllm-spec:ngram`` (vLLM's own prompt-lookup speculation, no draft),
+``vllm-spec`` (speculation with the draft's full head) and ``vllm-spec:<strategy>`` (the plugin's head switched to a
+batched selector, :mod:`dynvocab.serving.vllm`). This module imports no vLLM: it writes one draft folder, builds the
+driver's request (:mod:`dynvocab.bench.vllm_run`), runs the driver as a child process in the environment that has
+vLLM (``--vllm-python``), one engine at a time, and summarises what it returns. Every row with the draft shares one
+engine, whose head the driver switches between interleaved rounds, so the machine's drift falls on every row alike;
+figures are medians over rounds. With several levels of ``concurrency`` every row runs at each (N requests in
+flight, a closed loop), and each level's rows are compared with plain vLLM at the same level.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from dynvocab.bench import stability
 from dynvocab.errors import DynvocabError
 
 PLAIN, SPEC, PLUGIN = "vllm", "vllm-spec", "vllm-spec:"
+NGRAM = "vllm-spec:ngram"  # vLLM's own prompt-lookup speculation (no draft model, no head)
 ORACLE = "oracle"
 DEFAULT_ROUNDS = 3
 DRIVER = "dynvocab.bench.vllm_run"
 DOCS = "docs/vllm.md"
 OUR_FULL_ROWS = ("ar", "full")  # the vllm and vllm-spec rows, which always run
+NGRAM_NAME = "ngram"  # in --strategies: the vllm-spec:ngram row
 
 
 @dataclass(frozen=True)
@@ -50,11 +54,17 @@ class VllmBench:
     tensor_parallel_size: int = 1
     chat_template: bool = True
     seed: int = 0
+    ngram: bool = True  # the vllm-spec:ngram row
+    concurrency: tuple[int, ...] = (1,)  # requests in flight: every row runs at each level
 
     @property
     def rows(self) -> list[str]:
         """Every row's name, in table order."""
-        return [PLAIN, SPEC, *(PLUGIN + s for s in self.strategies)]
+        return [PLAIN, *([NGRAM] if self.ngram else []), SPEC, *(PLUGIN + s for s in self.strategies)]
+
+    def engines(self) -> list[list[str]]:
+        """The rows of each engine, in the order they start: plain, vLLM's n-gram speculation, the draft's rows."""
+        return [[PLAIN], *([[NGRAM]] if self.ngram else []), [SPEC, *(PLUGIN + s for s in self.strategies)]]
 
 
 def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
@@ -72,7 +82,7 @@ def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     if len(set(names)) != len(names):
         raise DynvocabError(f"--strategies names a row twice: {text}")
-    plugin = [s for s in names if s not in OUR_FULL_ROWS]
+    plugin = [s for s in names if s not in (*OUR_FULL_ROWS, NGRAM_NAME)]
     for name in plugin:
         why = refusal(name)
         if why:
@@ -165,18 +175,36 @@ def last_error_line(output: str) -> str:
     return line if len(line) <= MAX_LINE else line[:MAX_LINE] + " …"
 
 
+def parse_concurrency(text: str | None) -> tuple[int, ...]:
+    """``--concurrency 1,4,8``: the levels of requests in flight, each at least 1, none twice (default: 1)."""
+    if text is None:
+        return (1,)
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise DynvocabError(f"--concurrency takes requests in flight as integers, e.g. 1,4,8 (got {text})") from None
+    if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
+        raise DynvocabError(f"--concurrency takes distinct levels of at least 1, e.g. 1,4,8 (got {text})")
+    return levels
+
+
 def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str]) -> dict:
-    """The driver's request for ``rows`` (all plain, or all speculative through ``folder``)."""
+    """The driver's request for ``rows`` (of one engine: plain, n-gram, or the draft's through ``folder``)."""
     longest = max(map(len, prompts))
     needed = longest + cfg.max_new_tokens + cfg.gamma + 16
     req = {
         "target": cfg.target, "dtype": cfg.dtype, "prompts": prompts, "max_tokens": cfg.max_new_tokens,
         "temperature": 0.0, "seed": cfg.seed, "rounds": cfg.rounds, "time_head": True, "bundle": cfg.bundle,
         "max_model_len": -(-needed // 128) * 128, "tensor_parallel_size": cfg.tensor_parallel_size, "rows": [],
+        "concurrency": list(cfg.concurrency), "max_num_seqs": max(8, *cfg.concurrency),
     }
     for name in rows:
         if name == PLAIN:
             req["rows"].append({"name": name})
+            continue
+        if name == NGRAM:  # vLLM's own defaults for the lookup's n-gram sizes
+            req["rows"].append({"name": name, "head": False,
+                                "speculative_config": {"method": "ngram", "num_speculative_tokens": cfg.gamma}})
             continue
         spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": cfg.gamma,
                 "use_local_argmax_reduction": True}
@@ -205,6 +233,11 @@ def active_ids(rows: list[dict]) -> dict[str, int]:
     return {r["name"]: r["rounds"][0]["head"]["ids"] for r in rows if (r["rounds"][0].get("head") or {}).get("ids")}
 
 
+def _level(row: dict, cfg: VllmBench) -> str:
+    """`` at N requests`` where the run has several levels of concurrency."""
+    return f" at {row.get('concurrency', 1)} in flight" if len(cfg.concurrency) > 1 else ""
+
+
 def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[list[dict], dict]:
     """Every row on every prompt (token ids): one engine for ``vllm``, one for the speculative rows; returns the
     driver's rows (name, token_ids, rounds) and each speculative row's active ids. ``log``: one line per engine
@@ -218,12 +251,14 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
         else:
             folder = _plain_draft_folder(cfg)
         rows = []
-        for names in ([PLAIN], cfg.rows[1:]):
-            log(f"vllm: starting an engine for {', '.join(names)} ({len(prompts)} prompts × {cfg.rounds} rounds)")
+        for names in cfg.engines():
+            log(f"vllm: starting an engine for {', '.join(names)} ({len(prompts)} prompts × {cfg.rounds} rounds"
+                + (f" × {len(cfg.concurrency)} levels of concurrency)" if len(cfg.concurrency) > 1 else ")"))
             done = run_driver(cfg, request(cfg, prompts, folder, names), workdir)
             for row in done:
                 s = summarize_row(row, active_ids([row]).get(row["name"]))
-                log(f"vllm: {row['name']} {s['tokens_per_s']:.2f} tok/s" + (f", MAL {s['mal']:.2f}" if s["mal"] else ""))
+                log(f"vllm: {row['name']}{_level(row, cfg)} {s['tokens_per_s']:.2f} tok/s"
+                    + (f", MAL {s['mal']:.2f}" if s["mal"] else ""))
             rows += done
         return rows, active_ids(rows)
     finally:
@@ -267,9 +302,11 @@ def summarize_row(row: dict, ids: int | None) -> dict:
     calls = sum(h.get("calls", 0) for h in heads)
     head_s, selector_s = sum(h.get("head_s", 0.0) for h in heads), sum(h.get("selector_s", 0.0) for h in heads)
     spec = row["name"] != PLAIN
+    head = spec and row["name"] != NGRAM
     no_head = [r["wall_s"] - h.get("head_s", 0.0) for r, h in zip(rounds, heads)]  # the oracle's wall per round
     return {
         "name": row["name"],
+        "concurrency": row.get("concurrency", 1),
         "tokens_per_s": _median([r["new_tokens"] / r["wall_s"] for r in rounds if r["wall_s"] > 0]),
         "tokens_per_s_rounds": [round(r["new_tokens"] / r["wall_s"], 4) for r in rounds if r["wall_s"] > 0],
         "new_tokens": _median([r["new_tokens"] for r in rounds]),
@@ -279,8 +316,8 @@ def summarize_row(row: dict, ids: int | None) -> dict:
         "drafts": drafts,
         "active_ids": ids,
         "head_ms_per_step": round(1e3 * head_s / calls, 4) if calls else None,
-        "selector_ms_per_step": round(1e3 * selector_s / calls, 4) if calls and row["name"].startswith(PLUGIN) else None,
-        "oracle_tokens_per_s": _median([r["new_tokens"] / w for r, w in zip(rounds, no_head) if w > 0]) if spec else None,
+        "selector_ms_per_step": round(1e3 * selector_s / calls, 4) if calls and head and row["name"] != SPEC else None,
+        "oracle_tokens_per_s": _median([r["new_tokens"] / w for r, w in zip(rounds, no_head) if w > 0]) if head else None,
         "rounds": rounds,
     }
 
@@ -288,15 +325,18 @@ def summarize_row(row: dict, ids: int | None) -> dict:
 def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[dict], ids: dict, tokenizer) -> dict:
     """The run as data: ``rows`` (figures per row, ``= vllm`` and speed-ups), ``generations`` (id, task, strategy,
     token_ids, text) and ``config``."""
-    plain = next(r for r in rows if r["name"] == PLAIN)["token_ids"]
     summary = [summarize_row(r, ids.get(r["name"])) for r in rows]
-    base = {s["name"]: s["tokens_per_s"] for s in summary}
-    for s, row in zip(summary, rows):
-        s["matches_vllm"] = round(sum(a == b for a, b in zip(row["token_ids"], plain)) / len(plain), 4)
+    plain = {r.get("concurrency", 1): r["token_ids"] for r in rows if r["name"] == PLAIN}
+    base = {(s["name"], s["concurrency"]): s["tokens_per_s"] for s in summary}
+    for s, row in zip(summary, rows):  # each level against plain vLLM at the same level
+        same = plain[s["concurrency"]]
+        s["matches_vllm"] = round(sum(a == b for a, b in zip(row["token_ids"], same)) / len(same), 4)
         for ref in (PLAIN, SPEC):
-            s[f"speedup_vs_{ref}"] = round(s["tokens_per_s"] / base[ref], 4) if base.get(ref) else None
+            b = base.get((ref, s["concurrency"]))
+            s[f"speedup_vs_{ref}"] = round(s["tokens_per_s"] / b, 4) if b else None
     generations = [
-        {"id": item.row_id(0), "task": item.task, "strategy": row["name"], "token_ids": row["token_ids"][i],
+        {"id": item.row_id(0), "task": item.task, "strategy": row["name"], "concurrency": row.get("concurrency", 1),
+         "token_ids": row["token_ids"][i],
          "text": tokenizer.decode(row["token_ids"][i], skip_special_tokens=True), "prompt_tokens": len(prompts[i])}
         for row in rows for i, item in enumerate(items)
     ]
@@ -305,11 +345,12 @@ def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[di
         "strategies": list(cfg.strategies), "gamma": cfg.gamma, "max_new_tokens": cfg.max_new_tokens,
         "temperature": 0.0, "seed": cfg.seed, "dtype": cfg.dtype, "rounds": cfg.rounds,
         "tensor_parallel_size": cfg.tensor_parallel_size, "chat_template": cfg.chat_template,
-        "vllm_python": cfg.python, "prompts": len(prompts), "threads_bind": engine_env(cfg.python)["VLLM_CPU_OMP_THREADS_BIND"],
+        "vllm_python": cfg.python, "prompts": len(prompts), "concurrency": list(cfg.concurrency), "threads_bind": engine_env(cfg.python)["VLLM_CPU_OMP_THREADS_BIND"],
     }
-    loads = {r["name"]: [rnd.get("load") for rnd in r["rounds"]] for r in rows}
+    label = (lambda r: f"{r['name']}@{r.get('concurrency', 1)}") if len(cfg.concurrency) > 1 else (lambda r: r["name"])
+    loads = {label(r): [rnd.get("load") for rnd in r["rounds"]] for r in rows}
     warnings = [stability.busy_warning(loads),
-                stability.rounds_warning({s["name"]: s["tokens_per_s_rounds"] for s in summary})]
+                stability.rounds_warning({label(s): s["tokens_per_s_rounds"] for s in summary})]
     return {"config": config, "rows": summary, "generations": generations,
             "machine": stability.machine([w for ws in loads.values() for w in ws]),
             "warnings": [w for w in warnings if w]}
@@ -321,32 +362,41 @@ def _fmt(value, spec: str) -> str:
 
 def render_table(res: dict) -> Table:
     """The rows as the bench's table: tok/s (median over rounds), × vllm / × vllm-spec, MAL, acceptance by
-    position, active ids, head and selector ms per draft step, = vllm; the oracle line last."""
+    position, active ids, head and selector ms per draft step, = vllm; the oracle line after each level's rows. With
+    several levels of concurrency, a column says each row's requests in flight, and each level is compared with its
+    own ``vllm`` and ``vllm-spec`` rows."""
     cfg = res["config"]
+    levels = cfg.get("concurrency") or [1]
     title = (f"dynvocab bench --vllm · γ={cfg['gamma']} · {cfg['max_new_tokens']} new tokens · greedy · {cfg['dtype']} · "
-             f"{cfg['prompts']} prompts · median of {cfg['rounds']} rounds")
+             f"{cfg['prompts']} prompts · median of {cfg['rounds']} rounds"
+             + (f" · {'/'.join(map(str, levels))} requests in flight" if levels != [1] else ""))
     table = Table(title=title, title_justify="left")
-    for col in ("row", "tok/s", "×vllm", "×vllm-spec", "MAL", "accept by position", "ids/step", "head ms/step",
-                "selector ms/step", "=vllm"):
+    columns = ("row", *(("in flight",) if levels != [1] else ()), "tok/s", "×vllm", "×vllm-spec", "MAL",
+               "accept by position", "ids/step", "head ms/step", "selector ms/step", "=vllm")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("row", "accept by position") else "right", no_wrap=True)
-    for s in res["rows"]:
-        table.add_row(
-            s["name"], _fmt(s["tokens_per_s"], "{:.2f}"), _fmt(s["speedup_vs_vllm"], "{:.2f}×"),
-            _fmt(s["speedup_vs_vllm-spec"], "{:.2f}×"), _fmt(s["mal"], "{:.2f}"),
-            " ".join(f"{v:.2f}" for v in s["accept_by_position"][:6]) or "–", _fmt(s["active_ids"], "{:,}"),
-            _fmt(s["head_ms_per_step"], "{:.2f}"), _fmt(s["selector_ms_per_step"], "{:.2f}"),
-            _fmt(s["matches_vllm"], "{:.0%}"),
-        )
-    spec = next((s for s in res["rows"] if s["name"] == SPEC), None)
-    if spec and spec["oracle_tokens_per_s"]:
-        plain = next(s for s in res["rows"] if s["name"] == PLAIN)["tokens_per_s"]
-        o = spec["oracle_tokens_per_s"]
-        table.add_row(f"{ORACLE} (vllm-spec − head)", f"{o:.2f}", _fmt(o / plain if plain else None, "{:.2f}×"),
-                      f"{o / spec['tokens_per_s']:.2f}×", _fmt(spec["mal"], "{:.2f}"), "–", "–", "0", "–", "–",
-                      style="dim")
+    flight = (lambda s: (str(s["concurrency"]),)) if levels != [1] else (lambda s: ())
+    for level in levels:
+        rows = [s for s in res["rows"] if s["concurrency"] == level]
+        for s in rows:
+            table.add_row(
+                s["name"], *flight(s), _fmt(s["tokens_per_s"], "{:.2f}"), _fmt(s["speedup_vs_vllm"], "{:.2f}×"),
+                _fmt(s["speedup_vs_vllm-spec"], "{:.2f}×"), _fmt(s["mal"], "{:.2f}"),
+                " ".join(f"{v:.2f}" for v in s["accept_by_position"][:6]) or "–", _fmt(s["active_ids"], "{:,}"),
+                _fmt(s["head_ms_per_step"], "{:.2f}"), _fmt(s["selector_ms_per_step"], "{:.2f}"),
+                _fmt(s["matches_vllm"], "{:.0%}"),
+            )
+        spec = next((s for s in rows if s["name"] == SPEC), None)
+        if spec and spec["oracle_tokens_per_s"]:
+            plain = next(s for s in rows if s["name"] == PLAIN)["tokens_per_s"]
+            o = spec["oracle_tokens_per_s"]
+            table.add_row(f"{ORACLE} (vllm-spec − head)", *flight(spec), f"{o:.2f}",
+                          _fmt(o / plain if plain else None, "{:.2f}×"), f"{o / spec['tokens_per_s']:.2f}×",
+                          _fmt(spec["mal"], "{:.2f}"), "–", "–", "0", "–", "–", style="dim", end_section=True)
     return table
 
 
 NOTE = ("MAL = 1 + accepted / drafts (vLLM's mean acceptance length); accept by position = accepted at each draft "
         "position / drafts; head and selector ms per draft step timed in vLLM's worker around the draft's head; "
-        "oracle = vllm-spec with its head's time taken out; =vllm: prompts whose tokens equal plain vLLM's")
+        "oracle = vllm-spec with its head's time taken out; =vllm: prompts whose tokens equal plain vLLM's (at the same "
+        "requests in flight); vllm-spec:ngram: vLLM's own prompt-lookup speculation, no draft")

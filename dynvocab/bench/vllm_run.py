@@ -7,7 +7,14 @@ decoding settings and the rows:
 - ``{"name": "vllm"}``: plain decoding, an engine of its own;
 - ``{"name": "vllm-spec", "speculative_config": {...}}``: vLLM's own speculation with the draft's full head;
 - ``{"name": "vllm-spec:lowrank", "speculative_config": {...}, "strategy": "lowrank", "budget": null}``: the same
-  engine with the plugin's head switched to a strategy (the draft folder's architecture is the plugin's).
+  engine with the plugin's head switched to a strategy (the draft folder's architecture is the plugin's);
+- ``{"name": "vllm-spec:ngram", "speculative_config": {"method": "ngram", ...}, "head": false}``: vLLM's own
+  draft-free speculation (prompt lookup), which has no head to switch or time.
+
+``concurrency`` (a list, default ``[1]``; ``batch: true`` = every prompt at once) runs each row at each level of
+requests in flight, as a closed loop: each of N users sends its next prompt when its last one finished (through
+vLLM's ``LLMEngine.add_request`` / ``step``, as a server's clients would), so the engine holds N requests until
+the prompts run out. One result row per row and level.
 
 Rows that share a ``speculative_config`` share one engine: the head is switched between them through
 ``LLM.collective_rpc`` on the worker methods :class:`HeadBench` adds (vLLM's ``worker_extension_cls``: named
@@ -26,6 +33,7 @@ The output is written whole (temp file, then rename). Errors are one line on std
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -163,8 +171,12 @@ class HeadBench:
         return strategy or "full"
 
     def dynvocab_read_timer(self) -> dict:
-        """The head timer since the last switch and the ids the head scores per step."""
-        return _switch(self).read()
+        """The head timer since the last switch or read, and the ids the head scores per step; the timer is zeroed
+        (still on if it was)."""
+        switch = _switch(self)
+        out = switch.read()
+        switch.reset(switch.on)
+        return out
 
     def dynvocab_probe_head(self, rows: int, seed: int) -> dict:
         """A check of the plugin's head on ``rows`` random hidden states (the same on every rank): each row's set,
@@ -236,54 +248,86 @@ def _engine(req: dict, spec: dict | None):
     return LLM(**kw)
 
 
-def _generate(llm, req: dict, params) -> tuple[list[list[int]], float]:
+def _generate(llm, prompts: list[list[int]], params, users: int) -> tuple[list[list[int]], float]:
+    """Every prompt through the engine with ``users`` requests in flight (a closed loop, as a benchmark client with
+    that many users sends: each sends its next prompt when its last one finished, so the engine always holds
+    ``users`` requests until the prompts run out): the generated ids per prompt, in order, and the wall time."""
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]]
+    engine = llm.llm_engine
+    waiting = list(range(len(prompts)))
+    ids: dict[str, int] = {}
+    out: dict[int, list[int]] = {}
+
+    def send() -> None:
+        i = waiting.pop(0)
+        request_id = f"dynvocab-{next(_REQUEST_IDS)}"
+        ids[request_id] = i
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompts[i]), params)
+
     start = time.perf_counter()
-    if req.get("batch"):
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    else:
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+    for _ in range(min(users, len(waiting))):
+        send()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[ids[o.request_id]] = list(o.outputs[0].token_ids)
+                if waiting:
+                    send()
+    return [out[i] for i in range(len(prompts))], time.perf_counter() - start
+
+
+_REQUEST_IDS = itertools.count()
+
+
+def concurrency(req: dict) -> list[int]:
+    """The request's levels of requests in flight (``concurrency``; ``batch``: all prompts at once; else one)."""
+    if req.get("concurrency"):
+        return [int(c) for c in req["concurrency"]]
+    return [len(req["prompts"])] if req.get("batch") else [1]
 
 
 def run(req: dict) -> dict:
-    """Every row of ``req`` (see the module's docstring); returns ``{"rows": [...]}``."""
+    """Every row of ``req`` (see the module's docstring) at every level of ``concurrency``; returns ``{"rows":
+    [...]}``, one per row and level."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=req.get("temperature", 0.0), top_p=req.get("top_p", 1.0),
                             max_tokens=req["max_tokens"], ignore_eos=req.get("ignore_eos", False),
                             seed=req.get("seed", 0) if req.get("temperature", 0.0) > 0 else None)
+    levels = concurrency(req)
     groups: dict[str, list[dict]] = {}
     for row in req["rows"]:
         groups.setdefault(json.dumps(row.get("speculative_config"), sort_keys=True), []).append(row)
-    results: dict[str, dict] = {}
+    results: dict[tuple[str, int], dict] = {}
     probe = Probe()  # the machine's load around each round of each row (this process tree holds the engine)
     for key, rows in groups.items():
-        llm = _engine(req, json.loads(key))
+        llm = _engine({**req, "max_num_seqs": max(req.get("max_num_seqs", 8), *levels)}, json.loads(key))
         if req.get("warmup", True):
-            _generate(llm, {**req, "prompts": req["prompts"][:1]}, SamplingParams(max_tokens=4))
+            _generate(llm, req["prompts"][:1], SamplingParams(max_tokens=4), 1)
         for r in range(req.get("rounds", 1)):
             for row in rows:
-                spec = row.get("speculative_config") is not None
-                if spec:
+                # a row with a draft head (every speculative row but vLLM's draft-free ones, "head": false)
+                head = row.get("speculative_config") is not None and row.get("head", True)
+                if head:
                     llm.collective_rpc("dynvocab_switch_head", args=(row.get("strategy"), row.get("budget"),
                                                                      req.get("bundle"), req.get("time_head", False)))
-                before = _spec_counters(llm)
-                probe.start()
-                ids, wall = _generate(llm, req, params)
-                load = probe.stop()
-                counts = _delta(_spec_counters(llm), before)
-                timer = llm.collective_rpc("dynvocab_read_timer")[0] if spec else {}
-                out = results.setdefault(row["name"], {"name": row["name"], "rounds": []})
-                if row.get("probe"):
-                    out["probe"] = llm.collective_rpc("dynvocab_probe_head", args=(row["probe"], r))  # one per rank
-                out["token_ids"] = ids
-                out["rounds"].append({"wall_s": wall, "new_tokens": sum(map(len, ids)), **counts, "head": timer,
-                                      "load": load})
+                for users in levels:
+                    before = _spec_counters(llm)
+                    probe.start()
+                    ids, wall = _generate(llm, req["prompts"], params, users)
+                    load = probe.stop()
+                    counts = _delta(_spec_counters(llm), before)
+                    timer = llm.collective_rpc("dynvocab_read_timer")[0] if head else {}  # and zeroed
+                    out = results.setdefault((row["name"], users), {"name": row["name"], "concurrency": users,
+                                                                    "rounds": []})
+                    if head and row.get("probe"):
+                        out["probe"] = llm.collective_rpc("dynvocab_probe_head", args=(row["probe"], r))  # per rank
+                    out["token_ids"] = ids
+                    out["rounds"].append({"wall_s": wall, "new_tokens": sum(map(len, ids)), **counts, "head": timer,
+                                          "load": load})
         del llm
-    return {"rows": [results[row["name"]] for row in req["rows"]]}
+    return {"rows": [results[(row["name"], users)] for row in req["rows"] for users in levels]}
 
 
 def main(argv: list[str]) -> int:

@@ -106,8 +106,9 @@ def bench(
     ] = None,
     vllm: Annotated[
         bool,
-        typer.Option("--vllm", help="Instead: run the prompts through vLLM: rows vllm, vllm-spec (the draft's full "
-                     "head) and vllm-spec:<strategy> per plugin strategy (fr, lowrank, centroids) in one engine."),
+        typer.Option("--vllm", help="Instead: run the prompts through vLLM: rows vllm, vllm-spec:ngram (vLLM's own "
+                     "prompt lookup; 'ngram' in --strategies), vllm-spec (the draft's full head) and "
+                     "vllm-spec:<strategy> per plugin strategy (fr, lowrank, centroids) in one engine."),
     ] = False,
     vllm_python: Annotated[
         Optional[str], typer.Option("--vllm-python", metavar="PATH", help="With --vllm: the python of an environment "
@@ -119,6 +120,11 @@ def bench(
     tensor_parallel_size: Annotated[
         int, typer.Option("--tensor-parallel-size", min=1, help="With --vllm: vLLM's tensor-parallel ranks.")
     ] = 1,
+    concurrency: Annotated[
+        Optional[str], typer.Option("--concurrency", metavar="N[,N…]", help="With --vllm: requests in flight, e.g. "
+                                    "1,4,8 (each of N clients sends its next prompt when its last one ends); every row "
+                                    "runs at each level. [default: 1]")
+    ] = None,
     kernels: MovedFlag = False,
     policy_steps: MovedFlag = False,
     eagle_step: MovedFlag = False,
@@ -144,7 +150,7 @@ def bench(
             num_prompts=num_prompts, quick=quick, max_new_tokens=max_new_tokens, chat_template=not no_chat_template,
             json_path=json_path,
         )
-        run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size))
+        run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size, concurrency))
         return
     llama = None
     if llamacpp is not None:

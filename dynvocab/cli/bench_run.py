@@ -210,6 +210,7 @@ class VllmRequest:
     python: str | None = None  # --vllm-python (default: this interpreter, where it imports vLLM)
     rounds: int | None = None
     tensor_parallel_size: int = 1
+    concurrency: str | None = None  # --concurrency 1,4,8 (default: 1)
 
 
 def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest) -> dict:
@@ -222,6 +223,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
     if flags.temperature > 0:
         raise DynvocabError("--vllm rows decode greedily (the plugin's get_top_tokens); drop --temperature")
     strategies = v.plugin_strategies(req.strategies, flags.bundle)
+    levels = v.parse_concurrency(vllm.concurrency)
     python = v.find_vllm_python(vllm.python)
     items = select_items(req)
     target = v.local_folder(req.models.target, "--target")
@@ -232,7 +234,8 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         rounds=vllm.rounds or v.DEFAULT_ROUNDS, gamma=flags.gamma,
         max_new_tokens=req.max_new_tokens or (Quick().max_new_tokens if req.quick else DEFAULT_MAX_NEW),
         dtype=req.models.dtype or default_dtype("cpu"), tensor_parallel_size=vllm.tensor_parallel_size,
-        chat_template=req.chat_template, seed=flags.seed,
+        chat_template=req.chat_template, seed=flags.seed, concurrency=levels,
+        ngram=req.strategies is None or v.NGRAM_NAME in [s.strip() for s in req.strategies.split(",")],
     )
     console = Console(stderr=True)
     if any(item.turns > 1 for item in items):

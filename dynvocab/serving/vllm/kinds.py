@@ -15,6 +15,7 @@ from typing import Callable
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import head_rows
 from dynvocab.registry import Registry
+from dynvocab.serving.vllm.names import EAGLE1_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -79,27 +80,37 @@ def _fits_target(bundle, spec, text: dict, draft: str) -> tuple[str, list[str]]:
 
 
 def _eagle(kind: str, source: Path):
-    """The head's layout-free config, refused where vLLM's EAGLE classes build ``fc`` without the bias it has."""
+    """The head's layout-free config, refused where vLLM's EAGLE-3 classes build ``fc`` without the bias it has."""
     from dynvocab.models.eagle import read_config
 
     cfg = read_config(source)
-    if cfg.has_fc_bias:
+    if kind == "eagle3" and cfg.has_fc_bias:
         raise DynvocabError(
-            f"this EAGLE head's fc has a bias, which vLLM's {kind} head does not load (its fc is built without one); "
+            "this EAGLE-3 head's fc has a bias, which vLLM's eagle3 head does not load (its fc is built without one); "
             "use a head trained without fc bias"
         )
     return cfg
 
 
 def _eagle1_config(config: dict, source: Path) -> dict:
-    """vLLM registers no ``EagleQwen2ForCausalLM``: a Qwen2 layer goes as vLLM's llama EAGLE layer with q/k/v biases
-    (``qkv_bias``; ``model_type`` llama, whose config has no ``layer_types``, which vLLM's EAGLE-1 layer cannot
-    index)."""
-    if _eagle("eagle1", source).arch != "qwen2":
-        return config
+    """The plugin's EAGLE-1 class (``eagle1.py``) loads an fc bias and runs the activations of
+    ``names.EAGLE1_ACTIVATIONS``; another activation is refused. The config's ``bias`` (fc's, in the EAGLE repo's
+    layout) is left out: vLLM's llama layer would read it as biases on q/k/v/o that the head does not have. vLLM registers no ``EagleQwen2ForCausalLM``: a Qwen2
+    layer goes as vLLM's llama EAGLE layer with q/k/v biases (``qkv_bias``; ``model_type`` llama, whose config has no
+    ``layer_types``, which vLLM's EAGLE-1 layer cannot index)."""
+    cfg = _eagle("eagle1", source)
+    act = config.get("hidden_act", "silu")
+    if act not in EAGLE1_ACTIVATIONS:
+        raise DynvocabError(f"this EAGLE-1 head's activation {act} has no vLLM kernel in the plugin; supported: "
+                            f"{', '.join(EAGLE1_ACTIVATIONS)}")
+    # the EAGLE repo's "bias" is fc's; vLLM's llama layer reads it as attention_bias (llama.py), so it goes
+    out = {k: v for k, v in config.items() if k != "bias"}
+    out["attention_bias"] = bool(config.get("attention_bias", False))
+    if cfg.arch != "qwen2":
+        return out
     if any(t != "full_attention" for t in config.get("layer_types") or []):
         raise DynvocabError("vLLM's EAGLE-1 head attends fully; this head's layer_types ask for a sliding window")
-    out = {k: v for k, v in config.items() if k != "layer_types"}
+    out = {k: v for k, v in out.items() if k != "layer_types"}
     return {**out, "model_type": "llama", "qkv_bias": True, "attention_bias": False}
 
 
