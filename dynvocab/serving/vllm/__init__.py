@@ -5,7 +5,8 @@ vLLM loads it through the entry point ``dynvocab = dynvocab.serving.vllm:registe
 :func:`register` first checks the installed vLLM against the plugin's contract (:mod:`.contract`), then names the
 classes to vLLM's ``ModelRegistry`` as ``module:class`` strings, so nothing of the plugin's heads is imported until a
 worker builds a draft whose folder names one of them (``dynvocab export --format vllm``). This package imports vLLM
-only here (in :func:`register`), in :mod:`.models` and :mod:`.head`, and, for the check, in :mod:`.contract`.
+only here (in :func:`register`), in :mod:`.models`, :mod:`.eagle1` and :mod:`.head`, and, for the check, in
+:mod:`.contract`.
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.config:VllmConfig.device_config", "places the selector's tensors"),
     Seam("vllm.config:ModelConfig.hf_config", "reads the folder's dynvocab section"),
     Seam("vllm.config:ModelConfig.model", "reads the folder's policy file"),
+    Seam("vllm.config:ModelConfig.dtype", "rounds a Gemma target's embedding scale as vLLM keeps it (eagle1.py)"),
     Seam(f"{_LAYERS}.vocab_parallel_embedding:ParallelLMHead.shard_indices", "a rank's rows at TP > 1"),
     Seam(f"{_LAYERS}.vocab_parallel_embedding:ParallelLMHead.tp_size", "the head's tensor-parallel size"),
     Seam(f"{_LAYERS}.vocab_parallel_embedding:VocabParallelEmbeddingShardIndices.org_vocab_start_index",
