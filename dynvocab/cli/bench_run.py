@@ -234,7 +234,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         rounds=vllm.rounds or v.DEFAULT_ROUNDS, gamma=flags.gamma,
         max_new_tokens=req.max_new_tokens or (Quick().max_new_tokens if req.quick else DEFAULT_MAX_NEW),
         dtype=req.models.dtype or default_dtype("cpu"), tensor_parallel_size=vllm.tensor_parallel_size,
-        chat_template=req.chat_template, seed=flags.seed, concurrency=levels,
+        chat_template=req.chat_template, seed=flags.seed, concurrency=levels, fr_size=flags.fr_size,
         ngram=req.strategies is None or v.NGRAM_NAME in [s.strip() for s in req.strategies.split(",")],
     )
     console = Console(stderr=True)
