@@ -66,6 +66,17 @@ def test_centroids_at_one_row_is_the_loop_policys_set(bundle):
         assert set(batch[i].tolist()) == ids_of(policy.active_ids(0, hidden[i : i + 1]))
 
 
+def test_a_batch_of_centroid_sets_is_the_union_of_its_distinct_blocks(bundle):
+    """A batched head gathers each block any row picked once: ``union[where]`` is every row's own set, in order."""
+    selector = build_selector(bundle, SelectorSpec("centroids"), V, D)
+    hidden = torch.randn(6, D, generator=torch.Generator().manual_seed(4))
+    ids, union, where = selector.select_union(hidden)
+    assert torch.equal(ids, selector(hidden)) and torch.equal(union[where], ids)
+    eos = 1
+    assert (union.numel() - eos) % 50 == 0  # whole blocks, plus EOS
+    assert union.numel() < 6 * selector.k  # the rows share blocks (18 picks of 20 blocks), each gathered once
+
+
 def test_fr_is_the_rankings_prefix_for_every_row(bundle):
     selector = build_selector(bundle, SelectorSpec("fr", 100), V, D)
     assert isinstance(selector, StaticSelector)

@@ -159,6 +159,20 @@ class _TimedSelector:
         self.switch.selector_s += time.perf_counter() - start
         return out
 
+    def __getattr__(self, name: str):
+        """The inner selector's other entry points (``select_union``), timed as a call."""
+        inner = getattr(self.inner, name)
+        if name != "select_union":
+            return inner
+
+        def timed(hidden):
+            start = time.perf_counter()
+            out = inner(hidden)
+            self.switch.selector_s += time.perf_counter() - start
+            return out
+
+        return timed
+
 
 class HeadBench:
     """Worker methods the driver calls by name through ``LLM.collective_rpc`` (vLLM mixes this class into its

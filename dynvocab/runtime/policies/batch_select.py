@@ -118,9 +118,7 @@ class LowRankSelector:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         scores = self.scores(hidden)  # [B, V]
-        if scores.shape[0] == 1:
-            return top_ids(scores[0], self.k)[None]
-        return scores.topk(self.k, dim=-1, sorted=False).indices
+        return torch.stack([top_ids(row, self.k) for row in scores])  # each row as alone (topk over [B, V]: ~5× slower)
 
 
 class CentroidSelector:
@@ -142,10 +140,26 @@ class CentroidSelector:
         self.eos = eos.long().to(order.device)  # [E]
         self.k = self.c * block_size + int(self.eos.numel())
 
+    def _picked(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The top ``c`` blocks [B, c] of each row."""
+        return F.linear(hidden.float(), self.centroids, self.bias).topk(self.c, dim=-1, sorted=False).indices
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        picked = F.linear(hidden.float(), self.centroids, self.bias).topk(self.c, dim=-1, sorted=False).indices
-        ids = self.blocks[picked].flatten(1)  # [B, c·size]
+        ids = self.blocks[self._picked(hidden)].flatten(1)  # [B, c·size]
         return torch.cat([ids, self.eos.expand(ids.shape[0], -1)], dim=1)
+
+    def select_union(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids [B, k], union [U], where [B, k])`` with ``ids = union[where]``: the batch's sets as the ids of the
+        distinct blocks any row picked (plus EOS), so a batched head gathers each shared block's rows once."""
+        picked = self._picked(hidden)  # [B, c]
+        blocks, inverse = torch.unique(picked, return_inverse=True)  # [Ub], [B, c]
+        size = self.blocks.shape[1]
+        offsets = torch.arange(size, device=picked.device)
+        where = (inverse[..., None] * size + offsets).flatten(1)  # [B, c·size]
+        tail = blocks.numel() * size + torch.arange(self.eos.numel(), device=picked.device)
+        where = torch.cat([where, tail.expand(where.shape[0], -1)], dim=1)
+        union = torch.cat([self.blocks[blocks].flatten(), self.eos])
+        return union[where], union, where
 
 
 def _eos(bundle: Bundle) -> torch.Tensor:
@@ -237,6 +251,9 @@ class SelectedHead:
         weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it); ids
         outside them are ``-inf`` and not multiplied."""
         x = hidden.to(weight.dtype)
+        if end is None and hidden.shape[0] > 1 and hasattr(self.selector, "select_union"):
+            ids, union, where = self.selector.select_union(hidden)  # the batch's distinct blocks, found as blocks
+            return _over_union(x, weight, union, where), ids
         ids = self.selector(hidden)  # [B, k]
         if end is not None:
             return self._shard(x, weight, ids, start, end), ids
@@ -246,7 +263,8 @@ class SelectedHead:
             return self._static[1](x), ids
         if ids.shape[0] == 1:
             return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
-        return torch.bmm(weight[ids], x[:, :, None])[..., 0], ids  # [B, k, d] @ [B, d, 1]
+        union, where = torch.unique(ids, return_inverse=True)
+        return _over_union(x, weight, union, where), ids
 
     def _shard(self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Logits [B, k] of the ids in rows ``start … end - 1`` (this shard's), ``-inf`` at the others: only this
@@ -267,6 +285,15 @@ class SelectedHead:
         r, c = torch.nonzero(inside, as_tuple=True)  # this shard's (row, slot) pairs
         out[r, c] = (weight[ids[r, c] - start] * x[r]).sum(dim=-1)
         return out
+
+
+def _over_union(x: torch.Tensor, weight: torch.Tensor, union: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Logits [B, k] of B > 1 rows ``x`` over their own sets ``union[where]``: the batch's distinct ids ``union``
+    [U] gathered once, one GEMM over them, each row then reading its own columns ``where`` [B, k]. Rows whose sets
+    overlap (shared blocks, frequent ids) share their rows' gather, so the cost per row falls as rows are added
+    (gathering each row's set apart for a batched ``bmm`` took ~15 ms a row for 16,386 bfloat16 rows of 640 at four
+    rows, against 4.8 ms for one row alone)."""
+    return F.linear(x, weight.index_select(0, union)).gather(1, where)
 
 
 def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
