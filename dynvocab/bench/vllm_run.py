@@ -262,6 +262,9 @@ def _engine(req: dict, spec: dict | None):
     return LLM(**kw)
 
 
+_REQUEST_IDS = itertools.count()  # vLLM request ids, unique over the engine's life
+
+
 def _generate(llm, prompts: list[list[int]], params, users: int) -> tuple[list[list[int]], float]:
     """Every prompt through the engine with ``users`` requests in flight (a closed loop, as a benchmark client with
     that many users sends: each sends its next prompt when its last one finished, so the engine always holds
@@ -289,9 +292,6 @@ def _generate(llm, prompts: list[list[int]], params, users: int) -> tuple[list[l
                 if waiting:
                     send()
     return [out[i] for i in range(len(prompts))], time.perf_counter() - start
-
-
-_REQUEST_IDS = itertools.count()
 
 
 def concurrency(req: dict) -> list[int]:

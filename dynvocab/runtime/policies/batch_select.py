@@ -118,7 +118,7 @@ class LowRankSelector:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         scores = self.scores(hidden)  # [B, V]
-        return torch.stack([top_ids(row, self.k) for row in scores])  # each row as alone (topk over [B, V]: ~5× slower)
+        return torch.stack([top_ids(row, self.k) for row in scores])  # each row as alone: top_ids' threshold top-k
 
 
 class CentroidSelector:

@@ -95,9 +95,10 @@ def _eagle(kind: str, source: Path):
 def _eagle1_config(config: dict, source: Path) -> dict:
     """The plugin's EAGLE-1 class (``eagle1.py``) loads an fc bias and runs the activations of
     ``names.EAGLE1_ACTIVATIONS``; another activation is refused. The config's ``bias`` (fc's, in the EAGLE repo's
-    layout) is left out: vLLM's llama layer would read it as biases on q/k/v/o that the head does not have. vLLM registers no ``EagleQwen2ForCausalLM``: a Qwen2
-    layer goes as vLLM's llama EAGLE layer with q/k/v biases (``qkv_bias``; ``model_type`` llama, whose config has no
-    ``layer_types``, which vLLM's EAGLE-1 layer cannot index)."""
+    layout) is left out: vLLM's llama layer would read it as biases on q/k/v/o that the head does not have. vLLM
+    registers no ``EagleQwen2ForCausalLM``: a Qwen2 layer goes as vLLM's llama EAGLE layer with q/k/v biases
+    (``qkv_bias``; ``model_type`` llama, whose config has no ``layer_types``, which vLLM's EAGLE-1 layer cannot
+    index)."""
     cfg = _eagle("eagle1", source)
     act = config.get("hidden_act", "silu")
     if act not in EAGLE1_ACTIVATIONS:

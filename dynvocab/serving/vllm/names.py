@@ -22,7 +22,8 @@ EAGLE1_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 # which a head sharing the target's bare table must scale too (by text config ``model_type``)
 SCALED_EMBEDDING_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
-# (draft kind, the draft's own architecture) -> (registered name, "module:class" of vLLM's base class)
+# (draft kind, the draft's own architecture) -> (registered name, "module:class" of its base: vLLM's draft class,
+# or for EAGLE-1 the plugin's widening of it)
 ARCHITECTURES: dict[tuple[str, str], tuple[str, str]] = {
     ("draft-model", "Qwen2ForCausalLM"): ("DynvocabQwen2ForCausalLM", "vllm.model_executor.models.qwen2:Qwen2ForCausalLM"),
     ("draft-model", "Qwen3ForCausalLM"): ("DynvocabQwen3ForCausalLM", "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"),
