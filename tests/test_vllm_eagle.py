@@ -21,8 +21,6 @@ import vllm_models  # noqa: E402
 from tiny_models import make_tokenizer  # noqa: E402
 from vllm_models import HIDDEN  # noqa: E402
 
-from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, write_bundle  # noqa: E402
-from dynvocab.artifacts.selectors import random_selectors  # noqa: E402
 from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
 
 LAYERS = 4  # EAGLE-3 reads three distinct hidden states (vLLM deduplicates the ids)
@@ -66,16 +64,7 @@ def models(tmp_path_factory) -> dict:
     with torch.no_grad():
         e3d.set_draft_vocab(ids)
 
-    g = torch.Generator().manual_seed(0)
-    counts = torch.randint(0, 1000, (rows,), generator=g)
-    eos = torch.tensor([tok.eos_token_id])
-    rest = torch.argsort(counts, descending=True, stable=True)
-    freq = FreqTable(counts=counts, ranking=torch.cat([eos, rest[rest != eos[0]]]), eos_ids=eos)
-    low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=48, block=16, blocks=3)
-    fp = ModelFingerprint.of(tok, (rows, HIDDEN), "tiny")
-    stages = [Stage("freq", freq.to_tensors(), {}, {}), Stage(low.kind, low.tensors, low.config, {}),
-              Stage(cen.kind, cen.tensors, cen.config, {})]
-    bundle = write_bundle(root / "bundle.safetensors", stages, fp, fp)
+    bundle = vllm_models.tiny_bundle(root / "bundle.safetensors", tok, rows)
     return {
         "target": root / "target", "bundle": bundle,
         "eagle1": save_eagle(e1, root / "e1"),

@@ -21,11 +21,9 @@ import torch  # noqa: E402
 import vllm_models  # noqa: E402
 from tiny_models import make_tokenizer  # noqa: E402
 
-from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, write_bundle  # noqa: E402
-from dynvocab.artifacts.selectors import random_selectors  # noqa: E402
 from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
 
-HIDDEN, HEAD_DIM, WINDOW = 256, 64, 8
+HIDDEN, HEAD_DIM, WINDOW = vllm_models.HIDDEN, 64, 8  # 4 heads of 64
 GAMMA, NEW = 3, 24
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 STRATEGIES = (("fr", 60), ("lowrank", None), ("centroids", None))
@@ -63,17 +61,8 @@ def models(tmp_path_factory) -> dict:
         head.fc.weight.add_(0.02 * torch.randn_like(head.fc.weight))
         head.fc.bias.copy_(0.2 * torch.randn_like(head.fc.bias))
 
-    g = torch.Generator().manual_seed(0)
-    counts = torch.randint(0, 1000, (rows,), generator=g)
-    eos = torch.tensor([tok.eos_token_id])
-    rest = torch.argsort(counts, descending=True, stable=True)
-    freq = FreqTable(counts=counts, ranking=torch.cat([eos, rest[rest != eos[0]]]), eos_ids=eos)
-    low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=48, block=16, blocks=3)
-    fp = ModelFingerprint.of(tok, (rows, HIDDEN), "tiny-gemma")
-    stages = [Stage("freq", freq.to_tensors(), {}, {}), Stage(low.kind, low.tensors, low.config, {}),
-              Stage(cen.kind, cen.tensors, cen.config, {})]
     return {"target": root / "target", "target_model": target, "head_model": head,
-            "bundle": write_bundle(root / "bundle.safetensors", stages, fp, fp),
+            "bundle": vllm_models.tiny_bundle(root / "bundle.safetensors", tok, rows, "tiny-gemma"),
             "head": save_eagle(head, root / "head")}
 
 

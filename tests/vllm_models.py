@@ -51,23 +51,29 @@ def vllm_pair(tmp_path_factory) -> tuple[Path, Path]:
     return save_qwen2(root / "target", tokenizer, rows, 2), save_qwen2(root / "draft", tokenizer, rows, 2)
 
 
-@pytest.fixture(scope="session")
-def vllm_bundle(vllm_pair, tmp_path_factory) -> Path:
-    """A bundle for the pair: a frequency ranking (EOS first) and random lowrank and centroids selectors."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(vllm_pair[1])
-    rows = int(json.loads((vllm_pair[1] / "config.json").read_text())["vocab_size"])
+def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny") -> Path:
+    """A bundle at ``path`` for a tiny model with ``rows`` head rows of width :data:`HIDDEN`: a frequency ranking
+    (EOS first) and random lowrank and centroids selectors, the same model as target and draft."""
     g = torch.Generator().manual_seed(0)
     counts = torch.randint(0, 1000, (rows,), generator=g)
     eos = torch.tensor([tokenizer.eos_token_id])
     rest = torch.argsort(counts, descending=True, stable=True)
     freq = FreqTable(counts=counts, ranking=torch.cat([eos, rest[rest != eos[0]]]), eos_ids=eos)
     low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=LOWRANK_K, block=BLOCK, blocks=BLOCKS)
-    fp = ModelFingerprint.of(tokenizer, (rows, HIDDEN), "tiny")
+    fp = ModelFingerprint.of(tokenizer, (rows, HIDDEN), source)
     stages = [Stage("freq", freq.to_tensors(), {}, {}), Stage(low.kind, low.tensors, low.config, {}),
               Stage(cen.kind, cen.tensors, cen.config, {})]
-    return write_bundle(tmp_path_factory.mktemp("vllm_bundle") / "bundle.safetensors", stages, fp, fp)
+    return write_bundle(path, stages, fp, fp)
+
+
+@pytest.fixture(scope="session")
+def vllm_bundle(vllm_pair, tmp_path_factory) -> Path:
+    """A bundle for the pair (:func:`tiny_bundle`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_pair[1])
+    rows = int(json.loads((vllm_pair[1] / "config.json").read_text())["vocab_size"])
+    return tiny_bundle(tmp_path_factory.mktemp("vllm_bundle") / "bundle.safetensors", tokenizer, rows)
 
 
 def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None = None) -> tuple[dict | None, str]:

@@ -197,7 +197,7 @@ def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str]) -
         "target": cfg.target, "dtype": cfg.dtype, "prompts": prompts, "max_tokens": cfg.max_new_tokens,
         "temperature": 0.0, "seed": cfg.seed, "rounds": cfg.rounds, "time_head": True, "bundle": cfg.bundle,
         "max_model_len": -(-needed // 128) * 128, "tensor_parallel_size": cfg.tensor_parallel_size, "rows": [],
-        "concurrency": list(cfg.concurrency), "max_num_seqs": max(8, *cfg.concurrency),
+        "concurrency": list(cfg.concurrency),  # the driver sizes max_num_seqs to the largest
     }
     for name in rows:
         if name == PLAIN:

@@ -118,6 +118,8 @@ class LowRankSelector:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         scores = self.scores(hidden)  # [B, V]
+        if scores.shape[0] == 1:  # dynvocab's own loop: a view, no copy
+            return top_ids(scores[0], self.k)[None]
         return torch.stack([top_ids(row, self.k) for row in scores])  # each row as alone: top_ids' threshold top-k
 
 
