@@ -13,12 +13,36 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector, refusal
 from dynvocab.runtime.policies.batch_select import (
     CentroidSelector, LowRankSelector, SelectedHead, StaticSelector, scatter_logits)
+from dynvocab.runtime.policies.context_select import StepContext
 from dynvocab.runtime.policies.centroids import CentroidPolicy
 from dynvocab.runtime.policies.lowrank import LowRankPolicy
 from dynvocab.runtime.policies.frequency import FrequencyPolicy
 
 V, D = 1000, 32
 EOS = torch.tensor([7])
+
+
+def context_stages(g: torch.Generator, vocab: int, dim: int, clusters: int = 12) -> list[Stage]:
+    """Random ``clusters``, ``router`` (for those clusters) and ``graph`` stages: what the context strategies
+    read besides ``freq``."""
+    from dynvocab.artifacts import ClusterTable, GraphTable
+    from dynvocab.artifacts.bundle import tensor_sha256
+    from dynvocab.artifacts.router import RouterMLP, RouterTable
+
+    assign = torch.randint(0, clusters, (vocab,), generator=g)
+    table = ClusterTable(assign, torch.randn(clusters, dim, generator=g))
+    mlp = RouterMLP(dim, dim, 16, clusters)
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.copy_(torch.randn(param.shape, generator=g))
+    stages = [Stage("clusters", table.to_tensors(), {}, {})]
+    router = RouterTable.from_module(mlp, {"top_l": 1, "clusters_sha256": tensor_sha256(table.to_tensors()["assign"])})
+    stages.append(Stage("router", router.to_tensors(), router.config, {}))
+    fanout = torch.randint(0, 5, (vocab,), generator=g)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), fanout.cumsum(0)])
+    graph = GraphTable(indptr, torch.randint(0, vocab, (int(indptr[-1]),), generator=g).int(),
+                       torch.rand(int(indptr[-1]), generator=g))
+    return stages + [Stage("graph", graph.to_tensors(), {}, {})]
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +54,18 @@ def bundle(tmp_path_factory):
     low, cen = random_selectors(V, D, g, rank=8, candidates=64, block=50, blocks=3)
     fp = ModelFingerprint(V, "0" * 64, V, D)
     stages = [Stage("freq", freq.to_tensors(), {}, {}), *(Stage(t.kind, t.tensors, t.config, {}) for t in (low, cen))]
-    path = write_bundle(tmp_path_factory.mktemp("b") / "b.safetensors", stages, fp, fp)
+    path = write_bundle(tmp_path_factory.mktemp("b") / "b.safetensors", stages + context_stages(g, V, D), fp, fp)
     with load_bundle(path) as b:
         yield b
+
+
+def step_context(rows: int, step: int = 0, seed: int = 5, window: int = 40) -> StepContext:
+    """A draft step's context for ``rows`` rows: fed tokens, windows of distinct ids, the embedding of a random
+    [V, D] table."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(V, D, generator=g)
+    windows = torch.stack([torch.randperm(V, generator=g)[:window] for _ in range(rows)])
+    return StepContext(step, torch.randint(0, V, (rows,), generator=g), windows, lambda ids: table[ids])
 
 
 def ids_of(active) -> set[int]:
@@ -91,9 +124,10 @@ def test_fr_is_the_rankings_prefix_for_every_row(bundle):
 def test_selected_head_is_the_full_head_over_each_rows_set_and_shards_score_each_id_once(bundle, strategy):
     g = torch.Generator().manual_seed(3)
     weight, hidden = torch.randn(V, D, generator=g), torch.randn(6, D, generator=g)
-    spec = SelectorSpec(strategy, 100 if strategy == "fr" else None)
+    spec = SelectorSpec(strategy, {"fr": 100, "fr-pa": 100, "microspec": 40, "hybrid": 50}.get(strategy))
     head = SelectedHead(build_selector(bundle, spec, V, D))
-    logits, ids = head.select_and_score(hidden, weight)
+    ctx = step_context(6)
+    logits, ids = head.select_and_score(hidden, weight, ctx=ctx)
     full = hidden @ weight.T
     torch.testing.assert_close(logits, full.gather(1, ids))
     rows = scatter_logits(logits, ids, V)
@@ -101,19 +135,20 @@ def test_selected_head_is_the_full_head_over_each_rows_set_and_shards_score_each
     # two shards of the rows, as vLLM's ParallelLMHead splits them: each scores only its own ids, the max over
     # shards is the unsharded logits
     cut = 512
-    parts = [SelectedHead(head.selector).select_and_score(hidden, weight[a:b], a, b) for a, b in ((0, cut), (cut, V))]
+    parts = [SelectedHead(head.selector).select_and_score(hidden, weight[a:b], a, b, ctx) for a, b in ((0, cut), (cut, V))]
     assert all(torch.equal(p[1], ids) for p in parts)
     torch.testing.assert_close(torch.maximum(parts[0][0], parts[1][0]), logits)
     for (shard_logits, _), (a, b) in zip(parts, ((0, cut), (cut, V))):
         assert torch.equal(torch.isfinite(shard_logits), (ids >= a) & (ids < b))
     for i in range(2):  # one row at a time: the GEMV path
-        (lo, ids_one), (hi, _) = (SelectedHead(head.selector).select_and_score(hidden[i : i + 1], weight[a:b], a, b)
+        one = step_context(1, seed=i)
+        (lo, ids_one), (hi, _) = (SelectedHead(head.selector).select_and_score(hidden[i : i + 1], weight[a:b], a, b, one)
                                   for a, b in ((0, cut), (cut, V)))
         torch.testing.assert_close(torch.maximum(lo, hi), full[i : i + 1].gather(1, ids_one))
 
 
 def test_what_cannot_run_batched_is_refused_in_one_line(bundle):
-    for strategy in ("fr-pa", "dynaspec", "microspec", "hybrid", "evospec", "full", "nope"):
+    for strategy in ("evospec", "full", "nope"):
         why = refusal(strategy)
         assert why and "\n" not in why and strategy in why
         with pytest.raises(DynvocabError, match="cannot run inside vLLM"):

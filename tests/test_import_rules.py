@@ -73,6 +73,7 @@ VLLM_IMPORTERS = (  # the modules that must import vLLM (files under dynvocab/)
     "serving/vllm/models.py",  # vLLM's model classes with the head replaced
     "serving/vllm/eagle1.py",  # vLLM's EAGLE-1 class widened to dynvocab's heads (activation, fc bias, scale)
     "serving/vllm/head.py",  # vLLM's head, logits processor and tensor-parallel shard
+    "serving/vllm/context.py",  # the forward context's attention metadata: which draft pass ran
     "serving/vllm/contract.py",  # what the plugin asks of vLLM's classes, checked at load
     "bench/vllm_run.py",  # the child process behind bench --vllm and the engine tests
 )

@@ -59,6 +59,13 @@ def bundle_stages(strategy: str) -> tuple[str, ...]:
     return batched(strategy).stages
 
 
+def exported_stages(strategy: str) -> tuple[str, ...]:
+    """The stages a draft folder for ``strategy`` carries where the bundle has them: those its selector needs, those
+    it reads when present, and ``freq`` (its EOS ids)."""
+    form = batched(strategy)
+    return tuple(dict.fromkeys((*form.stages, *form.optional, "freq")))
+
+
 def default_budget(bundle, strategy: str, vocab_size: int) -> int:
     """The budget ``strategy``'s selector uses when none is given, for a head of ``vocab_size`` rows."""
     return batched(strategy).default_budget(bundle, vocab_size)

@@ -97,12 +97,15 @@ class Flag:
 
 @dataclass(frozen=True)
 class Batched:
-    """How a strategy runs in a batched host (the vLLM plugin): one selector ``hidden [B, d] -> ids [B, k]`` of a
-    fixed ``k``, built from bundle stages (:mod:`dynvocab.runtime.policies.batch_select`), each row its own set."""
+    """How a strategy runs in a batched host (the vLLM plugin): one selector of a fixed ``k`` per draft position,
+    built from bundle stages, each row its own set: ``hidden [B, d] -> ids [B, k]``
+    (:mod:`dynvocab.runtime.policies.batch_select`), or, for a strategy that reads the request's context,
+    ``(hidden, StepContext) -> ContextSets`` (:mod:`dynvocab.runtime.policies.context_select`)."""
 
     stages: tuple[str, ...]  # the bundle stages its selector reads
-    build: Callable[..., object]  # (bundle, budget, vocab_size, hidden_size, device) -> BatchSelector
+    build: Callable[..., object]  # (bundle, budget, vocab_size, hidden_size, device) -> a selector
     default_budget: Callable[[object, int], int]  # (bundle, vocab_size) -> the budget when none is given
+    optional: tuple[str, ...] = ()  # stages it reads where the bundle has them (exported with it)
 
 
 @dataclass(frozen=True)

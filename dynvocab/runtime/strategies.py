@@ -2,9 +2,10 @@
 
 The loop never knows which policy it runs. Adding a strategy: its policy and frozen config in a module under
 ``runtime/policies/``, a factory ``(options, ctx) -> VocabPolicy``, and one ``register(Strategy(…))`` call (below, or
-in the module that brings it, or through an entry point in the :data:`ENTRY_POINTS` group). A strategy whose set
-depends only on the draft's hidden state also runs inside vLLM when its entry says how (``batched=Batched(stages,
-build, default_budget)``, :mod:`dynvocab.runtime.batched`); one that cannot says why (``why_not_batched``). Import
+in the module that brings it, or through an entry point in the :data:`ENTRY_POINTS` group). A strategy runs
+inside vLLM too when its entry says how (``batched=Batched(stages, build, default_budget)``,
+:mod:`dynvocab.runtime.batched`: a selector over the draft's hidden state, or one that also reads the request's
+context, :mod:`dynvocab.runtime.policies.context_select`); one that cannot says why (``why_not_batched``). Import
 the registry's API from here, so that the built-in strategies are in it.
 """
 
@@ -26,6 +27,15 @@ from dynvocab.runtime.policies.batch_select import (
     stage_budget,
 )
 from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
+from dynvocab.runtime.policies.context_select import (
+    FR_PA_BUDGET,
+    fixed_budget,
+    hybrid_from_bundle,
+    position_from_bundle,
+    router_budget,
+    router_from_bundle,
+    window_from_bundle,
+)
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
 from dynvocab.runtime.policies.frequency import PositionAwareConfig
@@ -193,8 +203,6 @@ def _draft_head_index(ctx: PolicyContext, target_index):
 K_PRE = Flag("k_pre", "target top-K_pre per prompt position joining the stream.", min=1)
 K_VER = Flag("k_ver", "target top-K_ver per verified position joining the stream.", min=1)
 
-NO_REQUEST = "which vLLM does not give a draft head"  # a batched head sees hidden states, not the request
-
 register(Strategy("ar", None, _ar, dynamic=False, drafts=False, why_not_batched="it drafts nothing"))
 register(Strategy("full", None, _full, dynamic=False,
                   why_not_batched="it is the draft's own full head: run vLLM's speculation without the plugin"))
@@ -203,13 +211,12 @@ register(Strategy("fr", None, _fr, dynamic=False,
 register(Strategy(
     "fr-pa", PositionAwareConfig, _fr_pa, dynamic=False,
     flags=(Flag("pa_k_max", "k_max of the position-aware budget (default: the map size).", attr="k_max", min=1),),
-    why_not_batched=f"its set shrinks with the draft position, {NO_REQUEST}",
+    batched=Batched(("freq",), position_from_bundle, FR_PA_BUDGET),
 ))
 register(Strategy(
     "dynaspec", DynaSpecConfig, _dynaspec, stages=("clusters", "router"),
     flags=(Flag("k_max", "clusters routed at draft steps 0 and 1 (k_max).", min=1),),
-    why_not_batched="its router reads the embedding of the token the draft was fed, which vLLM's head hooks "
-                    "(compute_logits, get_top_tokens) do not receive",
+    batched=Batched(("clusters", "router"), router_from_bundle, router_budget, optional=("freq",)),
 ))
 register(Strategy(
     "lowrank", LowRankConfig, _lowrank, stages=("lowrank",),
@@ -224,13 +231,14 @@ register(Strategy(
 register(Strategy(
     "microspec", MicroSpecConfig, _microspec,
     flags=(K_PRE, K_VER, Flag("window", "W_max, the stream entries the active set is drawn from.", min=1)),
-    why_not_batched=f"its window holds the request's own prompt and verified tokens, {NO_REQUEST}",
+    batched=Batched((), window_from_bundle, fixed_budget(MicroSpecConfig().window), optional=("freq",)),
 ))
 register(Strategy(
     "evospec", EvoSpecConfig, _evospec, stages=("freq", "hnsw", "graph"),
     flags=(Flag("online_align", "online LoRA alignment of the draft (q, v projections)."),),
-    why_not_batched="it retrieves from the target's hidden state and adapts the draft online, neither of which "
-                    "vLLM gives a draft head",
+    why_not_batched="its online LoRA alignment changes the draft's weights, which every request in an engine "
+                    "shares, and its retrieval reads the target's hidden state at verified positions, which vLLM "
+                    "does not give a draft head; hybrid runs its graph successors there",
 ))
 register(Strategy(
     "hybrid", HybridConfig, _hybrid,
@@ -253,7 +261,7 @@ register(Strategy(
             min=0,
         ),
     ),
-    why_not_batched=f"it reads the request's own tokens (MicroSpec's window), {NO_REQUEST}",
+    batched=Batched(("freq",), hybrid_from_bundle, fixed_budget(HybridConfig().core_size), optional=("graph",)),
 ))
 
 load_plugins(ENTRY_POINTS, register, Strategy)  # strategies that installed packages bring

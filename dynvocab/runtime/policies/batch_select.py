@@ -245,14 +245,18 @@ class SelectedHead:
         own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``)."""
         self.selector = selector
         self.pack = pack or (lambda rows: lambda x: F.linear(x, rows))
-        self._static: tuple | None = None  # (weight packed from, x -> logits over its rows, their slots or None)
+        self._static: tuple | None = None  # (weight packed from, x -> logits over its rows, their slots or None;
+        # for a context selector: (weight, None, {(ids' data_ptr, count): x -> logits over those rows}))
 
     def select_and_score(self, hidden: torch.Tensor, weight: torch.Tensor, start: int = 0,
-                         end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         end: int | None = None, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight``, in the
         weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it); ids
-        outside them are ``-inf`` and not multiplied."""
+        outside them are ``-inf`` and not multiplied. ``ctx``: the draft step's
+        :class:`~dynvocab.runtime.policies.context_select.StepContext`, for a selector that reads it."""
         x = hidden.to(weight.dtype)
+        if getattr(self.selector, "reads_context", False):
+            return self._context(x, hidden, weight, ctx, start, end)
         if end is None and hidden.shape[0] > 1 and hasattr(self.selector, "select_union"):
             ids, union, where = self.selector.select_union(hidden)  # the batch's distinct blocks, found as blocks
             return _over_union(x, weight, union, where), ids
@@ -267,6 +271,29 @@ class SelectedHead:
             return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
         union, where = torch.unique(ids, return_inverse=True)
         return _over_union(x, weight, union, where), ids
+
+    def _context(self, x: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, ctx, start: int,
+                 end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A context selector's sets: the part every row shares through its rows packed once (per weight and ids
+        tensor: fr-pa's prefixes, hybrid's core), each row's own part as the batch's distinct ids gathered once
+        and one GEMM (padding and ids shared between rows cost nothing)."""
+        sets = self.selector.select(hidden, ctx)
+        ids = sets.ids(hidden.shape[0])
+        if end is not None:
+            return self._shard(x, weight, ids, start, end), ids
+        logits = []
+        if sets.shared is not None:
+            key = (sets.shared.data_ptr(), sets.shared.numel())
+            if self._static is None or self._static[0] is not weight:
+                self._static = (weight, None, {})
+            packs = self._static[2]
+            if key not in packs:
+                packs[key] = self.pack(weight.index_select(0, sets.shared))
+            logits.append(packs[key](x))
+        if sets.rows is not None:
+            union, where = torch.unique(sets.rows, return_inverse=True)
+            logits.append(_over_union(x, weight, union, where))
+        return torch.cat(logits, dim=1), ids
 
     def _shard(self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Logits [B, k] of the ids in rows ``start … end - 1`` (this shard's), ``-inf`` at the others: only this

@@ -20,6 +20,7 @@ from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.policies.context_select import RouterSelector
 from dynvocab.runtime.policies.groups import Groups
 
 
@@ -66,6 +67,9 @@ class DynaSpecPolicy(VocabPolicy):
         self.embedding = embedding  # [V, d_e], any dtype; rows are cast to float32 when read
         eos = torch.empty(0, dtype=torch.long) if eos is None else eos.long()
         self.groups = Groups(clusters.assign[:vocab_size], m, eos, self.device)
+        # the routing both hosts run (the vLLM plugin batches it): one row here
+        self.selector = RouterSelector(self.router, clusters.assign[:vocab_size].to(self.device), m, cfg.k_max,
+                                       self.groups.eos, cfg.divisor, cfg.position_aware)
         self.router_s = 0.0  # time spent routing (router MLP + top-k + union)
         self.calls = 0
 
@@ -94,16 +98,17 @@ class DynaSpecPolicy(VocabPolicy):
         return policy
 
     @torch.inference_mode()
-    def scores(self, hidden: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """Router logits [M] for the draft's hidden state ``hidden`` [1, d] and the token [1] it was fed."""
+    def route(self, hidden: torch.Tensor, token: torch.Tensor, step: int) -> torch.Tensor:
+        """The clusters [k_c(step)] routed for the draft's hidden state ``hidden`` [1, d] and the token [1] it was
+        fed (:meth:`RouterSelector.route`, as the vLLM plugin runs it on a batch)."""
         e = self.embedding.index_select(0, token.to(self.embedding.device)).to(self.device, torch.float32)  # [1, d_e]
-        return self.router(hidden.to(self.device, torch.float32), e)[0]
+        return self.selector.route(hidden.to(self.device, torch.float32), e, step)[0]
 
     @torch.inference_mode()
-    def select(self, scores: torch.Tensor, k: int) -> tuple[RowRanges, torch.Tensor]:
-        """The union of the top-``k`` clusters of ``scores`` [M] as row ranges of the cluster-grouped order, and
-        the EOS ids outside them, LongTensor [e]: two disjoint segments."""
-        return self.groups.select(scores.topk(min(k, scores.numel())).indices)
+    def select(self, clusters: torch.Tensor) -> tuple[RowRanges, torch.Tensor]:
+        """The union of ``clusters`` [k] as row ranges of the cluster-grouped order, and the EOS ids outside them,
+        LongTensor [e]: two disjoint segments."""
+        return self.groups.select(clusters)
 
     @property
     def order(self) -> torch.Tensor:
@@ -118,7 +123,7 @@ class DynaSpecPolicy(VocabPolicy):
         if hidden is None or token is None:
             raise ValueError("dynaspec routes on the draft hidden state and token; the loop must pass both")
         start = time.perf_counter()
-        active = ActiveSet.of(*self.select(self.scores(hidden, token), self.cfg.budget(step)))
+        active = ActiveSet.of(*self.select(self.route(hidden, token, step)))
         self.router_s += time.perf_counter() - start
         self.calls += 1
         return active

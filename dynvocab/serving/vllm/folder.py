@@ -136,10 +136,10 @@ def _link_files(source: Path, staged: Path, copy: bool) -> None:
 
 def section(strategy: str, budget: int | None, row: VllmKind, own: str, bundle) -> dict:
     """The ``config.json`` section the plugin reads (``head.draft_section``), with where the policy came from."""
-    from dynvocab.runtime.batched import bundle_stages
+    from dynvocab.runtime.batched import exported_stages
     from dynvocab.version import __version__
 
-    kept = [s for s in (*bundle_stages(strategy), "freq") if bundle.has(s)]
+    kept = [s for s in exported_stages(strategy) if bundle.has(s)]
     return {
         "format": FOLDER_FORMAT,
         "strategy": strategy,
@@ -178,7 +178,7 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
     the draft's files instead of linking them. Every refusal is a one-line :class:`DynvocabError`."""
     from dynvocab.artifacts import load_bundle, write_bundle
     from dynvocab.files import publish_dir, temp_dir_for
-    from dynvocab.runtime.batched import SelectorSpec, build_selector, bundle_stages, refusal
+    from dynvocab.runtime.batched import SelectorSpec, build_selector, bundle_stages, exported_stages, refusal
     from dynvocab.runtime.drafts import find_kind
 
     why = refusal(strategy)
@@ -199,7 +199,7 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
         for stage in bundle_stages(strategy):
             src.require(stage)
         _check_fits(src, row, spec, text, draft)
-        kept = dict.fromkeys(s for s in (*bundle_stages(strategy), "freq") if src.has(s))
+        kept = [s for s in exported_stages(strategy) if src.has(s)]
         stages = [src.load_stage(s) for s in kept]
         fingerprints = (src.fingerprints["target"], src.fingerprints.get("draft"))
         meta = section(strategy, budget, row, own, src)

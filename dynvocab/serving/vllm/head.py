@@ -37,14 +37,20 @@ class DraftHeadPolicy:
 
     @property
     def selector(self) -> BatchSelector:
-        """The batched selector (``hidden [T, d] -> ids [T, k]``)."""
+        """The batched selector (``hidden [T, d] -> ids [T, k]``, or a context selector)."""
         return self.head.selector
 
+    @property
+    def reads_context(self) -> bool:
+        """Whether the selector reads the request's context (draft position, fed token, window)."""
+        return bool(getattr(self.head.selector, "reads_context", False))
+
     def select_and_score(self, hidden: torch.Tensor, lm_head, logits_processor,
-                         to_target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         to_target: torch.Tensor | None = None, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, k], ids [T, k])``: each row's logits over its set, as vLLM's logits processor would give
         them at those ids (scale, soft cap; ``-inf`` at ids of another rank's shard), and the ids in the target's
-        vocabulary (``to_target`` [V_d]: EAGLE-3's ``draft_id + d2t[draft_id]``)."""
+        vocabulary (``to_target`` [V_d]: EAGLE-3's ``draft_id + d2t[draft_id]``); ``ctx``: the draft step's context,
+        for a context selector."""
         tp = getattr(lm_head, "tp_size", 1)
         if tp > 1:
             if to_target is not None:
@@ -52,9 +58,9 @@ class DraftHeadPolicy:
                                     "tensor_parallel_size 1 only")
             shard = lm_head.shard_indices
             logits, ids = self.head.select_and_score(hidden, lm_head.weight, shard.org_vocab_start_index,
-                                                     shard.org_vocab_end_index)
+                                                     shard.org_vocab_end_index, ctx)
         else:
-            logits, ids = self.head.select_and_score(hidden, lm_head.weight)
+            logits, ids = self.head.select_and_score(hidden, lm_head.weight, ctx=ctx)
         cap = getattr(logits_processor, "soft_cap", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

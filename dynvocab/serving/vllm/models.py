@@ -9,7 +9,8 @@ embedder does it (``vllm/model_executor/models/gemma4_mtp.py``):
   its set scattered into a full row of ``-inf``, so vLLM's rejection sampler sees q = 0 outside the set and stays
   exact.
 
-Everything else (layers, caches, batching, weights) is vLLM's.
+and ``forward`` wrapped, so a selector that reads the request's context gets the passes' fed ids and outputs
+(:mod:`dynvocab.serving.vllm.context`). Everything else (layers, caches, batching, weights) is vLLM's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib
 import torch
 
 from dynvocab.errors import DynvocabError
+from dynvocab.serving.vllm.context import EngineContext, find_runner
 from dynvocab.serving.vllm.head import DraftHeadPolicy, load_policy
 from dynvocab.serving.vllm.names import ARCHITECTURES
 
@@ -29,6 +31,14 @@ class SelectedHeadMixin:
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.dynvocab: DraftHeadPolicy = load_policy(vllm_config)
+        self.dynvocab_context = EngineContext(vllm_config, find_runner())
+
+    def forward(self, *args, **kwargs):
+        """vLLM's forward; its fed ids and output are recorded for a selector that reads the request's context."""
+        out = super().forward(*args, **kwargs)
+        if self.dynvocab.reads_context:
+            self.dynvocab_context.forward(kwargs.get("input_ids", args[0] if args else None), out)
+        return out
 
     def load_weights(self, weights):
         """vLLM's own loading, less an EAGLE-3 head's identity ``d2t``/``t2d`` over the target's full vocabulary:
@@ -39,8 +49,12 @@ class SelectedHeadMixin:
 
     def _selected(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, k], target ids [T, k])`` of ``hidden_states`` [T, d] over each row's set."""
+        ctx = None
+        if self.dynvocab.reads_context:
+            selector = self.dynvocab.selector
+            ctx = self.dynvocab_context.step(hidden_states, selector.reads, selector.window, self.embed_input_ids)
         return self.dynvocab.select_and_score(hidden_states, self.lm_head, self.logits_processor,
-                                              getattr(self, "draft_id_to_target_id", None))
+                                              getattr(self, "draft_id_to_target_id", None), ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Full rows [T, V]: the set's logits, ``-inf`` elsewhere."""

@@ -1,0 +1,264 @@
+"""One selector, two hosts, for the strategies that read the request's context: the draft position, the token the
+draft was fed, and the request's own tokens. Each is a batched function ``(hidden [B, d], StepContext) -> sets``
+(:class:`ContextSets`: a part the same for every row, kept packed by the head, and each row's own part, a fixed
+number of ids per row); a batched host (the vLLM plugin, :mod:`dynvocab.serving.vllm.context`) fills the
+:class:`StepContext` from its engine, dynvocab's own loop from its cycle.
+
+- :class:`PositionSelector` (``fr-pa``): the first ``pa_budget(k_max, t)`` ids of the frequency ranking at draft
+  position t, the same for every row (FR-Spec's position-aware budget, DynaSpec appendix A.1).
+- :class:`RouterSelector` (``dynaspec``): the router scores the clusters from the hidden state and the fed token's
+  embedding; each row's top ``k_c(t)`` clusters, as ids padded to the largest such union, and the EOS ids.
+  :class:`~dynvocab.runtime.policies.dynaspec.DynaSpecPolicy` routes through the same :meth:`RouterSelector.route`.
+- :class:`WindowSelector` (``microspec``): each row's request window (:class:`RequestWindows`: the distinct ids of
+  the request's last W tokens) and the EOS ids.
+- :class:`HybridSelector` (``hybrid``): a static core of the most frequent ids, the request window, and the graph
+  successors of the fed token.
+
+Padding repeats an id of the row: its logits equal the id's own, so the argmax and the scattered row are the same
+as with one copy (the head multiplies each distinct id once, :func:`~.batch_select.SelectedHead`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dynvocab.artifacts.bundle import Bundle
+from dynvocab.artifacts.router import DEFAULT_K_MAX
+from dynvocab.budget import FR_SIZE, pa_budget
+from dynvocab.errors import DynvocabError
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a context selector reads at one draft step of a batch of B rows."""
+
+    step: int  # the draft position t (0-based), the same for every row
+    fed: torch.Tensor | None = None  # [B] the token each row's draft was fed at this step (None: not known)
+    windows: torch.Tensor | None = None  # [B, W] each row's request window (None: the host keeps none)
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # ids [n] -> the draft's input embeddings [n, d_e]
+
+
+@dataclass(frozen=True)
+class ContextSets:
+    """A batch's sets: ``shared`` [n] ids every row has (None: none), which the head keeps packed per tensor, and
+    ``rows`` [B, k] each row's own ids (None: none)."""
+
+    shared: torch.Tensor | None
+    rows: torch.Tensor | None
+
+    def ids(self, batch: int) -> torch.Tensor:
+        """Every row's whole set [B, n + k]."""
+        parts = [] if self.shared is None else [self.shared.expand(batch, -1)]
+        return torch.cat(parts + ([] if self.rows is None else [self.rows]), dim=1)
+
+
+class ContextSelector:
+    """``select(hidden [B, d], ctx) -> ContextSets``; ``reads`` names what of the context it needs ("fed",
+    "window") so a host captures only that; ``window`` is the request window's size in tokens (0: none)."""
+
+    reads_context = True  # SelectedHead passes it the step's context
+    reads: frozenset[str] = frozenset()
+    window: int = 0
+    k: int = 0  # ids per row at draft position 0 (the bench reports it)
+
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+        raise NotImplementedError
+
+
+def _eos_ids(bundle: Bundle, vocab_size: int, device) -> torch.Tensor:
+    from dynvocab.artifacts.tables import FreqTable
+
+    if not bundle.has("freq"):
+        return torch.empty(0, dtype=torch.long, device=device)
+    eos = FreqTable.from_bundle(bundle).eos_ids.long()
+    return eos[eos < vocab_size].to(device)
+
+
+def _ranking(bundle: Bundle, vocab_size: int, eos: torch.Tensor, device) -> torch.Tensor:
+    """The bundle's frequency ranking over a head of ``vocab_size`` rows, the EOS ids first (every prefix has them)."""
+    from dynvocab.artifacts.tables import FreqTable
+
+    ranking = FreqTable.from_bundle(bundle).ranking.long()
+    ranking = ranking[ranking < vocab_size].to(device)
+    return torch.cat([eos, ranking[~torch.isin(ranking, eos)]])
+
+
+class PositionSelector(ContextSelector):
+    """``fr-pa``: the first ``pa_budget(k_max, t)`` ids of ``ranking`` at draft position t, for every row."""
+
+    def __init__(self, ranking: torch.Tensor, k_max: int):
+        if not 1 <= k_max <= ranking.numel():
+            raise DynvocabError(f"fr-pa needs between 1 and {ranking.numel()} ids (got {k_max})")
+        self.ranking, self.k_max, self.k = ranking.long(), k_max, k_max
+
+    def size(self, step: int) -> int:
+        """Ids at draft position ``step``."""
+        return pa_budget(self.k_max, step)
+
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+        return ContextSets(self.ranking[: self.size(ctx.step)], None)
+
+
+class RouterSelector(ContextSelector):
+    """``dynaspec``: route (hidden, embedding of the fed token) to each row's top ``k_c(t)`` clusters; their ids,
+    padded to a fixed width per position, and the EOS ids outside them."""
+
+    reads = frozenset({"fed"})
+
+    def __init__(self, router: torch.nn.Module, assign: torch.Tensor, num_clusters: int, k_max: int,
+                 eos: torch.Tensor, divisor: int = 2, position_aware: bool = True):
+        """``assign`` [V] the cluster of each draftable id; ``router(h [B, d], e [B, d_e]) -> scores [B, M]``."""
+        if k_max < 1:
+            raise DynvocabError(f"dynaspec needs at least 1 cluster (got {k_max})")
+        self.router, self.k_max, self.divisor, self.position_aware = router, k_max, divisor, position_aware
+        self.assign, self.num_clusters = assign.long(), num_clusters
+        self.eos = eos.long().to(assign.device)
+        self._members: torch.Tensor | None = None  # [M, largest cluster] ids, -1 past a cluster's (built on first use)
+        self.size_max = max(1, int(torch.bincount(self.assign, minlength=num_clusters).max()))
+        self.k = min(self.budget(0), num_clusters) * self.size_max + int(self.eos.numel())
+
+    @property
+    def members(self) -> torch.Tensor:
+        """[M, largest cluster] each cluster's ids, ``-1`` past them."""
+        if self._members is None:
+            order = torch.argsort(self.assign, stable=True)  # ids grouped by cluster
+            sizes = torch.bincount(self.assign, minlength=self.num_clusters)
+            members = torch.full((self.num_clusters, self.size_max), -1, dtype=torch.long, device=self.assign.device)
+            slot = torch.arange(order.numel(), device=order.device) - (sizes.cumsum(0) - sizes)[self.assign[order]]
+            members[self.assign[order], slot] = order
+            self._members = members
+        return self._members
+
+    def budget(self, step: int) -> int:
+        """k_c(step): the clusters routed at draft position ``step``."""
+        return pa_budget(self.k_max, step, self.divisor) if self.position_aware else self.k_max
+
+    def route(self, hidden: torch.Tensor, embedded: torch.Tensor, step: int) -> torch.Tensor:
+        """The top ``k_c(step)`` clusters [B, k_c] of each row, for its ``hidden`` [B, d] and fed token's
+        ``embedded`` [B, d_e] (dynvocab's own loop routes one row through this too)."""
+        scores = self.router(hidden.float(), embedded.float())  # [B, M]
+        return scores.topk(min(self.budget(step), scores.shape[1]), dim=-1).indices
+
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+        if ctx.fed is None or ctx.embed is None:
+            raise DynvocabError("dynaspec routes on the fed token's embedding; the host gave none")
+        picked = self.route(hidden, ctx.embed(ctx.fed), ctx.step)  # [B, k_c]
+        ids = self.members[picked].flatten(1)  # [B, k_c · size_max], -1 past each cluster's ids
+        first = ids.gather(1, (ids >= 0).int().argmax(dim=1, keepdim=True))  # a real id of each row
+        ids = torch.where(ids >= 0, ids, first)
+        return ContextSets(self.eos if self.eos.numel() else None, ids)
+
+
+class WindowSelector(ContextSelector):
+    """``microspec`` in a batched host: each row's request window (the distinct ids of its last ``window`` tokens)
+    and the EOS ids."""
+
+    reads = frozenset({"window"})
+
+    def __init__(self, window: int, eos: torch.Tensor):
+        if window < 1:
+            raise DynvocabError(f"microspec needs a window of at least 1 token (got {window})")
+        self.window, self.eos = window, eos.long()
+        self.k = window + int(self.eos.numel())
+
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+        if ctx.windows is None:
+            raise DynvocabError("microspec reads the request's window; the host keeps none")
+        return ContextSets(self.eos if self.eos.numel() else None, ctx.windows)
+
+
+class HybridSelector(ContextSelector):
+    """``hybrid`` in a batched host: a static core (EOS and the most frequent ids), each row's request window, and
+    the ``successors`` most likely graph successors of the token each row was fed."""
+
+    reads = frozenset({"fed", "window"})
+
+    def __init__(self, core: torch.Tensor, window: int, graph=None, successors: int = 8):
+        if window < 1:
+            raise DynvocabError(f"hybrid needs a window of at least 1 token (got {window})")
+        self.core, self.window = core.long(), window
+        self.graph = graph  # dynvocab.artifacts.GraphTable on the selector's device, or None
+        self.successors = successors if graph is not None else 0
+        self.k = int(core.numel()) + window + self.successors
+
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+        if ctx.windows is None:
+            raise DynvocabError("hybrid reads the request's window; the host keeps none")
+        rows = ctx.windows
+        if self.successors and ctx.fed is not None:
+            rows = torch.cat([rows, successors(self.graph, ctx.fed, self.successors, rows[:, :1])], dim=1)
+        return ContextSets(self.core, rows)
+
+
+def successors(graph, fed: torch.Tensor, k: int, fill: torch.Tensor) -> torch.Tensor:
+    """The first ``k`` graph successors [B, k] of each of ``fed`` [B], looked up on the device; ``fill`` [B, 1] (an
+    id of the row) past a token's list and for tokens outside the graph."""
+    last = graph.indptr.numel() - 2
+    if graph.indices.numel() == 0 or last < 0:
+        return fill.expand(-1, k)
+    t = fed.long().clamp(0, last)[:, None]  # [B, 1]
+    slots = graph.indptr[t] + torch.arange(k, device=fed.device)  # [B, k]
+    ids = graph.indices[slots.clamp(max=graph.indices.numel() - 1)].long()
+    valid = (slots < graph.indptr[t + 1]) & (fed[:, None] >= 0) & (fed[:, None] <= last)
+    return torch.where(valid, ids, fill)
+
+
+def position_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
+                         device: torch.device) -> PositionSelector:
+    """``fr-pa``: the bundle's frequency ranking (EOS first), ``budget`` ids at draft positions 0 and 1."""
+    eos = _eos_ids(bundle, vocab_size, device)
+    return PositionSelector(_ranking(bundle, vocab_size, eos, device), budget)
+
+
+def router_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
+                       device: torch.device) -> RouterSelector:
+    """``dynaspec``: the bundle's clusters and router, ``budget`` clusters at draft positions 0 and 1."""
+    from dynvocab.artifacts import ClusterTable
+    from dynvocab.artifacts.router import RouterTable, clusters_checksum
+
+    router = RouterTable.from_bundle(bundle)
+    if router.config.get("clusters_sha256") != clusters_checksum(bundle):
+        raise DynvocabError(f"the router in {bundle.path} was trained for other clusters; retrain it with "
+                            f"`dynvocab train-router --bundle {bundle.path}`")
+    if int(router.config["hidden_dim"]) != hidden_size:
+        raise DynvocabError(f"the router in {bundle.path} reads hidden size {router.config['hidden_dim']}, the draft "
+                            f"has {hidden_size}; retrain it with `dynvocab train-router --bundle {bundle.path}`")
+    clusters = ClusterTable.from_bundle(bundle)
+    return RouterSelector(router.module(device), clusters.assign[:vocab_size].to(device), clusters.num_clusters,
+                          budget, _eos_ids(bundle, vocab_size, device))
+
+
+def window_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
+                       device: torch.device) -> WindowSelector:
+    """``microspec``: a window of ``budget`` tokens per request and the bundle's EOS ids."""
+    return WindowSelector(budget, _eos_ids(bundle, vocab_size, device))
+
+
+def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
+                       device: torch.device, window: int | None = None) -> HybridSelector:
+    """``hybrid``: a core of the ``budget`` most frequent ids (EOS first), the hybrid's default window, and the
+    bundle's graph successors where it has a ``graph`` stage."""
+    from dynvocab.artifacts import GraphTable
+    from dynvocab.runtime.policies.hybrid import HybridConfig
+
+    eos = _eos_ids(bundle, vocab_size, device)
+    core = _ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
+    graph = GraphTable.from_bundle(bundle).to(device) if bundle.has("graph") else None
+    cfg = HybridConfig()
+    return HybridSelector(core, window or cfg.window, graph, cfg.for_draft(searches_per_step=True).step_successors)
+
+
+def fixed_budget(size: int):
+    """A default budget that does not depend on the bundle: ``(bundle, vocab_size) -> min(size, vocab_size)``."""
+    return lambda bundle, vocab_size: min(size, vocab_size)
+
+
+def router_budget(bundle: Bundle, vocab_size: int) -> int:
+    """``dynaspec``'s default clusters at positions 0 and 1: DynaSpec's k_max."""
+    return DEFAULT_K_MAX
+
+
+FR_PA_BUDGET = fixed_budget(FR_SIZE)

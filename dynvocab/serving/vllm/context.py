@@ -1,0 +1,152 @@
+"""The request's context inside vLLM's V1 model runner, for the plugin's context selectors
+(:mod:`dynvocab.runtime.policies.context_select`): the draft position, the token each row was fed, and each
+request's window over its own tokens.
+
+vLLM gives a draft head only hidden states (``compute_logits`` / ``get_top_tokens``). The rest is where vLLM keeps
+it, read without patching vLLM:
+
+- **The draft's passes** (``v1/spec_decode/llm_base_proposer.py:propose``): a first pass over the step's tokens
+  (several per request, or one), then γ - 1 passes of one token per request, each followed by one head call; a
+  pass is a continuation when the attention metadata of its forward context says one query token per request, it
+  has as many tokens as the last head call had rows, and fewer than γ head calls followed the last first pass.
+  The draft class's ``forward`` hands its ``input_ids`` and output here (:meth:`EngineContext.forward`).
+- **Draft position 0** reads the hidden states the proposer picked from the first pass's output
+  (``last_hidden_states[token_indices_to_sample]``, without the indices): each row is the one of its request's last
+  γ + 2 output rows that it copies, found by comparing them (on the device, no host read), and the token fed
+  there is that row's input id (vLLM's ``next_token_ids``). Positions 1 … γ - 1 read the fed ids of their pass.
+- **Each request's tokens** are the model runner's record (``input_batch.req_ids``, ``token_ids_cpu``,
+  ``num_tokens_no_spec``): the prompt whole (prefix-cached and chunked prompts too), and the tokens verified
+  before this step (the proposer runs before the step's bookkeeping). The runner is the one whose ``load_model``
+  builds the draft, found once on the call stack at construction. Windows are updated once per engine step (at
+  draft position 0), never per draft step, and only for requests in the batch; every other request's slot is given
+  back then, so the plugin holds windows for at most ``max_num_seqs`` requests, each of a fixed size.
+
+Every rank of a tensor-parallel engine runs the same passes over the same record, so every rank computes the same
+context and the same sets. Context that cannot be read (no runner, a batch that does not match) gives smaller sets,
+never wrong output: the target verifies every drafted token.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from dynvocab.runtime.policies.context_select import StepContext
+from dynvocab.runtime.policies.request_window import RequestWindows
+
+MATCH_BACK = 2  # rows searched per request at draft position 0: γ + 2 (a first pass's last rows, extra slot included)
+
+
+def find_runner(frame=None):
+    """The vLLM model runner on the call stack (the object whose ``load_model`` is building the draft), or None."""
+    frame = frame or sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if obj is not None and all(hasattr(obj, a) for a in ("input_batch", "requests", "drafter")):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+class EngineContext:
+    """One draft model's view of the request's context: fed by its ``forward``, read at each head call."""
+
+    def __init__(self, vllm_config, runner=None):
+        spec = vllm_config.speculative_config
+        self.gamma = max(1, int(getattr(spec, "num_speculative_tokens", 1) or 1))
+        self.slots = int(vllm_config.scheduler_config.max_num_seqs)
+        self.vocab = int((spec.draft_model_config if spec is not None else vllm_config.model_config)
+                         .get_vocab_size())
+        self.runner = runner
+        self.windows: RequestWindows | None = None
+        self._ids: torch.Tensor | None = None  # the last pass's input ids [n]
+        self._out: torch.Tensor | None = None  # the last first pass's output rows [n, d]
+        self._starts: torch.Tensor | None = None  # its requests' first rows [R + 1] (query_start_loc)
+        self._first = False  # the next head call is draft position 0 of a first pass
+        self._calls = 0  # head calls since the last first pass
+        self._rows = -1  # rows of the last head call
+        self._slot_rows: torch.Tensor | None = None  # [B] each batch row's window slot, set at position 0
+
+    def forward(self, input_ids: torch.Tensor | None, output) -> None:
+        """Record a pass of the draft: its fed ``input_ids`` [n] and its ``output`` (hidden states, or a tuple
+        whose first item they are)."""
+        if input_ids is None:
+            return
+        meta = _attention_metadata()
+        one_each = meta is not None and int(getattr(meta, "max_query_len", 0)) == 1
+        if one_each and input_ids.shape[0] == self._rows and self._calls < self.gamma:
+            self._ids = input_ids
+            return
+        self._ids, self._first, self._calls = input_ids, True, 0
+        self._out = output[0] if isinstance(output, tuple) else output
+        self._starts = getattr(meta, "query_start_loc", None)
+
+    def step(self, hidden: torch.Tensor, reads: frozenset, window: int, embed) -> StepContext:
+        """The context of the head call on ``hidden`` [B, d]: its draft position, and what ``reads`` asks for."""
+        rows = int(hidden.shape[0])
+        first, self._first = self._first, False
+        step = 0 if first else self._calls
+        self._calls, self._rows = (1 if first else self._calls + 1), rows
+        fed = windows = None
+        if "fed" in reads:
+            fed = self._fed_at_first(hidden) if first else self._fed_next(rows)
+        if "window" in reads:
+            if first or self._slot_rows is None or self._slot_rows.numel() != rows:
+                self._sync(rows, window)
+            windows = self.windows.ids[self._slot_rows]
+        return StepContext(step, fed, windows, embed)
+
+    def _fed_next(self, rows: int) -> torch.Tensor:
+        """The ids fed at a continuation pass (zeros where no pass was seen)."""
+        if self._ids is None or self._ids.shape[0] < rows:
+            return torch.zeros(rows, dtype=torch.long)
+        return self._ids[:rows].long()
+
+    def _fed_at_first(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The id fed at each row's sampled position of the first pass: the row among its request's last output
+        rows that ``hidden`` copies."""
+        out, starts, ids = self._out, self._starts, self._ids
+        rows = hidden.shape[0]
+        if out is None or starts is None or starts.numel() != rows + 1 or ids is None:
+            return self._fed_next(rows)
+        starts = starts.to(out.device).long()
+        ends = starts[1:] - 1
+        back = torch.arange(self.gamma + MATCH_BACK, device=out.device)
+        cand = torch.maximum(ends[:, None] - back, starts[:-1, None])  # [B, γ + 2] newest first
+        hit = (out[cand] == hidden[:, None, :].to(out.dtype)).all(dim=-1)  # [B, γ + 2]
+        picked = cand.gather(1, hit.int().argmax(dim=1, keepdim=True))[:, 0]  # the first hit (none: the last row)
+        return ids[picked].long()
+
+    def _sync(self, rows: int, window: int) -> None:
+        """Bring the windows of the batch's requests up to date from the runner's record; give back the others."""
+        if self.windows is None or self.windows.size != window:
+            self.windows = RequestWindows(self.slots, window, self.vocab)
+        batch = getattr(self.runner, "input_batch", None)
+        req_ids = list(getattr(batch, "req_ids", ()))[:rows] if batch is not None else []
+        if len(req_ids) != rows:
+            self.windows.keep(set())
+            self._slot_rows = torch.zeros(rows, dtype=torch.long)  # no record: slot 0 of nothing (the fill id)
+            return
+        self.windows.keep(set(req_ids))
+        counts = batch.num_tokens_no_spec
+        slots = [self.windows.update(r, batch.token_ids_cpu[i, : int(counts[i])]) for i, r in enumerate(req_ids)]
+        self._slot_rows = torch.tensor(slots, dtype=torch.long, device=self.windows.ids.device)
+
+    def held(self) -> int:
+        """Requests whose windows the plugin holds."""
+        return 0 if self.windows is None else len(self.windows)
+
+
+def _attention_metadata():
+    """Any layer's attention metadata of the current forward context (one draft's layers share it), or None."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):
+        meta = meta[0] if meta else None
+    if isinstance(meta, dict):
+        return next(iter(meta.values()), None)
+    return meta
