@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_models import context_stages
+
 from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.selectors import SelectorTable, random_selectors
 from dynvocab.errors import DynvocabError
@@ -20,29 +22,6 @@ from dynvocab.runtime.policies.frequency import FrequencyPolicy
 
 V, D = 1000, 32
 EOS = torch.tensor([7])
-
-
-def context_stages(g: torch.Generator, vocab: int, dim: int, clusters: int = 12) -> list[Stage]:
-    """Random ``clusters``, ``router`` (for those clusters) and ``graph`` stages: what the context strategies
-    read besides ``freq``."""
-    from dynvocab.artifacts import ClusterTable, GraphTable
-    from dynvocab.artifacts.bundle import tensor_sha256
-    from dynvocab.artifacts.router import RouterMLP, RouterTable
-
-    assign = torch.randint(0, clusters, (vocab,), generator=g)
-    table = ClusterTable(assign, torch.randn(clusters, dim, generator=g))
-    mlp = RouterMLP(dim, dim, 16, clusters)
-    with torch.no_grad():
-        for param in mlp.parameters():
-            param.copy_(torch.randn(param.shape, generator=g))
-    stages = [Stage("clusters", table.to_tensors(), {}, {})]
-    router = RouterTable.from_module(mlp, {"top_l": 1, "clusters_sha256": tensor_sha256(table.to_tensors()["assign"])})
-    stages.append(Stage("router", router.to_tensors(), router.config, {}))
-    fanout = torch.randint(0, 5, (vocab,), generator=g)
-    indptr = torch.cat([torch.zeros(1, dtype=torch.long), fanout.cumsum(0)])
-    graph = GraphTable(indptr, torch.randint(0, vocab, (int(indptr[-1]),), generator=g).int(),
-                       torch.rand(int(indptr[-1]), generator=g))
-    return stages + [Stage("graph", graph.to_tensors(), {}, {})]
 
 
 @pytest.fixture(scope="module")

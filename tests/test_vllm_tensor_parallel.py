@@ -1,7 +1,8 @@
 """The plugin under tensor parallelism on a real vLLM-CPU engine with two ranks (one core each): the draft's
 vocab-parallel head scores each rank's share of the set, greedy drafting reduces through vLLM's local-argmax
-exchange and sampling through its gather of shards; every strategy's greedy output equals plain vLLM at TP=2; every
-rank computes the same sets; a sampled batch runs."""
+exchange and sampling through its gather of shards; every strategy's greedy output equals plain vLLM at TP=2, the
+context strategies' included (every rank reads the same draft passes and the same record); every rank computes the
+same sets; a sampled batch runs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
 
+from test_vllm_context import BUDGETS, CONTEXT_STRATEGIES  # noqa: E402
 from test_vllm_plugin import FR_SIZE, STRATEGIES, budget, folder, request, spec  # noqa: E402,F401
 from vllm_models import run_rows, vllm_bundle, vllm_pair  # noqa: E402,F401
 
@@ -27,6 +29,8 @@ def greedy_tp(vllm_pair, vllm_bundle, folder, tmp_path_factory):  # noqa: F811
              for s in STRATEGIES]
     rows += [{"name": f"logits:{s}", "speculative_config": spec(folder), "strategy": s, "budget": budget(s)}
              for s in STRATEGIES]
+    rows += [{"name": f"{how}:{s}", "speculative_config": config, "strategy": s, "budget": BUDGETS.get(s)}
+             for s in CONTEXT_STRATEGIES for how, config in (("top", local), ("logits", spec(folder)))]
     req = request(vllm_pair, vllm_bundle, rows, batch=True, tensor_parallel_size=TP)
     result, err = run_rows(tmp_path_factory.mktemp("tp"), req)
     assert result is not None, err[-3000:]

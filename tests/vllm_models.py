@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tokenizer
+from tiny_models import context_stages, make_tokenizer
 
 from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, write_bundle
 from dynvocab.artifacts.selectors import random_selectors
@@ -23,6 +23,7 @@ from dynvocab.artifacts.selectors import random_selectors
 HIDDEN = 256  # 4 heads of 64: a head size vLLM-CPU's attention supports
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 LOWRANK_K, BLOCK, BLOCKS = 48, 16, 3  # small sets, so a wrong head would show in the acceptance
+CLUSTERS = 24  # dynaspec's clusters of the tiny vocabulary
 
 
 def save_qwen2(folder: Path, tokenizer, rows: int, layers: int, seed: int = 0) -> Path:
@@ -53,7 +54,8 @@ def vllm_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny") -> Path:
     """A bundle at ``path`` for a tiny model with ``rows`` head rows of width :data:`HIDDEN`: a frequency ranking
-    (EOS first) and random lowrank and centroids selectors, the same model as target and draft."""
+    (EOS first), random lowrank and centroids selectors, and random clusters, router and graph (the context
+    strategies'), the same model as target and draft."""
     g = torch.Generator().manual_seed(0)
     counts = torch.randint(0, 1000, (rows,), generator=g)
     eos = torch.tensor([tokenizer.eos_token_id])
@@ -62,7 +64,7 @@ def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny") -> Path:
     low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=LOWRANK_K, block=BLOCK, blocks=BLOCKS)
     fp = ModelFingerprint.of(tokenizer, (rows, HIDDEN), source)
     stages = [Stage("freq", freq.to_tensors(), {}, {}), Stage(low.kind, low.tensors, low.config, {}),
-              Stage(cen.kind, cen.tensors, cen.config, {})]
+              Stage(cen.kind, cen.tensors, cen.config, {}), *context_stages(g, rows, HIDDEN, clusters=CLUSTERS)]
     return write_bundle(path, stages, fp, fp)
 
 

