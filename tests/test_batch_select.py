@@ -136,3 +136,55 @@ def test_what_cannot_run_batched_is_refused_in_one_line(bundle):
         build_selector(bundle, SelectorSpec("lowrank"), V, D + 1)
     with pytest.raises(DynvocabError, match="at least 1"):
         LowRankSelector(torch.zeros(2, D), torch.zeros(V, 2), torch.zeros(V), 0)
+
+
+@pytest.mark.parametrize("strategy", ["fr-pa", "dynaspec", "microspec", "hybrid"])
+def test_a_context_selectors_draft_step_reads_nothing_back_from_the_device(bundle, strategy):
+    """The plugin's head at every draft position of a batch: no tensor is read to the host (what tests/
+    test_host_reads.py forbids in the loop); the context comes as device tensors and the position as a number."""
+    from dynvocab.runtime.host import HostReads
+
+    g = torch.Generator().manual_seed(4)
+    weight, hidden = torch.randn(V, D, generator=g), torch.randn(4, D, generator=g)
+    head = SelectedHead(build_selector(bundle, SelectorSpec(strategy, {"microspec": 40, "hybrid": 50}.get(strategy)), V, D))
+    contexts = [step_context(4, step=t) for t in range(4)]
+    with HostReads() as reads:
+        for ctx in contexts:
+            head.select_and_score(hidden, weight, ctx=ctx)
+    assert not reads.elsewhere and not reads.helper, (dict(reads.elsewhere), dict(reads.helper))
+
+
+def test_context_selectors_follow_their_context(bundle):
+    """fr-pa's set is the ranking's prefix for the position; dynaspec's depends on the fed token; the window
+    strategies hold each row's window, hybrid also the core and the graph successors of the fed token; the loop's
+    DynaSpec policy routes one row exactly as the batched selector routes it."""
+    from dynvocab.artifacts import ClusterTable, GraphTable
+    from dynvocab.artifacts.router import RouterTable
+    from dynvocab.budget import pa_budget
+    from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+
+    hidden = torch.randn(3, D, generator=torch.Generator().manual_seed(6))
+    pa = build_selector(bundle, SelectorSpec("fr-pa", 300), V, D)
+    ranking = FreqTable.from_bundle(bundle).ranking
+    for t in range(5):
+        shared = pa.select(hidden, step_context(3, step=t)).shared
+        assert torch.equal(shared, ranking[: pa_budget(300, t)])
+    ctx = step_context(3)
+    window = build_selector(bundle, SelectorSpec("microspec", 40), V, D).select(hidden, ctx)
+    assert torch.equal(window.rows, ctx.windows) and window.shared.tolist() == EOS.tolist()
+    hybrid = build_selector(bundle, SelectorSpec("hybrid", 50), V, D).select(hidden, ctx)
+    graph = GraphTable.from_bundle(bundle)
+    for r in range(3):
+        successors = set(graph.successors(int(ctx.fed[r]), 8)[0].tolist())  # padded with a window id
+        assert set(hybrid.ids(3)[r].tolist()) == set(ranking[:50].tolist()) | set(ctx.windows[r].tolist()) | successors
+    router = build_selector(bundle, SelectorSpec("dynaspec", 2), V, D)
+    sets = router.select(hidden, ctx).ids(3)
+    other = router.select(hidden, StepContext(0, (ctx.fed + 1) % V, ctx.windows, ctx.embed)).ids(3)
+    assert any(set(a.tolist()) != set(b.tolist()) for a, b in zip(sets, other))  # the fed token routes
+    table = torch.randn(V, D, generator=torch.Generator().manual_seed(5))
+    loop = DynaSpecPolicy(DynaSpecConfig(k_max=2), ClusterTable.from_bundle(bundle), RouterTable.from_bundle(bundle),
+                          table, V, EOS)
+    for r in range(3):
+        for t in (0, 2):
+            one = router.select(hidden[r : r + 1], StepContext(t, ctx.fed[r : r + 1], None, ctx.embed)).ids(1)[0]
+            assert set(one.tolist()) == set(loop.active_ids(t, hidden[r : r + 1], ctx.fed[r : r + 1]).ids().tolist())

@@ -97,8 +97,10 @@ class HeadSwitch:
             setattr(model, name, self._entry(name))
 
     def reset(self, on: bool) -> None:
-        """Zero the timer; time the calls from now on when ``on``."""
+        """Zero the timer (and the head's count of ids it multiplied); time the calls from now on when ``on``."""
         self.on, self.head_s, self.selector_s, self.calls, self.rows = on, 0.0, 0.0, 0, 0
+        if self.plugin:
+            self.model.dynvocab.head.scored = [0, 0]
 
     def _entry(self, name: str):
         def call(hidden_states):
@@ -161,11 +163,15 @@ class HeadSwitch:
 
     def read(self) -> dict:
         """The timer since the last switch (head and selector seconds, calls, rows) and the ids the head scores per
-        step (the selector's k; the head's rows for the full head)."""
+        step (the selector's k; for a context selector, whose padded k overstates it, the distinct ids it multiplied
+        per head call; the head's rows for the full head)."""
         from dynvocab.models.eagle.config import head_rows
 
         selected = self.strategy is not None
         ids = int(self.model.dynvocab.selector.k) if selected else head_rows(self.model.config)
+        scored, calls = self.model.dynvocab.head.scored if self.plugin else (0, 0)
+        if selected and calls:  # a context selector: the distinct ids it multiplied per head call, on average
+            ids = round(scored / calls)
         return {"head_s": self.head_s, "selector_s": self.selector_s if selected else 0.0, "calls": self.calls,
                 "rows": self.rows, "ids": ids}
 

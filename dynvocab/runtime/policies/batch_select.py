@@ -245,6 +245,7 @@ class SelectedHead:
         own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``)."""
         self.selector = selector
         self.pack = pack or (lambda rows: lambda x: F.linear(x, rows))
+        self.scored = [0, 0]  # a context selector's distinct ids multiplied, and head calls (shapes only, no read)
         self._static: tuple | None = None  # (weight packed from, x -> logits over its rows, their slots or None;
         # for a context selector: (weight, None, {(ids' data_ptr, count): x -> logits over those rows}))
 
@@ -290,9 +291,13 @@ class SelectedHead:
             if key not in packs:
                 packs[key] = self.pack(weight.index_select(0, sets.shared))
             logits.append(packs[key](x))
+        scored = 0 if sets.shared is None else sets.shared.numel()
         if sets.rows is not None:
             union, where = torch.unique(sets.rows, return_inverse=True)
             logits.append(_over_union(x, weight, union, where))
+            scored += union.numel()
+        self.scored[0] += scored
+        self.scored[1] += 1
         return torch.cat(logits, dim=1), ids
 
     def _shard(self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:

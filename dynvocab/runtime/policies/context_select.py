@@ -104,7 +104,8 @@ class PositionSelector(ContextSelector):
 
 class RouterSelector(ContextSelector):
     """``dynaspec``: route (hidden, embedding of the fed token) to each row's top ``k_c(t)`` clusters; their ids,
-    padded to a fixed width per position, and the EOS ids outside them."""
+    one after another, padded to the largest such union at that position (repeating the row's first id), and the
+    EOS ids."""
 
     reads = frozenset({"fed"})
 
@@ -114,27 +115,21 @@ class RouterSelector(ContextSelector):
         if k_max < 1:
             raise DynvocabError(f"dynaspec needs at least 1 cluster (got {k_max})")
         self.router, self.k_max, self.divisor, self.position_aware = router, k_max, divisor, position_aware
-        self.assign, self.num_clusters = assign.long(), num_clusters
+        assign = assign.long()
+        self.order = torch.argsort(assign, stable=True)  # [V] ids grouped by cluster
+        self.sizes = torch.bincount(assign, minlength=num_clusters)  # [M]
+        self.starts = self.sizes.cumsum(0) - self.sizes  # [M] each cluster's first slot in ``order``
+        self.largest = torch.sort(self.sizes, descending=True).values.cumsum(0).tolist()  # the n largest clusters' ids
         self.eos = eos.long().to(assign.device)
-        self._members: torch.Tensor | None = None  # [M, largest cluster] ids, -1 past a cluster's (built on first use)
-        self.size_max = max(1, int(torch.bincount(self.assign, minlength=num_clusters).max()))
-        self.k = min(self.budget(0), num_clusters) * self.size_max + int(self.eos.numel())
-
-    @property
-    def members(self) -> torch.Tensor:
-        """[M, largest cluster] each cluster's ids, ``-1`` past them."""
-        if self._members is None:
-            order = torch.argsort(self.assign, stable=True)  # ids grouped by cluster
-            sizes = torch.bincount(self.assign, minlength=self.num_clusters)
-            members = torch.full((self.num_clusters, self.size_max), -1, dtype=torch.long, device=self.assign.device)
-            slot = torch.arange(order.numel(), device=order.device) - (sizes.cumsum(0) - sizes)[self.assign[order]]
-            members[self.assign[order], slot] = order
-            self._members = members
-        return self._members
+        self.k = self.width(self.budget(0)) + int(self.eos.numel())
 
     def budget(self, step: int) -> int:
         """k_c(step): the clusters routed at draft position ``step``."""
         return pa_budget(self.k_max, step, self.divisor) if self.position_aware else self.k_max
+
+    def width(self, clusters: int) -> int:
+        """Ids per row for ``clusters`` routed clusters: as many as the largest of them hold together."""
+        return self.largest[min(clusters, len(self.largest)) - 1]
 
     def route(self, hidden: torch.Tensor, embedded: torch.Tensor, step: int) -> torch.Tensor:
         """The top ``k_c(step)`` clusters [B, k_c] of each row, for its ``hidden`` [B, d] and fed token's
@@ -146,9 +141,14 @@ class RouterSelector(ContextSelector):
         if ctx.fed is None or ctx.embed is None:
             raise DynvocabError("dynaspec routes on the fed token's embedding; the host gave none")
         picked = self.route(hidden, ctx.embed(ctx.fed), ctx.step)  # [B, k_c]
-        ids = self.members[picked].flatten(1)  # [B, k_c · size_max], -1 past each cluster's ids
-        first = ids.gather(1, (ids >= 0).int().argmax(dim=1, keepdim=True))  # a real id of each row
-        ids = torch.where(ids >= 0, ids, first)
+        lens = self.sizes[picked]  # [B, k_c]
+        ends = lens.cumsum(1)  # [B, k_c] where each picked cluster's ids end in the row
+        slots = torch.arange(self.width(picked.shape[1]), device=picked.device).expand(picked.shape[0], -1)
+        which = torch.searchsorted(ends, slots, right=True).clamp(max=picked.shape[1] - 1)  # [B, w] its cluster
+        offset = slots - (ends - lens).gather(1, which)  # [B, w] the slot within that cluster
+        ids = self.order[(self.starts[picked.gather(1, which)] + offset).clamp(0, self.order.numel() - 1)]
+        inside = slots < ends[:, -1:]  # past the row's own ids: padding
+        ids = torch.where(inside, ids, ids[:, :1])
         return ContextSets(self.eos if self.eos.numel() else None, ids)
 
 
