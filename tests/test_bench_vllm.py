@@ -13,6 +13,7 @@ from cli_helpers import assert_one_line_error, run
 from vllm_models import vllm_bundle, vllm_pair  # noqa: F401
 
 from dynvocab.bench.vllm_rows import engine_env, last_error_line, plugin_strategies, summarize_row
+from dynvocab.errors import DynvocabError
 
 pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
 
@@ -45,6 +46,19 @@ def test_plugin_rows_need_a_bundle_and_ar_full_are_the_engine_rows():
     assert plugin_strategies("ar,full", None) == ()
     result = run("bench", "--vllm", "--strategies", "lowrank")
     assert_one_line_error(result, "--bundle")
+
+
+def test_a_strategy_whose_stage_the_bundle_lacks_is_refused_before_any_engine_starts(tmp_path):
+    import torch
+
+    from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, write_bundle
+
+    freq = FreqTable(counts=torch.ones(10, dtype=torch.long), ranking=torch.arange(10), eos_ids=torch.tensor([0]))
+    fp = ModelFingerprint(10, "0" * 64, 10, 8)
+    bundle = write_bundle(tmp_path / "b.safetensors", [Stage("freq", freq.to_tensors(), {}, {})], fp, fp)
+    with pytest.raises(DynvocabError, match="no 'centroids' stage"):
+        plugin_strategies("fr,fr-pa,centroids", str(bundle))
+    assert plugin_strategies("fr,fr-pa,microspec,hybrid", str(bundle)) == ("fr", "fr-pa", "microspec", "hybrid")
 
 
 def test_sampling_is_refused_in_one_line():

@@ -90,6 +90,13 @@ def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
             raise DynvocabError(why)
     if plugin and bundle is None:
         raise DynvocabError(f"the vllm-spec:{plugin[0]} row reads its selector from a bundle; pass --bundle")
+    if plugin:  # before any engine starts: a missing stage is one line now, not an engine failure later
+        from dynvocab.artifacts import load_bundle
+
+        with load_bundle(bundle) as b:
+            for name in plugin:
+                for stage in bundle_stages(name):
+                    b.require(stage)
     return tuple(plugin)
 
 
