@@ -102,12 +102,13 @@ class GraphTable:
                        probs=self.probs.to(device))
 
     def top_successors(self, token: torch.Tensor, k: int, fill: int, below: int | None = None) -> torch.Tensor:
-        """The first ``k`` successors of ``token`` [1] (on this table's device), looked up there with no host read:
-        LongTensor [k], ``fill`` past its successor list and in every slot for a token outside the graph (or at or
-        past ``below``). The fixed-width, on-device form of :meth:`successors`, for a draft step."""
+        """The first ``k`` successors of ``token`` [..., 1] (on this table's device), looked up there with no host
+        read: LongTensor [..., k] (a batch's tokens [B, 1] give [B, k]), ``fill`` (a number, or a tensor that
+        broadcasts, e.g. one id per row [B, 1]) past its successor list and in every slot for a token outside the
+        graph (or at or past ``below``). The fixed-width, on-device form of :meth:`successors`, for a draft step."""
         last = min(self.indptr.numel() - 1, self.indptr.numel() - 1 if below is None else below) - 1
         if self.indices.numel() == 0 or last < 0:
-            return torch.full((k,), fill, dtype=torch.long, device=self.indices.device)
+            return torch.as_tensor(fill, dtype=torch.long, device=self.indices.device).expand(*token.shape[:-1], k)
         token = token.to(self.indptr.device)
         t = token.clamp(0, last)  # [1]
         slots = self.indptr[t] + torch.arange(k, device=self.indptr.device)  # [k]

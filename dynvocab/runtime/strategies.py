@@ -28,7 +28,6 @@ from dynvocab.runtime.policies.batch_select import (
 )
 from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
 from dynvocab.runtime.policies.context_select import (
-    FR_PA_BUDGET,
     fixed_budget,
     hybrid_from_bundle,
     position_from_bundle,
@@ -211,7 +210,7 @@ register(Strategy("fr", None, _fr, dynamic=False,
 register(Strategy(
     "fr-pa", PositionAwareConfig, _fr_pa, dynamic=False,
     flags=(Flag("pa_k_max", "k_max of the position-aware budget (default: the map size).", attr="k_max", min=1),),
-    batched=Batched(("freq",), position_from_bundle, FR_PA_BUDGET),
+    batched=Batched(("freq",), position_from_bundle, frequency_budget),
 ))
 register(Strategy(
     "dynaspec", DynaSpecConfig, _dynaspec, stages=("clusters", "router"),

@@ -164,7 +164,7 @@ class CentroidSelector:
         return union[where], union, where
 
 
-def _eos(bundle: Bundle) -> torch.Tensor:
+def bundle_eos(bundle: Bundle) -> torch.Tensor:
     """The EOS ids [E] the bundle's ``freq`` stage records (none without one)."""
     return FreqTable.from_bundle(bundle).eos_ids if bundle.has("freq") else torch.empty(0, dtype=torch.long)
 
@@ -205,7 +205,7 @@ def selector_table(bundle: Bundle, stage: str, hidden_size: int) -> SelectorTabl
 def lowrank_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                         device: torch.device) -> LowRankSelector:
     """``lowrank``: the bundle's lowrank stage keeping ``budget`` candidates of a head of ``vocab_size`` rows."""
-    return lowrank_selector(selector_table(bundle, LOWRANK, hidden_size), vocab_size, _eos(bundle), device, budget)
+    return lowrank_selector(selector_table(bundle, LOWRANK, hidden_size), vocab_size, bundle_eos(bundle), device, budget)
 
 
 def centroids_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
@@ -213,7 +213,7 @@ def centroids_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_s
     """``centroids``: the bundle's centroids stage picking ``budget`` blocks, with the EOS ids the head has."""
     table = selector_table(bundle, CENTROIDS, hidden_size)
     t = {name: x.to(device) for name, x in table.tensors.items()}
-    eos = _eos(bundle)
+    eos = bundle_eos(bundle)
     return CentroidSelector(t["order"].long(), int(table.config["block_size"]), t["centroids"], t["bias"], budget,
                             eos[eos < vocab_size].to(device))
 

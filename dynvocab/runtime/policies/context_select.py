@@ -27,8 +27,9 @@ import torch
 
 from dynvocab.artifacts.bundle import Bundle
 from dynvocab.artifacts.router import DEFAULT_K_MAX
-from dynvocab.budget import FR_SIZE, pa_budget
+from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.policies.batch_select import bundle_eos
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,8 @@ class ContextSelector:
 
 
 def _eos_ids(bundle: Bundle, vocab_size: int, device) -> torch.Tensor:
-    from dynvocab.artifacts.tables import FreqTable
-
-    if not bundle.has("freq"):
-        return torch.empty(0, dtype=torch.long, device=device)
-    eos = FreqTable.from_bundle(bundle).eos_ids.long()
+    """The bundle's EOS ids (:func:`~.batch_select.bundle_eos`) a head of ``vocab_size`` rows has."""
+    eos = bundle_eos(bundle).long()
     return eos[eos < vocab_size].to(device)
 
 
@@ -189,21 +187,8 @@ class HybridSelector(ContextSelector):
             raise DynvocabError("hybrid reads the request's window; the host keeps none")
         rows = ctx.windows
         if self.successors and ctx.fed is not None:
-            rows = torch.cat([rows, successors(self.graph, ctx.fed, self.successors, rows[:, :1])], dim=1)
+            rows = torch.cat([rows, self.graph.top_successors(ctx.fed[:, None], self.successors, rows[:, :1])], dim=1)
         return ContextSets(self.core, rows)
-
-
-def successors(graph, fed: torch.Tensor, k: int, fill: torch.Tensor) -> torch.Tensor:
-    """The first ``k`` graph successors [B, k] of each of ``fed`` [B], looked up on the device; ``fill`` [B, 1] (an
-    id of the row) past a token's list and for tokens outside the graph."""
-    last = graph.indptr.numel() - 2
-    if graph.indices.numel() == 0 or last < 0:
-        return fill.expand(-1, k)
-    t = fed.long().clamp(0, last)[:, None]  # [B, 1]
-    slots = graph.indptr[t] + torch.arange(k, device=fed.device)  # [B, k]
-    ids = graph.indices[slots.clamp(max=graph.indices.numel() - 1)].long()
-    valid = (slots < graph.indptr[t + 1]) & (fed[:, None] >= 0) & (fed[:, None] <= last)
-    return torch.where(valid, ids, fill)
 
 
 def position_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
@@ -260,5 +245,3 @@ def router_budget(bundle: Bundle, vocab_size: int) -> int:
     """``dynaspec``'s default clusters at positions 0 and 1: DynaSpec's k_max."""
     return DEFAULT_K_MAX
 
-
-FR_PA_BUDGET = fixed_budget(FR_SIZE)
