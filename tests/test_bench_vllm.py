@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from cli_helpers import assert_one_line_error, run
-from vllm_models import vllm_bundle, vllm_pair  # noqa: F401
+from vllm_models import ENGINE_ENV, vllm_bundle, vllm_pair  # noqa: F401
 
 from dynvocab.bench.vllm_rows import engine_env, last_error_line, plugin_strategies, summarize_row
 from dynvocab.errors import DynvocabError
@@ -123,8 +123,7 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     tokens, at 1 and 2 requests in flight: every row, the same tokens as plain vLLM, the JSON whole."""
     pytest.importorskip("vllm")
     pair, bundle = request.getfixturevalue("vllm_pair"), request.getfixturevalue("vllm_bundle")
-    for key, value in {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():
+    for key, value in ENGINE_ENV.items():
         monkeypatch.setenv(key, value)
     tmp = tmp_path_factory.mktemp("bench_vllm")
     prompts = tmp / "prompts.jsonl"

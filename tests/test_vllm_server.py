@@ -72,8 +72,10 @@ def test_vllm_serve_with_the_plugin_answers_concurrent_requests_as_plain_vllm(vl
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_pair[0]), "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
            "--speculative-config", json.dumps(spec)]
+    env = {**os.environ, **ENGINE_ENV}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server as users start it: its engine core and worker apart
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(base, proc, log)
         body = lambda ids: {"model": str(vllm_pair[0]), "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,

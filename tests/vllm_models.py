@@ -15,13 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import context_stages, make_tokenizer
+from tiny_models import make_tokenizer
 
-from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, write_bundle
+from dynvocab.artifacts import ModelFingerprint, Stage, write_bundle
+from dynvocab.artifacts.random_stages import random_context_stages, random_frequencies
 from dynvocab.artifacts.selectors import random_selectors
 
 HIDDEN = 256  # 4 heads of 64: a head size vLLM-CPU's attention supports
-ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core (and, at one rank, the worker) runs in the driver's process, so an
+# engine starts in ~13 s instead of ~32 (two fewer processes importing vLLM and torch). The processes users run, a
+# worker per rank and an engine core apart, start in the two-rank tests and the OpenAI server's test.
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 LOWRANK_K, BLOCK, BLOCKS = 48, 16, 3  # small sets, so a wrong head would show in the acceptance
 CLUSTERS = 24  # dynaspec's clusters of the tiny vocabulary
 
@@ -57,14 +62,11 @@ def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny") -> Path:
     (EOS first), random lowrank and centroids selectors, and random clusters, router and graph (the context
     strategies'), the same model as target and draft."""
     g = torch.Generator().manual_seed(0)
-    counts = torch.randint(0, 1000, (rows,), generator=g)
-    eos = torch.tensor([tokenizer.eos_token_id])
-    rest = torch.argsort(counts, descending=True, stable=True)
-    freq = FreqTable(counts=counts, ranking=torch.cat([eos, rest[rest != eos[0]]]), eos_ids=eos)
+    freq = random_frequencies(g, rows, tokenizer.eos_token_id)
     low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=LOWRANK_K, block=BLOCK, blocks=BLOCKS)
     fp = ModelFingerprint.of(tokenizer, (rows, HIDDEN), source)
-    stages = [Stage("freq", freq.to_tensors(), {}, {}), Stage(low.kind, low.tensors, low.config, {}),
-              Stage(cen.kind, cen.tensors, cen.config, {}), *context_stages(g, rows, HIDDEN, clusters=CLUSTERS)]
+    stages = [freq, Stage(low.kind, low.tensors, low.config, {}), Stage(cen.kind, cen.tensors, cen.config, {}),
+              *random_context_stages(g, rows, HIDDEN, clusters=CLUSTERS)]
     return write_bundle(path, stages, fp, fp)
 
 
