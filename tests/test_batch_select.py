@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import context_stages
-
 from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, load_bundle, write_bundle
+from dynvocab.artifacts.random_stages import random_context_stages
 from dynvocab.artifacts.selectors import SelectorTable, random_selectors
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector, refusal
@@ -33,7 +32,7 @@ def bundle(tmp_path_factory):
     low, cen = random_selectors(V, D, g, rank=8, candidates=64, block=50, blocks=3)
     fp = ModelFingerprint(V, "0" * 64, V, D)
     stages = [Stage("freq", freq.to_tensors(), {}, {}), *(Stage(t.kind, t.tensors, t.config, {}) for t in (low, cen))]
-    path = write_bundle(tmp_path_factory.mktemp("b") / "b.safetensors", stages + context_stages(g, V, D), fp, fp)
+    path = write_bundle(tmp_path_factory.mktemp("b") / "b.safetensors", stages + random_context_stages(g, V, D), fp, fp)
     with load_bundle(path) as b:
         yield b
 
@@ -109,6 +108,9 @@ def test_selected_head_is_the_full_head_over_each_rows_set_and_shards_score_each
     logits, ids = head.select_and_score(hidden, weight, ctx=ctx)
     full = hidden @ weight.T
     torch.testing.assert_close(logits, full.gather(1, ids))
+    per_row, per_row_ids = SelectedHead(head.selector, union=False).select_and_score(hidden, weight, ctx=ctx)
+    assert torch.equal(per_row_ids, ids)  # row by row (the CUDA path, a graph can capture it) = over the union
+    torch.testing.assert_close(per_row, logits)
     rows = scatter_logits(logits, ids, V)
     assert torch.equal(torch.isfinite(rows).sum(1), torch.tensor([len(set(r.tolist())) for r in ids]))
     # two shards of the rows, as vLLM's ParallelLMHead splits them: each scores only its own ids, the max over

@@ -96,3 +96,19 @@ def test_help_and_bad_arguments():
 def test_cuda_without_a_gpu_is_refused(tmp_path):
     run = gpu_check("--device", "cuda", "--out", str(tmp_path / "r.json"), timeout=60)
     assert run.returncode == 2 and "no CUDA device" in run.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_the_batched_heads_section_times_every_strategy_both_ways(report):
+    """Every strategy that runs inside vLLM, at each batch size and draft position: scored over the batch's
+    distinct ids and row by row (the two give the same logits), with no device read in a step."""
+    from dynvocab.runtime.batched import batch_strategies
+
+    section = report["sections"]["batch_heads"]["result"]
+    cases = {(r["strategy"], r["batch"], r["step"]) for r in section["results"]}
+    assert {s for s, _, _ in cases} == set(batch_strategies()) and len(cases) == len(section["results"])
+    assert {(b, t) for _, b, t in cases} == {(1, 0), (1, 3), (4, 0), (4, 3)}
+    for r in section["results"]:
+        for way in ("union", "per_row"):
+            assert r[way]["host_reads_per_step"] == {} and r[way]["ms"] > 0, (r["strategy"], way)
+            assert not r[way]["graph"]["captured"]  # CPU: the CUDA run captures them
+        assert r["per_row"]["max_abs_diff"] < 1e-4, r

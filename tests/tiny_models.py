@@ -85,26 +85,3 @@ def corpus_jsonl(tmp_path_factory) -> Path:
         for i, text in enumerate(sentences(300, seed=1)):
             f.write(json.dumps({"text": text, "meta": {"redpajama_set_name": "RedPajamaGithub" if i % 5 == 0 else "RedPajamaC4"}}) + "\n")
     return path
-
-
-def context_stages(g: torch.Generator, vocab: int, dim: int, clusters: int = 12) -> list[Stage]:
-    """Random ``clusters``, ``router`` (for those clusters) and ``graph`` stages: what the context strategies
-    read besides ``freq``."""
-    from dynvocab.artifacts import ClusterTable, GraphTable, Stage
-    from dynvocab.artifacts.bundle import tensor_sha256
-    from dynvocab.artifacts.router import RouterMLP, RouterTable
-
-    assign = torch.randint(0, clusters, (vocab,), generator=g)
-    table = ClusterTable(assign, torch.randn(clusters, dim, generator=g))
-    mlp = RouterMLP(dim, dim, 16, clusters)
-    with torch.no_grad():
-        for param in mlp.parameters():
-            param.copy_(torch.randn(param.shape, generator=g))
-    stages = [Stage("clusters", table.to_tensors(), {}, {})]
-    router = RouterTable.from_module(mlp, {"top_l": 1, "clusters_sha256": tensor_sha256(table.to_tensors()["assign"])})
-    stages.append(Stage("router", router.to_tensors(), router.config, {}))
-    fanout = torch.randint(0, 5, (vocab,), generator=g)
-    indptr = torch.cat([torch.zeros(1, dtype=torch.long), fanout.cumsum(0)])
-    graph = GraphTable(indptr, torch.randint(0, vocab, (int(indptr[-1]),), generator=g).int(),
-                       torch.rand(int(indptr[-1]), generator=g))
-    return stages + [Stage("graph", graph.to_tensors(), {}, {})]

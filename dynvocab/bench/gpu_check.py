@@ -8,7 +8,9 @@ the test files that exercise CUDA (the Triton kernels compiled, not interpreted)
   vocabulary and over packed K-row buffers;
 - ``draft_step``: :func:`~dynvocab.bench.draft_step.draft_step_bench` (body and head apart, the fused kernel);
 - ``eagle_step``: :func:`~dynvocab.bench.eagle_step.eagle_step_bench` at every shape of ``EAGLE_SHAPES``;
-- ``kernels``: :func:`~dynvocab.bench.microbench.run_kernel_bench` at the demo draft's and Llama-3-8B's head.
+- ``kernels``: :func:`~dynvocab.bench.microbench.run_kernel_bench` at the demo draft's and Llama-3-8B's head;
+- ``batch_heads``: :func:`~dynvocab.bench.batch_head_step.batch_head_bench`, every strategy that runs inside vLLM,
+  selector and head over 1, 4 and 8 rows as the plugin calls them, eagerly and as a CUDA graph.
 
 Every section runs in a child process under its own time limit, inside an overall budget (10 minutes by default),
 so a hang or a broken CUDA context costs one section, not the run. With ``--device cpu`` the same sections run at
@@ -36,8 +38,9 @@ import torch
 from dynvocab.bench.draft_step import QWEN2_0_5B
 from dynvocab.files import write_atomic
 
-SECTIONS = ("tests", "graph_step", "draft_step", "eagle_step", "kernels")
-LIMIT_S = {"tests": 200, "graph_step": 150, "draft_step": 120, "eagle_step": 200, "kernels": 150}
+SECTIONS = ("tests", "graph_step", "draft_step", "eagle_step", "kernels", "batch_heads")
+LIMIT_S = {"tests": 200, "graph_step": 150, "draft_step": 120, "eagle_step": 200, "kernels": 150,
+           "batch_heads": 150}
 BUDGET_S = 570  # the whole run, under the 10 minutes a first GPU session has
 TINY_DRAFT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
               "vocab_size": 4096, "max_position_embeddings": 512}
@@ -48,6 +51,7 @@ CUDA_ONLY = {
     "graph_step": "torch.cuda.CUDAGraph capture and replay of each draft step, replay vs eager ms and max |diff|",
     "draft_step": "the '<K>_gathered' heads through the fused Triton gathered_logits kernel (on CPU: the reference)",
     "kernels": "the 'fused' method (Triton gathered_logits) and the theoretical DRAM bandwidth",
+    "batch_heads": "each strategy's selector + head captured as a torch.cuda.CUDAGraph (or why not), replay ms",
 }
 NOT_CAPTURED = {
     "eagle_step": "not captured: the EAGLE head keeps a DynamicCache (torch.cat per step, cropped on the host), so "
@@ -69,6 +73,8 @@ def settings(quick: bool, device: str) -> dict:
             "draft_step": {"dtype": dtype, "config": "qwen2-0.5b", "layers": None, "active": (32768, 3072),
                            "repeats": 20},
             "graph_step": {"dtype": dtype, "dims": QWEN2_0_5B, "context": 128, "heads": (32768, 3072), "repeats": 50},
+            "batch_heads": {"dtype": dtype, "vocab": 151936, "hidden": 896, "batches": (1, 4, 8), "steps": (0, 3),
+                            "context": 1024, "repeats": 20, "bundle_sizes": {}},
         }
     return {
         "kernels": {"dtype": dtype, "shapes": {"tiny-head": (4096, 64)}, "sizes": (256, 1024), "ms": (1, 4),
@@ -77,6 +83,10 @@ def settings(quick: bool, device: str) -> dict:
         "draft_step": {"dtype": dtype, "config": TINY_DRAFT, "layers": 1, "active": (1024, 128), "repeats": 2},
         "graph_step": {"dtype": dtype, "dims": {**TINY_DRAFT, "num_hidden_layers": 2}, "context": 16,
                        "heads": (1024,), "repeats": 3},
+        "batch_heads": {"dtype": dtype, "vocab": 4096, "hidden": 64, "batches": (1, 4), "steps": (0, 3),
+                        "context": 256, "repeats": 2,
+                        "bundle_sizes": {"clusters": 32, "width": 32, "rank": 16, "candidates": 256, "block": 32,
+                                         "blocks": 8}},
     }
 
 
@@ -210,6 +220,12 @@ def run_section(name: str, device: str, quick: bool) -> dict:
         return {shape: run_kernel_bench(device, cfg["dtype"], vocab=vocab, dim=dim, sizes=cfg["sizes"], ms=cfg["ms"],
                                         repeats=cfg["repeats"], warmup=1 if quick else 3, flush_cache=not quick)
                 for shape, (vocab, dim) in cfg["shapes"].items()}
+    if name == "batch_heads":
+        from dynvocab.bench.batch_head_step import batch_head_bench
+
+        return batch_head_bench(cfg["vocab"], cfg["hidden"], batches=cfg["batches"], steps=cfg["steps"],
+                                context=cfg["context"], device=device, dtype=cfg["dtype"], repeats=cfg["repeats"],
+                                warmup=1 if quick else 3, bundle_sizes=cfg["bundle_sizes"])
     raise ValueError(f"unknown section {name!r}; known: {SECTIONS}")
 
 

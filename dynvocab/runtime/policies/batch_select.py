@@ -233,19 +233,23 @@ def lowrank_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, d
 class SelectedHead:
     """A draft head over the rows a :class:`BatchSelector` picks: ``select_and_score(hidden, weight)`` gives each
     row's logits over its own set and the set's ids. A static set's rows are packed once (on the first call, after
-    the host has loaded the weight); a changing set's rows are gathered once a step, then one batched product.
+    the host has loaded the weight); a changing set's rows are gathered once a step, then one batched product: on a
+    CPU over the batch's distinct ids (:func:`_over_union`), elsewhere row by row (:func:`_per_row`), which a CUDA
+    graph can capture.
 
     A vocab-parallel head (vLLM's ``ParallelLMHead`` at tensor_parallel_size > 1) holds rows ``start … end - 1`` of
     the vocabulary on each rank: every rank computes the same set from the same hidden state and scores only the ids
     of its own rows; the others are ``-inf`` in its logits, so a reduction over ranks (a max, vLLM's local-argmax
     exchange, or a gather of shards) sees each id scored once."""
 
-    def __init__(self, selector: BatchSelector, pack=None):
+    def __init__(self, selector: BatchSelector, pack=None, union: bool | None = None):
         """``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a static set's rows are multiplied once packed (a host's
-        own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``)."""
+        own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``). ``union``: score a batch's changing sets
+        over their distinct ids (True) or row by row (False); None: over the union on a CPU only."""
         self.selector = selector
         self.pack = pack or (lambda rows: lambda x: F.linear(x, rows))
-        self.scored = [0, 0]  # a context selector's distinct ids multiplied, and head calls (shapes only, no read)
+        self.union = union
+        self.scored = [0, 0]  # a context selector's rows multiplied, and head calls (shapes only, no read)
         self._static: tuple | None = None  # (weight packed from, x -> logits over its rows, their slots or None;
         # for a context selector: (weight, None, {(ids' data_ptr, count): x -> logits over those rows}))
 
@@ -258,7 +262,7 @@ class SelectedHead:
         x = hidden.to(weight.dtype)
         if getattr(self.selector, "reads_context", False):
             return self._context(x, hidden, weight, ctx, start, end)
-        if end is None and hidden.shape[0] > 1 and hasattr(self.selector, "select_union"):
+        if end is None and hidden.shape[0] > 1 and hasattr(self.selector, "select_union") and self._union(x):
             ids, union, where = self.selector.select_union(hidden)  # the batch's distinct blocks, found as blocks
             return _over_union(x, weight, union, where), ids
         ids = self.selector(hidden)  # [B, k]
@@ -270,14 +274,23 @@ class SelectedHead:
             return self._static[1](x), ids
         if ids.shape[0] == 1:
             return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
+        return self._changing(x, weight, ids)[0], ids
+
+    def _union(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" if self.union is None else self.union
+
+    def _changing(self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Logits [B, k] of rows over their own changing ``ids`` [B, k], and the rows multiplied."""
+        if not self._union(x):
+            return _per_row(x, weight, ids), ids.numel()
         union, where = torch.unique(ids, return_inverse=True)
-        return _over_union(x, weight, union, where), ids
+        return _over_union(x, weight, union, where), union.numel()
 
     def _context(self, x: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, ctx, start: int,
                  end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A context selector's sets: the part every row shares through its rows packed once (per weight and ids
-        tensor: fr-pa's prefixes, hybrid's core), each row's own part as the batch's distinct ids gathered once
-        and one GEMM (padding and ids shared between rows cost nothing)."""
+        tensor: fr-pa's prefixes, hybrid's core), each row's own part gathered once a step (:meth:`_changing`; on a
+        CPU over the batch's distinct ids, so padding and ids shared between rows cost nothing)."""
         sets = self.selector.select(hidden, ctx)
         ids = sets.ids(hidden.shape[0])
         if end is not None:
@@ -293,9 +306,9 @@ class SelectedHead:
             logits.append(packs[key](x))
         scored = 0 if sets.shared is None else sets.shared.numel()
         if sets.rows is not None:
-            union, where = torch.unique(sets.rows, return_inverse=True)
-            logits.append(_over_union(x, weight, union, where))
-            scored += union.numel()
+            rows, count = self._changing(x, weight, sets.rows)
+            logits.append(rows)
+            scored += count
         self.scored[0] += scored
         self.scored[1] += 1
         return torch.cat(logits, dim=1), ids
@@ -328,6 +341,13 @@ def _over_union(x: torch.Tensor, weight: torch.Tensor, union: torch.Tensor, wher
     (gathering each row's set apart for a batched ``bmm`` took ~15 ms a row for 16,386 bfloat16 rows of 640 at four
     rows, against 4.8 ms for one row alone)."""
     return F.linear(x, weight.index_select(0, union)).gather(1, where)
+
+
+def _per_row(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, k] of rows ``x`` [B, d] over their own sets ``ids`` [B, k]: each row's rows gathered [B, k, d] and
+    one batched product. Fixed shapes and no host read (``torch.unique``'s output size needs one), so a CUDA graph
+    captures it; on an H200 it beat the union at every strategy and batch of 1–8 rows (docs/gpu.md)."""
+    return torch.bmm(weight[ids], x[:, :, None])[..., 0]
 
 
 def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -141,7 +141,7 @@ class RouterSelector(ContextSelector):
         picked = self.route(hidden, ctx.embed(ctx.fed), ctx.step)  # [B, k_c]
         lens = self.sizes[picked]  # [B, k_c]
         ends = lens.cumsum(1)  # [B, k_c] where each picked cluster's ids end in the row
-        slots = torch.arange(self.width(picked.shape[1]), device=picked.device).expand(picked.shape[0], -1)
+        slots = torch.arange(self.width(picked.shape[1]), device=picked.device).repeat(picked.shape[0], 1)  # [B, w]
         which = torch.searchsorted(ends, slots, right=True).clamp(max=picked.shape[1] - 1)  # [B, w] its cluster
         offset = slots - (ends - lens).gather(1, which)  # [B, w] the slot within that cluster
         ids = self.order[(self.starts[picked.gather(1, which)] + offset).clamp(0, self.order.numel() - 1)]
