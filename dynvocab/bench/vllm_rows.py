@@ -236,10 +236,11 @@ def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
     return json.loads(out.read_text())["rows"]
 
 
-def active_ids(rows: list[dict]) -> dict[str, int]:
-    """Each speculative row's set size per draft step, as its worker reported it (``vllm_run.HeadSwitch.read``:
-    the selector's k; the head's rows for ``vllm-spec``)."""
-    return {r["name"]: r["rounds"][0]["head"]["ids"] for r in rows if (r["rounds"][0].get("head") or {}).get("ids")}
+def row_ids(row: dict) -> int | None:
+    """A speculative row's ids per draft step at its level of concurrency, as its worker reported it
+    (``vllm_run.HeadSwitch.read``: the selector's k; for a context selector the distinct ids it multiplied per head
+    call, which grow with the rows in flight; the head's rows for ``vllm-spec``); None for a row without a head."""
+    return (row["rounds"][0].get("head") or {}).get("ids") or None
 
 
 def _level(row: dict, cfg: VllmBench) -> str:
@@ -247,10 +248,10 @@ def _level(row: dict, cfg: VllmBench) -> str:
     return f" at {row.get('concurrency', 1)} in flight" if len(cfg.concurrency) > 1 else ""
 
 
-def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[list[dict], dict]:
+def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> list[dict]:
     """Every row on every prompt (token ids): one engine for ``vllm``, one for the speculative rows; returns the
-    driver's rows (name, token_ids, rounds) and each speculative row's active ids. ``log``: one line per engine
-    start and per finished row."""
+    driver's rows (name, concurrency, token_ids, rounds). ``log``: one line per engine start and per finished
+    row."""
     from dynvocab.serving.vllm.folder import write_draft_folder
 
     workdir = Path(tempfile.mkdtemp(prefix="dynvocab-vllm-"))
@@ -265,11 +266,11 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
                 + (f" × {len(cfg.concurrency)} levels of concurrency)" if len(cfg.concurrency) > 1 else ")"))
             done = run_driver(cfg, request(cfg, prompts, folder, names), workdir)
             for row in done:
-                s = summarize_row(row, active_ids([row]).get(row["name"]))
+                s = summarize_row(row, row_ids(row))
                 log(f"vllm: {row['name']}{_level(row, cfg)} {s['tokens_per_s']:.2f} tok/s"
                     + (f", MAL {s['mal']:.2f}" if s["mal"] else ""))
             rows += done
-        return rows, active_ids(rows)
+        return rows
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -331,10 +332,10 @@ def summarize_row(row: dict, ids: int | None) -> dict:
     }
 
 
-def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[dict], ids: dict, tokenizer) -> dict:
+def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[dict], tokenizer) -> dict:
     """The run as data: ``rows`` (figures per row, ``= vllm`` and speed-ups), ``generations`` (id, task, strategy,
     token_ids, text) and ``config``."""
-    summary = [summarize_row(r, ids.get(r["name"])) for r in rows]
+    summary = [summarize_row(r, row_ids(r)) for r in rows]
     plain = {r.get("concurrency", 1): r["token_ids"] for r in rows if r["name"] == PLAIN}
     base = {(s["name"], s["concurrency"]): s["tokens_per_s"] for s in summary}
     for s, row in zip(summary, rows):  # each level against plain vLLM at the same level

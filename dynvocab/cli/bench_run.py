@@ -241,8 +241,8 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
     if any(item.turns > 1 for item in items):
         console.print("[yellow]note:[/] the vLLM rows run each conversation's first turn only", highlight=False)
     with make_reporter(console) as reporter:
-        rows, ids = v.run_vllm_rows(cfg, prompts, log=reporter.log)
-    results = v.results(cfg, items, prompts, rows, ids, tokenizer)
+        rows = v.run_vllm_rows(cfg, prompts, log=reporter.log)
+    results = v.results(cfg, items, prompts, rows, tokenizer)
     Console(width=None if stdout_is_terminal() else 200).print(v.render_table(results))
     print_warnings(results, console)
     console.print(f"[dim]{v.NOTE}[/]", highlight=False, soft_wrap=True)
