@@ -31,14 +31,15 @@ from dynvocab.runtime.policies.batch_select import SelectedHead
 from dynvocab.runtime.policies.context_select import StepContext
 from dynvocab.runtime.policies.request_window import RequestWindows
 
+
 @torch.inference_mode()
 def batch_head_bench(vocab: int = 151936, hidden: int = 896, strategies: tuple[str, ...] | None = None,
                      batches: tuple[int, ...] = (1, 4, 8), steps: tuple[int, ...] = (0, 3), context: int = 1024,
                      device: str = "cpu", dtype: str = "float32", repeats: int = 20, warmup: int = 3, seed: int = 0,
                      bundle_sizes: dict | None = None) -> dict:
     """Each of ``strategies`` (None: every one that runs inside vLLM) at each of ``batches`` rows and draft
-    positions ``steps`` (see the module's docstring). Returns ``vocab``, ``hidden``, ``device``, ``dtype``, ``context``, ``full_ms`` (the whole head per
-    batch size) and ``results``: one dict per (strategy, batch, step)."""
+    positions ``steps`` (see the module's docstring). Returns ``vocab``, ``hidden``, ``device``, ``dtype``,
+    ``context``, ``full_ms`` (the whole head per batch size) and ``results``: one dict per (strategy, batch, step)."""
     dev, dt = torch.device(device), resolve_dtype(dtype)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -53,8 +54,8 @@ def batch_head_bench(vocab: int = 151936, hidden: int = 896, strategies: tuple[s
     states = torch.randn(top, hidden, generator=gen).to(dev, dt)  # [B, d]
     fed = torch.randint(vocab, (top,), generator=gen).to(dev)  # [B]
     records = _records(top, vocab, context, gen)
-    windows = {size: _windows(records, size, vocab, dev) for size in {getattr(s, "window", 0) for s in selectors.values()}
-               if size}
+    sizes = {getattr(s, "window", 0) for s in selectors.values()} - {0}  # the request windows the selectors read
+    windows = {size: _windows(records, size, vocab, dev) for size in sizes}
     embed = lambda ids: weight.index_select(0, ids)  # noqa: E731  (the demo draft ties its embedding to its head)
     full_ms = {str(b): time_ms(lambda b=b: F.linear(states[:b], weight), dev, repeats, warmup) for b in batches}
     results = []
