@@ -128,6 +128,18 @@ def test_selected_head_is_the_full_head_over_each_rows_set_and_shards_score_each
         torch.testing.assert_close(torch.maximum(lo, hi), full[i : i + 1].gather(1, ids_one))
 
 
+def test_changing_sets_go_row_by_row_off_a_cpu_until_they_hold_twice_the_heads_rows():
+    """The rule measured on an H200 (docs/gpu.md): a CPU scores a batch's changing sets over their union; another
+    device row by row (a CUDA graph captures it) up to PER_ROW_LIMIT times the head's rows, over the union past it."""
+    from dynvocab.runtime.policies.batch_select import PER_ROW_LIMIT
+
+    head, meta = SelectedHead(StaticSelector(torch.arange(3))), torch.empty(1, device="meta")
+    assert head._union(torch.empty(1), 10, 100)
+    assert not head._union(meta, PER_ROW_LIMIT * 100, 100) and head._union(meta, PER_ROW_LIMIT * 100 + 1, 100)
+    assert not SelectedHead(head.selector, union=False)._union(torch.empty(1), 10**9, 100)
+    assert SelectedHead(head.selector, union=True)._union(meta, 1, 100)
+
+
 def test_what_cannot_run_batched_is_refused_in_one_line(bundle):
     for strategy in ("evospec", "full", "nope"):
         why = refusal(strategy)

@@ -230,12 +230,19 @@ def lowrank_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, d
     return LowRankSelector(t["proj"], t["rows"][:n], bias, k)
 
 
+# Off a CPU, a batch's changing sets are scored row by row while they hold at most this many times the head's rows
+# (the gather then moves at most twice the whole head's bytes), over their union past it: the rule that picked the
+# faster of the two in every case measured on an H200 (1–64 rows, 2,048–46,886 ids a row; docs/gpu.md).
+PER_ROW_LIMIT = 2
+
+
 class SelectedHead:
     """A draft head over the rows a :class:`BatchSelector` picks: ``select_and_score(hidden, weight)`` gives each
     row's logits over its own set and the set's ids. A static set's rows are packed once (on the first call, after
     the host has loaded the weight); a changing set's rows are gathered once a step, then one batched product: on a
-    CPU over the batch's distinct ids (:func:`_over_union`), elsewhere row by row (:func:`_per_row`), which a CUDA
-    graph can capture.
+    CPU over the batch's distinct ids (:func:`_over_union`); elsewhere row by row (:func:`_per_row`, which a CUDA
+    graph can capture) while the batch's sets hold at most :data:`PER_ROW_LIMIT` times the head's rows, and over the
+    union past that.
 
     A vocab-parallel head (vLLM's ``ParallelLMHead`` at tensor_parallel_size > 1) holds rows ``start … end - 1`` of
     the vocabulary on each rank: every rank computes the same set from the same hidden state and scores only the ids
@@ -245,7 +252,7 @@ class SelectedHead:
     def __init__(self, selector: BatchSelector, pack=None, union: bool | None = None):
         """``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a static set's rows are multiplied once packed (a host's
         own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``). ``union``: score a batch's changing sets
-        over their distinct ids (True) or row by row (False); None: over the union on a CPU only."""
+        over their distinct ids (True) or row by row (False); None: by the rule above."""
         self.selector = selector
         self.pack = pack or (lambda rows: lambda x: F.linear(x, rows))
         self.union = union
@@ -262,7 +269,8 @@ class SelectedHead:
         x = hidden.to(weight.dtype)
         if getattr(self.selector, "reads_context", False):
             return self._context(x, hidden, weight, ctx, start, end)
-        if end is None and hidden.shape[0] > 1 and hasattr(self.selector, "select_union") and self._union(x):
+        if (end is None and hidden.shape[0] > 1 and hasattr(self.selector, "select_union")
+                and self._union(x, hidden.shape[0] * self.selector.k, weight.shape[0])):
             ids, union, where = self.selector.select_union(hidden)  # the batch's distinct blocks, found as blocks
             return _over_union(x, weight, union, where), ids
         ids = self.selector(hidden)  # [B, k]
@@ -276,12 +284,16 @@ class SelectedHead:
             return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
         return self._changing(x, weight, ids)[0], ids
 
-    def _union(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" if self.union is None else self.union
+    def _union(self, x: torch.Tensor, rows: int, vocab: int) -> bool:
+        """Whether ``rows`` ids of a batch's changing sets, over a head of ``vocab`` rows, are scored over their
+        union (the rule in the class's docstring)."""
+        if self.union is not None:
+            return self.union
+        return x.device.type == "cpu" or rows > PER_ROW_LIMIT * vocab
 
     def _changing(self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Logits [B, k] of rows over their own changing ``ids`` [B, k], and the rows multiplied."""
-        if not self._union(x):
+        if not self._union(x, ids.numel(), weight.shape[0]):
             return _per_row(x, weight, ids), ids.numel()
         union, where = torch.unique(ids, return_inverse=True)
         return _over_union(x, weight, union, where), union.numel()
@@ -346,7 +358,8 @@ def _over_union(x: torch.Tensor, weight: torch.Tensor, union: torch.Tensor, wher
 def _per_row(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, k] of rows ``x`` [B, d] over their own sets ``ids`` [B, k]: each row's rows gathered [B, k, d] and
     one batched product. Fixed shapes and no host read (``torch.unique``'s output size needs one), so a CUDA graph
-    captures it; on an H200 it beat the union at every strategy and batch of 1–8 rows (docs/gpu.md)."""
+    captures it; it gathers B·k rows where the union gathers each distinct id once (docs/gpu.md: on an H200 it is
+    the faster of the two, eagerly, while B·k is at most :data:`PER_ROW_LIMIT` times the head's rows)."""
     return torch.bmm(weight[ids], x[:, :, None])[..., 0]
 
 
