@@ -14,7 +14,6 @@ multiplied (context strategies), max |diff| against ``union``, and the graph (ca
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 from dynvocab.artifacts.bundle import load_bundle
 from dynvocab.artifacts.random_stages import random_bundle
-from dynvocab.bench.graph_step import capture
+from dynvocab.bench.graph_step import replayed
 from dynvocab.bench.timing import resolve_dtype, time_ms
 from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector
 from dynvocab.runtime.host import host_reads
@@ -106,19 +105,5 @@ def _one(name: str, selector, hidden: torch.Tensor, weight: torch.Tensor, ctx: S
         out[way] = {"ms": time_ms(step, dev, repeats, warmup), "host_reads_per_step": dict(reads.elsewhere),
                     "rows_multiplied": multiplied,
                     "max_abs_diff": float((logits.float() - reference.float()).abs().max()),
-                    "graph": _graph(lambda step=step: step()[0], logits, dev, repeats, warmup)}
+                    "graph": replayed(lambda step=step: step()[0], logits, dev, repeats, warmup)}
     return out
-
-
-def _graph(fn, expected: torch.Tensor, dev: torch.device, repeats: int, warmup: int) -> dict:
-    """``fn`` captured as a CUDA graph and its replays timed, or why it could not be."""
-    if dev.type != "cuda":
-        return {"captured": False, "reason": "CUDA graphs need a CUDA device"}
-    try:
-        graph, static_out = capture(fn, dev)
-    except Exception as exc:  # a step that reads the device (torch.unique's size, say): say why, go on
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize(dev)
-        return {"captured": False, "reason": f"{type(exc).__name__}: {exc}"[:400]}
-    ms = time_ms(graph.replay, dev, repeats, warmup)
-    return {"captured": True, "ms": ms, "max_abs_diff": float((static_out.float() - expected.float()).abs().max())}

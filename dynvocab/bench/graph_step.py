@@ -99,15 +99,24 @@ def _graph_times(steps: dict, eager_ms: dict, dev: torch.device, repeats: int, w
         return {name: {"captured": False, "reason": reason} for name in steps}
     out = {}
     for name, fn in steps.items():
-        expected = fn().float()
-        try:
-            graph, static_out = capture(fn, dev)
-        except Exception as exc:  # a step that syncs or allocates dynamically: say why, time the next one
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize(dev)
-            out[name] = {"captured": False, "reason": f"{type(exc).__name__}: {exc}"[:800]}
-            continue
-        ms = time_ms(graph.replay, dev, repeats, warmup)
-        out[name] = {"captured": True, "ms": ms, "speedup": eager_ms[name] / ms,
-                     "max_abs_diff": float((static_out.float() - expected).abs().max())}
+        out[name] = replayed(fn, fn(), dev, repeats, warmup)
+        if out[name]["captured"]:
+            out[name]["speedup"] = eager_ms[name] / out[name]["ms"]
     return out
+
+
+def replayed(fn: Callable[[], torch.Tensor], expected: torch.Tensor, dev: torch.device, repeats: int,
+             warmup: int) -> dict:
+    """``fn`` captured as a CUDA graph (:func:`capture`) and its replays timed: ``{"captured": True, "ms",
+    "max_abs_diff"}`` against ``expected``, or ``{"captured": False, "reason"}`` where it cannot be (a step that
+    reads the device or allocates by a size only the host knows) or ``dev`` is not CUDA."""
+    if dev.type != "cuda":
+        return {"captured": False, "reason": "CUDA graphs need a CUDA device"}
+    try:
+        graph, static_out = capture(fn, dev)
+    except Exception as exc:  # say why, and let the caller time the next step
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(dev)
+        return {"captured": False, "reason": f"{type(exc).__name__}: {exc}"[:800]}
+    ms = time_ms(graph.replay, dev, repeats, warmup)
+    return {"captured": True, "ms": ms, "max_abs_diff": float((static_out.float() - expected.float()).abs().max())}
