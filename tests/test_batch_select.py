@@ -202,3 +202,36 @@ def test_context_selectors_follow_their_context(bundle):
         for t in (0, 2):
             one = router.select(hidden[r : r + 1], StepContext(t, ctx.fed[r : r + 1], None, ctx.embed)).ids(1)[0]
             assert set(one.tolist()) == set(loop.active_ids(t, hidden[r : r + 1], ctx.fed[r : r + 1]).ids().tolist())
+
+
+def test_hybrids_per_step_search_adds_each_rows_nearest_head_rows(bundle, tmp_path):
+    """With a ``draft_hnsw`` stage over the head, hybrid's set also holds each row's 16 hits of the search dynvocab's
+    own loop runs at every draft step (``mips_search`` over the stage laid on the head, at the engine's ef); a head
+    of another shape (a rank's shard) or none gets no search."""
+    from dynvocab.artifacts import StoredIndex, mips_search
+    from dynvocab.builders.hnsw import HnswConfig, head_stage
+    from dynvocab.runtime.policies.context_select import ENGINE_EF, HeadSearch, HybridSelector
+
+    g = torch.Generator().manual_seed(8)
+    weight = torch.randn(V, D, generator=g) * (torch.rand(V, 1, generator=g) * 4 + 0.5)  # varied row norms
+    stages = [Stage(s, {n: bundle.tensor(f"{s}.{n}") for n in bundle.tensor_names(s)}, {}, {}) for s in ("freq", "graph")]
+    stages.append(head_stage("draft_hnsw", weight, "draft", HnswConfig(m=8, ef_construction=64, num_threads=1)))
+    fp = ModelFingerprint(V, "0" * 64, V, D)
+    with load_bundle(write_bundle(tmp_path / "h.safetensors", stages, fp, fp)) as indexed:
+        selector = build_selector(indexed, SelectorSpec("hybrid", 1), V, D)
+        loop_index = StoredIndex.read(indexed, "draft_hnsw").over(weight)
+    loop_index.set_ef(ENGINE_EF)
+    assert isinstance(selector.search, HeadSearch) and "head" in selector.reads
+    hidden = torch.randn(16, D, generator=g)
+    ctx = step_context(16, window=4)
+    sets = selector.select(hidden, StepContext(ctx.step, ctx.fed, ctx.windows, ctx.embed, weight))
+    assert sets.rows.shape == (16, 4 + 8 + 16)  # window, successors, search
+    assert torch.equal(sets.rows[:, -16:], mips_search(loop_index, hidden, 16))
+    exact = (hidden @ weight.T).topk(16).indices
+    assert sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(sets.rows[:, -16:], exact)) > 0
+    for head in (None, weight[: V // 2]):
+        rows = selector.select(hidden, StepContext(ctx.step, ctx.fed, ctx.windows, ctx.embed, head)).rows
+        assert rows.shape == (16, 4 + 8)
+    plain = HybridSelector(selector.core, selector.window, selector.graph, 8)
+    assert plain.reads == {"fed", "window"} and selector.k == plain.k + 16
+    assert torch.equal(plain.select(hidden, ctx).rows, sets.rows[:, :-16])

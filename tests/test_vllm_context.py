@@ -45,6 +45,7 @@ def runs(vllm_pair, vllm_bundle, folder, tmp_path_factory):  # noqa: F811
              for s in CONTEXT_STRATEGIES]
     rows += [{"name": "top:hybrid-all", "speculative_config": local, "strategy": "hybrid",
               "budget": vocab(vllm_pair)}]
+    rows += [{"name": "top:hybrid-search", "speculative_config": local, "strategy": "hybrid", "budget": 1}]
     rows += [{"name": f"logits:{s}", "speculative_config": spec(folder), "strategy": s, "budget": BUDGETS.get(s)}
              for s in CONTEXT_STRATEGIES]
     req = request(vllm_pair, vllm_bundle, rows, concurrency=LEVELS, log_context=True)
@@ -99,6 +100,16 @@ def test_the_plugin_reads_the_draft_position_fed_tokens_and_requests_as_vllm_ran
                 starts[owners[0]] += 1
         previous = top
     assert all(n >= 24 // (GAMMA + 1) for n in starts), starts  # every request's proposals were seen
+
+
+def test_hybrids_per_step_search_finds_the_drafts_argmax_outside_its_core_and_window(runs):
+    """With a core of the EOS id alone, hybrid's set is the window, the graph successors and the draft head's rows
+    nearest each hidden state (the bundle's draft_hnsw, a complete graph here, so the search is exact): draft =
+    target, so every draft is accepted exactly when the plugin hands the search the head's input and rows, where
+    microspec's window alone misses some (test below)."""
+    for users in LEVELS:
+        r = runs[("top:hybrid-search", users)]["rounds"][0]
+        assert r["accepted_tokens"] == r["draft_tokens"] > 0, users
 
 
 def test_the_plugin_holds_windows_only_for_requests_in_the_batch(runs):

@@ -57,27 +57,35 @@ def vllm_pair(tmp_path_factory) -> tuple[Path, Path]:
     return save_qwen2(root / "target", tokenizer, rows, 2), save_qwen2(root / "draft", tokenizer, rows, 2)
 
 
-def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny") -> Path:
+def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny", head: torch.Tensor | None = None) -> Path:
     """A bundle at ``path`` for a tiny model with ``rows`` head rows of width :data:`HIDDEN`: a frequency ranking
-    (EOS first), random lowrank and centroids selectors, and random clusters, router and graph (the context
-    strategies'), the same model as target and draft."""
+    (EOS first), random lowrank and centroids selectors, random clusters, router and graph (the context
+    strategies'), and where ``head`` [rows, HIDDEN] is given, the draft's rows indexed (``draft_hnsw``, the hybrid's
+    per-step search, exact on a graph this small); the same model as target and draft."""
     g = torch.Generator().manual_seed(0)
     freq = random_frequencies(g, rows, tokenizer.eos_token_id)
     low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=LOWRANK_K, block=BLOCK, blocks=BLOCKS)
     fp = ModelFingerprint.of(tokenizer, (rows, HIDDEN), source)
     stages = [freq, Stage(low.kind, low.tensors, low.config, {}), Stage(cen.kind, cen.tensors, cen.config, {}),
               *random_context_stages(g, rows, HIDDEN, clusters=CLUSTERS)]
+    if head is not None:  # a complete graph (M ≥ rows: hnswlib prunes no links), so its search is exact
+        from dynvocab.builders.hnsw import HnswConfig, head_stage
+
+        cfg = HnswConfig(m=rows, ef_construction=2 * rows, num_threads=1)
+        stages.append(head_stage("draft_hnsw", head.float(), "draft", cfg))
     return write_bundle(path, stages, fp, fp)
 
 
 @pytest.fixture(scope="session")
 def vllm_bundle(vllm_pair, tmp_path_factory) -> Path:
-    """A bundle for the pair (:func:`tiny_bundle`)."""
+    """A bundle for the pair (:func:`tiny_bundle`), the draft's head indexed."""
+    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(vllm_pair[1])
     rows = int(json.loads((vllm_pair[1] / "config.json").read_text())["vocab_size"])
-    return tiny_bundle(tmp_path_factory.mktemp("vllm_bundle") / "bundle.safetensors", tokenizer, rows)
+    head = load_file(vllm_pair[1] / "model.safetensors")["lm_head.weight"]
+    return tiny_bundle(tmp_path_factory.mktemp("vllm_bundle") / "bundle.safetensors", tokenizer, rows, head=head)
 
 
 def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None = None) -> tuple[dict | None, str]:

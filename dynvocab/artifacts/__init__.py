@@ -11,7 +11,14 @@ from dynvocab.artifacts.export import (
     sglang_token_map,
 )
 from dynvocab.artifacts.fingerprint import ModelFingerprint
-from dynvocab.artifacts.hnsw import HnswParams, augment_queries, augment_rows, load_hnsw, mips_search
+from dynvocab.artifacts.hnsw import (
+    HnswParams,
+    StoredIndex,
+    augment_queries,
+    augment_rows,
+    load_hnsw,
+    mips_search,
+)
 from dynvocab.artifacts.stages import BundleStage, find_stage, read_stage, stage_names
 from dynvocab.artifacts.tables import ClusterTable, FreqTable, GraphTable
 
@@ -27,6 +34,7 @@ __all__ = [
     "HnswParams",
     "ModelFingerprint",
     "Stage",
+    "StoredIndex",
     "augment_queries",
     "augment_rows",
     "eagle3_mapping",

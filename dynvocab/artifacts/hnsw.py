@@ -161,6 +161,33 @@ def check_head(params: HnswParams, head: torch.Tensor) -> None:
         )
 
 
+@dataclass(frozen=True)
+class StoredIndex:
+    """An HNSW stage as a bundle stores it, read whole (the graph, the two maps, its params), so a host that closes
+    the bundle can still rebuild the index over the head it loads later (:meth:`over`)."""
+
+    params: HnswParams
+    graph: dict[str, torch.Tensor]  # GRAPH_TENSORS
+    row_map: torch.Tensor  # [d, r]
+    query_map: torch.Tensor  # [d, r]
+
+    @classmethod
+    def read(cls, bundle: Bundle, stage: str = "hnsw") -> "StoredIndex":
+        """Stage ``stage`` (``hnsw`` or ``draft_hnsw``) of ``bundle``; a stage of the old layout is refused."""
+        bundle.require(stage)
+        params = HnswParams.from_dict(bundle.info(stage)["index"], f"bundle {bundle.path} (stage {stage})")
+        graph = {name: bundle.tensor(f"{stage}.{name}") for name in GRAPH_TENSORS}
+        return cls(params, graph, bundle.tensor(f"{stage}.row_map"), bundle.tensor(f"{stage}.query_map"))
+
+    def over(self, head: torch.Tensor) -> MipsIndex:
+        """The index over ``head`` [V, d] (that model's LM-head rows, all of them; refused in one line where its
+        shape is not the indexed one): the vectors recomputed from it, the stored graph laid over them."""
+        check_head(self.params, head)
+        vectors, _ = augment_rows(project_rows(head, self.row_map))  # [V, r + 1]
+        index = index_from_graph(self.graph, vectors, self.params.layout, self.params.ef_search)
+        return MipsIndex(index, self.params, self.query_map.float(), self.row_map.float(), head.detach())
+
+
 def load_hnsw(bundle: Bundle, head: torch.Tensor, stage: str = "hnsw") -> tuple[MipsIndex, HnswParams]:
     """Load an HNSW stage of the bundle (``hnsw``: over the target's head; ``draft_hnsw``: over the draft's)
     for ``head`` [V, d], that model's LM-head weight (all rows): ``(MipsIndex, HnswParams)``; search it with
@@ -169,17 +196,7 @@ def load_hnsw(bundle: Bundle, head: torch.Tensor, stage: str = "hnsw") -> tuple[
     bundle.require(stage)
     params = HnswParams.from_dict(bundle.info(stage)["index"], f"bundle {bundle.path} (stage {stage})")
     check_head(params, head)
-
-    def load() -> MipsIndex:
-        row_map = bundle.tensor(f"{stage}.row_map")  # [d, r]
-        vectors, _ = augment_rows(project_rows(head, row_map))  # [V, r + 1]
-        graph = {name: bundle.tensor(f"{stage}.{name}") for name in GRAPH_TENSORS}
-        index = index_from_graph(graph, vectors, params.layout, params.ef_search)
-        mips = MipsIndex(index, params, bundle.tensor(f"{stage}.query_map").float(), row_map.float(), head.detach())
-        mips.set_ef(params.ef_search)
-        return mips
-
-    return bundle.loaded(f"hnsw:{stage}", load), params
+    return bundle.loaded(f"hnsw:{stage}", lambda: StoredIndex.read(bundle, stage).over(head)), params
 
 
 def rerank(head: torch.Tensor, queries: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:

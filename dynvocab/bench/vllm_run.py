@@ -132,6 +132,8 @@ class HeadSwitch:
             with load_bundle(bundle) as b:
                 policy = policy_from_bundle(b, SelectorSpec(strategy, budget), self.model.config,
                                             self.model.lm_head.weight.device)
+            if getattr(self.model.lm_head, "tp_size", 1) == 1:
+                policy.prepare(self.model.lm_head.weight)  # as the plugin does once the weights are loaded
             if timed or self.log is not None:
                 self._time_selector(policy)
             self.model.dynvocab = policy

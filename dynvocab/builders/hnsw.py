@@ -180,11 +180,18 @@ def _stage_builder(name: str, role: str):
     return build_stage
 
 
+def head_stage(name: str, head: torch.Tensor, role: str, cfg: HnswConfig | None = None) -> Stage:
+    """Stage ``name`` (``hnsw`` or ``draft_hnsw``) indexing ``head`` [V, d], the LM-head rows of ``role``'s model,
+    without sample queries (no preconditioner, no recall): what synthetic bundles and the tests build. Default: a
+    cheap graph (M 8, ef 32 at construction; ef at search as a built bundle's)."""
+    cfg = cfg or HnswConfig(m=8, ef_construction=32)
+    tensors, params, _ = build(cfg, head)
+    return Stage(name, tensors, cfg.as_dict(), {"index": params.as_dict(), "model": role})
+
+
 def _synthetic(spec: Synthetic, made: dict) -> Stage:
-    """A cheap graph (M 8, ef 32 at construction; ef at search as a built bundle's) over the target's stand-in rows."""
-    cfg = HnswConfig(m=8, ef_construction=32)
-    tensors, params, _ = build(cfg, spec.rows)
-    return Stage(HNSW.name, tensors, cfg.as_dict(), {"index": params.as_dict(), "model": TARGET})
+    """A cheap graph over the target's stand-in rows (:func:`head_stage`)."""
+    return head_stage(HNSW.name, spec.rows, TARGET)
 
 
 STAGE = StageBuilder(HNSW, HnswConfig, _stage_builder(HNSW.name, TARGET), needs=(DOCUMENTS, TARGET),

@@ -260,7 +260,8 @@ register(Strategy(
             min=0,
         ),
     ),
-    batched=Batched(("freq",), hybrid_from_bundle, fixed_budget(HybridConfig().core_size), optional=("graph",)),
+    batched=Batched(("freq",), hybrid_from_bundle, fixed_budget(HybridConfig().core_size),
+                    optional=("graph", "draft_hnsw")),
 ))
 
 load_plugins(ENTRY_POINTS, register, Strategy)  # strategies that installed packages bring

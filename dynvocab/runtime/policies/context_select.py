@@ -11,8 +11,10 @@ number of ids per row); a batched host (the vLLM plugin, :mod:`dynvocab.serving.
   :class:`~dynvocab.runtime.policies.dynaspec.DynaSpecPolicy` routes through the same :meth:`RouterSelector.route`.
 - :class:`WindowSelector` (``microspec``): each row's request window (:class:`RequestWindows`: the distinct ids of
   the request's last W tokens) and the EOS ids.
-- :class:`HybridSelector` (``hybrid``): a static core of the most frequent ids, the request window, and the graph
-  successors of the fed token.
+- :class:`HybridSelector` (``hybrid``): a static core of the most frequent ids, the request window, the graph
+  successors of the fed token, and on a CPU the draft head's rows nearest each hidden state (:class:`HeadSearch`,
+  bundle stage ``draft_hnsw``: the retrieval :class:`~dynvocab.runtime.policies.hybrid.HybridPolicy` runs at every
+  draft step).
 
 Padding repeats an id of the row: its logits equal the id's own, so the argmax and the scattered row are the same
 as with one copy (the head multiplies each distinct id once, :func:`~.batch_select.SelectedHead`).
@@ -31,6 +33,10 @@ from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.batch_select import bundle_eos
 
+# HNSW ef of the hybrid's per-step search in a batched host: on the demo pair in vLLM-CPU (bfloat16, one request) ef 32
+# kept 97.2% of the full head's MAL and ef 128 98.3%, at ~0.45 and ~0.85 ms a row (docs/vllm.md)
+ENGINE_EF = 64
+
 
 @dataclass(frozen=True)
 class StepContext:
@@ -40,6 +46,7 @@ class StepContext:
     fed: torch.Tensor | None = None  # [B] the token each row's draft was fed at this step (None: not known)
     windows: torch.Tensor | None = None  # [B, W] each row's request window (None: the host keeps none)
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # ids [n] -> the draft's input embeddings [n, d_e]
+    head: torch.Tensor | None = None  # [V, d] every row of the draft's head (None: the host holds a shard or none)
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class ContextSets:
 
 class ContextSelector:
     """``select(hidden [B, d], ctx) -> ContextSets``; ``reads`` names what of the context it needs ("fed",
-    "window") so a host captures only that; ``window`` is the request window's size in tokens (0: none)."""
+    "window", "head") so a host captures only that; ``window`` is the request window's size in tokens (0: none)."""
 
     reads_context = True  # SelectedHead passes it the step's context
     reads: frozenset[str] = frozenset()
@@ -67,6 +74,10 @@ class ContextSelector:
 
     def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
         raise NotImplementedError
+
+    def prepare(self, head: torch.Tensor) -> None:
+        """Build ahead what the selector lays over the draft head's rows ``head`` [V, d] (a host calls it once its
+        weights are loaded, so no request's first step pays for it); nothing for most selectors."""
 
 
 def _eos_ids(bundle: Bundle, vocab_size: int, device) -> torch.Tensor:
@@ -168,27 +179,73 @@ class WindowSelector(ContextSelector):
         return ContextSets(self.eos if self.eos.numel() else None, ctx.windows)
 
 
+class HeadSearch:
+    """Each row's ``neighbours`` draft-head rows of the largest inner product with its hidden state, found by the
+    HNSW index of a bundle's ``draft_hnsw`` stage (:func:`~dynvocab.artifacts.hnsw.mips_search`, the search the
+    hybrid runs at every draft step in dynvocab's own loop). The index is laid over the head the host hands it, once
+    per head; a head of another shape (a shard, another model) gets no search: smaller sets, the same output.
+    It reads the hidden state on the host, so hosts run it on CPU devices only."""
+
+    def __init__(self, stored, neighbours: int, ef: int):
+        """``stored``: the stage as read (:class:`~dynvocab.artifacts.hnsw.StoredIndex`)."""
+        if neighbours < 1 or ef < 1:
+            raise DynvocabError(f"the per-step search needs at least 1 neighbour and ef 1 (got {neighbours}, {ef})")
+        self.stored, self.neighbours, self.ef = stored, neighbours, max(ef, neighbours)
+        self._over: tuple | None = None  # (the head's data pointer, its MipsIndex)
+
+    def prepare(self, head: torch.Tensor | None):
+        """The index over ``head`` [V, d] (its first ``num_elements`` rows; rows past them are padding), built on
+        the first call for that head (about 6 s for 151,936 rows of 896), or None where the head is not the indexed
+        one."""
+        params = self.stored.params
+        if head is None or head.shape[0] < params.num_elements or head.shape[1] != params.hidden:
+            return None
+        if self._over is None or self._over[0] != head.data_ptr():
+            index = self.stored.over(head[: params.num_elements])
+            index.set_ef(self.ef)
+            self._over = (head.data_ptr(), index)
+        return self._over[1]
+
+    def __call__(self, hidden: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor | None:
+        """Ids [B, neighbours] on ``hidden``'s device, or None where ``head`` [V, d] is not the indexed one."""
+        from dynvocab.artifacts.hnsw import mips_search
+
+        index = self.prepare(head)
+        if index is None:
+            return None
+        threads = min(int(hidden.shape[0]), torch.get_num_threads())
+        return mips_search(index, hidden, self.neighbours, num_threads=threads).to(hidden.device)
+
+
 class HybridSelector(ContextSelector):
-    """``hybrid`` in a batched host: a static core (EOS and the most frequent ids), each row's request window, and
-    the ``successors`` most likely graph successors of the token each row was fed."""
+    """``hybrid`` in a batched host: a static core (EOS and the most frequent ids), each row's request window, the
+    ``successors`` most likely graph successors of the token each row was fed, and each row's ``search`` hits."""
 
-    reads = frozenset({"fed", "window"})
-
-    def __init__(self, core: torch.Tensor, window: int, graph=None, successors: int = 8):
+    def __init__(self, core: torch.Tensor, window: int, graph=None, successors: int = 8,
+                 search: HeadSearch | None = None):
         if window < 1:
             raise DynvocabError(f"hybrid needs a window of at least 1 token (got {window})")
         self.core, self.window = core.long(), window
         self.graph = graph  # dynvocab.artifacts.GraphTable on the selector's device, or None
         self.successors = successors if graph is not None else 0
-        self.k = int(core.numel()) + window + self.successors
+        self.search = search
+        self.reads = frozenset({"fed", "window"} | ({"head"} if search is not None else set()))
+        self.k = int(core.numel()) + window + self.successors + (search.neighbours if search is not None else 0)
+
+    def prepare(self, head: torch.Tensor) -> None:
+        if self.search is not None:
+            self.search.prepare(head)
 
     def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
         if ctx.windows is None:
             raise DynvocabError("hybrid reads the request's window; the host keeps none")
-        rows = ctx.windows
+        parts = [ctx.windows]
         if self.successors and ctx.fed is not None:
-            rows = torch.cat([rows, self.graph.top_successors(ctx.fed[:, None], self.successors, rows[:, :1])], dim=1)
-        return ContextSets(self.core, rows)
+            parts.append(self.graph.top_successors(ctx.fed[:, None], self.successors, ctx.windows[:, :1]))
+        found = self.search(hidden, ctx.head) if self.search is not None else None
+        if found is not None:
+            parts.append(found)
+        return ContextSets(self.core, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
 
 
 def position_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
@@ -224,16 +281,22 @@ def window_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
 
 def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                        device: torch.device, window: int | None = None) -> HybridSelector:
-    """``hybrid``: a core of the ``budget`` most frequent ids (EOS first), the hybrid's default window, and the
-    bundle's graph successors where it has a ``graph`` stage."""
-    from dynvocab.artifacts import GraphTable
+    """``hybrid``: a core of the ``budget`` most frequent ids (EOS first), the hybrid's default window, the
+    bundle's graph successors where it has a ``graph`` stage, and on a CPU its ``draft_hnsw`` search for a head of
+    this hidden size (:data:`ENGINE_EF`)."""
+    from dynvocab.artifacts import GraphTable, StoredIndex
     from dynvocab.runtime.policies.hybrid import HybridConfig
 
     eos = _eos_ids(bundle, vocab_size, device)
     core = _ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
     graph = GraphTable.from_bundle(bundle).to(device) if bundle.has("graph") else None
-    cfg = HybridConfig()
-    return HybridSelector(core, window or cfg.window, graph, cfg.for_draft(searches_per_step=True).step_successors)
+    cfg = HybridConfig().for_draft(searches_per_step=True)
+    search = None
+    if bundle.has("draft_hnsw") and torch.device(device).type == "cpu":
+        stored = StoredIndex.read(bundle, "draft_hnsw")
+        if stored.params.hidden == hidden_size:
+            search = HeadSearch(stored, cfg.step_neighbours, ENGINE_EF)
+    return HybridSelector(core, window or cfg.window, graph, cfg.step_successors, search)
 
 
 def fixed_budget(size: int):

@@ -82,8 +82,9 @@ class EngineContext:
         self._out = output[0] if isinstance(output, tuple) else output
         self._starts = getattr(meta, "query_start_loc", None)
 
-    def step(self, hidden: torch.Tensor, reads: frozenset, window: int, embed) -> StepContext:
-        """The context of the head call on ``hidden`` [B, d]: its draft position, and what ``reads`` asks for."""
+    def step(self, hidden: torch.Tensor, reads: frozenset, window: int, embed, head=None) -> StepContext:
+        """The context of the head call on ``hidden`` [B, d]: its draft position, and what ``reads`` asks for
+        (``head``: the draft head's rows, all of them, or None)."""
         rows = int(hidden.shape[0])
         first, self._first = self._first, False
         step = 0 if first else self._calls
@@ -95,7 +96,7 @@ class EngineContext:
             if first or self._slot_rows is None or self._slot_rows.numel() != rows:
                 self._sync(rows, window)
             windows = self.windows.ids[self._slot_rows]
-        return StepContext(step, fed, windows, embed)
+        return StepContext(step, fed, windows, embed, head if "head" in reads else None)
 
     def _fed_next(self, rows: int) -> torch.Tensor:
         """The ids fed at a continuation pass (zeros where no pass was seen)."""

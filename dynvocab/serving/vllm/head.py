@@ -45,6 +45,13 @@ class DraftHeadPolicy:
         """Whether the selector reads the request's context (draft position, fed token, window)."""
         return bool(getattr(self.head.selector, "reads_context", False))
 
+    def prepare(self, weight: torch.Tensor) -> None:
+        """Build what the selector lays over the head's rows ``weight`` (hybrid's per-step search index), ahead of
+        the first draft step."""
+        prepare = getattr(self.head.selector, "prepare", None)
+        if prepare is not None:
+            prepare(weight)
+
     def select_and_score(self, hidden: torch.Tensor, lm_head, logits_processor,
                          to_target: torch.Tensor | None = None, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, k], ids [T, k])``: each row's logits over its set, as vLLM's logits processor would give

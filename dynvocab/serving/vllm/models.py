@@ -42,17 +42,30 @@ class SelectedHeadMixin:
 
     def load_weights(self, weights):
         """vLLM's own loading, less an EAGLE-3 head's identity ``d2t``/``t2d`` over the target's full vocabulary:
-        vLLM builds no ``draft_id_to_target_id`` there and refuses the tensor, which the eagle3 layout writes."""
+        vLLM builds no ``draft_id_to_target_id`` there and refuses the tensor, which the eagle3 layout writes. Then
+        the selector prepares what it lays over the draft's own head (:meth:`_owns_head`)."""
         if hasattr(self, "draft_id_to_target_id") and self.draft_id_to_target_id is None:
             weights = _without_identity_d2t(weights)
-        return super().load_weights(weights)
+        loaded = super().load_weights(weights)
+        if self._owns_head(loaded):
+            self.dynvocab.prepare(self.lm_head.weight)
+        return loaded
+
+    def _owns_head(self, loaded) -> bool:
+        """Whether the head is the draft's own, loaded now (its ``lm_head`` weights, or the embedding it is tied
+        to), rather than one vLLM's proposer replaces after loading (an EAGLE head sharing the target's, which
+        the selector prepares at its first draft step instead)."""
+        embed = getattr(getattr(self, "model", None), "embed_tokens", None)
+        return self.lm_head is embed or any(name.startswith("lm_head.") for name in (loaded or ()))
 
     def _selected(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, k], target ids [T, k])`` of ``hidden_states`` [T, d] over each row's set."""
         ctx = None
         if self.dynvocab.reads_context:
             selector = self.dynvocab.selector
-            ctx = self.dynvocab_context.step(hidden_states, selector.reads, selector.window, self.embed_input_ids)
+            whole = self.lm_head.weight if getattr(self.lm_head, "tp_size", 1) == 1 else None  # not a shard
+            ctx = self.dynvocab_context.step(hidden_states, selector.reads, selector.window, self.embed_input_ids,
+                                             whole)
         return self.dynvocab.select_and_score(hidden_states, self.lm_head, self.logits_processor,
                                               getattr(self, "draft_id_to_target_id", None), ctx)
 
