@@ -19,7 +19,8 @@ it, read without patching vLLM:
   before this step (the proposer runs before the step's bookkeeping). The runner is the one whose ``load_model``
   builds the draft, found once on the call stack at construction. Windows are updated once per engine step (at
   draft position 0), never per draft step, and only for requests in the batch; every other request's slot is given
-  back then, so the plugin holds windows for at most ``max_num_seqs`` requests, each of a fixed size.
+  back then, so the plugin holds windows for at most ``max_num_seqs`` requests, each of a fixed size. A step gets
+  only the columns its batch's windows fill (``RequestWindows.width``: one of a few power-of-two widths).
 
 Every rank of a tensor-parallel engine runs the same passes over the same record, so every rank computes the same
 context and the same sets. Context that cannot be read (no runner, a batch that does not match) gives smaller sets,
@@ -67,6 +68,7 @@ class EngineContext:
         self._calls = 0  # head calls since the last first pass
         self._rows = -1  # rows of the last head call
         self._slot_rows: torch.Tensor | None = None  # [B] each batch row's window slot, set at position 0
+        self._width = 1  # the window columns the batch's rows fill (RequestWindows.width), set with them
 
     def forward(self, input_ids: torch.Tensor | None, output) -> None:
         """Record a pass of the draft: its fed ``input_ids`` [n] and its ``output`` (hidden states, or a tuple
@@ -95,7 +97,7 @@ class EngineContext:
         if "window" in reads:
             if first or self._slot_rows is None or self._slot_rows.numel() != rows:
                 self._sync(rows, window)
-            windows = self.windows.ids[self._slot_rows]
+            windows = self.windows.ids[self._slot_rows, : self._width]
         return StepContext(step, fed, windows, embed, head if "head" in reads else None)
 
     def _fed_next(self, rows: int) -> torch.Tensor:
@@ -128,11 +130,13 @@ class EngineContext:
         if len(req_ids) != rows:
             self.windows.keep(set())
             self._slot_rows = torch.zeros(rows, dtype=torch.long)  # no record: slot 0 of nothing (the fill id)
+            self._width = 1
             return
         self.windows.keep(set(req_ids))
         counts = batch.num_tokens_no_spec
         slots = [self.windows.update(r, batch.token_ids_cpu[i, : int(counts[i])]) for i, r in enumerate(req_ids)]
         self._slot_rows = torch.tensor(slots, dtype=torch.long, device=self.windows.ids.device)
+        self._width = self.windows.width(slots)
 
     def held(self) -> int:
         """Requests whose windows the plugin holds."""
