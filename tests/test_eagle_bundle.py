@@ -1,6 +1,6 @@
 """Bundle-backed strategies with EAGLE heads on tiny local models: evospec and the hybrid equal ``ar``; the hybrid
 searches the draft head per step only for a draft model; dynaspec's router, trained on a draft model's hidden
-states, refuses a head of another width in one line."""
+states, refuses a head of another width in one line; the builders refuse a head as their draft in one line."""
 
 from __future__ import annotations
 
@@ -101,3 +101,13 @@ def test_hybrid_searches_per_step_where_it_measures_cheaper_than_the_head(tiny_d
     assert asked.draft_hnsw is asked.hnsw is not None and asked.hcfg.step_neighbours == 4
     assert asked.hcfg.step_successors == (8 if pays else 0)
     assert step_search._MEASURED and all(v[2] > 0 and v[3] > 0 for v in step_search._MEASURED.values())
+
+
+@pytest.mark.parametrize("command", ["build-index", "train-router"])
+def test_the_builders_refuse_a_head_as_the_draft_and_name_its_target(tiny_dirs, heads, bundle, corpus_jsonl,  # noqa: F811
+                                                                     command, tmp_path):
+    out = tmp_path / "b.safetensors"
+    args = (["--target", tiny_dirs[0]] if command == "build-index" else ["--bundle", bundle]) + ["--out", out]
+    result = run(command, *args, "--draft", heads["eagle"], "--corpus", corpus_jsonl, "--device", "cpu")
+    assert_one_line_error(result, "is an EAGLE head", "pass the target as --draft")
+    assert not out.exists()

@@ -14,7 +14,8 @@ import torch
 
 from dynvocab.artifacts import ModelFingerprint
 from dynvocab.errors import DynvocabError
-from dynvocab.models import ModelSpec, default_dtype, load_model
+from dynvocab.models import ModelSpec, default_dtype, load_model, resolve_model
+from dynvocab.models.eagle import eagle_checkpoint
 from dynvocab.models.vocab import end_token_ids as _end_token_ids
 
 _HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
@@ -28,6 +29,20 @@ def _config(spec: ModelSpec):
     except Exception as exc:
         raise DynvocabError(f"cannot read the config of model '{spec.source}' ({type(exc).__name__}); check --target/--draft") from exc
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def resolve_draft_model(source: str) -> ModelSpec:
+    """``source`` resolved as a draft model. An EAGLE head is refused in one line: the builders run the draft's
+    own passes, and a head has those only over its target's hidden states; its selectors and index are built on
+    the model whose head rows it drafts through (its target)."""
+    spec = resolve_model(source)
+    if eagle_checkpoint(spec) is not None:
+        raise DynvocabError(
+            f"'{source}' is an EAGLE head; build-index and train-router run a draft model's own passes, which a "
+            "head has only over its target: pass the target as --draft (an EAGLE-1 head drafts through the "
+            "target's head rows; e.g. --draft demo:gemma for demo:gemma-eagle1)"
+        )
+    return spec
 
 
 def head_shape(spec: ModelSpec) -> tuple[int, int]:

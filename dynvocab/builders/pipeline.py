@@ -22,7 +22,7 @@ from dynvocab.builders import hnsw as hnsw_stage
 from dynvocab.builders.checkpoints import StageCheckpoints
 from dynvocab.builders.corpus import CorpusConfig, check_sources, iter_documents
 from dynvocab.builders.counting import count_corpus
-from dynvocab.builders.models import fingerprint
+from dynvocab.builders.models import fingerprint, resolve_draft_model
 from dynvocab.builders.stages import (
     BIGRAMS, CORPUS_PASS, BuildInputs, Built, StageBuilder, build_stage_names, config_dict, lookup_builder,
 )
@@ -171,7 +171,7 @@ def _run_stages(inputs: BuildInputs, cfg: BuildConfig, done: StageCheckpoints) -
 
 def _inputs(target: str, draft: str, cfg: BuildConfig, device: str, reporter: Reporter) -> BuildInputs:
     """The resolved pair (tokenizers, fingerprints, vocabularies checked to match) and what else builders read."""
-    t_spec, d_spec = resolve_model(target), resolve_model(draft)
+    t_spec, d_spec = resolve_model(target), resolve_draft_model(draft)
     t_tok, d_tok = load_tokenizer(t_spec), load_tokenizer(d_spec)
     fps = fingerprint(t_spec, t_tok), fingerprint(d_spec, d_tok)
     inputs = BuildInputs(t_spec, d_spec, t_tok, *fps, cfg.corpus, device, reporter)

@@ -17,7 +17,7 @@ from dynvocab.builders.clusters import ClustersConfig
 from dynvocab.builders.corpus import CorpusConfig
 from dynvocab.builders.hnsw import HnswConfig
 from dynvocab.builders.stages import build_stage_names
-from dynvocab.cli.common import Device, Draft, Target, check_dtype_device, check_out, err_console, one_line_errors
+from dynvocab.cli.common import Device, DraftModel, Target, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import make_reporter
 from dynvocab.runtime.batched import batch_strategies
@@ -32,7 +32,7 @@ def _override(cfg, **values):
 def build_index(
     out: Annotated[Path, typer.Option("--out", help="The bundle to write (.safetensors); other stages in it are kept.")],
     target: Target = "demo:target",
-    draft: Draft = "demo:draft",
+    draft: DraftModel = "demo:draft",
     corpus: Annotated[
         Optional[List[str]],
         typer.Option(help="sharegpt (training split), slimpajama, python-stubs (code prompts from this Python's standard library), or a .txt/.jsonl/.json/.parquet file or saved datasets folder; repeatable."),

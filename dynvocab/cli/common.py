@@ -32,6 +32,11 @@ Draft = Annotated[str, typer.Option(
     "demo:gemma-eagle1, the EAGLE-1 head shipped for demo:gemma); "
     f"its kind is recognised among the registered ones ({kind_names()}).",
 )]
+DraftModel = Annotated[str, typer.Option(
+    "--draft",
+    help="The draft model whose passes the stages read (hub id, local folder, .gguf file, demo:draft). For an EAGLE "
+    "head, its target (e.g. demo:gemma for demo:gemma-eagle1): the head drafts through the target's head rows.",
+)]
 Device = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when a GPU is visible).")]
 Dtype = Annotated[
     Optional[str],

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from dynvocab.builders.router import SELECTORS, RouterConfig, SelectorConfig, TrainRouterConfig
-from dynvocab.cli.common import Device, Draft, check_dtype_device, check_out, err_console, one_line_errors
+from dynvocab.cli.common import Device, DraftModel, check_dtype_device, check_out, err_console, one_line_errors
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import make_reporter
 
@@ -26,7 +26,7 @@ def _override(cfg, **values):
 @one_line_errors
 def train_router(
     bundle: Annotated[Path, typer.Option("--bundle", help="Bundle built for the draft (with a clusters stage for the router); the trained stages are added to it.")],
-    draft: Draft = "demo:draft",
+    draft: DraftModel = "demo:draft",
     selector: Annotated[
         str, typer.Option(help=f"Selectors to train on one data pass, comma-separated: {', '.join(SELECTORS)} "
                                "(DynaSpec's cluster router; the low-rank scorer; the centroid blocks).")

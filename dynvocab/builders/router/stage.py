@@ -16,7 +16,7 @@ from dynvocab.artifacts.router import STAGE, RouterTable, clusters_checksum
 from dynvocab.artifacts.selectors import CentroidScorer, LowRankScorer, SelectorTable, random_centroids, random_lowrank
 from dynvocab.artifacts.stages import CLUSTERS, ROUTER, find_stage
 from dynvocab.builders.corpus import CorpusConfig, check_sources, encode_documents
-from dynvocab.builders.models import fingerprint
+from dynvocab.builders.models import fingerprint, resolve_draft_model
 from dynvocab.builders.router.data import collect, split
 from dynvocab.builders.router.fit import RouterConfig, mean_loss, positive_counts, train
 from dynvocab.builders.router.recall import evaluate, report_budgets
@@ -159,7 +159,7 @@ class _DraftPass:
 def _draft_pass(bundle, draft: str, target: str | None, cfg: TrainRouterConfig, reporter: Reporter) -> _DraftPass:
     """Check the models against the bundle, then run the draft over the corpus once (its top-L at each position)."""
     rc = cfg.router
-    d_spec = resolve_model(draft)
+    d_spec = resolve_draft_model(draft)
     tokenizer = load_tokenizer(d_spec)
     d_fp = fingerprint(d_spec, tokenizer)
     _check_model(bundle, d_fp, "draft")
