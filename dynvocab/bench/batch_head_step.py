@@ -76,11 +76,11 @@ def _records(batch: int, vocab: int, context: int, gen: torch.Generator) -> list
 
 
 def _windows(records: list[torch.Tensor], size: int, vocab: int, dev: torch.device) -> torch.Tensor:
-    """[len(records), size] request windows of ``records``, as the plugin keeps them."""
+    """Request windows of ``records`` as the plugin hands them to a step: [len(records), width], the columns
+    their distinct ids fill (:meth:`RequestWindows.width`)."""
     store = RequestWindows(len(records), size, vocab, device=dev)
-    for row, record in enumerate(records):
-        store.update(row, record)
-    return store.ids
+    slots = [store.update(row, record) for row, record in enumerate(records)]
+    return store.ids[:, : store.width(slots)]
 
 
 def _one(name: str, selector, hidden: torch.Tensor, weight: torch.Tensor, ctx: StepContext, dev: torch.device,
