@@ -284,7 +284,7 @@ def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
     """``hybrid``: a core of the ``budget`` most frequent ids (EOS first), the hybrid's default window, the
     bundle's graph successors where it has a ``graph`` stage, and on a CPU its ``draft_hnsw`` search for a head of
     this hidden size (:data:`ENGINE_EF`)."""
-    from dynvocab.artifacts import GraphTable, StoredIndex
+    from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
     from dynvocab.runtime.policies.hybrid import HybridConfig
 
     eos = _eos_ids(bundle, vocab_size, device)
@@ -293,9 +293,9 @@ def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
     cfg = HybridConfig().for_draft(searches_per_step=True)
     search = None
     if bundle.has("draft_hnsw") and torch.device(device).type == "cpu":
-        stored = StoredIndex.read(bundle, "draft_hnsw")
-        if stored.params.hidden == hidden_size:
-            search = HeadSearch(stored, cfg.step_neighbours, ENGINE_EF)
+        params = HnswParams.from_dict(bundle.info("draft_hnsw")["index"], f"bundle {bundle.path} (stage draft_hnsw)")
+        if params.hidden == hidden_size:  # read the stage (its graph is tens of MB) only for a head it fits
+            search = HeadSearch(StoredIndex.read(bundle, "draft_hnsw"), cfg.step_neighbours, ENGINE_EF)
     return HybridSelector(core, window or cfg.window, graph, cfg.step_successors, search)
 
 
