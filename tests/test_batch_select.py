@@ -140,6 +140,31 @@ def test_changing_sets_go_row_by_row_off_a_cpu_until_they_hold_twice_the_heads_r
     assert SelectedHead(head.selector, union=True)._union(meta, 1, 100)
 
 
+@pytest.mark.parametrize("window,whole", [(40, False), (400, True)], ids=["few-ids", "past-the-share"])
+def test_changing_sets_past_the_share_are_scored_by_the_hosts_whole_head(bundle, window, whole):
+    """A batch's changing sets whose distinct ids pass WHOLE_SHARE of the head are scored by the host's own full
+    head (vLLM's packed GEMM in the plugin) and gathered; fewer, over their gathered rows. The logits are the full
+    head's either way."""
+    from dynvocab.runtime.policies.batch_select import WHOLE_SHARE
+
+    g = torch.Generator().manual_seed(4)
+    weight, hidden = torch.randn(V, D, generator=g), torch.randn(3, D, generator=g)
+    calls = []
+
+    def full_head(x):
+        calls.append(x.shape)
+        return x @ weight.T
+
+    head = SelectedHead(build_selector(bundle, SelectorSpec("microspec", window), V, D), whole=full_head)
+    ctx = step_context(3, window=window)
+    logits, ids = head.select_and_score(hidden, weight, ctx=ctx)
+    torch.testing.assert_close(logits, (hidden @ weight.T).gather(1, ids))
+    assert (len(set(ctx.windows.flatten().tolist())) > WHOLE_SHARE * V) == whole
+    assert calls == ([(3, D)] if whole else [])
+    changing = V if whole else len(set(ctx.windows.flatten().tolist()))  # every row, or the distinct ids
+    assert head.scored[0] == EOS.numel() + changing  # the shared EOS, then the changing part
+
+
 def test_what_cannot_run_batched_is_refused_in_one_line(bundle):
     for strategy in ("evospec", "full", "nope"):
         why = refusal(strategy)

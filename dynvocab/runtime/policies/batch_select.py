@@ -234,6 +234,7 @@ def lowrank_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, d
 # (the gather then moves at most twice the whole head's bytes), over their union past it: the rule that picked the
 # faster of the two in every case measured on an H200 (1–64 rows, 2,048–46,886 ids a row; docs/gpu.md).
 PER_ROW_LIMIT = 2
+WHOLE_SHARE = 0.25  # a batch's changing sets over more than this share of the head's rows: a host's whole head
 
 
 class SelectedHead:
@@ -249,13 +250,17 @@ class SelectedHead:
     of its own rows; the others are ``-inf`` in its logits, so a reduction over ranks (a max, vLLM's local-argmax
     exchange, or a gather of shards) sees each id scored once."""
 
-    def __init__(self, selector: BatchSelector, pack=None, union: bool | None = None):
+    def __init__(self, selector: BatchSelector, pack=None, union: bool | None = None, whole=None):
         """``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a static set's rows are multiplied once packed (a host's
         own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``). ``union``: score a batch's changing sets
-        over their distinct ids (True) or row by row (False); None: by the rule above."""
+        over their distinct ids (True) or row by row (False); None: by the rule above. ``whole``: the host's own
+        full head (``x -> x @ weight.T`` over all its rows, packed), which scores a batch's changing sets whose
+        distinct ids pass :data:`WHOLE_SHARE` of the head: gathering that many rows and multiplying them unpacked
+        costs several times the packed head (None: always the gathered rows)."""
         self.selector = selector
         self.pack = pack or (lambda rows: lambda x: F.linear(x, rows))
         self.union = union
+        self.whole = whole
         self.scored = [0, 0]  # a context selector's rows multiplied, and head calls (shapes only, no read)
         self._static: tuple | None = None  # (weight packed from, x -> logits over its rows, their slots or None;
         # for a context selector: (weight, None, {(ids' data_ptr, count): x -> logits over those rows}))
@@ -296,6 +301,8 @@ class SelectedHead:
         if not self._union(x, ids.numel(), weight.shape[0]):
             return _per_row(x, weight, ids), ids.numel()
         union, where = torch.unique(ids, return_inverse=True)
+        if self.whole is not None and union.numel() > WHOLE_SHARE * weight.shape[0]:
+            return self.whole(x).gather(1, ids), weight.shape[0]
         return _over_union(x, weight, union, where), union.numel()
 
     def _context(self, x: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, ctx, start: int,

@@ -67,6 +67,8 @@ class DraftHeadPolicy:
             logits, ids = self.head.select_and_score(hidden, lm_head.weight, shard.org_vocab_start_index,
                                                      shard.org_vocab_end_index, ctx)
         else:
+            if self.head.whole is None:
+                self.head.whole = engine_head(lm_head)
             logits, ids = self.head.select_and_score(hidden, lm_head.weight, ctx=ctx)
         cap = getattr(logits_processor, "soft_cap", None)
         if cap is not None:
@@ -131,6 +133,12 @@ def engine_linear(rows: torch.Tensor):
     holder.weight = torch.nn.Parameter(rows.contiguous(), requires_grad=False)
     dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
     return lambda x: holder.cpu_linear(x, holder.weight, None)
+
+
+def engine_head(lm_head):
+    """``x -> x @ weight.T`` over all of ``lm_head``'s rows (padding included) through vLLM's own head GEMM (its
+    quant method's ``apply``: on a CPU the oneDNN handle packed at load), the cost of vLLM's full head."""
+    return lambda x: lm_head.quant_method.apply(lm_head, x)
 
 
 def draft_section(hf_config) -> dict:
