@@ -165,6 +165,19 @@ def test_changing_sets_past_the_share_are_scored_by_the_hosts_whole_head(bundle,
     assert head.scored[0] == EOS.numel() + changing  # the shared EOS, then the changing part
 
 
+def test_dynaspecs_router_is_float32_when_built_under_an_engines_default_dtype(bundle):
+    """vLLM builds the draft, and the folder's selector with it, under the model's default dtype."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        selector = build_selector(bundle, SelectorSpec("dynaspec", 2), V, D)
+    finally:
+        torch.set_default_dtype(previous)
+    assert all(p.dtype == torch.float32 for p in selector.router.parameters())
+    hidden = torch.randn(2, D, dtype=torch.bfloat16)
+    assert selector.select(hidden, step_context(2)).ids(2).shape[0] == 2
+
+
 def test_what_cannot_run_batched_is_refused_in_one_line(bundle):
     for strategy in ("evospec", "full", "nope"):
         why = refusal(strategy)

@@ -76,13 +76,14 @@ class RouterTable:
         return cls({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, {**config, **shapes})
 
     def module(self, device: torch.device | str = "cpu") -> RouterMLP:
-        """A float32 :class:`RouterMLP` in eval mode holding these weights."""
+        """A float32 :class:`RouterMLP` in eval mode holding these weights, whatever torch's default dtype (an engine
+        builds its draft, and with it this module, under the model's: vLLM's bfloat16 made it a bfloat16 router)."""
         c = self.config
         m = RouterMLP(int(c["hidden_dim"]), int(c["embed_dim"]), int(c["width"]), int(c["num_clusters"]))
         t = self.tensors
         m.load_state_dict({"in_mean": t["in_mean"], "in_std": t["in_std"], "fc1.weight": t["w1"],
                            "fc1.bias": t["b1"], "fc2.weight": t["w2"], "fc2.bias": t["b2"]})
-        return m.to(device).eval()
+        return m.to(device=device, dtype=torch.float32).eval()
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors for the bundle, keyed without the stage prefix."""
