@@ -232,7 +232,10 @@ def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
                           stderr=subprocess.STDOUT, text=True)  # vLLM's workers log to either stream
     if proc.returncode != 0 or not out.is_file():
         names = ", ".join(r["name"] for r in req["rows"])
-        raise DynvocabError(f"vLLM failed on the {names} rows (exit {proc.returncode}): {last_error_line(proc.stdout)}")
+        log = Path(tempfile.mkstemp(prefix="dynvocab-vllm-", suffix=".log")[1])  # outlives the work folder
+        log.write_text(proc.stdout)
+        raise DynvocabError(f"vLLM failed on the {names} rows (exit {proc.returncode}): {last_error_line(proc.stdout)}"
+                            f"; vLLM's whole output is in {log}")
     return json.loads(out.read_text())["rows"]
 
 
