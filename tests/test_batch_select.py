@@ -11,13 +11,17 @@ from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, load_bundle, 
 from dynvocab.artifacts.random_stages import random_context_stages
 from dynvocab.artifacts.selectors import SelectorTable, random_selectors
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector, refusal
+from dynvocab.runtime.batched import SelectorSpec, asked_budget, batch_strategies, build_selector, refusal
 from dynvocab.runtime.policies.batch_select import (
     CentroidSelector, LowRankSelector, SelectedHead, StaticSelector, scatter_logits)
+from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
 from dynvocab.runtime.policies.context_select import StepContext
-from dynvocab.runtime.policies.centroids import CentroidPolicy
-from dynvocab.runtime.policies.lowrank import LowRankPolicy
-from dynvocab.runtime.policies.frequency import FrequencyPolicy
+from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
+from dynvocab.runtime.policies.frequency import FrequencyPolicy, PositionAwareConfig
+from dynvocab.runtime.policies.hybrid import HybridConfig
+from dynvocab.runtime.policies.lowrank import LowRankConfig, LowRankPolicy
+from dynvocab.runtime.policies.microspec import MicroSpecConfig
+from dynvocab.runtime.registry import StrategyOptions
 
 V, D = 1000, 32
 EOS = torch.tensor([7])
@@ -188,6 +192,27 @@ def test_what_cannot_run_batched_is_refused_in_one_line(bundle):
         build_selector(bundle, SelectorSpec("lowrank"), V, D + 1)
     with pytest.raises(DynvocabError, match="at least 1"):
         LowRankSelector(torch.zeros(2, D), torch.zeros(V, 2), torch.zeros(V), 0)
+
+
+def test_each_strategys_own_flags_set_its_batched_budget_and_others_are_refused():
+    """``bench --vllm --k-max 32`` serves ``dynaspec`` 32 clusters, as the loop's ``--k-max 32`` does; a flag the
+    plugin does not read is one line, not silently dropped."""
+    def asked(strategy, *configs, fr_size=None):
+        return asked_budget(strategy, StrategyOptions(fr_size=fr_size, configs=configs))
+
+    assert asked("dynaspec", DynaSpecConfig(k_max=32)) == 32
+    assert asked("lowrank") is None and asked("lowrank", LowRankConfig(candidates=64)) == 64
+    assert asked("centroids", CentroidConfig(blocks=3)) == 3
+    assert asked("fr", fr_size=100) == 100 and asked("fr") is None
+    assert asked("fr-pa", fr_size=100) == 100 and asked("fr-pa", PositionAwareConfig(k_max=50), fr_size=100) == 50
+    assert asked("microspec", MicroSpecConfig(window=256)) == 256
+    assert asked("hybrid", HybridConfig(core_size=512)) == 512
+    assert asked("lowrank", DynaSpecConfig(k_max=32)) is None  # another strategy's flag: not this row's
+    for strategy, config, flag in (("hybrid", HybridConfig(window=64), "--hybrid-window"),
+                                   ("microspec", MicroSpecConfig(k_pre=5), "--k-pre")):
+        with pytest.raises(DynvocabError, match=f"^{flag} does not reach {strategy} inside vLLM") as err:
+            asked(strategy, config)
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("strategy", ["fr-pa", "dynaspec", "microspec", "hybrid"])

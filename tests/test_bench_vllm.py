@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from cli_helpers import assert_one_line_error, run
-from vllm_models import ENGINE_ENV, vllm_bundle, vllm_pair  # noqa: F401
+from vllm_models import ENGINE_ENV, LOWRANK_K, vllm_bundle, vllm_pair  # noqa: F401
 
 from dynvocab.bench.vllm_rows import engine_env, last_error_line, plugin_strategies, summarize_row
 from dynvocab.errors import DynvocabError
@@ -120,7 +120,8 @@ def test_row_figures_are_medians_and_vllms_counters():
 
 def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     """Plain vLLM, vLLM's own n-gram speculation, vLLM's own full head and two plugin strategies on 2 prompts × 8
-    tokens, at 1 and 2 requests in flight: every row, the same tokens as plain vLLM, the JSON whole."""
+    tokens, at 1 and 2 requests in flight (``lowrank`` at the budget its own flag asks): every row, the same tokens
+    as plain vLLM, the JSON whole."""
     pytest.importorskip("vllm")
     pair, bundle = request.getfixturevalue("vllm_pair"), request.getfixturevalue("vllm_bundle")
     for key, value in ENGINE_ENV.items():
@@ -132,7 +133,7 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     out = tmp / "bench.json"
     result = run("bench", "--vllm", "--target", pair[0], "--draft", pair[1], "--bundle", bundle, "--strategies",
                  "ngram,lowrank,centroids", "--prompts", prompts, "--max-new-tokens", 8, "--gamma", 3, "--rounds", 1,
-                 "--dtype", "float32", "--concurrency", "1,2", "--json", out)
+                 "--dtype", "float32", "--concurrency", "1,2", "--candidates", LOWRANK_K // 2, "--json", out)
     assert result.exit_code == 0, result.output[-3000:]
     data = json.loads(out.read_text())
     names = ["vllm", "vllm-spec:ngram", "vllm-spec", "vllm-spec:lowrank", "vllm-spec:centroids"]
@@ -146,7 +147,8 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     assert spec["vllm-spec"]["mal"] > 1 and spec["vllm-spec"]["head_ms_per_step"] > 0
     assert spec["vllm-spec:ngram"]["head_ms_per_step"] is None  # no head (it may find no n-gram to draft here)
     assert spec["vllm-spec:lowrank"]["selector_ms_per_step"] > 0
-    assert spec["vllm-spec:lowrank"]["active_ids"] < spec["vllm-spec"]["active_ids"]
+    assert spec["vllm-spec:lowrank"]["active_ids"] == LOWRANK_K // 2  # --candidates reaches the plugin's row
+    assert data["config"]["budgets"] == {"lowrank": LOWRANK_K // 2}
     assert len(data["generations"]) == 2 * len(data["rows"])
     assert {g["id"] for g in data["generations"]} == {"a", "b"}
     assert "vllm-spec:centroids" in result.output and "oracle" in result.output and "in flight" in result.output

@@ -16,6 +16,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies import VocabPolicy
 from dynvocab.runtime.strategies import (
+    Batched,
     Flag,
     PolicyContext,
     Strategy,
@@ -147,3 +148,12 @@ def test_a_flag_must_set_a_config_field():
     with pytest.raises(ValueError, match="sets no field"):
         Strategy("toy", ToyConfig, make_toy, flags=(Flag("toy_width", "no such field."),))
     assert_one_line_error(run("generate", PROMPT, "--strategy", "toy"), "unknown strategy 'toy'")
+
+
+def test_a_batched_budget_must_come_from_a_flag_of_the_strategy():
+    toy = dict(flags=(Flag("toy_size", "ids active at first.", attr="size", min=1),))
+    with pytest.raises(ValueError, match="budget flag 'toy_width' is none of its flags"):
+        Strategy("toy", ToyConfig, make_toy, **toy, batched=Batched((), make_toy, len, budget_flags=("toy_width",)))
+    budget = ("toy_size", "fr_size")  # its own flag, then the shared --fr-size
+    entry = Strategy("toy", ToyConfig, make_toy, **toy, batched=Batched((), make_toy, len, budget_flags=budget))
+    assert entry.batched.budget_flags == ("toy_size", "fr_size")

@@ -55,7 +55,7 @@ class VllmBench:
     chat_template: bool = True
     seed: int = 0
     ngram: bool = True  # the vllm-spec:ngram row
-    fr_size: int | None = None  # the vllm-spec:fr row's set size (--fr-size; None: the bundle's default)
+    budgets: tuple[tuple[str, int], ...] = ()  # (strategy, budget) its own flags ask for; absent: its default
     concurrency: tuple[int, ...] = (1,)  # requests in flight: every row runs at each level
 
     @property
@@ -217,7 +217,7 @@ def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str]) -
         spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": cfg.gamma,
                 "use_local_argmax_reduction": True}
         strategy = name[len(PLUGIN):] if name.startswith(PLUGIN) else None
-        budget = cfg.fr_size if strategy == "fr" else None
+        budget = dict(cfg.budgets).get(strategy)
         req["rows"].append({"name": name, "speculative_config": spec, "strategy": strategy, "budget": budget})
     return req
 
@@ -355,7 +355,8 @@ def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[di
     ]
     config = {
         "engine": "vllm", "target": cfg.target, "draft": cfg.draft, "bundle": cfg.bundle, "rows": cfg.rows,
-        "strategies": list(cfg.strategies), "fr_size": cfg.fr_size, "gamma": cfg.gamma, "max_new_tokens": cfg.max_new_tokens,
+        "strategies": list(cfg.strategies), "budgets": dict(cfg.budgets), "gamma": cfg.gamma,
+        "max_new_tokens": cfg.max_new_tokens,
         "temperature": 0.0, "seed": cfg.seed, "dtype": cfg.dtype, "rounds": cfg.rounds,
         "tensor_parallel_size": cfg.tensor_parallel_size, "chat_template": cfg.chat_template,
         "vllm_python": cfg.python, "prompts": len(prompts), "concurrency": list(cfg.concurrency), "threads_bind": engine_env(cfg.python)["VLLM_CPU_OMP_THREADS_BIND"],

@@ -219,10 +219,12 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
     from dynvocab.bench import vllm_rows as v
     from dynvocab.models import default_dtype, load_tokenizer, resolve_model
     from dynvocab.prompts import encode_prompt
+    from dynvocab.runtime.batched import asked_budget
 
     if flags.temperature > 0:
         raise DynvocabError("--vllm rows decode greedily (the plugin's get_top_tokens); drop --temperature")
     strategies = v.plugin_strategies(req.strategies, flags.bundle)
+    budgets = tuple((s, b) for s in strategies if (b := asked_budget(s, flags.options())) is not None)
     levels = v.parse_concurrency(vllm.concurrency)
     python = v.find_vllm_python(vllm.python)
     items = select_items(req)
@@ -234,7 +236,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         rounds=vllm.rounds or v.DEFAULT_ROUNDS, gamma=flags.gamma,
         max_new_tokens=req.max_new_tokens or (Quick().max_new_tokens if req.quick else DEFAULT_MAX_NEW),
         dtype=req.models.dtype or default_dtype("cpu"), tensor_parallel_size=vllm.tensor_parallel_size,
-        chat_template=req.chat_template, seed=flags.seed, concurrency=levels, fr_size=flags.fr_size,
+        chat_template=req.chat_template, seed=flags.seed, concurrency=levels, budgets=budgets,
         ngram=req.strategies is None or v.NGRAM_NAME in [s.strip() for s in req.strategies.split(",")],
     )
     console = Console(stderr=True)

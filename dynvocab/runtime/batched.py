@@ -15,8 +15,8 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.batch_select import BatchSelector
-from dynvocab.runtime.registry import Batched
-from dynvocab.runtime.strategies import strategies
+from dynvocab.runtime.registry import SHARED_BUDGET_FLAG, Batched, StrategyOptions
+from dynvocab.runtime.strategies import lookup, strategies
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,22 @@ def exported_stages(strategy: str) -> tuple[str, ...]:
     it reads when present, and ``freq`` (its EOS ids)."""
     form = batched(strategy)
     return tuple(dict.fromkeys((*form.stages, *form.optional, "freq")))
+
+
+def asked_budget(strategy: str, options: StrategyOptions) -> int | None:
+    """The budget ``strategy``'s own flags ask of its batched selector: the first of its ``budget_flags`` that is
+    set (``--fr-size``, ``--k-max``, ``--candidates``, …; None: its default). Any other flag of its set away from
+    its default is refused in one line, since a batched host reads the budget only."""
+    form, entry = batched(strategy), lookup(strategy)
+    values = {SHARED_BUDGET_FLAG: options.fr_size}
+    for flag in entry.flags:
+        value = getattr(options.config(entry.config), flag.field)
+        if flag.name not in form.budget_flags and value != flag.default(entry.config):
+            takes = ", ".join("--" + name.replace("_", "-") for name in form.budget_flags) or "no flag"
+            raise DynvocabError(f"--{flag.name.replace('_', '-')} does not reach {strategy} inside vLLM: the plugin "
+                                f"takes its budget only ({takes})")
+        values[flag.name] = value
+    return next((values[name] for name in form.budget_flags if values[name] is not None), None)
 
 
 def default_budget(bundle, strategy: str, vocab_size: int) -> int:

@@ -95,6 +95,9 @@ class Flag:
         return getattr(config(), self.field)
 
 
+SHARED_BUDGET_FLAG = "fr_size"  # the one shared option a strategy's batched budget may come from (--fr-size)
+
+
 @dataclass(frozen=True)
 class Batched:
     """How a strategy runs in a batched host (the vLLM plugin): one selector of a fixed ``k`` per draft position,
@@ -106,6 +109,7 @@ class Batched:
     build: Callable[..., object]  # (bundle, budget, vocab_size, hidden_size, device) -> a selector
     default_budget: Callable[[object, int], int]  # (bundle, vocab_size) -> the budget when none is given
     optional: tuple[str, ...] = ()  # stages it reads where the bundle has them (exported with it)
+    budget_flags: tuple[str, ...] = ()  # its flags (or --fr-size) whose first value set is its budget there
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,10 @@ class Strategy:
         if self.batched is not None and self.why_not_batched:
             raise ValueError(f"strategy '{self.name}' runs batched and says why it cannot; drop why_not_batched")
         fields = {f.name for f in dataclasses.fields(self.config)} if self.config is not None else set()
+        own = {flag.name for flag in self.flags} | {SHARED_BUDGET_FLAG}
+        for name in self.batched.budget_flags if self.batched is not None else ():
+            if name not in own:
+                raise ValueError(f"strategy '{self.name}': budget flag '{name}' is none of its flags")
         for flag in self.flags:
             if flag.field not in fields:
                 raise ValueError(f"strategy '{self.name}': flag '{flag.name}' sets no field of its config")

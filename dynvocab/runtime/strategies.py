@@ -206,31 +206,33 @@ register(Strategy("ar", None, _ar, dynamic=False, drafts=False, why_not_batched=
 register(Strategy("full", None, _full, dynamic=False,
                   why_not_batched="it is the draft's own full head: run vLLM's speculation without the plugin"))
 register(Strategy("fr", None, _fr, dynamic=False,
-                  batched=Batched(("freq",), frequency_selector, frequency_budget)))
+                  batched=Batched(("freq",), frequency_selector, frequency_budget, budget_flags=("fr_size",))))
 register(Strategy(
     "fr-pa", PositionAwareConfig, _fr_pa, dynamic=False,
     flags=(Flag("pa_k_max", "k_max of the position-aware budget (default: the map size).", attr="k_max", min=1),),
-    batched=Batched(("freq",), position_from_bundle, frequency_budget),
+    batched=Batched(("freq",), position_from_bundle, frequency_budget, budget_flags=("pa_k_max", "fr_size")),
 ))
 register(Strategy(
     "dynaspec", DynaSpecConfig, _dynaspec, stages=("clusters", "router"),
     flags=(Flag("k_max", "clusters routed at draft steps 0 and 1 (k_max).", min=1),),
-    batched=Batched(("clusters", "router"), router_from_bundle, router_budget, optional=("freq",)),
+    batched=Batched(("clusters", "router"), router_from_bundle, router_budget, optional=("freq",),
+                    budget_flags=("k_max",)),
 ))
 register(Strategy(
     "lowrank", LowRankConfig, _lowrank, stages=("lowrank",),
     flags=(Flag("candidates", "lowrank: candidate ids per draft step (default: the bundle stage's budget).", min=1),),
-    batched=Batched(("lowrank",), lowrank_from_bundle, stage_budget("lowrank")),
+    batched=Batched(("lowrank",), lowrank_from_bundle, stage_budget("lowrank"), budget_flags=("candidates",)),
 ))
 register(Strategy(
     "centroids", CentroidConfig, _centroids, stages=("centroids",),
     flags=(Flag("blocks", "centroids: vocabulary blocks per draft step (default: the bundle stage's budget).", min=1),),
-    batched=Batched(("centroids",), centroids_from_bundle, stage_budget("centroids")),
+    batched=Batched(("centroids",), centroids_from_bundle, stage_budget("centroids"), budget_flags=("blocks",)),
 ))
 register(Strategy(
     "microspec", MicroSpecConfig, _microspec,
     flags=(K_PRE, K_VER, Flag("window", "W_max, the stream entries the active set is drawn from.", min=1)),
-    batched=Batched((), window_from_bundle, fixed_budget(MicroSpecConfig().window), optional=("freq",)),
+    batched=Batched((), window_from_bundle, fixed_budget(MicroSpecConfig().window), optional=("freq",),
+                    budget_flags=("window",)),
 ))
 register(Strategy(
     "evospec", EvoSpecConfig, _evospec, stages=("freq", "hnsw", "graph"),
@@ -261,7 +263,7 @@ register(Strategy(
         ),
     ),
     batched=Batched(("freq",), hybrid_from_bundle, fixed_budget(HybridConfig().core_size),
-                    optional=("graph", "draft_hnsw")),
+                    optional=("graph", "draft_hnsw"), budget_flags=("core_size",)),
 ))
 
 load_plugins(ENTRY_POINTS, register, Strategy)  # strategies that installed packages bring
