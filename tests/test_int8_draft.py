@@ -13,7 +13,8 @@ from conftest import tiny_qwen2
 from test_eagle_loop import LAYERS, eagle1, eagle3
 from test_loop import VOCAB, greedy_case, make_policy
 from dynvocab.models.eagle import EAGLE1, LayerTap
-from dynvocab.models.int8 import INT8, REDUCE_RANGE, int8_supported, quantize_rows
+from dynvocab.models.int8 import (
+    INT8, INT8_GATHERED, REDUCE_RANGE, batched_int8_rows, int8_supported, quantize_rows)
 from dynvocab.models.prepack import Int8Linear, quantize_linears
 from dynvocab.models.rows import Int8Rows
 from dynvocab.runtime.active_set import ActiveSet, Gathered, RowRanges
@@ -77,6 +78,23 @@ def test_rows_quantize_per_row_and_gather_what_the_full_product_reads():
         assert (got - full[:, ids]).abs().max() < 0.05 * want.abs().max()  # activation rounding only
     assert torch.equal(Int8Rows(w, b).q, q)  # unpacked from fbgemm's copy when not kept
     assert rows.first(200).linear(x).shape == (3, 200)
+
+
+@pytest.mark.skipif(not INT8_GATHERED, reason="aten._weight_int8pack_mm runs where the CPU has AVX-512 BF16")
+def test_batched_int8_rows_give_each_row_the_bits_it_gets_alone():
+    """``lowrank``'s scorer over a batch (the vLLM plugin's) and over one row (dynvocab's loop): the same bits."""
+    torch.manual_seed(0)
+    for width in (16, 64, 256):
+        w, b = torch.randn(1003, width), torch.randn(1003)
+        linear = batched_int8_rows(w, b)
+        x = torch.randn(5, width)
+        batch = linear(x)
+        assert batch.dtype == torch.float32 and batch.shape == (5, 1003)
+        assert all(torch.equal(batch[i], linear(x[i : i + 1])[0]) for i in range(5))
+        want = x @ w.T + b
+        assert (batch - want).abs().max() < 0.05 * want.abs().max()
+    for width in (8, 12, 24):  # widths the kernel gets wrong or crashes on: not offered
+        assert batched_int8_rows(torch.randn(10, width), None) is None
 
 
 def test_a_ranking_prefix_is_packed_after_repeated_use_and_kept():

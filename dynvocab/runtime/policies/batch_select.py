@@ -82,9 +82,10 @@ class LowRankSelector:
     """``lowrank``: every id scored at rank r from ``hidden``, the top ``k`` kept (EOS pinned by a huge bias)."""
 
     def __init__(self, proj: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, k: int, int8: bool | None = None):
-        """``proj`` [r, d], ``rows`` [V, r], ``bias`` [V] (float32); ``int8``: score with fbgemm int8 rows (None:
-        wherever the device runs them)."""
-        from dynvocab.models.int8 import int8_supported
+        """``proj`` [r, d], ``rows`` [V, r], ``bias`` [V] (float32); ``int8``: score with int8 rows (None: wherever
+        the device runs them): a whole batch in one call where the CPU has AVX-512 BF16
+        (:func:`~dynvocab.models.int8.batched_int8_rows`), else fbgemm one row per call."""
+        from dynvocab.models.int8 import batched_int8_rows, int8_supported
         from dynvocab.models.rows import Int8Rows
 
         if k < 1:
@@ -94,7 +95,11 @@ class LowRankSelector:
         self.k = min(k, self.vocab)
         int8 = int8_supported(proj.device.type) if int8 is None else int8
         self.int8 = int8
-        if int8:
+        batched = batched_int8_rows(rows.float(), bias.float()) if int8 else None
+        self.per_row = int8 and batched is None  # fbgemm: one row per call (see scores)
+        if batched is not None:
+            self._rows = batched  # z [B, r] -> [B, V]
+        elif int8:
             self._rows = Int8Rows(rows.float(), bias.float()).linear  # z [1, r] -> [1, V]
         else:
             rows, bias = rows.float(), bias.float()
@@ -109,10 +114,10 @@ class LowRankSelector:
         return out
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Scores [B, V] of every id for ``hidden`` [B, d]. fbgemm quantizes its input with one scale per call, so
-        int8 rows score one row per call: a row's set never depends on the rows batched beside it."""
+        """Scores [B, V] of every id for ``hidden`` [B, d]; a row's set never depends on the rows batched beside it:
+        fbgemm quantizes its input with one scale per call, so its int8 rows score one row per call."""
         z = hidden.float() @ self.proj.T  # [B, r]
-        if self.int8 and z.shape[0] > 1:
+        if self.per_row and z.shape[0] > 1:
             return torch.cat([self._rows(z[i : i + 1]) for i in range(z.shape[0])])
         return self._rows(z)
 
