@@ -12,8 +12,9 @@ from dynvocab.artifacts.random_stages import random_context_stages
 from dynvocab.artifacts.selectors import SelectorTable, random_selectors
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, asked_budget, batch_strategies, build_selector, refusal
+from dynvocab.models.int8 import INT8_GATHERED
 from dynvocab.runtime.policies.batch_select import (
-    CentroidSelector, LowRankSelector, SelectedHead, StaticSelector, scatter_logits)
+    BATCHED_RANK, CentroidSelector, LowRankSelector, SelectedHead, StaticSelector, scatter_logits)
 from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
 from dynvocab.runtime.policies.context_select import StepContext
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
@@ -68,6 +69,20 @@ def test_lowrank_at_one_row_is_the_loop_policys_set(bundle):
         assert set(one.tolist()) == ids_of(policy.active_ids(0, hidden[i : i + 1]))
         assert 7 in set(one.tolist())  # EOS pinned
     assert len({tuple(sorted(r.tolist())) for r in batch}) == 5  # each row its own set
+
+
+def test_lowrank_at_the_batched_kernels_rank_gives_each_row_its_own_set_alone_or_batched():
+    """From :data:`BATCHED_RANK` int8 rows score a batch in one call where the CPU allows: a row's set is the one it
+    gets alone (the bits are, tests/test_int8_draft.py)."""
+    g = torch.Generator().manual_seed(2)
+    r = BATCHED_RANK
+    selector = LowRankSelector(torch.randn(r, D, generator=g), torch.randn(V, r, generator=g) / 16,
+                               torch.randn(V, generator=g), 64)
+    assert selector.per_row == (selector.int8 and not INT8_GATHERED)
+    hidden = torch.randn(5, D, generator=g)
+    batch = selector(hidden)
+    for i in range(5):
+        assert torch.equal(torch.sort(selector(hidden[i : i + 1])[0]).values, torch.sort(batch[i]).values)
 
 
 def test_centroids_at_one_row_is_the_loop_policys_set(bundle):

@@ -78,13 +78,19 @@ class StaticSelector:
         return self.ids.expand(hidden.shape[0], self.k)
 
 
+# The rank from which lowrank's int8 rows score through the batched kernel: there it was faster at one row too
+# (151,936 rows, 2 threads, AMD EPYC with AVX-512 BF16: rank 256, 1.26 ms against fbgemm's 1.67), below it slower
+# at one row (rank 64: 0.44 against 0.22 ms; rank 128: 0.70 against 0.52), which dynvocab's own loop would pay.
+BATCHED_RANK = 256
+
+
 class LowRankSelector:
     """``lowrank``: every id scored at rank r from ``hidden``, the top ``k`` kept (EOS pinned by a huge bias)."""
 
     def __init__(self, proj: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, k: int, int8: bool | None = None):
         """``proj`` [r, d], ``rows`` [V, r], ``bias`` [V] (float32); ``int8``: score with int8 rows (None: wherever
-        the device runs them): a whole batch in one call where the CPU has AVX-512 BF16
-        (:func:`~dynvocab.models.int8.batched_int8_rows`), else fbgemm one row per call."""
+        the device runs them): a whole batch in one call where the CPU has AVX-512 BF16 and the rank is at least
+        :data:`BATCHED_RANK` (:func:`~dynvocab.models.int8.batched_int8_rows`), else fbgemm one row per call."""
         from dynvocab.models.int8 import batched_int8_rows, int8_supported
         from dynvocab.models.rows import Int8Rows
 
@@ -95,7 +101,7 @@ class LowRankSelector:
         self.k = min(k, self.vocab)
         int8 = int8_supported(proj.device.type) if int8 is None else int8
         self.int8 = int8
-        batched = batched_int8_rows(rows.float(), bias.float()) if int8 else None
+        batched = batched_int8_rows(rows.float(), bias.float()) if int8 and rows.shape[1] >= BATCHED_RANK else None
         self.per_row = int8 and batched is None  # fbgemm: one row per call (see scores)
         if batched is not None:
             self._rows = batched  # z [B, r] -> [B, V]
