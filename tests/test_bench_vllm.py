@@ -120,8 +120,9 @@ def test_row_figures_are_medians_and_vllms_counters():
 
 def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     """Plain vLLM, vLLM's own n-gram speculation, vLLM's own full head and two plugin strategies on 2 prompts × 8
-    tokens, at 1 and 2 requests in flight (``lowrank`` at the budget its own flag asks): every row, the same tokens
-    as plain vLLM, the JSON whole."""
+    tokens, at 1 and 2 requests in flight (``lowrank`` at the budget its own flag asks), and every speculative row
+    again with a batch-size schedule that stops speculating at 2 in flight: every row, the same tokens as plain
+    vLLM, the JSON whole."""
     pytest.importorskip("vllm")
     pair, bundle = request.getfixturevalue("vllm_pair"), request.getfixturevalue("vllm_bundle")
     for key, value in ENGINE_ENV.items():
@@ -133,10 +134,12 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     out = tmp / "bench.json"
     result = run("bench", "--vllm", "--target", pair[0], "--draft", pair[1], "--bundle", bundle, "--strategies",
                  "ngram,lowrank,centroids", "--prompts", prompts, "--max-new-tokens", 8, "--gamma", 3, "--rounds", 1,
-                 "--dtype", "float32", "--concurrency", "1,2", "--candidates", LOWRANK_K // 2, "--json", out)
+                 "--dtype", "float32", "--concurrency", "1,2", "--candidates", LOWRANK_K // 2, "--json", out,
+                 "--schedule", "1:3,2:0")
     assert result.exit_code == 0, result.output[-3000:]
     data = json.loads(out.read_text())
-    names = ["vllm", "vllm-spec:ngram", "vllm-spec", "vllm-spec:lowrank", "vllm-spec:centroids"]
+    spec_names = ["vllm-spec:ngram", "vllm-spec", "vllm-spec:lowrank", "vllm-spec:centroids"]
+    names = ["vllm", *spec_names, *(n + "+schedule" for n in spec_names)]
     assert [(r["name"], r["concurrency"]) for r in data["rows"]] == [(n, c) for n in names for c in (1, 2)]
     for row in data["rows"]:
         assert row["matches_vllm"] == 1.0, row["name"]
@@ -153,6 +156,12 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     assert {g["id"] for g in data["generations"]} == {"a", "b"}
     assert "vllm-spec:centroids" in result.output and "oracle" in result.output and "in flight" in result.output
     assert data["config"]["concurrency"] == [1, 2]
+    assert data["config"]["schedule"]["ranges"] == [[1, 1, 3], [2, 8, 0]] and data["acceptance_mismatches"] == []
+    by = {(r["name"], r["concurrency"]): r for r in data["rows"]}
+    for name in spec_names[1:]:  # at one request the schedule speculates as without it; at two, only once one ended
+        assert by[(name + "+schedule", 1)]["drafts"] == by[(name, 1)]["drafts"] > 0
+        assert by[(name + "+schedule", 2)]["drafts"] < by[(name, 2)]["drafts"]
+    assert "schedule: 1:3,2:0 (given)" in result.output
     loads = [rnd["load"] for row in data["rows"] for rnd in row["rounds"]]  # measured in the engine's process tree
     assert all(0 <= w["others_share"] <= 1 and len(w["loadavg_before"]) == 3 for w in loads)
     assert data["machine"]["rows_measured"] == len(loads) and isinstance(data["warnings"], list)

@@ -87,8 +87,10 @@ def test_folder_for_a_draft_model(bundles, tiny_dirs, tmp_path, strategy):  # no
     out = tmp_path / f"draft-{strategy}"
     result = export(bundles[1], tiny_dirs[1], out, strategy)
     assert result.exit_code == 0, result.output
-    line = result.output.strip()
+    line, spec = result.output.strip().splitlines()
     assert line.startswith(f"wrote {out} (vllm, {strategy}, ") and line.endswith(" ids, DynvocabQwen2ForCausalLM)"), line
+    assert spec == (f'vLLM: speculative_config={{"method": "draft_model", "model": "{out}", '
+                    '"use_local_argmax_reduction": true}')
     with load_bundle(bundles[1]) as src:
         eos = FreqTable.from_bundle(src).eos_ids.numel()
     assert f", {dict(fr=32, lowrank=24, centroids=3 * 16 + eos)[strategy]} ids," in line  # centroids: + the EOS ids
@@ -263,11 +265,31 @@ def test_a_demo_drafts_folder_names_the_target_folder_to_give_vllm(bundles, tiny
     lines = result.output.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"wrote {out} (vllm, fr, ")
     assert lines[1] == (f'vLLM: model={tiny_dirs[0]}, speculative_config={{"method": "draft_model", '
-                        f'"model": "{out}"}}')
+                        f'"model": "{out}", "use_local_argmax_reduction": true}}')
     assert config_of(out)[names.CONFIG_KEY]["demo_target"] == {"source": "demo:target", "folder": str(tiny_dirs[0])}
     plain = tmp_path / "plain"
-    assert export(bundles[0], tiny_dirs[1], plain, "fr").output.strip().count("\n") == 0
+    assert not export(bundles[0], tiny_dirs[1], plain, "fr").output.strip().splitlines()[1].startswith("vLLM: model=")
     assert "demo_target" not in config_of(plain)[names.CONFIG_KEY]
+
+
+def test_export_prints_the_gamma_and_the_batch_size_schedule(bundles, tiny_dirs, tmp_path):  # noqa: F811
+    """``--gamma`` and ``--schedule``: the speculative_config export prints carries both (vLLM's ranges), and the
+    folder's section records them; a schedule without --gamma, or past it, is one line."""
+    out = tmp_path / "scheduled"
+    result = run("export", bundles[1], "--format", "vllm", "--strategy", "fr", "--draft", tiny_dirs[1], "--out", out,
+                 "--gamma", 3, "--schedule", "1:3,4:0")
+    assert result.exit_code == 0, result.output
+    spec = json.loads(result.output.strip().splitlines()[1].split("speculative_config=", 1)[1])
+    assert spec == {"method": "draft_model", "model": str(out), "num_speculative_tokens": 3,
+                    "use_local_argmax_reduction": True,
+                    "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 4096, 0]]}
+    assert config_of(out)[names.CONFIG_KEY]["speculative_config"] == {
+        "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 4096, 0]]}
+    assert_one_line_error(run("export", bundles[1], "--format", "vllm", "--strategy", "fr", "--draft", tiny_dirs[1],
+                              "--out", tmp_path / "a", "--schedule", "1:3"), "--gamma")
+    assert_one_line_error(run("export", bundles[1], "--format", "vllm", "--strategy", "fr", "--draft", tiny_dirs[1],
+                              "--out", tmp_path / "b", "--gamma", 2, "--schedule", "1:3"), "0 … 2")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def _first_ids(bundle, budget, vocab_size, hidden_size, device):

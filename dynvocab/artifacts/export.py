@@ -72,6 +72,8 @@ class ExportRequest:
     draft: str | None = None  # vllm: the draft folder (or demo:draft)
     budget: int | None = None  # vllm: the selector's size (None: the bundle's default)
     copy: bool = False  # vllm: copy the draft's files instead of linking them
+    gamma: int | None = None  # vllm: num_speculative_tokens in the speculative_config it prints (None: not printed)
+    schedule: str | None = None  # vllm: a batch-size schedule, START:K,… or a `bench --vllm --schedule` JSON
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ DRIVER = "dynvocab.bench.vllm_run"
 DOCS = "docs/vllm.md"
 OUR_FULL_ROWS = ("ar", "full")  # the vllm and vllm-spec rows, which always run
 NGRAM_NAME = "ngram"  # in --strategies: the vllm-spec:ngram row
+SCHEDULED = "+schedule"  # a row's name with the batch-size schedule (speculative_config's per-batch-size tokens)
+AUTO = "auto"  # --schedule auto: picked from this run's rows without it
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,18 @@ class VllmBench:
     ngram: bool = True  # the vllm-spec:ngram row
     budgets: tuple[tuple[str, int], ...] = ()  # (strategy, budget) its own flags ask for; absent: its default
     concurrency: tuple[int, ...] = (1,)  # requests in flight: every row runs at each level
+    schedule: str | None = None  # a batch-size schedule (START:K,… or "auto"): every speculative row again with it
 
     @property
     def rows(self) -> list[str]:
         """Every row's name, in table order."""
-        return [PLAIN, *([NGRAM] if self.ngram else []), SPEC, *(PLUGIN + s for s in self.strategies)]
+        spec = [*([NGRAM] if self.ngram else []), SPEC, *(PLUGIN + s for s in self.strategies)]
+        return [PLAIN, *spec, *([name + SCHEDULED for name in spec] if self.schedule else [])]
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The engines' max_num_seqs (the driver's: at least 8, at least the largest level)."""
+        return max(8, *self.concurrency)
 
     def engines(self) -> list[list[str]]:
         """The rows of each engine, in the order they start: plain, vLLM's n-gram speculation, the draft's rows."""
@@ -196,8 +205,9 @@ def parse_concurrency(text: str | None) -> tuple[int, ...]:
     return levels
 
 
-def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str]) -> dict:
-    """The driver's request for ``rows`` (of one engine: plain, n-gram, or the draft's through ``folder``)."""
+def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str], schedule: list | None = None) -> dict:
+    """The driver's request for ``rows`` (of one engine: plain, n-gram, or the draft's through ``folder``); with
+    ``schedule`` (vLLM's ranges) every speculative row speculates by it and is named with :data:`SCHEDULED`."""
     longest = max(map(len, prompts))
     needed = longest + cfg.max_new_tokens + cfg.gamma + 16
     req = {
@@ -206,19 +216,24 @@ def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str]) -
         "max_model_len": -(-needed // 128) * 128, "tensor_parallel_size": cfg.tensor_parallel_size, "rows": [],
         "concurrency": list(cfg.concurrency),  # the driver sizes max_num_seqs to the largest
     }
+    from dynvocab.serving.vllm.schedule import SCHEDULE_KEY
+
+    extra = {SCHEDULE_KEY: schedule} if schedule else {}
+    suffix = SCHEDULED if schedule else ""
     for name in rows:
         if name == PLAIN:
             req["rows"].append({"name": name})
             continue
         if name == NGRAM:  # vLLM's own defaults for the lookup's n-gram sizes
-            req["rows"].append({"name": name, "head": False,
-                                "speculative_config": {"method": "ngram", "num_speculative_tokens": cfg.gamma}})
+            req["rows"].append({"name": name + suffix, "head": False, "speculative_config": {
+                "method": "ngram", "num_speculative_tokens": cfg.gamma, **extra}})
             continue
         spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": cfg.gamma,
-                "use_local_argmax_reduction": True}
+                "use_local_argmax_reduction": True, **extra}
         strategy = name[len(PLUGIN):] if name.startswith(PLUGIN) else None
         budget = dict(cfg.budgets).get(strategy)
-        req["rows"].append({"name": name, "speculative_config": spec, "strategy": strategy, "budget": budget})
+        req["rows"].append({"name": name + suffix, "speculative_config": spec, "strategy": strategy,
+                            "budget": budget})
     return req
 
 
@@ -251,10 +266,11 @@ def _level(row: dict, cfg: VllmBench) -> str:
     return f" at {row.get('concurrency', 1)} in flight" if len(cfg.concurrency) > 1 else ""
 
 
-def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> list[dict]:
-    """Every row on every prompt (token ids): one engine for ``vllm``, one for the speculative rows; returns the
-    driver's rows (name, concurrency, token_ids, rounds). ``log``: one line per engine start and per finished
-    row."""
+def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[list[dict], dict | None]:
+    """Every row on every prompt (token ids): one engine for ``vllm``, one for the speculative rows, and with a
+    schedule (:attr:`VllmBench.schedule`) the speculative engines again with it; returns the driver's rows (name,
+    concurrency, token_ids, rounds) and the schedule run (``{"text", "ranges", "picked_from"}``, or None).
+    ``log``: one line per engine start and per finished row, and what ``auto`` picked."""
     from dynvocab.serving.vllm.folder import write_draft_folder
 
     workdir = Path(tempfile.mkdtemp(prefix="dynvocab-vllm-"))
@@ -264,18 +280,68 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> list[d
         else:
             folder = _plain_draft_folder(cfg)
         rows = []
-        for names in cfg.engines():
-            log(f"vllm: starting an engine for {', '.join(names)} ({len(prompts)} prompts × {cfg.rounds} rounds"
+
+        def engine(names: list[str], schedule: list | None = None) -> None:
+            shown = [n + (SCHEDULED if schedule and n != PLAIN else "") for n in names]
+            log(f"vllm: starting an engine for {', '.join(shown)} ({len(prompts)} prompts × {cfg.rounds} rounds"
                 + (f" × {len(cfg.concurrency)} levels of concurrency)" if len(cfg.concurrency) > 1 else ")"))
-            done = run_driver(cfg, request(cfg, prompts, folder, names), workdir)
+            done = run_driver(cfg, request(cfg, prompts, folder, names, schedule), workdir)
             for row in done:
                 s = summarize_row(row, row_ids(row))
                 log(f"vllm: {row['name']}{_level(row, cfg)} {s['tokens_per_s']:.2f} tok/s"
                     + (f", MAL {s['mal']:.2f}" if s["mal"] else ""))
-            rows += done
-        return rows
+            rows.extend(done)
+
+        for names in cfg.engines():
+            engine(names)
+        schedule = None
+        if cfg.schedule:
+            schedule = resolve_schedule(cfg, rows)
+            log(f"vllm: schedule {schedule['text']} ({schedule['why']})")
+            for names in cfg.engines()[1:]:
+                engine(names, schedule["ranges"])
+        return rows, schedule
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def resolve_schedule(cfg: VllmBench, rows: list[dict]) -> dict:
+    """The run's schedule: the one given, or for ``auto`` the one :func:`~dynvocab.serving.vllm.schedule.pick_schedule`
+    picks from this run's rows without it (at each level of requests in flight, the fastest speculative row with a
+    draft over plain vLLM); ``{"text", "ranges", "why", "speedups"}``."""
+    from dynvocab.serving.vllm.schedule import format_schedule, parse_schedule, pick_schedule
+
+    if cfg.schedule != AUTO:
+        ranges = parse_schedule(cfg.schedule, cfg.gamma, cfg.max_num_seqs)
+        return {"text": format_schedule(ranges), "ranges": ranges, "why": "given", "speedups": None}
+    speeds: dict[int, dict[str, float]] = {}
+    for row in rows:
+        s = summarize_row(row, None)
+        speeds.setdefault(s["concurrency"], {})[s["name"]] = s["tokens_per_s"] or 0.0
+    speedups = {}
+    for level, by_name in sorted(speeds.items()):
+        plain = by_name.get(PLAIN)
+        best = max((v for n, v in by_name.items() if n not in (PLAIN, NGRAM)), default=None)
+        if plain and best is not None:
+            speedups[level] = round(best / plain, 4)
+    ranges = pick_schedule(speedups, cfg.gamma, cfg.max_num_seqs)
+    shown = ", ".join(f"{level}: {x:.2f}×" for level, x in speedups.items())
+    return {"text": format_schedule(ranges), "ranges": ranges, "speedups": speedups,
+            "why": f"auto: the fastest draft row over plain vLLM at each level of requests in flight, {shown}"}
+
+
+def acceptance_mismatches(rows: list[dict]) -> list[str]:
+    """The greedy rows whose vLLM acceptance (drafts, accepted tokens, accepted by position) differs between rounds
+    at one level of requests in flight, one line each: greedy acceptance is deterministic, so any difference is a
+    fault in the engine or the plugin, not noise."""
+    out = []
+    for row in rows:
+        seen = [(r.get("drafts", 0), r.get("accepted_tokens", 0), tuple(r.get("accepted_per_pos") or ()))
+                for r in row["rounds"]]
+        if len(set(seen)) > 1:
+            shown = "; ".join(f"round {i + 1}: {d} drafts, {a} accepted {list(p)}" for i, (d, a, p) in enumerate(seen))
+            out.append(f"{row['name']} at {row.get('concurrency', 1)} in flight: {shown}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -335,7 +401,8 @@ def summarize_row(row: dict, ids: int | None) -> dict:
     }
 
 
-def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[dict], tokenizer) -> dict:
+def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[dict], tokenizer,
+            schedule: dict | None = None) -> dict:
     """The run as data: ``rows`` (figures per row, ``= vllm`` and speed-ups), ``generations`` (id, task, strategy,
     token_ids, text) and ``config``."""
     summary = [summarize_row(r, row_ids(r)) for r in rows]
@@ -359,7 +426,8 @@ def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[di
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": 0.0, "seed": cfg.seed, "dtype": cfg.dtype, "rounds": cfg.rounds,
         "tensor_parallel_size": cfg.tensor_parallel_size, "chat_template": cfg.chat_template,
-        "vllm_python": cfg.python, "prompts": len(prompts), "concurrency": list(cfg.concurrency), "threads_bind": engine_env(cfg.python)["VLLM_CPU_OMP_THREADS_BIND"],
+        "vllm_python": cfg.python, "prompts": len(prompts), "concurrency": list(cfg.concurrency),
+        "threads_bind": engine_env(cfg.python)["VLLM_CPU_OMP_THREADS_BIND"], "schedule": schedule,
     }
     label = (lambda r: f"{r['name']}@{r.get('concurrency', 1)}") if len(cfg.concurrency) > 1 else (lambda r: r["name"])
     loads = {label(r): [rnd.get("load") for rnd in r["rounds"]] for r in rows}
@@ -367,7 +435,7 @@ def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[di
                 stability.rounds_warning({label(s): s["tokens_per_s_rounds"] for s in summary})]
     return {"config": config, "rows": summary, "generations": generations,
             "machine": stability.machine([w for ws in loads.values() for w in ws]),
-            "warnings": [w for w in warnings if w]}
+            "warnings": [w for w in warnings if w], "acceptance_mismatches": acceptance_mismatches(rows)}
 
 
 def _fmt(value, spec: str) -> str:

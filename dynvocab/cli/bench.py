@@ -108,7 +108,9 @@ def bench(
         bool,
         typer.Option("--vllm", help="Instead: run the prompts through vLLM: rows vllm, vllm-spec:ngram (vLLM's own "
                      "prompt lookup; 'ngram' in --strategies), vllm-spec (the draft's full head) and "
-                     "vllm-spec:<strategy> per plugin strategy (fr, lowrank, centroids) in one engine."),
+                     "vllm-spec:<strategy> per plugin strategy (every strategy with a batched selector: fr, fr-pa, dynaspec, "
+                     "lowrank, centroids, microspec, hybrid) in one engine. Greedy acceptance must repeat in every round: "
+                     "a row whose rounds differ ends the run non-zero, naming it."),
     ] = False,
     vllm_python: Annotated[
         Optional[str], typer.Option("--vllm-python", metavar="PATH", help="With --vllm: the python of an environment "
@@ -124,6 +126,13 @@ def bench(
         Optional[str], typer.Option("--concurrency", metavar="N[,N…]", help="With --vllm: requests in flight, e.g. "
                                     "1,4,8 (each of N clients sends its next prompt when its last one ends); every row "
                                     "runs at each level. [default: 1]")
+    ] = None,
+    schedule: Annotated[
+        Optional[str], typer.Option("--schedule", metavar="START:K,…|auto", help="With --vllm: every speculative row "
+                                    "again with this batch-size schedule (speculative_config's "
+                                    "num_speculative_tokens_per_batch_size; e.g. 1:4,4:0 = γ tokens at 1-3 requests, none "
+                                    "from 4); auto picks it from this run's rows at each --concurrency level and says "
+                                    "what it picked.")
     ] = None,
     kernels: MovedFlag = False,
     policy_steps: MovedFlag = False,
@@ -142,6 +151,9 @@ def bench(
         check_out(path, flag)
     set_threads(threads)
     flags.check()
+    if not vllm and (schedule is not None or concurrency is not None):
+        raise DynvocabError(f"{'--schedule' if schedule is not None else '--concurrency'} applies to --vllm rows only; "
+                            "add --vllm")
     if vllm:
         from dynvocab.cli.bench_run import BenchRequest, VllmRequest, run_vllm_command
 
@@ -150,7 +162,8 @@ def bench(
             num_prompts=num_prompts, quick=quick, max_new_tokens=max_new_tokens, chat_template=not no_chat_template,
             json_path=json_path,
         )
-        run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size, concurrency))
+        run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size, concurrency,
+                                                                schedule))
         return
     llama = None
     if llamacpp is not None:

@@ -211,6 +211,7 @@ class VllmRequest:
     rounds: int | None = None
     tensor_parallel_size: int = 1
     concurrency: str | None = None  # --concurrency 1,4,8 (default: 1)
+    schedule: str | None = None  # --schedule START:K,… or auto: every speculative row again with it
 
 
 def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest) -> dict:
@@ -238,13 +239,18 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         dtype=req.models.dtype or default_dtype("cpu"), tensor_parallel_size=vllm.tensor_parallel_size,
         chat_template=req.chat_template, seed=flags.seed, concurrency=levels, budgets=budgets,
         ngram=req.strategies is None or v.NGRAM_NAME in [s.strip() for s in req.strategies.split(",")],
+        schedule=vllm.schedule,
     )
+    if cfg.schedule and cfg.schedule != v.AUTO:  # refused in one line before any engine starts
+        from dynvocab.serving.vllm.schedule import parse_schedule
+
+        parse_schedule(cfg.schedule, cfg.gamma, cfg.max_num_seqs)
     console = Console(stderr=True)
     if any(item.turns > 1 for item in items):
         console.print("[yellow]note:[/] the vLLM rows run each conversation's first turn only", highlight=False)
     with make_reporter(console) as reporter:
-        rows = v.run_vllm_rows(cfg, prompts, log=reporter.log)
-    results = v.results(cfg, items, prompts, rows, tokenizer)
+        rows, schedule = v.run_vllm_rows(cfg, prompts, log=reporter.log)
+    results = v.results(cfg, items, prompts, rows, tokenizer, schedule)
     Console(width=None if stdout_is_terminal() else 200).print(v.render_table(results))
     print_warnings(results, console)
     console.print(f"[dim]{v.NOTE}[/]", highlight=False, soft_wrap=True)
@@ -252,4 +258,10 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         text = json.dumps(results, ensure_ascii=False, indent=1)
         write_atomic(req.json_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
         console.print(f"wrote {req.json_path}")
+    if schedule is not None:
+        console.print(f"schedule: {schedule['text']} ({schedule['why']}); export it with `dynvocab export … --gamma "
+                      f"{cfg.gamma} --schedule {schedule['text']}`", highlight=False, soft_wrap=True)
+    if results["acceptance_mismatches"]:
+        raise DynvocabError("greedy acceptance differed between rounds of the same prompts (a fault, not noise; "
+                            "the figures above mix its rounds): " + " | ".join(results["acceptance_mismatches"]))
     return results

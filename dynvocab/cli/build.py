@@ -182,13 +182,16 @@ def export(
     draft: Annotated[Optional[str], typer.Option(help="vllm: the draft the bundle was built for: a local model folder, demo:draft, or an EAGLE head (eagle layout).")] = None,
     budget: Annotated[Optional[int], typer.Option(min=1, help="vllm: the selector's size (fr: ids; lowrank: candidates; centroids: blocks; default: the bundle's).")] = None,
     copy: Annotated[bool, typer.Option("--copy", help="vllm: copy the draft's files into the folder instead of linking them.")] = False,
+    gamma: Annotated[Optional[int], typer.Option(min=1, help="vllm: draft tokens per cycle (num_speculative_tokens) in the speculative_config export prints.")] = None,
+    schedule: Annotated[Optional[str], typer.Option(metavar="START:K,…|BENCH.json", help="vllm (with --gamma): speculate k tokens from each batch size on, 0 = none, e.g. 1:3,4:0; or the JSON of `bench --vllm --schedule auto`, whose pick is taken. Printed as speculative_config's num_speculative_tokens_per_batch_size.")] = None,
 ) -> None:
     """Export the bundle for another system: an SGLang/FR-Spec token map, EAGLE-3 d2t/t2d, or a vLLM draft folder."""
     from dynvocab.artifacts.export import ExportRequest, export_bundle, lookup_format
 
     if not lookup_format(fmt).folder:
         check_out(out, "--out")
-    request = ExportRequest(size=size, strategy=strategy, draft=draft, budget=budget, copy=copy)
+    request = ExportRequest(size=size, strategy=strategy, draft=draft, budget=budget, copy=copy, gamma=gamma,
+                            schedule=schedule)
     done = export_bundle(bundle_path, out, fmt, request)
     err_console.print(f"wrote {done.path} ({done.summary})", highlight=False, soft_wrap=True)
     for note in done.notes:

@@ -34,6 +34,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import head_rows
 from dynvocab.serving.vllm.kinds import VllmKind, vllm_kind
 from dynvocab.serving.vllm.names import ARCHITECTURES, CONFIG_KEY, FOLDER_FORMAT, POLICY_FILE, registered_name
+from dynvocab.serving.vllm.schedule import SCHEDULE_KEY
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,30 @@ class DraftFolder:
     architecture: str  # the registered architecture its config.json names
     ids: int  # the selector's set size k
     target: Path | None = None  # a demo draft's: the local folder of the demo target, vLLM's model=
+    gamma: int | None = None  # num_speculative_tokens for the speculative_config (None: not said)
+    schedule: tuple | None = None  # vLLM's num_speculative_tokens_per_batch_size ranges (None: none)
 
     def summary(self) -> str:
         """``vllm, STRATEGY, N ids, ARCHITECTURE`` for the CLI's one line."""
         return f"vllm, {self.strategy}, {self.ids:,} ids, {self.architecture}"
 
+    def speculative_config(self) -> dict:
+        """The ``speculative_config`` that runs this folder in vLLM (greedy drafts through the plugin's
+        ``get_top_tokens``; the γ and schedule where they were given)."""
+        spec = {"method": self.method, "model": str(self.path)}
+        if self.gamma is not None:
+            spec["num_speculative_tokens"] = self.gamma
+        spec["use_local_argmax_reduction"] = True
+        if self.schedule:
+            spec[SCHEDULE_KEY] = [list(r) for r in self.schedule]
+        return spec
+
     def notes(self) -> tuple[str, ...]:
-        """What to give vLLM, where dynvocab knows the target (a demo draft's): one line."""
+        """What to give vLLM: one line (the target too where dynvocab knows it, a demo draft's)."""
+        spec = json.dumps(self.speculative_config())
         if self.target is None:
-            return ()
-        return (f"vLLM: model={self.target}, speculative_config={{\"method\": \"{self.method}\", "
-                f"\"model\": \"{self.path}\"}}",)
+            return (f"vLLM: speculative_config={spec}",)
+        return (f"vLLM: model={self.target}, speculative_config={spec}",)
 
 
 def supported() -> str:
@@ -171,11 +185,13 @@ def _target_folder(draft: str) -> tuple[str, Path] | None:
 
 
 def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str | Path, budget: int | None = None,
-                       copy: bool = False) -> DraftFolder:
+                       copy: bool = False, gamma: int | None = None, schedule: str | None = None) -> DraftFolder:
     """Write ``out``: a draft folder vLLM loads as it is, whose head runs ``strategy``'s selector from ``bundle``
     over ``draft`` (a local model folder, ``demo:draft``, or an EAGLE head in the eagle layout). ``budget``: the
     selector's size (fr: ids; lowrank: candidates; centroids: blocks; None: the bundle's default); ``copy``: copy
-    the draft's files instead of linking them. Every refusal is a one-line :class:`DynvocabError`."""
+    the draft's files instead of linking them; ``gamma`` and ``schedule`` (``START:K,…``, or the JSON a ``bench --vllm
+    --schedule`` run wrote) go into the ``speculative_config`` the folder's notes print, and the schedule into its
+    section. Every refusal is a one-line :class:`DynvocabError`."""
     from dynvocab.artifacts import load_bundle, write_bundle
     from dynvocab.files import publish_dir, temp_dir_for
     from dynvocab.runtime.batched import SelectorSpec, build_selector, bundle_stages, exported_stages, refusal
@@ -186,6 +202,13 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
         raise DynvocabError(why)
     if budget is not None and budget < 1:
         raise DynvocabError(f"--budget must be at least 1 (got {budget})")
+    ranges = None
+    if schedule is not None:
+        from dynvocab.serving.vllm.schedule import schedule_ranges
+
+        if gamma is None:
+            raise DynvocabError("--schedule needs --gamma (the num_speculative_tokens its ranges stay within)")
+        ranges = schedule_ranges(schedule, gamma)
     out = Path(out).expanduser()
     _check_out(out)
     spec, source, config = _draft_folder(draft)
@@ -203,6 +226,8 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
         stages = [src.load_stage(s) for s in kept]
         fingerprints = (src.fingerprints["target"], src.fingerprints.get("draft"))
         meta = section(strategy, budget, row, own, src)
+    if ranges is not None:
+        meta["speculative_config"] = {"num_speculative_tokens": gamma, SCHEDULE_KEY: ranges}
     if config.get("eagle_aux_hidden_state_layer_ids") != source_ids:  # the head's own ids, as its layout writes them
         meta["source_eagle_aux_hidden_state_layer_ids"] = source_ids
     target = _target_folder(draft)
@@ -225,15 +250,16 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
         shutil.rmtree(staged, ignore_errors=True)
         raise
     return DraftFolder(out, strategy, row.name, row.method, architecture, int(selector.k),
-                       None if target is None else target[1])
+                       None if target is None else target[1], gamma, None if ranges is None else tuple(map(tuple, ranges)))
 
 
 def _export(bundle: Path, out: Path, request: ExportRequest) -> Exported:
-    folder = write_draft_folder(bundle, request.draft, request.strategy, out, request.budget, request.copy)
+    folder = write_draft_folder(bundle, request.draft, request.strategy, out, request.budget, request.copy,
+                                request.gamma, request.schedule)
     return Exported(folder.path, folder.summary(), folder.notes())
 
 
 # ``dynvocab export --format vllm``, declared in pyproject.toml's ``dynvocab.export_formats`` entry points
 EXPORT_FORMAT = ExportFormat("vllm", _export,
                              "a draft folder vLLM loads, its head running --strategy's selector over --draft",
-                             takes=("strategy", "draft", "budget", "copy"), needs=("strategy", "draft"), folder=True)
+                             takes=("strategy", "draft", "budget", "copy", "gamma", "schedule"), needs=("strategy", "draft"), folder=True)

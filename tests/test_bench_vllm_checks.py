@@ -1,0 +1,119 @@
+"""What ``bench --vllm`` decides from the driver's rows, without an engine: greedy acceptance that differs between
+rounds ends the run non-zero naming the row (the JSON written first), and the batch-size schedule: given, picked by
+``auto`` from the rows, refused in one line, and what ``export`` prints with it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_helpers import assert_one_line_error, run
+
+from dynvocab.bench import vllm_rows as v
+from dynvocab.errors import DynvocabError
+from dynvocab.serving.vllm.schedule import (format_schedule, parse_schedule, pick_schedule, schedule_ranges)
+
+
+def _round(wall: float, drafts: int = 10, accepted: int = 6, per_pos=(4, 2)) -> dict:
+    return {"wall_s": wall, "new_tokens": 32, "drafts": drafts, "draft_tokens": 20, "accepted_tokens": accepted,
+            "accepted_per_pos": list(per_pos), "head": {}, "load": None}
+
+
+def _row(name: str, rounds: list[dict], users: int = 1) -> dict:
+    return {"name": name, "concurrency": users, "token_ids": [[1, 2]], "rounds": rounds}
+
+
+def test_rounds_with_the_same_acceptance_pass_and_a_differing_row_is_named():
+    same = _row("vllm-spec:fr", [_round(1.0), _round(1.3)])  # timing may differ: only a warning elsewhere
+    plain = _row("vllm", [_round(1.0, 0, 0, ()), _round(2.0, 0, 0, ())])
+    bad = _row("vllm-spec:microspec", [_round(1.0), _round(1.0, accepted=2, per_pos=(2, 0))], users=4)
+    assert v.acceptance_mismatches([same, plain]) == []
+    found = v.acceptance_mismatches([same, plain, bad])
+    assert len(found) == 1
+    assert found[0].startswith("vllm-spec:microspec at 4 in flight: round 1: 10 drafts, 6 accepted [4, 2]")
+    assert "round 2: 10 drafts, 2 accepted [2, 0]" in found[0]
+
+
+def test_a_schedule_is_vllms_ranges_and_reads_back():
+    ranges = parse_schedule("1:3,4:0", 3, 8)
+    assert ranges == [[1, 3, 3], [4, 8, 0]]
+    assert format_schedule(ranges) == "1:3,4:0"
+    assert parse_schedule("1:2", 3, 8) == [[1, 8, 2]]
+
+
+@pytest.mark.parametrize("text, words", [("2:3", "starts at batch size 1"), ("1:3,1:0", "rise"),
+                                         ("1:3,4:1,2:0", "rise"), ("1:5", "0 … 3"), ("1-3", "START:K"),
+                                         ("1:3,99:0", "max_num_seqs")])
+def test_a_bad_schedule_is_one_line(text, words):
+    with pytest.raises(DynvocabError, match=words):
+        parse_schedule(text, 3, 8)
+
+
+def test_auto_speculates_up_to_the_first_level_where_it_stopped_paying():
+    assert pick_schedule({1: 1.6, 4: 1.02, 8: 0.8}, 3, 8) == [[1, 7, 3], [8, 8, 0]]
+    assert pick_schedule({1: 1.6, 4: 0.9, 8: 1.1}, 3, 8) == [[1, 3, 3], [4, 8, 0]]  # off from the first loss on
+    assert pick_schedule({1: 0.9, 4: 0.5}, 3, 8) == [[1, 8, 0]]
+    assert pick_schedule({1: 1.3}, 4, 8) == [[1, 8, 4]]
+    with pytest.raises(DynvocabError):
+        pick_schedule({}, 3, 8)
+
+
+def test_auto_reads_the_fastest_draft_row_over_plain_at_each_level():
+    cfg = v.VllmBench(target="t", draft="d", bundle="b", strategies=("fr",), python="p", gamma=3, concurrency=(1, 4),
+                      schedule=v.AUTO)
+    rows = [_row("vllm", [_round(2.0)]), _row("vllm", [_round(1.0)], 4),
+            _row("vllm-spec:ngram", [_round(0.5)]), _row("vllm-spec:ngram", [_round(0.5)], 4),  # not a draft row
+            _row("vllm-spec", [_round(1.6)]), _row("vllm-spec", [_round(1.5)], 4),
+            _row("vllm-spec:fr", [_round(1.0)]), _row("vllm-spec:fr", [_round(1.25)], 4)]
+    picked = v.resolve_schedule(cfg, rows)
+    assert picked["speedups"] == {1: 2.0, 4: 0.8}
+    assert picked["ranges"] == [[1, 3, 3], [4, 8, 0]] and picked["text"] == "1:3,4:0"
+    assert "1: 2.00×, 4: 0.80×" in picked["why"]
+    assert cfg.rows[-3:] == ["vllm-spec:ngram+schedule", "vllm-spec+schedule", "vllm-spec:fr+schedule"]
+
+
+def test_a_scheduled_request_names_its_rows_and_carries_the_ranges(tmp_path):
+    cfg = v.VllmBench(target="t", draft="d", bundle="b", strategies=("fr",), python="p", gamma=3)
+    folder = v._PlainFolder(tmp_path, "eagle")
+    req = v.request(cfg, [[1, 2, 3]], folder, ["vllm-spec:ngram", "vllm-spec", "vllm-spec:fr"], [[1, 3, 3], [4, 8, 0]])
+    assert [r["name"] for r in req["rows"]] == ["vllm-spec:ngram+schedule", "vllm-spec+schedule",
+                                                "vllm-spec:fr+schedule"]
+    assert {json.dumps(r["speculative_config"]["num_speculative_tokens_per_batch_size"]) for r in req["rows"]} == {
+        "[[1, 3, 3], [4, 8, 0]]"}
+    assert [r["strategy"] for r in req["rows"][1:]] == [None, "fr"]
+
+
+def test_export_takes_a_schedule_as_pairs_or_from_a_bench_json(tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"config": {"gamma": 3, "schedule": {"text": "1:3,4:0"}}}))
+    assert schedule_ranges(str(bench), 3) == [[1, 3, 3], [4, 4096, 0]]
+    with pytest.raises(DynvocabError, match="--gamma 3"):
+        schedule_ranges(str(bench), 4)
+    other = tmp_path / "other.json"
+    other.write_text("{}")
+    with pytest.raises(DynvocabError, match="not a `dynvocab bench --vllm --schedule` JSON"):
+        schedule_ranges(str(other), 3)
+
+
+def test_schedule_and_concurrency_without_vllm_are_one_line():
+    assert_one_line_error(run("bench", "--schedule", "1:3,4:0"), "--vllm")
+    assert_one_line_error(run("bench", "--concurrency", "1,4"), "--vllm")
+
+
+def test_a_bench_whose_rounds_disagree_exits_non_zero_after_writing_its_json(tiny_dirs, tmp_path, monkeypatch):
+    """The CLI with the driver's rows given: the table and JSON as ever, then one line naming the row, exit 1."""
+    target, draft = tiny_dirs["target"], tiny_dirs["draft"]
+    rows = [_row("vllm", [_round(2.0, 0, 0, ()), _round(2.0, 0, 0, ())]),
+            _row("vllm-spec", [_round(1.0), _round(1.0)]),
+            _row("vllm-spec:ngram", [_round(1.0), _round(1.0, accepted=1, per_pos=(1, 0))])]
+    monkeypatch.setattr(v, "find_vllm_python", lambda path: "python")
+    monkeypatch.setattr(v, "run_vllm_rows", lambda cfg, prompts, log=print: (rows, None))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "task": "code", "prompt": "the cat"}\n')
+    out = tmp_path / "b.json"
+    result = run("bench", "--vllm", "--target", target, "--draft", draft, "--strategies", "ngram", "--prompts", prompts,
+                 "--rounds", 2, "--max-new-tokens", 2, "--json", out)
+    assert result.exit_code != 0
+    assert "vllm-spec:ngram at 1 in flight" in result.output and "vllm-spec at" not in result.output
+    data = json.loads(out.read_text())
+    assert data["acceptance_mismatches"] == v.acceptance_mismatches(rows)
