@@ -14,7 +14,8 @@ vllm``), each also with ``--schedule`` when one is given (``speculative_config``
 
 The prompts are the embedded held-out tasks (code and chat), written as the client's custom dataset (JSONL, one
 ``prompt`` a line) and sent as plain text to ``/v1/completions`` at temperature 0 with ``--ignore-eos``. MAL is
-``1 + accepted / drafts`` from ``vllm:spec_decode_num_*`` over the client's run (its one test request included).
+``1 + accepted / drafts`` from ``vllm:spec_decode_num_*`` over the client's run (the server was checked through
+``/health`` first, so the client sends no test request: the counters hold its requests alone).
 With ``--check`` each speculative row's served greedy text is compared with plain vLLM's for every request.
 """
 
@@ -44,6 +45,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def settled_metrics(base: str, limit_s: float = 20.0) -> dict[str, float]:
+    """:func:`metrics` once two reads a second apart agree (the server's counters follow its last outputs)."""
+    last, deadline = metrics(base), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = metrics(base)
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def metrics(base: str) -> dict[str, float]:
@@ -110,6 +123,7 @@ def client(python: str, base: str, target: str, dataset: Path, users: int, num_p
            "--disable-shuffle", "--num-prompts", str(num_prompts), "--custom-output-len", str(max_tokens),
            "--ignore-eos", "--temperature", "0", "--max-concurrency", str(users), "--request-rate", "inf",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--save-detailed",
+           "--ready-check-timeout-sec", "0",
            "--result-dir", str(result.parent), "--result-filename", result.name]
     with open(log, "a") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -118,16 +132,23 @@ def client(python: str, base: str, target: str, dataset: Path, users: int, num_p
     return json.loads(result.read_text())
 
 
-def write_prompts(target: str, tasks: list[str], n: int, chat_template: bool, out: Path) -> list[str]:
-    """The embedded held-out tasks as the client's custom dataset (JSONL ``{"prompt": text}``); their texts."""
-    from transformers import AutoTokenizer
+def write_prompts(target: str, tasks: list[str], n: int, chat_template: bool, out: Path,
+                  given: Path | None = None) -> list[str]:
+    """The client's custom dataset (JSONL ``{"prompt": text}``): the first ``n`` of ``given`` (a JSONL file with a
+    ``prompt`` per line), or of the embedded held-out tasks (each task's first ``n``, in turn); their texts."""
+    if given is not None:
+        texts = [json.loads(line)["prompt"] for line in given.read_text().splitlines() if line.strip()][:n]
+    else:
+        from transformers import AutoTokenizer
 
-    from dynvocab.bench.tasks import embedded_items
-    from dynvocab.prompts import encode_prompt
+        from dynvocab.bench.tasks import embedded_items
+        from dynvocab.prompts import encode_prompt
 
-    tok = AutoTokenizer.from_pretrained(target)
-    texts = [tok.decode(encode_prompt(tok, item.messages, chat_template), skip_special_tokens=True)
-             for item in embedded_items(tasks, n)]
+        tok = AutoTokenizer.from_pretrained(target)
+        items = embedded_items(tasks, n)
+        items = [x for group in zip(*(([i for i in items if i.task == t]) for t in tasks)) for x in group][:n]
+        texts = [tok.decode(encode_prompt(tok, item.context(0, [], 0), chat_template), skip_special_tokens=True)
+                 for item in items]
     out.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     return texts
 
@@ -141,6 +162,22 @@ def parse_schedule(text: str | None, gamma: int) -> list[list[int]] | None:
     return parse(text, gamma, 256)
 
 
+def native_draft(draft: str) -> tuple[str, str] | None:
+    """(folder, method) of ``draft`` where vLLM runs it with its own classes (a draft model, an EAGLE-3 head), for
+    the ``full`` row; None for a head only the plugin's classes run (dynvocab's EAGLE-1 heads: a message says so)."""
+    from dynvocab.models.loading import resolve_model
+    from dynvocab.runtime.drafts import find_kind
+    from dynvocab.serving.vllm.kinds import KINDS
+
+    spec = resolve_model(draft)
+    kind = find_kind(spec)[0].name
+    if kind not in KINDS or kind == "eagle1" or spec.gguf_file is not None:
+        print(f"no full row: vLLM has no class of its own for {draft} ({kind}); `dynvocab bench --vllm` times its "
+              "full head inside the plugin's class", flush=True)
+        return None
+    return spec.path, KINDS[kind].method
+
+
 def rows(args, folder_of) -> list[tuple[str, list[str]]]:
     """(name, server flags past --model) of every row."""
     base = ["--dtype", args.dtype, "--enforce-eager", "--max-model-len", str(args.max_model_len), "--max-num-seqs",
@@ -151,6 +188,12 @@ def rows(args, folder_of) -> list[tuple[str, list[str]]]:
         out.append(("ngram", spec({"method": "ngram", "num_speculative_tokens": args.gamma,
                                    "prompt_lookup_max": 5, "prompt_lookup_min": 2})))
     schedule = parse_schedule(args.schedule, args.gamma)
+    own = native_draft(args.draft) if "full" in args.baselines else None
+    if own is not None:
+        cfg = {"method": own[1], "model": own[0], "num_speculative_tokens": args.gamma}
+        out.append(("full", spec(cfg)))
+        if schedule:
+            out.append(("full+schedule", spec({**cfg, "num_speculative_tokens_per_batch_size": schedule})))
     for strategy in args.strategies:
         folder = folder_of(strategy)
         cfg = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": args.gamma}
@@ -173,7 +216,10 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=8, help="requests per level (from the embedded tasks)")
     p.add_argument("--tasks", default="code,chat", help="embedded tasks the prompts come from")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per request (--ignore-eos)")
-    p.add_argument("--baselines", default="vllm,ngram", help="vLLM's own rows: vllm (plain), ngram; '' for none")
+    p.add_argument("--baselines", default="vllm,ngram,full",
+                   help="vLLM's own rows: vllm (plain), ngram, full (the draft's full head, where vLLM has its class)")
+    p.add_argument("--prompts", type=Path, default=None, help="a JSONL file with a 'prompt' per line (default: the "
+                   "embedded held-out tasks)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--schedule", default=None,
@@ -201,7 +247,7 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     target = resolve_model(args.target).path
     dataset = work / "prompts.jsonl"
-    write_prompts(target, args.tasks.split(","), args.num_prompts, args.chat_template, dataset)
+    write_prompts(target, args.tasks.split(","), args.num_prompts, args.chat_template, dataset, args.prompts)
     folders: dict = {}
 
     def folder_of(strategy: str):
@@ -218,7 +264,7 @@ def main() -> int:
                 before = metrics(server.base)
                 result = client(sys.executable, server.base, target, dataset, users, args.num_prompts,
                                 args.max_tokens, work / f"{name}-{users}.json", logs / f"client-{name}.log")
-                after = metrics(server.base)
+                after = settled_metrics(server.base)
                 d = {k.split("num_")[1]: after[k] - before[k] for k in SPEC_METRICS}
                 mal = 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else None
                 table.append({"row": name, "users": users, "output_tok_s": result.get("output_throughput"),
