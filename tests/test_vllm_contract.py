@@ -167,13 +167,20 @@ def test_a_missing_seam_is_refused_in_one_line(plugin_log, monkeypatch):
     from dynvocab.serving.vllm import register
 
     monkeypatch.delattr(LogitsProcessor, "_gather_logits")
+    from vllm import ModelRegistry
+
+    from dynvocab.serving.vllm import check_vllm
+
+    monkeypatch.setattr(ModelRegistry, "get_supported_archs", lambda: [])  # as in a process that registered nothing
+    monkeypatch.setattr(ModelRegistry, "register_model", lambda *a, **k: pytest.fail("registered on a broken vLLM"))
+    register()  # vLLM calls it unguarded in every process: it logs one line and registers nothing, never raises
     with pytest.raises(DynvocabError) as caught:
-        register()
+        check_vllm()
     message = str(caught.value)
     assert "\n" not in message
     assert "lacks vllm.model_executor.layers.logits_processor:LogitsProcessor._gather_logits (" in message
     assert f"tested: vLLM {contract.TESTED_VERSIONS[0]}" in message and "VLLM_PLUGINS" in message
-    assert plugin_log == [("ERROR", message)]
+    assert plugin_log == [("ERROR", message)] * 2  # register()'s line, then check_vllm()'s own
 
 
 @needs_vllm

@@ -81,6 +81,18 @@ def test_the_plugin_head_drafts_and_its_sets_matter(greedy):
         assert rate(f"logits:{s}") == rate(f"top:{s}"), s
 
 
+def test_a_switched_row_drafts_as_its_strategys_own_engine(greedy, vllm_pair, vllm_bundle, folder, tmp_path):  # noqa: F811
+    """What ``bench --vllm`` reports for a strategy switched into a shared engine is what the exported folder does in
+    an engine of its own (no switch, as served), and greedy acceptance repeats round after round."""
+    row = {"name": "own:lowrank", "speculative_config": spec(folder, use_local_argmax_reduction=True), "head": False}
+    result, err = run_rows(tmp_path, request(vllm_pair, vllm_bundle, [row], batch=True, rounds=2))
+    assert result is not None, err[-3000:]
+    counts = lambda r: (r["drafts"], r["accepted_tokens"], r["accepted_per_pos"])  # noqa: E731
+    own = [counts(r) for r in result["rows"][0]["rounds"]]
+    assert own[0] == own[1] == counts(greedy["top:lowrank"]["rounds"][0])
+    assert result["rows"][0]["token_ids"] == greedy["vllm"]["token_ids"]
+
+
 def test_head_logits_are_the_full_heads_over_each_rows_set(greedy, vllm_bundle):  # noqa: F811
     """Inside the engine, on random hidden states: compute_logits is finite exactly on the row's set and equals the
     full head there; get_top_tokens is its argmax; rows get different sets (fr: the same one)."""

@@ -451,7 +451,9 @@ def render_table(res: dict) -> Table:
     levels = cfg.get("concurrency") or [1]
     title = (f"dynvocab bench --vllm · γ={cfg['gamma']} · {cfg['max_new_tokens']} new tokens · greedy · {cfg['dtype']} · "
              f"{cfg['prompts']} prompts · median of {cfg['rounds']} rounds"
-             + (f" · {'/'.join(map(str, levels))} requests in flight" if levels != [1] else ""))
+             + (f" · {'/'.join(map(str, levels))} requests in flight" if levels != [1] else "")
+             + " · enforce_eager (no compilation)"
+             + (f" · schedule {cfg['schedule']['text']}" if cfg.get("schedule") else ""))
     table = Table(title=title, title_justify="left")
     columns = ("row", *(("in flight",) if levels != [1] else ()), "tok/s", "×vllm", "×vllm-spec", "MAL",
                "accept by position", "ids/step", "head ms/step", "selector ms/step", "=vllm")

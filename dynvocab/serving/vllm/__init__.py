@@ -27,11 +27,16 @@ logger = logging.getLogger("vllm.dynvocab")
 
 def register() -> None:
     """Check the installed vLLM and register the plugin's draft architectures with its ``ModelRegistry`` (called by
-    vLLM). A vLLM that lacks a piece the plugin uses is refused in one line naming it; a version the plugin was not
-    tested with runs with one warning; where vLLM is known to sample wrongly under speculation, one warning says so."""
+    vLLM, unguarded, in every process). It never raises: on a vLLM that lacks a piece the plugin uses it logs one
+    line naming it and registers nothing, so vLLM still starts for every model but the plugin's draft folders (whose
+    architecture vLLM then refuses at load, in its own one line); a version the plugin was not tested with runs with
+    one warning; where vLLM is known to sample wrongly under speculation, one warning says so."""
     from vllm import ModelRegistry
 
-    check_vllm()
+    try:
+        check_vllm()
+    except DynvocabError:
+        return  # logged by check_vllm; nothing registered
     for name, _ in ARCHITECTURES.values():
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, f"dynvocab.serving.vllm.models:{name}")
@@ -39,7 +44,8 @@ def register() -> None:
 
 def check_vllm() -> list[str]:
     """Check the installed vLLM once per process tree; returns the warnings it logged. Raises
-    :class:`~dynvocab.errors.DynvocabError` (one line, also logged) where a seam is missing."""
+    :class:`~dynvocab.errors.DynvocabError` (one line, also logged) where a seam is missing (:func:`register`
+    catches it)."""
     from dynvocab.serving.vllm import contract
 
     version = contract.vllm_version()

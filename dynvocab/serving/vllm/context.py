@@ -60,7 +60,8 @@ class EngineContext:
         self.vocab = int((spec.draft_model_config if spec is not None else vllm_config.model_config)
                          .get_vocab_size())
         self.runner = runner
-        self.windows: RequestWindows | None = None
+        self.device = torch.device(getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu")
+        self.windows: RequestWindows | None = None  # on the engine's device, as every set the head multiplies
         self._ids: torch.Tensor | None = None  # the last pass's input ids [n]
         self._out: torch.Tensor | None = None  # the last first pass's output rows [n, d]
         self._starts: torch.Tensor | None = None  # its requests' first rows [R + 1] (query_start_loc)
@@ -103,7 +104,7 @@ class EngineContext:
     def _fed_next(self, rows: int) -> torch.Tensor:
         """The ids fed at a continuation pass (zeros where no pass was seen)."""
         if self._ids is None or self._ids.shape[0] < rows:
-            return torch.zeros(rows, dtype=torch.long)
+            return torch.zeros(rows, dtype=torch.long, device=self.device)
         return self._ids[:rows].long()
 
     def _fed_at_first(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -124,12 +125,12 @@ class EngineContext:
     def _sync(self, rows: int, window: int) -> None:
         """Bring the windows of the batch's requests up to date from the runner's record; give back the others."""
         if self.windows is None or self.windows.size != window:
-            self.windows = RequestWindows(self.slots, window, self.vocab)
+            self.windows = RequestWindows(self.slots, window, self.vocab, device=self.device)
         batch = getattr(self.runner, "input_batch", None)
         req_ids = list(getattr(batch, "req_ids", ()))[:rows] if batch is not None else []
         if len(req_ids) != rows:
             self.windows.keep(set())
-            self._slot_rows = torch.zeros(rows, dtype=torch.long)  # no record: slot 0 of nothing (the fill id)
+            self._slot_rows = torch.zeros(rows, dtype=torch.long, device=self.device)  # no record: slot 0 of nothing
             self._width = 1
             return
         self.windows.keep(set(req_ids))
