@@ -117,3 +117,13 @@ def test_a_bench_whose_rounds_disagree_exits_non_zero_after_writing_its_json(tin
     assert "vllm-spec:ngram at 1 in flight" in result.output and "vllm-spec at" not in result.output
     data = json.loads(out.read_text())
     assert data["acceptance_mismatches"] == v.acceptance_mismatches(rows)
+
+
+def test_a_bad_schedule_is_refused_before_any_engine_starts(tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.setattr(v, "find_vllm_python", lambda path: "python")
+    monkeypatch.setattr(v, "run_vllm_rows", lambda *a, **k: pytest.fail("an engine started"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "task": "code", "prompt": "the cat"}\n')
+    result = run("bench", "--vllm", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--strategies",
+                 "ngram", "--prompts", prompts, "--gamma", 3, "--schedule", "2:3")
+    assert_one_line_error(result, "starts at batch size 1")

@@ -305,6 +305,14 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def check_schedule(cfg: VllmBench) -> None:
+    """Refuse a given ``--schedule`` in one line (before any engine starts); ``auto`` is picked later."""
+    if cfg.schedule and cfg.schedule != AUTO:
+        from dynvocab.serving.vllm.schedule import parse_schedule
+
+        parse_schedule(cfg.schedule, cfg.gamma, cfg.max_num_seqs)
+
+
 def resolve_schedule(cfg: VllmBench, rows: list[dict]) -> dict:
     """The run's schedule: the one given, or for ``auto`` the one :func:`~dynvocab.serving.vllm.schedule.pick_schedule`
     picks from this run's rows without it (at each level of requests in flight, the fastest speculative row with a

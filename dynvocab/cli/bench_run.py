@@ -241,10 +241,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         ngram=req.strategies is None or v.NGRAM_NAME in [s.strip() for s in req.strategies.split(",")],
         schedule=vllm.schedule,
     )
-    if cfg.schedule and cfg.schedule != v.AUTO:  # refused in one line before any engine starts
-        from dynvocab.serving.vllm.schedule import parse_schedule
-
-        parse_schedule(cfg.schedule, cfg.gamma, cfg.max_num_seqs)
+    v.check_schedule(cfg)  # refused in one line before any engine starts
     console = Console(stderr=True)
     if any(item.turns > 1 for item in items):
         console.print("[yellow]note:[/] the vLLM rows run each conversation's first turn only", highlight=False)
