@@ -153,15 +153,6 @@ def write_prompts(target: str, tasks: list[str], n: int, chat_template: bool, ou
     return texts
 
 
-def parse_schedule(text: str | None, gamma: int) -> list[list[int]] | None:
-    """``1:3,2:0`` (batch size from which k draft tokens; the last range runs to the engine's max_num_seqs)."""
-    if not text:
-        return None
-    from dynvocab.serving.vllm.schedule import parse_schedule as parse
-
-    return parse(text, gamma, 256)
-
-
 def native_draft(draft: str) -> tuple[str, str] | None:
     """(folder, method) of ``draft`` where vLLM runs it with its own classes (a draft model, an EAGLE-3 head), for
     the ``full`` row; None for a head only the plugin's classes run (dynvocab's EAGLE-1 heads: a message says so)."""
@@ -187,7 +178,9 @@ def rows(args, folder_of) -> list[tuple[str, list[str]]]:
     if "ngram" in args.baselines:
         out.append(("ngram", spec({"method": "ngram", "num_speculative_tokens": args.gamma,
                                    "prompt_lookup_max": 5, "prompt_lookup_min": 2})))
-    schedule = parse_schedule(args.schedule, args.gamma)
+    from dynvocab.serving.vllm.schedule import schedule_ranges
+
+    schedule = schedule_ranges(args.schedule, args.gamma) if args.schedule else None
     own = native_draft(args.draft) if "full" in args.baselines else None
     if own is not None:
         cfg = {"method": own[1], "model": own[0], "num_speculative_tokens": args.gamma}
@@ -223,7 +216,8 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--schedule", default=None,
-                   help="a batch-size schedule, e.g. 1:3,2:0 (from batch 1: 3 tokens; from 2: none)")
+                   help="a batch-size schedule, e.g. 1:3,2:0 (from batch 1: 3 tokens; from 2: none), or the JSON "
+                   "of a `dynvocab bench --vllm --schedule auto` run")
     p.add_argument("--no-local-argmax", dest="local_argmax", action="store_false",
                    help="greedy drafts through compute_logits instead of get_top_tokens")
     p.add_argument("--chat-template", action="store_true", help="prompts through the target's chat template")
