@@ -137,7 +137,7 @@ def test_multiturn_feeds_answers_back(session, monkeypatch, strategies, source):
         return encode(tokenizer, messages, template)
 
     monkeypatch.setattr(bench, "encode_prompt", spy)
-    out = run_bench(session, [REPLAY], _cfg(strategies))
+    out = run_bench(session, [REPLAY], _cfg(strategies, warmup_tokens=0))  # every encoded prompt a timed row's
     rows = {(g["id"], g["strategy"]): g for g in out["generations"]}
     assert [g["id"] for g in out["generations"]][:2] == ["conv/t1", "conv/t1"]
     assert out["generations"][0]["strategy"] == ("ar" if source == "ar" else "full")  # ar runs first
@@ -146,6 +146,25 @@ def test_multiturn_feeds_answers_back(session, monkeypatch, strategies, source):
         answers = [rows[(f"conv/t{t}", source or strategy)]["text"] for t in range(1, turn)]
         assert [m["content"] for m in msgs if m["role"] == "assistant"] == answers
         assert [m["content"] for m in msgs if m["role"] == "user"] == ["w1 w2 w3", "w4 w5", "w6"][:turn]
+
+
+def test_every_row_is_warmed_once_untimed_before_the_timed_rows(session, monkeypatch):
+    calls = []
+    generate = bench.generate_row
+
+    def spy(session_, strategy, prompt_ids, decode, cfg):
+        calls.append((strategy, decode.max_new_tokens))
+        return generate(session_, strategy, prompt_ids, decode, cfg)
+
+    monkeypatch.setattr(bench, "generate_row", spy)
+    items = [BenchItem("a", "code", ({"role": "user", "content": "w1 w2 w3"},)),
+             BenchItem("b", "chat", ({"role": "user", "content": "w4 w5"},))]
+    out = run_bench(session, items, _cfg(("full", "ar"), warmup_tokens=3))
+    assert calls[:2] == [("ar", 3), ("full", 3)]  # warm-up: each row once, short
+    assert calls[2:] == [("ar", 10), ("full", 10)] * 2  # then the timed rows, as without a warm-up
+    assert len(out["generations"]) == 4 and out["config"]["warmup_tokens"] == 3
+    cold = run_bench(session, items, _cfg(("full", "ar"), warmup_tokens=0))
+    assert [g["token_ids"] for g in cold["generations"]] == [g["token_ids"] for g in out["generations"]]
 
 
 @pytest.mark.parametrize("stop_below", [0.0, 0.4])

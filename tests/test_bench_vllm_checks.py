@@ -127,3 +127,28 @@ def test_a_bad_schedule_is_refused_before_any_engine_starts(tiny_dirs, tmp_path,
     result = run("bench", "--vllm", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--strategies",
                  "ngram", "--prompts", prompts, "--gamma", 3, "--schedule", "2:3")
     assert_one_line_error(result, "starts at batch size 1")
+
+
+@pytest.mark.parametrize("flag", [("--csv", "x.csv"), ("--plot", "x.png"), ("--seeds", "0,1"), ("--device", "cpu"),
+                                  ("--draft-weights", "int8"), ("--threads", "1"), ("--coverage",)])
+def test_flags_of_dynvocabs_own_rows_are_refused_beside_vllm(tmp_path, monkeypatch, flag):
+    """No flag is silently ignored: those ``--vllm`` has no use for end the run in one line naming them, before the
+    driver or an engine starts."""
+    monkeypatch.setattr(v, "run_vllm_rows", lambda *a, **k: pytest.fail("an engine started"))
+    args = [str(tmp_path / a) if a.startswith("x.") else a for a in flag]
+    assert_one_line_error(run("bench", "--vllm", *args), f"{flag[0]} does not apply to --vllm rows")
+
+
+def test_the_head_timer_waits_for_the_device_off_a_cpu(monkeypatch):
+    """On a GPU a call returns before its kernels ran: the timer synchronises the device before and after it."""
+    import types
+
+    import torch
+
+    from dynvocab.bench.vllm_run import _device_sync
+
+    assert _device_sync(torch.zeros(1))() is None
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(1))
+    _device_sync(types.SimpleNamespace(device=torch.device("cuda")))()
+    assert waits == [1]

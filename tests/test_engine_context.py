@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dynvocab.runtime.policies.context_select import WindowSelector
-from dynvocab.serving.vllm.context import EngineContext
+from dynvocab.serving.vllm.context import EngineContext, find_runner
 
 DEVICE = torch.device("meta")
 
@@ -52,3 +52,38 @@ def test_a_batch_without_a_record_gets_slot_zero_on_the_device():
     ctx = EngineContext(engine_config(DEVICE), runner({}))
     step = ctx.step(torch.empty(3, 16, device=DEVICE), frozenset({"window"}), window=8, embed=None)
     assert step.windows.device == DEVICE and step.windows.shape[0] == 3
+
+
+class _Runner:
+    """A model runner's shape as :func:`find_runner` reads it: the request record and a ``load_model``."""
+
+    input_batch = requests = drafter = None
+
+    def load_model(self):
+        return _build_draft()
+
+    def compile(self):
+        return _build_draft()
+
+
+def _build_draft():
+    """Where a draft's ``__init__`` calls :func:`find_runner`, a few frames below the runner's ``load_model``."""
+    return find_runner()
+
+
+def test_the_runner_is_the_self_of_the_load_model_that_builds_the_draft():
+    runner_ = _Runner()
+    assert runner_.load_model() is runner_
+    assert runner_.compile() is None  # the same object, but not building a draft: not taken
+    assert _build_draft() is None
+
+
+def test_a_draft_built_without_a_runner_warns_once(monkeypatch):
+    from dynvocab.serving.vllm import logger, models
+
+    said = []
+    monkeypatch.setattr(logger, "warning", lambda line: said.append(line))
+    monkeypatch.setattr(models, "_WARNED", set())
+    for _ in range(3):
+        models._warn_once(models.NO_RUNNER.format(", ".join(models.RUNNER_RECORD), "microspec"))
+    assert len(said) == 1 and "microspec" in said[0] and "output unchanged" in said[0] and "\n" not in said[0]

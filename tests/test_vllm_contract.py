@@ -39,6 +39,17 @@ RECEIVERS = {
     "drafter": "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer",
     "llm": "vllm:LLM",
 }
+# Receivers whose name means a vLLM class in one module only (``model`` is the EAGLE-1 head's ``LlamaModel`` in
+# eagle1.py, a draft model elsewhere).
+FILE_RECEIVERS = {
+    "context.py": {"meta": "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
+                   "runner": "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+                   "batch": "vllm.v1.worker.gpu_input_batch:InputBatch"},
+    "eagle1.py": {"model": "vllm.model_executor.models.llama_eagle:LlamaModel",
+                  "layer": "vllm.model_executor.models.llama_eagle:LlamaDecoderLayer",
+                  "mlp": "vllm.model_executor.models.llama:LlamaMLP",
+                  "fc": "vllm.model_executor.layers.linear:ReplicatedLinear"},
+}
 TORCH_ATTRIBUTES = {"weight"}  # a head's rows: torch's parameter, not a vLLM name
 
 
@@ -58,18 +69,19 @@ def used_names(path: Path) -> set[str]:
     attributes it reads off the receivers of :data:`RECEIVERS` (``lm_head.shard_indices``, ``getattr(lm_head,
     "tp_size", 1)``)."""
     names = set()
+    receivers = {**RECEIVERS, **FILE_RECEIVERS.get(path.name, {})}
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
             names |= {f"{node.module}:{alias.name}" for alias in node.names}
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
                 r"vllm[\w.]*:[A-Z]\w*", node.value):
             names.add(node.value)
-        elif isinstance(node, ast.Attribute) and _receiver(node.value) in RECEIVERS:
-            names.add(f"{RECEIVERS[_receiver(node.value)]}.{node.attr}")
+        elif isinstance(node, ast.Attribute) and _receiver(node.value) in receivers:
+            names.add(f"{receivers[_receiver(node.value)]}.{node.attr}")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and len(node.args) >= 2 and _receiver(node.args[0]) in RECEIVERS
+              and len(node.args) >= 2 and _receiver(node.args[0]) in receivers
               and isinstance(node.args[1], ast.Constant)):
-            names.add(f"{RECEIVERS[_receiver(node.args[0])]}.{node.args[1].value}")
+            names.add(f"{receivers[_receiver(node.args[0])]}.{node.args[1].value}")
     return {n for n in names if n.rsplit(".", 1)[-1] not in TORCH_ATTRIBUTES}
 
 

@@ -47,6 +47,7 @@ class BenchConfig:
     lookup_tokens: int = LOOKUP_TOKENS
     history_chars: int = HISTORY_CHARS
     llamacpp: LlamaCpp | None = None  # --llamacpp: the binaries and GGUF files of the llama.cpp rows
+    warmup_tokens: int = 8  # each row once on the first prompt, this many tokens, untimed, before the timed rows
 
 
 def parse_rows(text: str) -> list[str]:
@@ -167,6 +168,24 @@ def generate_row(
     return result.token_ids, metrics
 
 
+def warm_up(session: Session, items: list[BenchItem], order: list[str], cfg: BenchConfig,
+            on_start: Callable[[str, str], None] | None = None) -> None:
+    """Each row once on the first item's first turn, ``cfg.warmup_tokens`` tokens, neither timed nor recorded, so
+    no timed row pays for first-call work (kernel selection, packed rows, a selector's index, the allocator's first
+    blocks). llama.cpp rows start a process of their own each time and are not warmed; every policy is made anew
+    for each generation (EvoSpec's adapter is removed at its end), so a warm-up changes no row's output."""
+    if not cfg.warmup_tokens or not items:
+        return
+    prompt_ids = encode_prompt(session.tokenizer, items[0].context(0, [], cfg.history_chars), cfg.chat_template)
+    decode = replace(cfg.decode, max_new_tokens=cfg.warmup_tokens)
+    for strategy in order:
+        if strategy in LLAMA_ROWS:
+            continue
+        if on_start is not None:
+            on_start("warm-up", strategy)
+        generate_row(session, strategy, prompt_ids, decode, cfg)
+
+
 def run_bench(
     session: Session,
     prompts: list[PromptRow | BenchItem],
@@ -184,6 +203,7 @@ def run_bench(
     order = sorted(cfg.strategies, key=lambda s: s != "ar")  # ar first: its answers are the replayed context
     seeds = cfg.seeds or (cfg.decode.seed,)
     generations = []
+    warm_up(session, items, order, cfg, on_start)
     probe = stability.Probe()
     for item in items:
         for seed in seeds:
@@ -250,6 +270,7 @@ def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -
             "lookup_tokens": cfg.lookup_tokens,
             "chat_template": cfg.chat_template,
             "history_chars": cfg.history_chars,
+            "warmup_tokens": cfg.warmup_tokens,
             "threads": torch.get_num_threads(),
             "llamacpp": None if cfg.llamacpp is None else cfg.llamacpp.describe(),
         },

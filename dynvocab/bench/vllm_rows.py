@@ -482,7 +482,7 @@ def render_table(res: dict) -> Table:
         if spec and spec["oracle_tokens_per_s"]:
             plain = next(s for s in rows if s["name"] == PLAIN)["tokens_per_s"]
             o = spec["oracle_tokens_per_s"]
-            table.add_row(f"{ORACLE} (vllm-spec − head)", *flight(spec), f"{o:.2f}",
+            table.add_row(f"{ORACLE} estimate (vllm-spec − head)", *flight(spec), f"{o:.2f}",
                           _fmt(o / plain if plain else None, "{:.2f}×"), f"{o / spec['tokens_per_s']:.2f}×",
                           _fmt(spec["mal"], "{:.2f}"), "–", "–", "0", "–", "–", style="dim", end_section=True)
     return table
@@ -490,5 +490,6 @@ def render_table(res: dict) -> Table:
 
 NOTE = ("MAL = 1 + accepted / drafts (vLLM's mean acceptance length); accept by position = accepted at each draft "
         "position / drafts; head and selector ms per draft step timed in vLLM's worker around the draft's head; "
-        "oracle = vllm-spec with its head's time taken out; =vllm: prompts whose tokens equal plain vLLM's (at the same "
+        "oracle estimate = vllm-spec with its head's timed calls taken out (not a bound: the full head's cache "
+        "misses outside its calls stay in, so a row may beat it); =vllm: prompts whose tokens equal plain vLLM's (at the same "
         "requests in flight); vllm-spec:ngram: vLLM's own prompt-lookup speculation, no draft")

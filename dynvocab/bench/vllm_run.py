@@ -18,12 +18,15 @@ the prompts run out. One result row per row and level.
 
 Rows that share a ``speculative_config`` share one engine: the head is switched between them through
 ``LLM.collective_rpc`` on the worker methods :class:`HeadBench` adds (vLLM's ``worker_extension_cls``: named
-methods, so nothing is sent by value), and with ``rounds`` > 1 the rows run interleaved, round after round, so the
-machine's drift falls on every row alike. Each row gets the generated ids per prompt, the wall time, vLLM's own
+methods, so nothing is sent by value). Every engine is started first (each warmed by one short request), then the
+rows run interleaved, round after round and engine after engine (plain vLLM and ``ngram`` among them), so the
+machine's drift falls on every row alike. Each strategy's selector is built once per engine and warmed by one
+untimed request before its first round, so no timed round pays for building or packing it. Each row gets the generated ids per prompt, the wall time, vLLM's own
 spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position), the machine's load over the
 round (:mod:`dynvocab.bench.stability`) and, with ``time_head``, the
 draft head's and the selector's time per call measured in the worker around the draft's ``compute_logits`` /
-``get_top_tokens`` (synchronous on a CPU; on a GPU the timer synchronises the device, which costs time). With
+``get_top_tokens`` (synchronous on a CPU; elsewhere the timer synchronises the device before and after each call,
+so it measures the call and adds the wait it forces: timed rows run slower there than untimed ones). With
 ``log_context`` each row also gets ``context_log``: what a context selector read at each head call (draft position,
 fed ids, each row's window), the greedy tokens of each head call, and the requests whose windows the plugin held
 after the level (the engine tests check the plugin's view of the request against the output).
@@ -80,6 +83,18 @@ def full_head(model) -> dict:
     return {"compute_logits": base.compute_logits, "get_top_tokens": top_tokens}
 
 
+def _device_sync(tensor):
+    """What waits for ``tensor``'s device to finish its queued work: nothing on a CPU (its calls are synchronous),
+    the device's ``synchronize`` elsewhere, so a timer around a call measures the call, not its launch."""
+    import torch
+
+    kind = tensor.device.type
+    if kind == "cpu":
+        return lambda: None
+    module = getattr(torch, kind, None)
+    return module.synchronize if module is not None and hasattr(module, "synchronize") else (lambda: None)
+
+
 class HeadSwitch:
     """The bench's hold on one draft model: which head its entry points run (the plugin's selected head, or vLLM's
     own full head) and, when on, the time their calls and the selector's take. Installed once per draft, as the
@@ -91,6 +106,7 @@ class HeadSwitch:
         self.full = full_head(model)
         self.plugin = hasattr(model, "dynvocab")  # one of the plugin's classes (it holds a DraftHeadPolicy)
         self.strategy: str | None = None  # None: vLLM's own full head
+        self.policies: dict[tuple, object] = {}  # (strategy, budget, bundle) -> its head policy, built once
         self.log: list | None = None  # when kept: each head call's draft context and greedy tokens
         self.reset(False)
         for name in self.selected:
@@ -111,8 +127,11 @@ class HeadSwitch:
                 return out
             if not self.on:
                 return head(hidden_states)
+            sync = _device_sync(hidden_states)
+            sync()
             start = time.perf_counter()
             out = head(hidden_states)
+            sync()
             self.head_s += time.perf_counter() - start
             self.calls += 1
             self.rows += int(hidden_states.shape[0])
@@ -125,27 +144,36 @@ class HeadSwitch:
         if strategy is not None:
             if not self.plugin:
                 raise RuntimeError("the draft is not one of the plugin's classes; export it with --format vllm")
-            from dynvocab.artifacts.bundle import load_bundle
-            from dynvocab.runtime.batched import SelectorSpec
-            from dynvocab.serving.vllm.head import policy_from_bundle
-
-            with load_bundle(bundle) as b:
-                policy = policy_from_bundle(b, SelectorSpec(strategy, budget), self.model.config,
-                                            self.model.lm_head.weight.device)
-            if getattr(self.model.lm_head, "tp_size", 1) == 1:
-                policy.prepare(self.model.lm_head.weight)  # as the plugin does once the weights are loaded
+            key = (strategy, budget, bundle)
+            if key not in self.policies:
+                self.policies[key] = self._build(strategy, budget, bundle)
+            policy = self.policies[key]
             if timed or self.log is not None:
                 self._time_selector(policy)
             self.model.dynvocab = policy
         self.strategy = strategy
         self.reset(timed)
 
+    def _build(self, strategy: str, budget: int | None, bundle: str):
+        """``strategy``'s head policy from ``bundle``, prepared over the draft's rows as the plugin prepares it once
+        the weights are loaded."""
+        from dynvocab.artifacts.bundle import load_bundle
+        from dynvocab.runtime.batched import SelectorSpec
+        from dynvocab.serving.vllm.head import policy_from_bundle
+
+        with load_bundle(bundle) as b:
+            policy = policy_from_bundle(b, SelectorSpec(strategy, budget), self.model.config,
+                                        self.model.lm_head.weight.device)
+        if getattr(self.model.lm_head, "tp_size", 1) == 1:
+            policy.prepare(self.model.lm_head.weight)
+        return policy
+
     def _time_selector(self, policy) -> None:
         """Time the policy's selector calls (a static set's selector is left as it is: its rows are packed once,
         and its call is a view of its ids)."""
         from dynvocab.runtime.policies.batch_select import StaticSelector
 
-        if not isinstance(policy.head.selector, StaticSelector):
+        if not isinstance(policy.head.selector, (StaticSelector, _TimedSelector)):
             policy.head.selector = _TimedSelector(policy.head.selector, self)
 
     def keep_log(self) -> None:
@@ -185,15 +213,21 @@ class _TimedSelector:
         self.inner, self.switch, self.k = selector, switch, selector.k
 
     def __call__(self, hidden):
+        sync = _device_sync(hidden)
+        sync()
         start = time.perf_counter()
         out = self.inner(hidden)
+        sync()
         self.switch.selector_s += time.perf_counter() - start
         return out
 
     def select(self, hidden, ctx):
         """A context selector's call, timed, and logged where the switch keeps a log."""
+        sync = _device_sync(hidden)
+        sync()
         start = time.perf_counter()
         out = self.inner.select(hidden, ctx)
+        sync()
         self.switch.selector_s += time.perf_counter() - start
         if self.switch.log is not None:
             self.switch.log.append({
@@ -209,8 +243,11 @@ class _TimedSelector:
             return inner
 
         def timed(hidden):
+            sync = _device_sync(hidden)
+            sync()
             start = time.perf_counter()
             out = inner(hidden)
+            sync()
             self.switch.selector_s += time.perf_counter() - start
             return out
 
@@ -352,6 +389,24 @@ def concurrency(req: dict) -> list[int]:
     return [len(req["prompts"])] if req.get("batch") else [1]
 
 
+WARM_TOKENS = 16  # a row's warm-up: one prompt, this many tokens, before its first timed round
+
+
+def _switch_to(llm, row: dict, req: dict, warm: bool) -> None:
+    """Switch the engine's draft head to ``row``'s strategy (built once per engine, then reused); with ``warm``, run
+    one untimed request through it first (its selector's packs and first-call work), then zero the timer and drop
+    what the log kept of it."""
+    args = (row.get("strategy"), row.get("budget"), req.get("bundle"), req.get("time_head", False))
+    llm.collective_rpc("dynvocab_switch_head", args=args)
+    if warm:
+        from vllm import SamplingParams
+
+        _generate(llm, req["prompts"][:1], SamplingParams(max_tokens=WARM_TOKENS, ignore_eos=True), 1)
+        llm.collective_rpc("dynvocab_read_timer")
+    if req.get("log_context"):
+        llm.collective_rpc("dynvocab_keep_log")  # from now on: the warm-up's calls are not in it
+
+
 def run(req: dict) -> dict:
     """Every row of ``req`` (see the module's docstring) at every level of ``concurrency``; returns ``{"rows":
     [...]}``, one per row and level."""
@@ -365,20 +420,20 @@ def run(req: dict) -> dict:
     for row in req["rows"]:
         groups.setdefault(json.dumps(row.get("speculative_config"), sort_keys=True), []).append(row)
     results: dict[tuple[str, int], dict] = {}
-    probe = Probe()  # the machine's load around each round of each row (this process tree holds the engine)
-    for key, rows in groups.items():
-        llm = _engine({**req, "max_num_seqs": max(req.get("max_num_seqs", 8), *levels)}, json.loads(key))
+    probe = Probe()  # the machine's load around each round of each row (this process tree holds the engines)
+    engines = {}
+    for key in groups:  # every engine up at once, so that the rounds below interleave all rows, plain ones too
+        engines[key] = _engine({**req, "max_num_seqs": max(req.get("max_num_seqs", 8), *levels)}, json.loads(key))
         if req.get("warmup", True):
-            _generate(llm, req["prompts"][:1], SamplingParams(max_tokens=4), 1)
-        for r in range(req.get("rounds", 1)):
+            _generate(engines[key], req["prompts"][:1], SamplingParams(max_tokens=4), 1)
+    for r in range(req.get("rounds", 1)):
+        for key, rows in groups.items():
+            llm = engines[key]
             for row in rows:
                 # a row with a draft head (every speculative row but vLLM's draft-free ones, "head": false)
                 head = row.get("speculative_config") is not None and row.get("head", True)
                 if head:
-                    if req.get("log_context"):
-                        llm.collective_rpc("dynvocab_keep_log")
-                    llm.collective_rpc("dynvocab_switch_head", args=(row.get("strategy"), row.get("budget"),
-                                                                     req.get("bundle"), req.get("time_head", False)))
+                    _switch_to(llm, row, req, warm=r == 0 and req.get("warmup", True))
                 for users in levels:
                     before = _spec_counters(llm)
                     probe.start()
@@ -395,7 +450,7 @@ def run(req: dict) -> dict:
                     out["token_ids"] = ids
                     out["rounds"].append({"wall_s": wall, "new_tokens": sum(map(len, ids)), **counts, "head": timer,
                                           "load": load})
-        del llm
+    engines.clear()
     return {"rows": [results[(row["name"], users)] for row in req["rows"] for users in levels]}
 
 

@@ -43,6 +43,16 @@ def refuse_moved(**given) -> None:
             raise DynvocabError(f"bench {flag} moved: run `dynvocab {command}`")
 
 
+def refuse_beside_vllm(given: dict) -> None:
+    """Refuse, in one line, the flags of dynvocab's own rows that ``--vllm`` would otherwise ignore (flag -> its
+    value, None where not given)."""
+    named = [flag for flag, value in given.items() if value is not None]
+    if named:
+        raise DynvocabError(f"{', '.join(named)} {'does' if len(named) == 1 else 'do'} not apply to --vllm rows: vLLM "
+                            "places, threads and packs the models itself, each row runs once per round, and the "
+                            "table and --json are the output; drop it or run without --vllm")
+
+
 @one_line_errors
 @with_strategy_flags
 def bench(
@@ -149,13 +159,16 @@ def bench(
     check_dtype_device(device, dtype, draft_weights)
     for path, flag in ((json_path, "--json"), (csv_path, "--csv"), (plot_path, "--plot")):
         check_out(path, flag)
-    set_threads(threads)
     flags.check()
     if not vllm and (schedule is not None or concurrency is not None):
         raise DynvocabError(f"{'--schedule' if schedule is not None else '--concurrency'} applies to --vllm rows only; "
                             "add --vllm")
     if vllm:
         from dynvocab.cli.bench_run import BenchRequest, VllmRequest, run_vllm_command
+
+        refuse_beside_vllm({"--csv": csv_path, "--plot": plot_path, "--seeds": seeds, "--device": device,
+                            "--draft-weights": draft_weights, "--prepack": prepack, "--threads": threads,
+                            "--coverage": score_sets or None, "--llamacpp": llamacpp})
 
         request = BenchRequest(
             models=ModelConfig(target, draft, dtype=dtype), prompts=prompts, strategies=strategies, ids=ids, tasks=tasks,
@@ -165,6 +178,7 @@ def bench(
         run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size, concurrency,
                                                                 schedule))
         return
+    set_threads(threads)
     llama = None
     if llamacpp is not None:
         from dynvocab.bench.llamacpp import prepare

@@ -15,7 +15,7 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.batch_select import BatchSelector
-from dynvocab.runtime.registry import SHARED_BUDGET_FLAG, Batched, StrategyOptions
+from dynvocab.runtime.registry import SHARED_BUDGET_FLAG, Batched, Strategy, StrategyOptions
 from dynvocab.runtime.strategies import lookup, strategies
 
 
@@ -33,9 +33,17 @@ def batch_strategies() -> tuple[str, ...]:
     return tuple(entry.name for entry in strategies() if entry.batched is not None)
 
 
+def _entry(strategy: str) -> Strategy | None:
+    """The registry entry of ``strategy`` (one look-up by name), None for an unknown name."""
+    try:
+        return lookup(strategy)
+    except DynvocabError:
+        return None
+
+
 def refusal(strategy: str) -> str | None:
     """Why ``strategy`` cannot run as a batched selector inside vLLM, in one line (None: it can)."""
-    entry = next((e for e in strategies() if e.name == strategy), None)
+    entry = _entry(strategy)
     if entry is not None and entry.batched is not None:
         return None
     use = ", ".join(batch_strategies())
@@ -48,10 +56,10 @@ def refusal(strategy: str) -> str | None:
 
 def batched(strategy: str) -> Batched:
     """The batched form of ``strategy``; refused in one line where it has none."""
-    why = refusal(strategy)
-    if why:
-        raise DynvocabError(why)
-    return next(e for e in strategies() if e.name == strategy).batched
+    entry = _entry(strategy)
+    if entry is None or entry.batched is None:
+        raise DynvocabError(refusal(strategy))
+    return entry.batched
 
 
 def bundle_stages(strategy: str) -> tuple[str, ...]:
@@ -70,7 +78,7 @@ def asked_budget(strategy: str, options: StrategyOptions) -> int | None:
     """The budget ``strategy``'s own flags ask of its batched selector: the first of its ``budget_flags`` that is
     set (``--fr-size``, ``--k-max``, ``--candidates``, …; None: its default). Any other flag of its set away from
     its default is refused in one line, since a batched host reads the budget only."""
-    form, entry = batched(strategy), lookup(strategy)
+    form, entry = batched(strategy), _entry(strategy)
     values = {SHARED_BUDGET_FLAG: options.fr_size}
     for flag in entry.flags:
         value = getattr(options.config(entry.config), flag.field)

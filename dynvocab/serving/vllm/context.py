@@ -17,7 +17,8 @@ it, read without patching vLLM:
 - **Each request's tokens** are the model runner's record (``input_batch.req_ids``, ``token_ids_cpu``,
   ``num_tokens_no_spec``): the prompt whole (prefix-cached and chunked prompts too), and the tokens verified
   before this step (the proposer runs before the step's bookkeeping). The runner is the one whose ``load_model``
-  builds the draft, found once on the call stack at construction. Windows are updated once per engine step (at
+  builds the draft, found once at construction (:func:`find_runner`: vLLM hands the draft no other way to it);
+  where none is found the plugin logs one warning and context strategies draft from their shared sets. Windows are updated once per engine step (at
   draft position 0), never per draft step, and only for requests in the batch; every other request's slot is given
   back then, so the plugin holds windows for at most ``max_num_seqs`` requests, each of a fixed size. A step gets
   only the columns its batch's windows fill (``RequestWindows.width``: one of a few power-of-two widths).
@@ -39,13 +40,26 @@ from dynvocab.runtime.policies.request_window import RequestWindows
 MATCH_BACK = 2  # rows searched per request at draft position 0: γ + 2 (a first pass's last rows, extra slot included)
 
 
+RUNNER_RECORD = ("input_batch", "requests", "drafter")  # what the context reads off vLLM's model runner
+NO_RUNNER = ("dynvocab: no vLLM model runner with a request record ({}) built this draft (a model runner this "
+             "plugin was not written for, e.g. vLLM's Model Runner V2); {} drafts without each request's tokens, "
+             "from its shared sets only: fewer drafts accepted, output unchanged")
+
+
 def find_runner(frame=None):
-    """The vLLM model runner on the call stack (the object whose ``load_model`` is building the draft), or None."""
+    """The vLLM model runner building the draft: ``self`` of the ``load_model`` frame on the call stack whose
+    object holds the request record (:data:`RUNNER_RECORD`), or None.
+
+    vLLM hands a draft model only its config: the proposer receives the runner (``runner=``) and does not keep it
+    (vllm 0.32.0 ``v1/spec_decode/llm_base_proposer.py:78``), and no registry or context names it, so the frame of
+    the runner's own ``load_model`` (``gpu_model_runner.py:load_model`` -> ``self.drafter.load_model``) is the one
+    place it is reachable from the draft's construction. Only frames of that name are looked at."""
     frame = frame or sys._getframe(1)
     while frame is not None:
-        obj = frame.f_locals.get("self")
-        if obj is not None and all(hasattr(obj, a) for a in ("input_batch", "requests", "drafter")):
-            return obj
+        if frame.f_code.co_name == "load_model":
+            obj = frame.f_locals.get("self")
+            if obj is not None and all(hasattr(obj, a) for a in RUNNER_RECORD):
+                return obj
         frame = frame.f_back
     return None
 
@@ -150,9 +164,9 @@ def _attention_metadata():
 
     if not is_forward_context_available():
         return None
-    meta = get_forward_context().attn_metadata
-    if isinstance(meta, list):
-        meta = meta[0] if meta else None
-    if isinstance(meta, dict):
-        return next(iter(meta.values()), None)
-    return meta
+    found = get_forward_context().attn_metadata
+    if isinstance(found, list):
+        found = found[0] if found else None
+    if isinstance(found, dict):
+        return next(iter(found.values()), None)
+    return found

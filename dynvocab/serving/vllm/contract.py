@@ -57,6 +57,13 @@ _DRAFT_CLASSES = (
     "vllm.model_executor.models.qwen3_eagle3:Eagle3Qwen3ForCausalLM",
 )
 _LAYERS = "vllm.model_executor.layers"
+_EAGLE1 = "vllm.model_executor.models.llama_eagle"
+# The attention metadata a draft pass's forward context holds, per backend the plugin ran or was read on (CPU; CUDA's
+# FlashAttention): its query lengths and starts tell a first pass from a continuation (context.py).
+_ATTENTION_METADATA = (
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata",
+)
 
 SEAMS: tuple[Seam, ...] = (
     Seam("vllm:ModelRegistry.register_model", "registers the plugin's draft architectures"),
@@ -68,6 +75,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_LAYERS}.activation:GeluAndMul", "an EAGLE-1 head's GELU MLP (eagle1.py)"),
     Seam(f"{_LAYERS}.activation:SiluAndMul", "an EAGLE-1 head's SiLU MLP (eagle1.py)"),
     Seam(f"{_LAYERS}.linear:ReplicatedLinear", "an EAGLE-1 head's fc with its bias (eagle1.py)"),
+    *(Seam(f"{_LAYERS}.linear:ReplicatedLinear.{attr}", "rebuilds an EAGLE-1 head's fc with a bias (eagle1.py)")
+      for attr in ("input_size", "output_size", "quant_config", "prefix", "bias")),
+    *(Seam(f"{_EAGLE1}:LlamaModel.{attr}", "an EAGLE-1 head's layers and fc (eagle1.py)") for attr in ("layers", "fc")),
+    Seam(f"{_EAGLE1}:LlamaDecoderLayer.mlp", "an EAGLE-1 head's MLP (eagle1.py)"),
+    Seam("vllm.model_executor.models.llama:LlamaMLP.act_fn", "an EAGLE-1 head's activation (eagle1.py)"),
+    *(Seam(f"{_EAGLE1}:EagleLlamaForCausalLM.{attr}", "an EAGLE-1 head's model and config (eagle1.py)")
+      for attr in ("model", "config")),
     Seam("vllm.config:SpeculativeConfig.use_local_argmax_reduction",
          "greedy drafting through the draft's get_top_tokens"),
     Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.use_local_argmax_reduction",
@@ -82,8 +96,14 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.forward_context:get_forward_context", "which draft pass ran: its attention metadata (context.py)"),
     Seam("vllm.forward_context:is_forward_context_available", "which draft pass ran (context.py)"),
     Seam("vllm.forward_context:ForwardContext.attn_metadata", "a pass's query lengths and starts (context.py)"),
+    *(Seam(f"{meta}.{attr}", "a pass's query lengths and starts (context.py)") for meta in _ATTENTION_METADATA
+      for attr in ("max_query_len", "query_start_loc")),
     Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch", "each request's tokens (context.py)"),
     Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.requests", "finds the model runner (context.py)"),
+    Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.drafter", "finds the model runner (context.py); reaches "
+         "the draft in a bench worker"),
+    Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", "the runner builds the draft here; the "
+         "context finds it on the call stack (context.py)"),
     *(Seam(f"vllm.v1.worker.gpu_input_batch:InputBatch.{attr}", "each request's tokens (context.py)")
       for attr in ("req_ids", "token_ids_cpu", "num_tokens_no_spec")),
     *(Seam(f"{cls}.embed_input_ids", "dynaspec embeds the fed token (context.py)") for cls in _DRAFT_CLASSES),
@@ -120,7 +140,6 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm:SamplingParams", "the rows' sampling", "bench"),
     Seam("vllm.inputs:TokensPrompt", "the rows' prompts as token ids", "bench"),
     Seam("vllm.v1.worker.worker_base:WorkerBase.model_runner", "reaches the draft in a worker", "bench"),
-    Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.drafter", "reaches the draft in a worker", "bench"),
     Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model", "the draft model in a worker",
          "bench"),
 )

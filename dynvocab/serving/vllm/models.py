@@ -20,7 +20,8 @@ import importlib
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.serving.vllm.context import EngineContext, find_runner
+from dynvocab.serving.vllm import logger
+from dynvocab.serving.vllm.context import NO_RUNNER, RUNNER_RECORD, EngineContext, find_runner
 from dynvocab.serving.vllm.head import DraftHeadPolicy, load_policy
 from dynvocab.serving.vllm.names import ARCHITECTURES
 
@@ -31,7 +32,10 @@ class SelectedHeadMixin:
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.dynvocab: DraftHeadPolicy = load_policy(vllm_config)
-        self.dynvocab_context = EngineContext(vllm_config, find_runner())
+        runner = find_runner()
+        if runner is None and self.dynvocab.reads_context:
+            _warn_once(NO_RUNNER.format(", ".join(RUNNER_RECORD), self.dynvocab.strategy))
+        self.dynvocab_context = EngineContext(vllm_config, runner)
 
     def forward(self, *args, **kwargs):
         """vLLM's forward; its fed ids and output are recorded for a selector that reads the request's context."""
@@ -90,6 +94,16 @@ def _without_identity_d2t(weights):
                                 "vLLM cannot map it (write the head with draft_vocab_size < vocab_size)")
         if last not in ("d2t", "t2d"):
             yield name, tensor
+
+
+_WARNED: set[str] = set()  # the warnings this process logged
+
+
+def _warn_once(line: str) -> None:
+    """Log ``line`` as a warning of vLLM's logger, once per process."""
+    if line not in _WARNED:
+        _WARNED.add(line)
+        logger.warning(line)
 
 
 def _build(name: str, base_path: str) -> type:
