@@ -38,6 +38,8 @@ RECEIVERS = {
     "model_runner": "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
     "drafter": "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer",
     "llm": "vllm:LLM",
+    "llm_engine": "vllm.v1.engine.llm_engine:LLMEngine",
+    "logger_manager": "vllm.v1.metrics.loggers:StatLoggerManager",
 }
 # Receivers whose name means a vLLM class in one module only (``model`` is the EAGLE-1 head's ``LlamaModel`` in
 # eagle1.py, a draft model elsewhere).

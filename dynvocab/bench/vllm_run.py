@@ -47,12 +47,13 @@ from pathlib import Path
 
 from dynvocab.bench.stability import Probe
 
-SPEC_COUNTERS = {
+SPEC_COUNTERS = {  # vLLM's Prometheus names of the counters a row reports (what /metrics shows a served engine)
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+SPEC_FIELDS = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens",
+               "num_accepted_tokens": "accepted_tokens"}  # the same, in vLLM's per-step SpecDecodingStats
 HEAD_CALLS = ("compute_logits", "get_top_tokens")  # the draft's head entry points the bench switches and times
 EXTENSION = "dynvocab.bench.vllm_run.HeadBench"  # LLM(worker_extension_cls=...)
 
@@ -315,18 +316,39 @@ def _switch(worker) -> HeadSwitch:
     return _SWITCHES[id(model)]
 
 
-def _spec_counters(llm) -> dict:
-    """vLLM's spec-decode counters now (summed over engines)."""
-    out: dict = {v: 0 for v in SPEC_COUNTERS.values()}
-    out["accepted_per_pos"] = []
-    for m in llm.get_metrics():
-        if m.name in SPEC_COUNTERS:
-            out[SPEC_COUNTERS[m.name]] += int(m.value)
-        elif m.name == PER_POS:
-            vals = list(m.values)
-            acc = out["accepted_per_pos"]
-            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (len(vals) - len(acc)), vals)]
-    return out
+class SpecCounts:
+    """vLLM's spec-decode counters of one engine (drafts, draft tokens, accepted tokens, accepted per position),
+    added up from the scheduler's stats of each step: a stat logger the bench adds to that engine's own
+    ``StatLoggerManager`` (vLLM's ``StatLoggerBase`` interface: ``record``, ``log``, ...). vLLM's Prometheus
+    registry is one per process, and each engine started clears it, so with every engine up at once
+    ``LLM.get_metrics`` reads only the last one's."""
+
+    def __init__(self):
+        self.totals: dict = {v: 0 for v in SPEC_COUNTERS.values()}
+        self.totals["accepted_per_pos"] = []
+
+    def record(self, scheduler_stats, iteration_stats=None, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        """Add one step's ``scheduler_stats.spec_decoding_stats``."""
+        spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if spec is None:
+            return
+        for name, key in SPEC_FIELDS.items():
+            self.totals[key] += int(getattr(spec, name))
+        acc, vals = self.totals["accepted_per_pos"], list(spec.num_accepted_tokens_per_pos)
+        self.totals["accepted_per_pos"] = [a + b for a, b in itertools.zip_longest(acc, vals, fillvalue=0)]
+
+    def log(self) -> None:
+        """Nothing to print (vLLM's own loggers print)."""
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to print."""
+
+    def record_sleep_state(self, is_awake: int = 0, level: int = 0) -> None:
+        """Nothing to keep."""
+
+    def now(self) -> dict:
+        """The counters now (a copy)."""
+        return {**self.totals, "accepted_per_pos": list(self.totals["accepted_per_pos"])}
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -347,7 +369,10 @@ def _engine(req: dict, spec: dict | None):
         kw["distributed_executor_backend"] = "mp"
     if spec is not None:
         kw["speculative_config"] = spec
-    return LLM(**kw)
+    llm = LLM(**kw)
+    counts = SpecCounts()
+    llm.llm_engine.logger_manager.stat_loggers.append(counts)
+    return llm, counts
 
 
 _REQUEST_IDS = itertools.count()  # vLLM request ids, unique over the engine's life
@@ -425,21 +450,21 @@ def run(req: dict) -> dict:
     for key in groups:  # every engine up at once, so that the rounds below interleave all rows, plain ones too
         engines[key] = _engine({**req, "max_num_seqs": max(req.get("max_num_seqs", 8), *levels)}, json.loads(key))
         if req.get("warmup", True):
-            _generate(engines[key], req["prompts"][:1], SamplingParams(max_tokens=4), 1)
+            _generate(engines[key][0], req["prompts"][:1], SamplingParams(max_tokens=4), 1)
     for r in range(req.get("rounds", 1)):
         for key, rows in groups.items():
-            llm = engines[key]
+            llm, spec_counts = engines[key]
             for row in rows:
                 # a row with a draft head (every speculative row but vLLM's draft-free ones, "head": false)
                 head = row.get("speculative_config") is not None and row.get("head", True)
                 if head:
                     _switch_to(llm, row, req, warm=r == 0 and req.get("warmup", True))
                 for users in levels:
-                    before = _spec_counters(llm)
+                    before = spec_counts.now()
                     probe.start()
                     ids, wall = _generate(llm, req["prompts"], params, users)
                     load = probe.stop()
-                    counts = _delta(_spec_counters(llm), before)
+                    counts = _delta(spec_counts.now(), before)
                     timer = llm.collective_rpc("dynvocab_read_timer")[0] if head else {}  # and zeroed
                     out = results.setdefault((row["name"], users), {"name": row["name"], "concurrency": users,
                                                                     "rounds": []})
