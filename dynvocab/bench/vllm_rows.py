@@ -206,8 +206,9 @@ def parse_concurrency(text: str | None) -> tuple[int, ...]:
 
 
 def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str], schedule: list | None = None) -> dict:
-    """The driver's request for ``rows`` (of one engine: plain, n-gram, or the draft's through ``folder``); with
-    ``schedule`` (vLLM's ranges) every speculative row speculates by it and is named with :data:`SCHEDULED`."""
+    """The driver's request for ``rows`` (plain, n-gram, the draft's through ``folder``; the driver gives the rows
+    of one ``speculative_config`` one engine); with ``schedule`` (vLLM's ranges) every speculative row speculates by
+    it and is named with :data:`SCHEDULED`."""
     longest = max(map(len, prompts))
     needed = longest + cfg.max_new_tokens + cfg.gamma + 16
     req = {
@@ -267,8 +268,9 @@ def _level(row: dict, cfg: VllmBench) -> str:
 
 
 def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[list[dict], dict | None]:
-    """Every row on every prompt (token ids): one engine for ``vllm``, one for the speculative rows, and with a
-    schedule (:attr:`VllmBench.schedule`) the speculative engines again with it; returns the driver's rows (name,
+    """Every row on every prompt (token ids): one driver with an engine for ``vllm``, one for ``ngram`` and one for
+    the draft's rows, interleaved; with a schedule (:attr:`VllmBench.schedule`) a second driver runs the speculative
+    engines again with it (``auto`` picks it from the first's rows); returns the driver's rows (name,
     concurrency, token_ids, rounds) and the schedule run (``{"text", "ranges", "picked_from"}``, or None).
     ``log``: one line per engine start and per finished row, and what ``auto`` picked."""
     from dynvocab.serving.vllm.folder import write_draft_folder
@@ -281,25 +283,30 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
             folder = _plain_draft_folder(cfg)
         rows = []
 
-        def engine(names: list[str], schedule: list | None = None) -> None:
-            shown = [n + (SCHEDULED if schedule and n != PLAIN else "") for n in names]
-            log(f"vllm: starting an engine for {', '.join(shown)} ({len(prompts)} prompts × {cfg.rounds} rounds"
+        def engines(groups: list[list[str]], scheduled: list[list[str]] = (), schedule: list | None = None) -> None:
+            """One driver: an engine per group (and per scheduled group, with ``schedule``), every engine up at
+            once and the rows interleaved round after round."""
+            names = [n for g in groups for n in g]
+            req = request(cfg, prompts, folder, names)
+            if scheduled:
+                req["rows"] += request(cfg, prompts, folder, [n for g in scheduled for n in g], schedule)["rows"]
+            shown = [row["name"] for row in req["rows"]]
+            log(f"vllm: starting {len(groups) + len(scheduled)} engines for {', '.join(shown)}, rows interleaved "
+                f"({len(prompts)} prompts × {cfg.rounds} rounds"
                 + (f" × {len(cfg.concurrency)} levels of concurrency)" if len(cfg.concurrency) > 1 else ")"))
-            done = run_driver(cfg, request(cfg, prompts, folder, names, schedule), workdir)
+            done = run_driver(cfg, req, workdir)
             for row in done:
                 s = summarize_row(row, row_ids(row))
                 log(f"vllm: {row['name']}{_level(row, cfg)} {s['tokens_per_s']:.2f} tok/s"
                     + (f", MAL {s['mal']:.2f}" if s["mal"] else ""))
             rows.extend(done)
 
-        for names in cfg.engines():
-            engine(names)
+        engines(cfg.engines())
         schedule = None
-        if cfg.schedule:
+        if cfg.schedule:  # after the rows (auto picks from them), so that at most three engines are up at once
             schedule = resolve_schedule(cfg, rows)
             log(f"vllm: schedule {schedule['text']} ({schedule['why']})")
-            for names in cfg.engines()[1:]:
-                engine(names, schedule["ranges"])
+            engines([], cfg.engines()[1:], schedule["ranges"])
         return rows, schedule
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
