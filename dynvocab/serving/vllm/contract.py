@@ -132,6 +132,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.platforms.interface:Platform.device_type", "names the platform in the sampling warning"),
     Seam("vllm:LLM.collective_rpc", "switches and times the head between rows", "bench"),
     Seam("vllm:LLM.llm_engine", "runs the rows with N requests in flight", "bench"),
+    Seam("vllm.platforms.interface:Platform.register_triton_kernel_overrides",
+         "registers the kernel overrides once for the driver's engines", "bench"),
     Seam("vllm.v1.engine.llm_engine:LLMEngine.add_request", "runs the rows with N requests in flight", "bench"),
     Seam("vllm.v1.engine.llm_engine:LLMEngine.step", "runs the rows with N requests in flight", "bench"),
     Seam("vllm.v1.engine.llm_engine:LLMEngine.has_unfinished_requests", "runs the rows with N requests in flight",
