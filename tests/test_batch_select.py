@@ -14,7 +14,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, asked_budget, batch_strategies, build_selector, refusal
 from dynvocab.models.int8 import INT8_GATHERED
 from dynvocab.runtime.policies.batch_select import (
-    BATCHED_RANK, CentroidSelector, LowRankSelector, SelectedHead, StaticSelector, scatter_logits)
+    BATCHED_RANK, CentroidSelector, LowRankSelector, SelectedHead, StaticSelector, scatter_logits,
+    top_ids, top_ids_batched)
 from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
 from dynvocab.runtime.policies.context_select import StepContext
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
@@ -83,6 +84,55 @@ def test_lowrank_at_the_batched_kernels_rank_gives_each_row_its_own_set_alone_or
     batch = selector(hidden)
     for i in range(5):
         assert torch.equal(torch.sort(selector(hidden[i : i + 1])[0]).values, torch.sort(batch[i]).values)
+
+
+def is_top_k(ids: torch.Tensor, row: torch.Tensor, k: int) -> bool:
+    """Whether ``ids`` are k distinct ids of ``row`` none scored below an id left out (a top-k set, ties at the k-th
+    score taken in any order)."""
+    chosen = torch.zeros(row.numel(), dtype=torch.bool)
+    chosen[ids] = True
+    return ids.numel() == k == int(chosen.sum()) and bool(row[chosen].min() >= row[~chosen].max())
+
+
+@pytest.mark.parametrize("rows", [2, 5])
+def test_batched_top_ids_give_each_row_the_set_top_ids_gives_it_alone(rows):
+    g = torch.Generator().manual_seed(rows)
+    n, k = 20_000, 256
+    scores = torch.randn(rows, n, generator=g)
+    scores[1] = torch.randint(0, 40, (n,), generator=g).float()  # ~500 ids tie at the top score, k-th among them
+    got = top_ids_batched(scores, k)
+    assert got.shape == (rows, k)
+    for i in range(rows):
+        assert is_top_k(got[i], scores[i], k)
+        if i != 1:  # no ties: exactly top_ids' set, whatever rows sit beside it
+            assert set(got[i].tolist()) == set(top_ids(scores[i], k).tolist())
+    assert torch.equal(torch.sort(top_ids_batched(scores[:1], k)[0]).values, torch.sort(got[0]).values)
+
+
+def test_batched_top_ids_fall_back_to_topk_where_a_row_has_too_few_candidates():
+    g = torch.Generator().manual_seed(3)
+    n, k = 20_000, 256
+    scores = torch.randn(3, n, generator=g)
+    scores[1] *= 0.01
+    scores[1, ::16] += 10  # only the sampled scores pass the threshold: fewer than k candidates
+    scores[2] = float("-inf")
+    scores[2, 1::16][: k // 2] = torch.randn(k // 2, generator=g)  # k/2 finite, none sampled: threshold -inf
+    got = top_ids_batched(scores, k)
+    for i in range(3):
+        assert is_top_k(got[i], scores[i], k)
+        assert bool((got[i] >= 0).all() and (got[i] < n).all())
+    assert set(got[0].tolist()) == set(top_ids(scores[0], k).tolist())
+    assert torch.equal(top_ids_batched(scores[:, :100], k), torch.arange(100).expand(3, 100))  # k >= n: every id
+
+
+def test_lowrank_from_the_batched_top_k_rows_gives_each_row_its_set_alone():
+    g = torch.Generator().manual_seed(4)
+    selector = LowRankSelector(torch.randn(16, D, generator=g), torch.randn(20_000, 16, generator=g),
+                               torch.randn(20_000, generator=g), 256, int8=False)
+    hidden = torch.randn(5, D, generator=g)
+    batch = selector(hidden)
+    for i in range(hidden.shape[0]):
+        assert set(batch[i].tolist()) == set(selector(hidden[i : i + 1])[0].tolist())
 
 
 def test_centroids_at_one_row_is_the_loop_policys_set(bundle):

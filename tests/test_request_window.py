@@ -1,7 +1,10 @@
 """RequestWindows: each request's distinct ids in fixed memory, and the columns a batch's windows fill."""
 
+import numpy as np
+import pytest
 import torch
 
+from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.request_window import MIN_WIDTH, RequestWindows
 
 
@@ -32,3 +35,54 @@ def test_a_freed_slot_counts_no_ids():
     windows.keep(set())
     assert len(windows) == 0 and windows.width([slot]) == MIN_WIDTH
     assert windows.update("b", torch.tensor([7])) == slot and windows.width([slot]) == MIN_WIDTH
+
+
+def expected_window(record: list[int], size: int, vocab: int, fill: int) -> list[int]:
+    """A window as written out: the distinct valid ids of the last ``size`` tokens ascending, then the last valid
+    one repeated (``fill`` throughout where there is none)."""
+    tail = [t for t in record[max(0, len(record) - size):] if 0 <= t < vocab]
+    distinct = sorted(set(tail))
+    return distinct + [tail[-1] if tail else fill] * (size - len(distinct))
+
+
+def test_update_many_is_update_for_each_key_in_order():
+    """Records grow, stay, shrink (a new record in the row) or empty, with ids -1 … past the vocabulary, in a
+    token array with more rows than the batch; batched windows, slots and widths are per-key update's."""
+    rng = np.random.default_rng(0)
+    size, vocab, slots, fill = 16, 40, 6, 3
+    batched, single = RequestWindows(slots, size, vocab, fill), RequestWindows(slots, size, vocab, fill)
+    tokens = rng.integers(-2, vocab + 3, size=(8, 64)).astype(np.int32)
+    counts = np.zeros(8, dtype=np.int64)
+    keys = [f"r{i}" for i in range(8)]
+    for _ in range(80):
+        live = [int(i) for i in rng.permutation(8)[: rng.integers(1, slots + 1)]]
+        for i in live:
+            move = rng.random()
+            if move < 0.6:
+                counts[i] = min(64, counts[i] + rng.integers(1, 5))
+            elif move < 0.8:
+                counts[i] = rng.integers(0, counts[i] + 1)
+                tokens[i, counts[i]:] = rng.integers(-2, vocab + 3, size=64 - counts[i])
+            elif move < 0.9:
+                counts[i] = 0
+        alive = {keys[i] for i in live}
+        batched.keep(alive)
+        single.keep(alive)
+        rows = np.concatenate([tokens[live], rng.integers(0, vocab, size=(2, 64)).astype(np.int32)])
+        got = batched.update_many([keys[i] for i in live], rows, np.concatenate([counts[live], [64, 64]]))
+        want = [single.update(keys[i], tokens[i, : counts[i]]) for i in live]
+        assert got == want
+        assert torch.equal(batched.ids, single.ids)
+        assert batched.width(got) == single.width(want)
+        for i, slot in zip(live, got):
+            assert batched.ids[slot].tolist() == expected_window(tokens[i, : counts[i]].tolist(), size, vocab, fill)
+
+
+def test_update_many_refused_for_a_full_table_keeps_the_keys_before():
+    windows = RequestWindows(slots=2, size=4, vocab_size=10)
+    tokens = np.array([[1, 2, 2], [5, 5, 5], [7, 8, 9]], dtype=np.int32)
+    with pytest.raises(DynvocabError, match="full"):
+        windows.update_many(["a", "b", "c"], tokens, [3, 2, 3])
+    assert windows.keys() == {"a", "b"}
+    assert [windows.ids[s].tolist() for s in windows.update_many(["a", "b"], tokens, [3, 2])] == [
+        [1, 2, 2, 2], [5, 5, 5, 5]]

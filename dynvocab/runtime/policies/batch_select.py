@@ -9,7 +9,9 @@ calls them with the engine's batch, each row its own set. The shape follows Gemm
 :func:`scatter_logits` is its ``forward`` (a full row, ``-inf`` outside the set, so sampling sees q = 0 there).
 
 - :class:`StaticSelector` (``fr``): the first K ids of the frequency ranking, the same for every row.
-- :class:`LowRankSelector` (``lowrank``): ``s = R (P h) + b`` over every id, the top-k (EOS pinned by its bias).
+- :class:`LowRankSelector` (``lowrank``): ``s = R (P h) + b`` over every id, the top-k (EOS pinned by its bias),
+  each row's from a threshold its own strided sample sets (:func:`top_ids`; for a batch :func:`top_ids_batched`,
+  the candidates of every row packed into one ``topk``).
 - :class:`CentroidSelector` (``centroids``): ``s = C h + b`` over blocks of one id order, the top-c blocks'
   ids (c · block_size of them, a short last block padded by repeating its first id) and the EOS ids.
 
@@ -38,6 +40,11 @@ from dynvocab.errors import DynvocabError
 SAMPLE_STRIDE = 16  # top_ids: every 16th score estimates the threshold
 
 
+def _sampled(samples: int, k: int) -> int:
+    """How many of ``samples`` strided scores the threshold keeps: the threshold is the least of them."""
+    return min(samples, k // SAMPLE_STRIDE * 3 // 2 + 1)
+
+
 def top_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The ids of the ``k`` largest of ``scores`` [n] (unordered), exactly as ``topk`` gives them.
 
@@ -52,11 +59,42 @@ def top_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     if scores.device.type != "cpu" or n < 4 * k or k < SAMPLE_STRIDE:
         return scores.topk(k, sorted=False).indices
     sample = scores[::SAMPLE_STRIDE]
-    tau = sample.topk(min(sample.numel(), k // SAMPLE_STRIDE * 3 // 2 + 1), sorted=False).values.min()
+    tau = sample.topk(_sampled(sample.numel(), k), sorted=False).values.min()
     cand = torch.nonzero(scores >= tau).flatten()
     if cand.numel() < k:
         return scores.topk(k, sorted=False).indices
     return cand[scores[cand].topk(k, sorted=False).indices]
+
+
+def top_ids_batched(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids [B, k] of the ``k`` largest of each row of ``scores`` [B, n] (unordered): each row's set is the one
+    :func:`top_ids` gives that row alone (ties at the k-th score aside, as with ``topk``), with no loop over rows.
+
+    Each row's threshold comes from its own strided sample (as :func:`top_ids`); the scores at or above it, found
+    in one pass over the batch, are packed into a [B, C] tensor (C the most any row has, the rest ``-inf``), and
+    one ``topk`` over it picks each row's k. It never picks the padding: a row whose threshold is ``-inf`` has all n
+    scores as candidates (no padding), any other k candidates above ``-inf``. Where a row has fewer than k
+    candidates, on another device, or where :func:`top_ids` would not sample, plain ``topk``.
+    """
+    rows, n = scores.shape
+    if k >= n:
+        return torch.arange(n, device=scores.device).expand(rows, n)
+    if scores.device.type != "cpu" or n < 4 * k or k < SAMPLE_STRIDE or rows == 0:
+        return scores.topk(k, dim=1, sorted=False).indices
+    scores = scores.contiguous()
+    sample = scores[:, ::SAMPLE_STRIDE]
+    tau = sample.topk(_sampled(sample.shape[1], k), dim=1, sorted=False).values.amin(dim=1)  # [B]
+    flat = torch.nonzero((scores >= tau[:, None]).view(-1)).flatten()  # candidates as row · n + id, row-major
+    starts = torch.arange(rows + 1) * n
+    bounds = torch.searchsorted(flat, starts)  # where each row's candidates begin in flat
+    counts = bounds.diff()
+    held = counts.tolist()
+    if min(held) < k:
+        return scores.topk(k, dim=1, sorted=False).indices
+    packed = scores.new_full((rows, max(held)), float("-inf"))
+    packed.masked_scatter_(torch.arange(packed.shape[1]) < counts[:, None], scores.view(-1).index_select(0, flat))
+    top = packed.topk(k, dim=1, sorted=False).indices  # never the padding (see above)
+    return flat[top + bounds[:-1, None]] - starts[:-1, None]
 
 
 class BatchSelector(Protocol):
@@ -131,7 +169,10 @@ class LowRankSelector:
         scores = self.scores(hidden)  # [B, V]
         if scores.shape[0] == 1:  # dynvocab's own loop: a view, no copy
             return top_ids(scores[0], self.k)[None]
-        return torch.stack([top_ids(row, self.k) for row in scores])  # each row as alone: top_ids' threshold top-k
+        # Each row's set as alone, one threshold top-k over the batch: from 4 rows 9-29 % faster than top_ids row by
+        # row (151,936 and 262,144 ids, k = 1,024-4,096, 2 threads; 0.4-1.1 ms saved at 8 rows), at 2-3 rows
+        # within 0.1 ms of it.
+        return top_ids_batched(scores, self.k)
 
 
 class CentroidSelector:

@@ -4,6 +4,9 @@ tokens, in one [slots, W] tensor the selectors gather rows of (:mod:`.context_se
 A host brings each request's whole token record (prompt and verified output, as its engine keeps it) once per
 engine step; a window is rebuilt only where the record grew, and only from its last W tokens, so its cost does not
 grow with the request. A record shorter than the one folded in (a request recomputed, a key reused) rebuilds it.
+A step's records come as one batch (:meth:`RequestWindows.update_many`: the engine's token rows and their lengths),
+and its changed windows are rebuilt together: their last W tokens gathered into one array, each row sorted, its
+first occurrences packed first, the rest padded.
 Requests the host no longer holds give their slots back (:meth:`RequestWindows.keep`).
 
 A window holds its distinct ids first, so a host may hand a step only the columns its batch fills
@@ -11,6 +14,8 @@ A window holds its distinct ids first, so a host may hand a step only the column
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -44,28 +49,76 @@ class RequestWindows:
 
     def update(self, key, record: np.ndarray | torch.Tensor) -> int:
         """Fold request ``key``'s whole token record [n] in (only where it changed) and return its slot."""
-        n = int(record.shape[0])
-        slot = self._slot.get(key)
-        if slot is None:
-            if not self._free:
-                raise DynvocabError(f"request windows are full ({self.ids.shape[0]} requests); free finished ones")
-            slot = self._free.pop()
-            self._slot[key] = slot
-        elif self._seen[key] == n:
-            return slot
-        self._seen[key] = n
-        tail = torch.as_tensor(np.asarray(record[max(0, n - self.size):n]), dtype=torch.long)
-        tail = tail[(tail >= 0) & (tail < self.vocab_size)]
-        row = self.ids[slot]
-        if tail.numel() == 0:
-            row.fill_(self.fill)
-            self._distinct[slot] = 0
-            return slot
-        distinct = torch.unique(tail).to(row.device)
-        row[: distinct.numel()] = distinct
-        row[distinct.numel():] = tail[-1]
-        self._distinct[slot] = int(distinct.numel())
-        return slot
+        record = np.asarray(record)
+        return self.update_many([key], record[None], [record.shape[0]])[0]
+
+    def update_many(self, keys: Sequence, tokens: np.ndarray | torch.Tensor, counts) -> list[int]:
+        """Fold in the token record of each request ``keys[i]``, the first ``counts[i]`` entries of ``tokens[i]``,
+        and return their slots: the same as :meth:`update` for each key in order, but the windows whose records
+        changed are rebuilt together (:meth:`_rebuild`), the others left alone.
+
+        ``tokens`` [R, L] host ints with a row for each key (R >= len(keys); in vLLM ``input_batch.token_ids_cpu``),
+        ``counts`` [>= len(keys)] host ints (``input_batch.num_tokens_no_spec``)."""
+        counts = np.asarray(counts)[: len(keys)].tolist()
+        if len(counts) < len(keys):
+            raise DynvocabError(f"request windows got {len(keys)} requests but {len(counts)} record lengths")
+        slots: list[int] = []
+        changed: dict[int, tuple[int, int]] = {}  # slot -> (row of tokens, record length) it is rebuilt from
+        try:
+            for row, (key, n) in enumerate(zip(keys, counts)):
+                slot = self._slot.get(key)
+                if slot is None:
+                    if not self._free:
+                        raise DynvocabError(
+                            f"request windows are full ({self.ids.shape[0]} requests); free finished ones")
+                    slot = self._free.pop()
+                    self._slot[key] = slot
+                elif self._seen[key] == n:
+                    slots.append(slot)
+                    continue
+                self._seen[key] = n
+                changed[slot] = (row, n)
+                slots.append(slot)
+        finally:  # the keys folded in before a full table refused one hold their windows, as with update
+            if changed:
+                self._rebuild(np.asarray(tokens), changed)
+        return slots
+
+    def _rebuild(self, tokens: np.ndarray, changed: dict[int, tuple[int, int]]) -> None:
+        """Rebuild each window ``slot`` of ``changed`` from its record, the first ``n`` of ``tokens[row]``, all at
+        once (:meth:`_windows`): one write of the rows, one read of their distinct counts."""
+        slots = list(changed)
+        rows, ends = (np.array(x, dtype=np.int64) for x in zip(*changed.values()))
+        out, distinct = self._windows(tokens, rows, ends)
+        device = self.ids.device
+        self.ids[torch.tensor(slots, device=device)] = torch.from_numpy(out).to(device)
+        for slot, count in zip(slots, distinct.tolist()):
+            self._distinct[slot] = count
+
+    def _windows(self, tokens: np.ndarray, rows: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The windows [m, size] of the records ``tokens[rows[i], :ends[i]]`` and their distinct counts [m]: the last
+        ``size`` tokens gathered [m, w] (w the window, or the longest record if shorter), those before the record's
+        start or outside the vocabulary sorted past every id, each row sorted, its first occurrences packed to its
+        front in order, and the rest padded with the record's last valid token (``fill`` where it has none). On the
+        host in numpy: its row sort of a few thousand ints was ~9x faster than torch's (0.06 against 0.5 ms, 8 rows
+        of 3,000)."""
+        width = min(self.size, int(ends.max()))
+        if width == 0:  # every record empty
+            return np.full((len(rows), self.size), self.fill, dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
+        at = ends[:, None] - width + np.arange(width)  # [m, w] the positions of each record's last w tokens
+        tail = tokens[rows[:, None], np.maximum(at, 0)]
+        if tail.dtype != np.int32:  # vLLM's int32 as it is (a faster sort), any other as int64
+            tail = tail.astype(np.int64)
+        valid = (at >= 0) & (tail >= 0) & (tail < self.vocab_size)
+        keyed = np.sort(np.where(valid, tail, self.vocab_size), axis=1)  # the invalid ones last
+        first = keyed < self.vocab_size
+        first[:, 1:] &= keyed[:, 1:] != keyed[:, :-1]
+        distinct = first.sum(axis=1)
+        last = width - 1 - valid[:, ::-1].argmax(axis=1)  # each record's last valid token (where it has one)
+        pad = np.where(valid.any(axis=1), tail[np.arange(len(rows)), last], self.fill)
+        out = np.repeat(pad.astype(np.int64)[:, None], self.size, axis=1)
+        out[np.arange(self.size) < distinct[:, None]] = keyed[first]  # row-major: each row's distinct ids first
+        return out, distinct
 
     def width(self, slots) -> int:
         """The columns of ``ids`` that hold every distinct id of the windows in ``slots`` (host ints): the largest

@@ -148,8 +148,7 @@ class EngineContext:
             self._width = 1
             return
         self.windows.keep(set(req_ids))
-        counts = batch.num_tokens_no_spec
-        slots = [self.windows.update(r, batch.token_ids_cpu[i, : int(counts[i])]) for i, r in enumerate(req_ids)]
+        slots = self.windows.update_many(req_ids, batch.token_ids_cpu, batch.num_tokens_no_spec[:rows])
         self._slot_rows = torch.tensor(slots, dtype=torch.long, device=self.windows.ids.device)
         self._width = self.windows.width(slots)
 
