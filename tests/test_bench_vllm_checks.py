@@ -34,6 +34,17 @@ def test_rounds_with_the_same_acceptance_pass_and_a_differing_row_is_named():
     assert "round 2: 10 drafts, 2 accepted [2, 0]" in found[0]
 
 
+def test_a_near_tie_with_several_requests_in_flight_is_a_warning_and_a_larger_difference_a_fault():
+    big = [_round(1.0, 550, 209, (150, 56, 3)), _round(1.0, 553, 207, (152, 53, 2))]  # 2 of 209: batched near-ties
+    at_four, at_one = _row("vllm-spec", big, users=4), _row("vllm-spec", big, users=1)
+    assert v.acceptance_mismatches([at_four]) == []
+    assert "vllm-spec at 4 in flight: round 1: 550 drafts, 209 accepted" in v.acceptance_drift([at_four])
+    assert len(v.acceptance_mismatches([at_one])) == 1 and v.acceptance_drift([at_one]) is None  # one in flight
+    bad = _row("vllm-spec:fr", [_round(1.0, 347, 33, (25, 7, 1)), _round(1.0, 224, 157, (104, 42, 11))], users=4)
+    assert len(v.acceptance_mismatches([bad])) == 1 and v.acceptance_drift([bad]) is None  # drafts gone bad
+    assert v.acceptance_drift([_row("vllm-spec", [_round(1.0), _round(1.0)], users=4)]) is None
+
+
 def test_a_schedule_is_vllms_ranges_and_reads_back():
     ranges = parse_schedule("1:3,4:0", 3, 8)
     assert ranges == [[1, 3, 3], [4, 8, 0]]

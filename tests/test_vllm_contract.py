@@ -108,13 +108,7 @@ def test_every_vllm_name_dynvocab_uses_is_a_listed_seam():
 
 def test_versions_and_seams_are_consistent():
     assert not set(contract.TESTED_VERSIONS) & set(contract.READ_VERSIONS)
-    low, high = re.fullmatch(r">=([\d.]+),<([\d.]+)", contract.SUPPORTED_RANGE).groups()
-
-    def key(v):
-        return tuple(int(x) for x in v.split("."))
-
-    for version in contract.TESTED_VERSIONS + contract.READ_VERSIONS:
-        assert key(low) <= key(version) < key(high), version
+    assert not hasattr(contract, "SUPPORTED_RANGE")  # the seams decide, not a range that nothing enforced
     assert all(v in contract.TESTED_VERSIONS for v, _ in contract.KNOWN_SAMPLING_BUGS)
     paths = [s.path for s in contract.SEAMS]
     assert len(paths) == len(set(paths))

