@@ -16,7 +16,11 @@ The prompts are the embedded held-out tasks (code and chat), written as the clie
 ``prompt`` a line) and sent as plain text to ``/v1/completions`` at temperature 0 with ``--ignore-eos``. MAL is
 ``1 + accepted / drafts`` from ``vllm:spec_decode_num_*`` over the client's run (the server was checked through
 ``/health`` first, so the client sends no test request: the counters hold its requests alone).
-With ``--check`` each speculative row's served greedy text is compared with plain vLLM's for every request.
+Each speculative row's served greedy text is compared with plain vLLM's for every request (``= plain``). With
+``--check-llm`` the same requests then run through ``LLM`` (``dynvocab.bench.vllm_run``, each row's own folder, the
+same users as a closed loop): ``= LLM`` says whether the server accepted exactly what ``LLM`` did (``=``), or by
+how many tokens it differed. At one user they must be equal; with several in flight batched bfloat16 steps do not
+repeat bit for bit on vLLM-CPU, so a near-tie may differ (docs/bench.md, greedy acceptance).
 """
 
 from __future__ import annotations
@@ -153,6 +157,35 @@ def write_prompts(target: str, tasks: list[str], n: int, chat_template: bool, ou
     return texts
 
 
+def llm_check(args, target: str, texts: list[str], served: list[tuple[str, list[str]]], work: Path) -> dict:
+    """The served rows' requests through ``LLM`` (the bench's driver, ``dynvocab.bench.vllm_run``): plain vLLM and
+    every speculative row as its own folder (no head switched), at each number of users; ``{(row, users): {"drafts",
+    "accepted_tokens", "token_ids"}}``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = [{"name": "vllm"}]
+    for name, flags in served:
+        if "--speculative-config" in flags:
+            spec = json.loads(flags[flags.index("--speculative-config") + 1])
+            rows.append({"name": name, "speculative_config": spec, "head": False})
+    req = {"target": target, "dtype": args.dtype, "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
+           "ignore_eos": True, "prompts": [tok(t).input_ids for t in texts], "warmup": False,
+           "concurrency": args.users, "max_num_seqs": max(args.users), "rows": rows}
+    path, out = work / "llm-request.json", work / "llm-result.json"
+    path.write_text(json.dumps(req))
+    with open(work / "llm.log", "w") as log:
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ}  # its engines in one process: faster starts
+        proc = subprocess.run([sys.executable, "-m", "dynvocab.bench.vllm_run", str(path), str(out)], stdout=log,
+                              stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0 or not out.is_file():
+        raise SystemExit(f"the LLM check failed (exit {proc.returncode}); its log: {work / 'llm.log'}")
+    return {(r["name"], r["concurrency"]): {"drafts": r["rounds"][0]["drafts"],
+                                            "accepted_tokens": r["rounds"][0]["accepted_tokens"],
+                                            "token_ids": r["token_ids"]}
+            for r in json.loads(out.read_text())["rows"]}
+
+
 def native_draft(draft: str) -> tuple[str, str] | None:
     """(folder, method) of ``draft`` where vLLM runs it with its own classes (a draft model, an EAGLE-3 head), for
     the ``full`` row; None for a head only the plugin's classes run (dynvocab's EAGLE-1 heads: a message says so)."""
@@ -221,6 +254,8 @@ def main() -> int:
     p.add_argument("--no-local-argmax", dest="local_argmax", action="store_false",
                    help="greedy drafts through compute_logits instead of get_top_tokens")
     p.add_argument("--chat-template", action="store_true", help="prompts through the target's chat template")
+    p.add_argument("--check-llm", action="store_true", help="then run the same requests through LLM and say "
+                   "whether each row's served acceptance equals it")
     p.add_argument("--json", type=Path, default=None, help="write every figure here (written whole)")
     p.add_argument("--keep", type=Path, default=None, help="keep the servers' and clients' logs in this folder")
     args = p.parse_args()
@@ -241,7 +276,7 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     target = resolve_model(args.target).path
     dataset = work / "prompts.jsonl"
-    write_prompts(target, args.tasks.split(","), args.num_prompts, args.chat_template, dataset, args.prompts)
+    texts = write_prompts(target, args.tasks.split(","), args.num_prompts, args.chat_template, dataset, args.prompts)
     folders: dict = {}
 
     def folder_of(strategy: str):
@@ -250,7 +285,8 @@ def main() -> int:
         return folders[strategy]
 
     table = []
-    for name, flags in rows(args, folder_of):
+    served = rows(args, folder_of)
+    for name, flags in served:
         server = Server(sys.executable, target, flags, logs / f"server-{name}.log")
         try:
             server.wait()
@@ -268,9 +304,14 @@ def main() -> int:
                       f"{'-' if mal is None else f'{mal:.2f}'}", flush=True)
         finally:
             server.stop()
+    llm = llm_check(args, target, texts, served, work) if args.check_llm else {}
+    for r in table:
+        ref = llm.get((r["row"], r["users"]))
+        if ref is not None and r["row"] != "vllm":
+            r["llm"] = {k: ref[k] for k in ("drafts", "accepted_tokens")}
     plain = {r["users"]: r for r in table if r["row"] == "vllm"}
     print(f"\n{'row':<22} {'users':>5} {'tok/s':>8} {'x plain':>8} {'TPOT ms':>8} {'MAL':>6} {'accepted/drafted':>17}"
-          f"{'  = plain' if plain else ''}")
+          f"{'  = plain' if plain else ''}{'  = LLM' if llm else ''}")
     for r in table:
         base = plain.get(r["users"])
         ratio = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else float("nan")
@@ -279,13 +320,19 @@ def main() -> int:
             same = f"  {sum(a == b for a, b in zip(r['texts'], base['texts']))}/{len(base['texts'])}"
         acc = f"{r['accepted_tokens']:.0f}/{r['draft_tokens']:.0f}" if r["drafts"] else "-"
         mal = "-" if r["mal"] is None else f"{r['mal']:.2f}"
+        versus = ""
+        if "llm" in r:
+            diff = round(r["accepted_tokens"] - r["llm"]["accepted_tokens"])
+            versus = "  =" if diff == 0 and r["drafts"] == r["llm"]["drafts"] else f"  {diff:+d} accepted"
         print(f"{r['row']:<22} {r['users']:>5} {r['output_tok_s']:>8.2f} {ratio:>7.2f}x {r['tpot_median_ms']:>8.1f} "
-              f"{mal:>6} {acc:>17}{same}")
+              f"{mal:>6} {acc:>17}{same}{versus}")
     if args.json:
         from dynvocab.files import write_atomic
 
         write_atomic(args.json, lambda tmp: Path(tmp).write_text(json.dumps({"config": vars(args) | {
-            "json": str(args.json), "keep": str(args.keep)}, "rows": table}, default=str)))
+            "json": str(args.json), "keep": str(args.keep)}, "rows": table,
+            "llm_plain_token_ids": {str(u): llm[("vllm", u)]["token_ids"] for u in args.users} if llm else None},
+            default=str)))
     return 0
 
 

@@ -162,6 +162,7 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
         assert by[(name + "+schedule", 1)]["drafts"] == by[(name, 1)]["drafts"] > 0
         assert by[(name + "+schedule", 2)]["drafts"] < by[(name, 2)]["drafts"]
     assert "schedule: 1:3,2:0 (given)" in result.output
+    assert [len(by[("vllm", c)]["tokens_per_s_rounds"]) for c in (1, 2)] == [2, 2]  # again beside the schedule's rows
     loads = [rnd["load"] for row in data["rows"] for rnd in row["rounds"]]  # measured in the engine's process tree
     assert all(0 <= w["others_share"] <= 1 and len(w["loadavg_before"]) == 3 for w in loads)
     assert data["machine"]["rows_measured"] == len(loads) and isinstance(data["warnings"], list)

@@ -1,7 +1,8 @@
 """scripts/vllm_serve_bench.py's smallest case on the tiny models: an OpenAI-compatible vLLM server per row on the
 loopback address, vLLM's own client (``vllm bench serve``) at 1 and 2 users, acceptance read from the server's
-``/metrics``. The plugin's served acceptance equals the same requests through ``LLM`` one at a time, its text equals
-plain vLLM's (float32), and the schedule that stops speculating at 2 in flight drafts less there."""
+``/metrics``. The plugin's served acceptance at one user equals the same requests through ``LLM`` (the script's
+``--check-llm``), its text equals plain vLLM's (float32), and the schedule that stops speculating at 2 in flight
+drafts less there."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
 
-from vllm_models import ENGINE_ENV, run_rows, vllm_bundle, vllm_pair  # noqa: E402,F401
+from vllm_models import ENGINE_ENV, vllm_bundle, vllm_pair  # noqa: E402,F401
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm_serve_bench.py"
 PROMPTS = ["def add(a, b): return a + b", "the cat sat on the mat", "a b c d e f"]
@@ -35,32 +36,22 @@ def test_the_serve_script_measures_the_plugin_as_served(vllm_pair, vllm_bundle, 
         [sys.executable, str(SCRIPT), "--target", str(vllm_pair[0]), "--draft", str(vllm_pair[1]), "--bundle",
          str(vllm_bundle), "--strategies", "fr", "--baselines", "", "--users", "1,2", "--num-prompts", "3",
          "--max-tokens", str(MAX_TOKENS), "--dtype", "float32", "--max-model-len", "256", "--schedule", "1:3,2:0",
-         "--prompts", str(prompts), "--json", str(out), "--keep", str(tmp_path / "logs")],
+         "--prompts", str(prompts), "--json", str(out), "--keep", str(tmp_path / "logs"), "--check-llm"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    rows = {(r["row"], r["users"]): r for r in json.loads(out.read_text())["rows"]}
+    data = json.loads(out.read_text())
+    rows = {(r["row"], r["users"]): r for r in data["rows"]}
     assert set(rows) == {(n, u) for n in ("fr", "fr+schedule") for u in (1, 2)}
-    assert "tok/s" in proc.stdout and "fr+schedule" in proc.stdout
+    assert "tok/s" in proc.stdout and "fr+schedule" in proc.stdout and "= LLM" in proc.stdout
     assert all(row["output_tok_s"] > 0 for row in rows.values())
     assert rows[("fr+schedule", 1)]["drafts"] == rows[("fr", 1)]["drafts"] > 0
     assert rows[("fr+schedule", 2)]["drafts"] < rows[("fr", 2)]["drafts"]
-
-    # the same requests through LLM one at a time (the script sends the client no test request)
-    from dynvocab.serving.vllm.folder import write_draft_folder
-
-    folder = write_draft_folder(vllm_bundle, str(vllm_pair[1]), "fr", tmp_path / "draft")
-    tok = AutoTokenizer.from_pretrained(vllm_pair[0])
-    ids = [tok(p).input_ids for p in PROMPTS]
-    spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": 3,
-            "use_local_argmax_reduction": True}
-    llm, err = run_rows(tmp_path, {"target": str(vllm_pair[0]), "dtype": "float32", "max_model_len": 256,
-                                   "max_tokens": MAX_TOKENS, "ignore_eos": True, "prompts": ids, "warmup": False,
-                                   "rows": [{"name": "vllm"},
-                                            {"name": "fr", "speculative_config": spec, "head": False}]})
-    assert llm is not None, err[-3000:]
-    plain, got = llm["rows"][0], llm["rows"][1]["rounds"][0]
-    assert (rows[("fr", 1)]["drafts"], rows[("fr", 1)]["accepted_tokens"]) == (got["drafts"], got["accepted_tokens"])
+    # --check-llm: the same requests through LLM (the script sends the client no test request), the folder as served
+    for key in [("fr", 1), ("fr+schedule", 1)]:
+        served, llm = rows[key], rows[key]["llm"]
+        assert (served["drafts"], served["accepted_tokens"]) == (llm["drafts"], llm["accepted_tokens"]), key
     # float32: every served row gives the target's own text (the server holds back a last incomplete UTF-8 character)
-    texts = [tok.decode(t, skip_special_tokens=True).rstrip("\ufffd") for t in plain["token_ids"]]
+    tok = AutoTokenizer.from_pretrained(vllm_pair[0])
+    texts = [tok.decode(t, skip_special_tokens=True).rstrip("\ufffd") for t in data["llm_plain_token_ids"]["1"]]
     for key, row in rows.items():
         assert [t.rstrip("\ufffd") for t in row["texts"]] == texts, key

@@ -270,7 +270,8 @@ def _level(row: dict, cfg: VllmBench) -> str:
 def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[list[dict], dict | None]:
     """Every row on every prompt (token ids): one driver with an engine for ``vllm``, one for ``ngram`` and one for
     the draft's rows, interleaved; with a schedule (:attr:`VllmBench.schedule`) a second driver runs the speculative
-    engines again with it (``auto`` picks it from the first's rows); returns the driver's rows (name,
+    engines again with it (``auto`` picks it from the first's rows) interleaved with plain vLLM again, whose rounds
+    join its first driver's (so every row is compared with plain rounds run beside it); returns the rows (name,
     concurrency, token_ids, rounds) and the schedule run (``{"text", "ranges", "picked_from"}``, or None).
     ``log``: one line per engine start and per finished row, and what ``auto`` picked."""
     from dynvocab.serving.vllm.folder import write_draft_folder
@@ -299,14 +300,19 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
                 s = summarize_row(row, row_ids(row))
                 log(f"vllm: {row['name']}{_level(row, cfg)} {s['tokens_per_s']:.2f} tok/s"
                     + (f", MAL {s['mal']:.2f}" if s["mal"] else ""))
-            rows.extend(done)
+                again = next((r for r in rows if (r["name"], r["concurrency"]) == (row["name"], row["concurrency"])),
+                             None)
+                if again is None:
+                    rows.append(row)
+                else:  # plain vLLM beside the schedule's rows too: its rounds of both drivers, one row
+                    again["rounds"].extend(row["rounds"])
 
         engines(cfg.engines())
         schedule = None
         if cfg.schedule:  # after the rows (auto picks from them), so that at most three engines are up at once
             schedule = resolve_schedule(cfg, rows)
             log(f"vllm: schedule {schedule['text']} ({schedule['why']})")
-            engines([], cfg.engines()[1:], schedule["ranges"])
+            engines([[PLAIN]], cfg.engines()[1:], schedule["ranges"])
         return rows, schedule
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
