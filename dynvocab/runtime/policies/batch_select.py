@@ -36,6 +36,7 @@ from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, SelectorTable
 from dynvocab.artifacts.tables import FreqTable
 from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.host import to_host
 
 SAMPLE_STRIDE = 16  # top_ids: every 16th score estimates the threshold
 
@@ -88,7 +89,7 @@ def top_ids_batched(scores: torch.Tensor, k: int) -> torch.Tensor:
     starts = torch.arange(rows + 1) * n
     bounds = torch.searchsorted(flat, starts)  # where each row's candidates begin in flat
     counts = bounds.diff()
-    held = counts.tolist()
+    held = to_host(counts)  # on a CPU only (another device takes plain topk above): a copy, no device wait
     if min(held) < k:
         return scores.topk(k, dim=1, sorted=False).indices
     packed = scores.new_full((rows, max(held)), float("-inf"))
