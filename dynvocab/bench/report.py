@@ -193,8 +193,9 @@ def notes(results: dict) -> list[str]:
             "(scoring time is taken out of the wall clock)"
         )
     out.append(
-        "MAL = new tokens per target pass; shares are of wall time (head ⊂ draft); oracle estimate = full without its "
-        "draft-head time (not a bound: the full head's cache misses outside its timed calls stay in); tok/s ± request-level std"
+        "MAL = new tokens per target pass; shares are of wall time (head ⊂ draft); oracle estimate = full without "
+        "its draft-head time (not a bound: the full head's cache misses outside its timed calls stay in); tok/s ± "
+        "request-level std"
     )
     return out
 

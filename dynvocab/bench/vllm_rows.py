@@ -540,5 +540,5 @@ def render_table(res: dict) -> Table:
 NOTE = ("MAL = 1 + accepted / drafts (vLLM's mean acceptance length); accept by position = accepted at each draft "
         "position / drafts; head and selector ms per draft step timed in vLLM's worker around the draft's head; "
         "oracle estimate = vllm-spec with its head's timed calls taken out (not a bound: the full head's cache "
-        "misses outside its calls stay in, so a row may beat it); =vllm: prompts whose tokens equal plain vLLM's (at the same "
-        "requests in flight); vllm-spec:ngram: vLLM's own prompt-lookup speculation, no draft")
+        "misses outside its calls stay in, so a row may beat it); =vllm: prompts whose tokens equal plain vLLM's (at "
+        "the same requests in flight); vllm-spec:ngram: vLLM's own prompt-lookup speculation, no draft")

