@@ -112,10 +112,21 @@ class HeadSwitch:
         self.plugin = hasattr(model, "dynvocab")  # one of the plugin's classes (it holds a DraftHeadPolicy)
         self.strategy: str | None = None  # None: vLLM's own full head
         self.policies: dict[tuple, object] = {}  # (strategy, budget, bundle) -> its head policy, built once
+        self._sync = None  # waits for the draft's device (found at the first timed call)
         self.log: list | None = None  # when kept: each head call's draft context and greedy tokens
         self.reset(False)
         for name in self.selected:
             setattr(model, name, self._entry(name))
+
+    def timed(self, fn, *args):
+        """``(fn(*args), seconds)``, the device waited for before and after (:func:`_device_sync`, found once)."""
+        if self._sync is None:
+            self._sync = _device_sync(args[0])
+        self._sync()
+        start = time.perf_counter()
+        out = fn(*args)
+        self._sync()
+        return out, time.perf_counter() - start
 
     def reset(self, on: bool) -> None:
         """Zero the timer (and the head's count of ids it multiplied); time the calls from now on when ``on``."""
@@ -132,12 +143,8 @@ class HeadSwitch:
                 return out
             if not self.on:
                 return head(hidden_states)
-            sync = _device_sync(hidden_states)
-            sync()
-            start = time.perf_counter()
-            out = head(hidden_states)
-            sync()
-            self.head_s += time.perf_counter() - start
+            out, seconds = self.timed(head, hidden_states)
+            self.head_s += seconds
             self.calls += 1
             self.rows += int(hidden_states.shape[0])
             return out
@@ -218,22 +225,14 @@ class _TimedSelector:
         self.inner, self.switch, self.k = selector, switch, selector.k
 
     def __call__(self, hidden):
-        sync = _device_sync(hidden)
-        sync()
-        start = time.perf_counter()
-        out = self.inner(hidden)
-        sync()
-        self.switch.selector_s += time.perf_counter() - start
+        out, seconds = self.switch.timed(self.inner, hidden)
+        self.switch.selector_s += seconds
         return out
 
     def select(self, hidden, ctx):
         """A context selector's call, timed, and logged where the switch keeps a log."""
-        sync = _device_sync(hidden)
-        sync()
-        start = time.perf_counter()
-        out = self.inner.select(hidden, ctx)
-        sync()
-        self.switch.selector_s += time.perf_counter() - start
+        out, seconds = self.switch.timed(self.inner.select, hidden, ctx)
+        self.switch.selector_s += seconds
         if self.switch.log is not None:
             self.switch.log.append({
                 "step": ctx.step, "fed": None if ctx.fed is None else ctx.fed.tolist(),
@@ -248,12 +247,8 @@ class _TimedSelector:
             return inner
 
         def timed(hidden):
-            sync = _device_sync(hidden)
-            sync()
-            start = time.perf_counter()
-            out = inner(hidden)
-            sync()
-            self.switch.selector_s += time.perf_counter() - start
+            out, seconds = self.switch.timed(inner, hidden)
+            self.switch.selector_s += seconds
             return out
 
         return timed
