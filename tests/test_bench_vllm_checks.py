@@ -5,6 +5,7 @@ rounds ends the run non-zero naming the row (the JSON written first), and the ba
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from cli_helpers import assert_one_line_error, run
@@ -34,15 +35,22 @@ def test_rounds_with_the_same_acceptance_pass_and_a_differing_row_is_named():
     assert "round 2: 10 drafts, 2 accepted [2, 0]" in found[0]
 
 
-def test_a_near_tie_with_several_requests_in_flight_is_a_warning_and_a_larger_difference_a_fault():
-    big = [_round(1.0, 550, 209, (150, 56, 3)), _round(1.0, 553, 207, (152, 53, 2))]  # 2 of 209: batched near-ties
-    at_four, at_one = _row("vllm-spec", big, users=4), _row("vllm-spec", big, users=1)
-    assert v.acceptance_mismatches([at_four]) == []
-    assert "vllm-spec at 4 in flight: round 1: 550 drafts, 209 accepted" in v.acceptance_drift([at_four])
-    assert len(v.acceptance_mismatches([at_one])) == 1 and v.acceptance_drift([at_one]) is None  # one in flight
+def test_any_difference_is_a_fault_at_every_level_of_requests_in_flight():
+    near_tie = [_round(1.0, 550, 209, (150, 56, 3)), _round(1.0, 553, 207, (152, 53, 2))]  # 2 of 209 accepted
+    for users in (1, 4, 8):
+        found = v.acceptance_mismatches([_row("vllm-spec", near_tie, users=users)])
+        assert found == [f"vllm-spec at {users} in flight: round 1: 550 drafts, 209 accepted [150, 56, 3]; "
+                         "round 2: 553 drafts, 207 accepted [152, 53, 2]"]
     bad = _row("vllm-spec:fr", [_round(1.0, 347, 33, (25, 7, 1)), _round(1.0, 224, 157, (104, 42, 11))], users=4)
-    assert len(v.acceptance_mismatches([bad])) == 1 and v.acceptance_drift([bad]) is None  # drafts gone bad
-    assert v.acceptance_drift([_row("vllm-spec", [_round(1.0), _round(1.0)], users=4)]) is None
+    assert len(v.acceptance_mismatches([bad])) == 1  # drafts gone bad
+    assert v.acceptance_mismatches([_row("vllm-spec", [_round(1.0), _round(1.0), _round(2.0)], users=8)]) == []
+
+
+def test_the_driver_steps_its_engine_core_in_its_own_process(monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert v.engine_env(sys.executable)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a caller's choice is kept
+    assert v.engine_env(sys.executable)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_a_schedule_is_vllms_ranges_and_reads_back():

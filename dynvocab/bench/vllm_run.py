@@ -22,8 +22,10 @@ methods, so nothing is sent by value). Every engine is started first (each warme
 rows run interleaved, round after round and engine after engine (plain vLLM and ``ngram`` among them), so the
 machine's drift falls on every row alike. Every run of a row at a level starts from an empty prefix cache, so no
 run reuses keys and values that another row's batches computed (other rows' drafts change the target's verify
-shapes, and in bfloat16 the last bits with them); with several requests in flight vLLM-CPU's batched bfloat16
-steps still do not repeat bit for bit (:data:`dynvocab.bench.vllm_rows.BATCHED_SLACK`). Each strategy's selector is
+shapes, and in bfloat16 the last bits with them). Run the driver with its engine cores in its own process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as :func:`dynvocab.bench.vllm_rows.engine_env` sets): then its own
+``add_request`` / ``step`` calls form every batch, and greedy rounds repeat exactly at every level of requests in
+flight. Each strategy's selector is
 built once per engine and warmed by one untimed request before its first round, so no timed round pays for building
 or packing it. Each row gets the generated ids per prompt, the wall time, vLLM's own
 spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position), the machine's load over the
