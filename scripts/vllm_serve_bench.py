@@ -19,8 +19,9 @@ The prompts are the embedded held-out tasks (code and chat), written as the clie
 Each speculative row's served greedy text is compared with plain vLLM's for every request (``= plain``). With
 ``--check-llm`` the same requests then run through ``LLM`` (``dynvocab.bench.vllm_run``, each row's own folder, the
 same users as a closed loop): ``= LLM`` says whether the server accepted exactly what ``LLM`` did (``=``), or by
-how many tokens it differed. At one user they must be equal; with several in flight batched bfloat16 steps do not
-repeat bit for bit on vLLM-CPU, so a near-tie may differ (docs/bench.md, greedy acceptance).
+how many tokens it differed. At one user they must be equal. With several in flight the server forms its batches
+as requests arrive (its engine core in a process of its own), ``LLM`` as the closed loop steps it; batches of other
+shapes round bfloat16 differently, so a near-tie may differ (docs/bench.md, greedy acceptance).
 """
 
 from __future__ import annotations
