@@ -395,6 +395,8 @@ def _engine(req: dict, spec: dict | None):
         kw["distributed_executor_backend"] = "mp"
     if spec is not None:
         kw["speculative_config"] = spec
+    if "enable_prefix_caching" in req:  # as a server to compare with was started; else vLLM's default
+        kw["enable_prefix_caching"] = req["enable_prefix_caching"]
     llm = LLM(**kw)
     counts = SpecCounts()
     llm.llm_engine.logger_manager.stat_loggers.append(counts)
