@@ -173,7 +173,7 @@ def llm_check(args, target: str, texts: list[str], served: list[tuple[str, list[
     req = {"target": target, "dtype": args.dtype, "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
            "ignore_eos": True, "prompts": [tok(t).input_ids for t in texts], "warmup": False,
            "concurrency": args.users, "max_num_seqs": max(args.users), "rows": rows,
-           "enable_prefix_caching": False}  # as the servers ran: a cached prefix is not recomputed, a near-tie may flip
+           "enable_prefix_caching": False}  # as the servers ran (--no-enable-prefix-caching)
     path, out = work / "llm-request.json", work / "llm-result.json"
     path.write_text(json.dumps(req))
     with open(work / "llm.log", "w") as log:

@@ -22,7 +22,7 @@ methods, so nothing is sent by value). Every engine is started first (each warme
 rows run interleaved, round after round and engine after engine (plain vLLM and ``ngram`` among them), so the
 machine's drift falls on every row alike. Every run of a row at a level starts from an empty prefix cache, so no
 run reuses keys and values that another row's batches computed (other rows' drafts change the target's verify
-shapes, and in bfloat16 the last bits with them). Run the driver with its engine cores in its own process
+shapes, and in bfloat16 the last bits with them). Run the driver with its engine cores in the driver's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as :func:`dynvocab.bench.vllm_rows.engine_env` sets): then its own
 ``add_request`` / ``step`` calls form every batch, and greedy rounds repeat exactly at every level of requests in
 flight. Each strategy's selector is
