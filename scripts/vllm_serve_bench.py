@@ -164,6 +164,8 @@ def llm_check(args, target: str, texts: list[str], served: list[tuple[str, list[
     "accepted_tokens", "token_ids"}}``."""
     from transformers import AutoTokenizer
 
+    from dynvocab.bench.vllm_rows import engine_env
+
     tok = AutoTokenizer.from_pretrained(target)
     rows = [{"name": "vllm"}]
     for name, flags in served:
@@ -177,7 +179,7 @@ def llm_check(args, target: str, texts: list[str], served: list[tuple[str, list[
     path, out = work / "llm-request.json", work / "llm-result.json"
     path.write_text(json.dumps(req))
     with open(work / "llm.log", "w") as log:
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ}  # its engines in one process: faster starts
+        env = engine_env(sys.executable)  # the bench's driver environment: its engines stepped in its process
         proc = subprocess.run([sys.executable, "-m", "dynvocab.bench.vllm_run", str(path), str(out)], stdout=log,
                               stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0 or not out.is_file():
