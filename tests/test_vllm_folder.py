@@ -179,7 +179,9 @@ def test_refusals(bundles, tiny_dirs, heads, tmp_path):  # noqa: F811
     freq, selectors = bundles
     out = tmp_path / "out"
     draft = tiny_dirs[1]
-    assert_refused(export(selectors, draft, out, "evospec"), out, "cannot run inside vLLM", "lowrank", "hybrid")
+    assert_refused(export(selectors, draft, out, "evospec"), out, "cannot run inside vLLM on a draft model",
+                   "EAGLE head", "hybrid")
+    assert_refused(export(selectors, draft, out, "full"), out, "cannot run inside vLLM", "lowrank", "hybrid")
     assert_refused(export(selectors, draft, out, "dynaspec"), out, "no 'clusters' stage", "build-index")
     (tmp_path / "bare").mkdir()
     assert_refused(export(selectors, tmp_path / "bare", out, "fr"), out, "no config.json")

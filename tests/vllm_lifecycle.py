@@ -62,23 +62,27 @@ def _counters(llm) -> dict:
     return out
 
 
-def scenarios(llm, plugin: bool) -> dict:
-    """Every scenario on ``llm``; with ``plugin``, the plugin's held windows after each of the sequence."""
-    base = list(range(10, 58))
+def scenarios(llm, plugin: bool, base_len: int = 48, preempt_tokens: int = 60) -> dict:
+    """Every scenario on ``llm``; with ``plugin``, the plugin's held windows after each of the sequence.
+    ``base_len``: the shared prompt prefix (an EAGLE engine drops a cached prefix's last block, so it needs a longer
+    one for a hit); ``preempt_tokens``: each of the preempted scenario's 4 requests' tokens."""
+    base = list(range(10, 10 + base_len))
     result = {
         "staggered": _run(llm, [(0, [5, 6, 7, 8], 20), (2, [9, 10, 11], 9), (3, [12, 13, 14, 15, 16], 30),
                                 (9, [40, 41], 14)]),
         "prefix": {**_run(llm, [(0, base + [3, 4, 5], 12)]), **{"1": _run(llm, [(0, base + [60, 61], 12)])["0"]}},
         "long": _run(llm, [(0, [(7 * i) % 250 + 3 for i in range(150)], 16)]),
-        "preempt": _run(llm, [(0, [20 + j + i for j in range(30)], 60) for i in range(4)]),
+        "preempt": _run(llm, [(0, [20 + j + i for j in range(30)], preempt_tokens) for i in range(4)]),
         "abort": _run(llm, [(0, [70, 71, 72, 73], 40), (0, [80, 81, 82], 20)], abort={"0"}),
     }
-    held = []
+    held, last = [], {}
     for i in range(SEQUENCE):
         result.setdefault("sequence", {}).update({str(i): _run(llm, [(0, [3 + i % 200, 4, 5], 4)])["0"]})
         if plugin:
-            held.append(llm.collective_rpc("dynvocab_take_log")[0][-1]["held"])
+            last = llm.collective_rpc("dynvocab_take_log")[0][-1]
+            held.append(last["held"])
     result["held"] = held
+    result["selector"] = last.get("selector")  # a selector's own counters, over the engine's life
     result["counters"] = _counters(llm)
     return result
 
@@ -87,11 +91,12 @@ def main(argv: list[str]) -> int:
     req = json.loads(open(argv[0]).read())
     out = {"plain": None, "plugin": None}
     llm = _engine(req, None)
-    out["plain"] = scenarios(llm, False)
+    sizes = {k: req[k] for k in ("base_len", "preempt_tokens") if k in req}
+    out["plain"] = scenarios(llm, False, **sizes)
     del llm
     llm = _engine(req, req["speculative_config"])
-    llm.collective_rpc("dynvocab_switch_head", args=(req["strategy"], None, req["bundle"], False))
-    out["plugin"] = scenarios(llm, True)
+    llm.collective_rpc("dynvocab_switch_head", args=(req["strategy"], req.get("budget"), req["bundle"], False))
+    out["plugin"] = scenarios(llm, True, **sizes)
     with open(argv[1], "w") as f:
         json.dump(out, f)
     return 0

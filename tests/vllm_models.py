@@ -57,11 +57,13 @@ def vllm_pair(tmp_path_factory) -> tuple[Path, Path]:
     return save_qwen2(root / "target", tokenizer, rows, 2), save_qwen2(root / "draft", tokenizer, rows, 2)
 
 
-def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny", head: torch.Tensor | None = None) -> Path:
+def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny", head: torch.Tensor | None = None,
+                target_head: torch.Tensor | None = None) -> Path:
     """A bundle at ``path`` for a tiny model with ``rows`` head rows of width :data:`HIDDEN`: a frequency ranking
     (EOS first), random lowrank and centroids selectors, random clusters, router and graph (the context
     strategies'), and where ``head`` [rows, HIDDEN] is given, the draft's rows indexed (``draft_hnsw``, the hybrid's
-    per-step search, exact on a graph this small); the same model as target and draft."""
+    per-step search, exact on a graph this small), where ``target_head`` is, the target's (``hnsw``, evospec's
+    retrieval); the same model as target and draft."""
     g = torch.Generator().manual_seed(0)
     freq = random_frequencies(g, rows, tokenizer.eos_token_id)
     low, cen = random_selectors(rows, HIDDEN, g, rank=16, candidates=LOWRANK_K, block=BLOCK, blocks=BLOCKS)
@@ -73,6 +75,11 @@ def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny", head: to
 
         cfg = HnswConfig(m=rows, ef_construction=2 * rows, num_threads=1)
         stages.append(head_stage("draft_hnsw", head.float(), "draft", cfg))
+    if target_head is not None:
+        from dynvocab.builders.hnsw import HnswConfig, head_stage
+
+        cfg = HnswConfig(m=rows, ef_construction=2 * rows, num_threads=1)
+        stages.append(head_stage("hnsw", target_head.float(), "target", cfg))
     return write_bundle(path, stages, fp, fp)
 
 

@@ -77,9 +77,10 @@ class VllmBench:
         return [[PLAIN], *([[NGRAM]] if self.ngram else []), [SPEC, *(PLUGIN + s for s in self.strategies)]]
 
 
-def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
+def plugin_strategies(text: str | None, bundle: str | None, draft: str | None = None) -> tuple[str, ...]:
     """The plugin strategies ``--strategies`` asks for (``ar``/``full`` are the always-run ``vllm``/``vllm-spec``
-    rows); one that cannot run inside vLLM is refused in one line. Default: those the bundle has stages for."""
+    rows); one that cannot run inside vLLM (on ``draft``, where given) is refused in one line. Default: those the
+    bundle has stages for."""
     from dynvocab.runtime.batched import batch_strategies, bundle_stages, refusal
 
     if text is None:
@@ -93,8 +94,9 @@ def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise DynvocabError(f"--strategies names a row twice: {text}")
     plugin = [s for s in names if s not in (*OUR_FULL_ROWS, NGRAM_NAME)]
+    kind = _draft_kind(draft) if plugin and draft is not None else None
     for name in plugin:
-        why = refusal(name)
+        why = refusal(name, kind)
         if why:
             raise DynvocabError(why)
     if plugin and bundle is None:
@@ -107,6 +109,17 @@ def plugin_strategies(text: str | None, bundle: str | None) -> tuple[str, ...]:
                 for stage in bundle_stages(name):
                     b.require(stage)
     return tuple(plugin)
+
+
+def _draft_kind(draft: str) -> str | None:
+    """dynvocab's kind of ``draft`` (``runtime/drafts.py``), None where it cannot be told without loading more."""
+    from dynvocab.models import resolve_model
+    from dynvocab.runtime.drafts import find_kind
+
+    try:
+        return find_kind(resolve_model(draft))[0].name
+    except DynvocabError:
+        return None
 
 
 def find_vllm_python(path: str | None) -> str:

@@ -45,6 +45,7 @@ The output is written whole (temp file, then rename). Errors are one line on std
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -200,10 +201,16 @@ class HeadSwitch:
                 selector.selector = _TimedSelector(selector.selector, self)
 
     def take_log(self) -> list:
-        """The log since the last take, and what the plugin holds per request now."""
+        """The log since the last take, and what the plugin holds per request now (windows, or a selector's own
+        per-request state), with the selector's counters where it keeps some (evospec's events and searches)."""
         out, self.log = self.log or [], []
         context = getattr(self.model, "dynvocab_context", None)
-        return out + [{"held": None if context is None else context.held()}]
+        selector = getattr(getattr(getattr(self.model, "dynvocab", None), "head", None), "selector", None)
+        own = getattr(selector, "held", None)
+        held = None if context is None else max(context.held(), own() if callable(own) else 0)
+        stats = getattr(selector, "stats", None)
+        return out + [{"held": held, **({"selector": dataclasses.asdict(stats)} if dataclasses.is_dataclass(stats)
+                                        else {})}]
 
     def read(self) -> dict:
         """The timer since the last switch (head and selector seconds, calls, rows) and the ids the head scores per

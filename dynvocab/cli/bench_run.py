@@ -224,7 +224,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
 
     if flags.temperature > 0:
         raise DynvocabError("--vllm rows decode greedily (the plugin's get_top_tokens); drop --temperature")
-    strategies = v.plugin_strategies(req.strategies, flags.bundle)
+    strategies = v.plugin_strategies(req.strategies, flags.bundle, req.models.draft)
     budgets = tuple((s, b) for s in strategies if (b := asked_budget(s, flags.options())) is not None)
     levels = v.parse_concurrency(vllm.concurrency)
     python = v.find_vllm_python(vllm.python)

@@ -41,10 +41,17 @@ def _entry(strategy: str) -> Strategy | None:
         return None
 
 
-def refusal(strategy: str) -> str | None:
-    """Why ``strategy`` cannot run as a batched selector inside vLLM, in one line (None: it can)."""
+DRAFT_MODEL = "draft-model"  # the draft kind (runtime/drafts.py) to which vLLM hands no target hidden states
+
+
+def refusal(strategy: str, kind: str | None = None) -> str | None:
+    """Why ``strategy`` cannot run as a batched selector inside vLLM, in one line (None: it can); ``kind``: the
+    draft's kind where known (a strategy that reads the target's hidden states runs on EAGLE heads only)."""
     entry = _entry(strategy)
     if entry is not None and entry.batched is not None:
+        if kind == DRAFT_MODEL and entry.batched.target_states:
+            return (f"strategy '{strategy}' cannot run inside vLLM on a draft model: its retrieval reads the target's "
+                    "hidden states, which vLLM hands EAGLE heads only; use an EAGLE head, or hybrid")
         return None
     use = ", ".join(batch_strategies())
     if entry is None:

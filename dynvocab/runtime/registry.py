@@ -110,6 +110,7 @@ class Batched:
     default_budget: Callable[[object, int], int]  # (bundle, vocab_size) -> the budget when none is given
     optional: tuple[str, ...] = ()  # stages it reads where the bundle has them (exported with it)
     budget_flags: tuple[str, ...] = ()  # its flags (or --fr-size) whose first value set is its budget there
+    target_states: bool = False  # it reads the target's hidden states, which vLLM hands EAGLE heads only
 
 
 @dataclass(frozen=True)

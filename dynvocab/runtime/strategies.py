@@ -37,6 +37,7 @@ from dynvocab.runtime.policies.context_select import (
 )
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
+from dynvocab.runtime.policies.evospec_select import evospec_from_bundle
 from dynvocab.runtime.policies.frequency import PositionAwareConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.lowrank import LowRankConfig, LowRankPolicy
@@ -237,9 +238,8 @@ register(Strategy(
 register(Strategy(
     "evospec", EvoSpecConfig, _evospec, stages=("freq", "hnsw", "graph"),
     flags=(Flag("online_align", "online LoRA alignment of the draft (q, v projections)."),),
-    why_not_batched="its online LoRA alignment changes the draft's weights, which every request in an engine "
-                    "shares, and its retrieval reads the target's hidden state at verified positions, which vLLM "
-                    "does not give a draft head; hybrid runs its graph successors there",
+    batched=Batched(("freq", "hnsw", "graph"), evospec_from_bundle, fixed_budget(EvoSpecConfig().static_size),
+                    budget_flags=("fr_size",), target_states=True),
 ))
 register(Strategy(
     "hybrid", HybridConfig, _hybrid,

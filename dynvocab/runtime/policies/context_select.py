@@ -15,6 +15,8 @@ number of ids per row); a batched host (the vLLM plugin, :mod:`dynvocab.serving.
   successors of the fed token, and on a CPU the draft head's rows nearest each hidden state (:class:`HeadSearch`,
   bundle stage ``draft_hnsw``: the retrieval :class:`~dynvocab.runtime.policies.hybrid.HybridPolicy` runs at every
   draft step).
+- ``evospec``: :class:`~dynvocab.runtime.policies.evospec_select.EvoSpecSelector`, whose per-request ARC caches
+  change between cycles (its own module).
 
 Padding repeats an id of the row: its logits equal the id's own, so the argmax and the scattered row are the same
 as with one copy (the head multiplies each distinct id once, :func:`~.batch_select.SelectedHead`).
@@ -49,6 +51,9 @@ class StepContext:
     windows: torch.Tensor | None = None  # [B, W] each row's request window (None: the host keeps none)
     embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # ids [n] -> the draft's input embeddings [n, d_e]
     head: torch.Tensor | None = None  # [V, d] every row of the draft's head (None: the host holds a shard or none)
+    requests: tuple | None = None  # [B] each row's request key (None: the host keeps none)
+    target: torch.Tensor | None = None  # [B, d] the target's hidden state that produced each row's fed token, at
+    # draft position 0 (None: not known, or not the target's last layer: an EAGLE-3 head gets its mid layers)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ it, read without patching vLLM:
   (``last_hidden_states[token_indices_to_sample]``, without the indices): each row is the one of its request's last
   γ + 2 output rows that it copies, found by comparing them (on the device, no host read), and the token fed
   there is that row's input id (vLLM's ``next_token_ids``). Positions 1 … γ - 1 read the fed ids of their pass.
+- **The target's hidden state** at that row is the first pass's ``hidden_states`` input there: an EAGLE-1 head is
+  fed the target's last layer (``llama_eagle.py:forward``); an EAGLE-3 head gets its middle layers, combined by
+  its ``fc`` (``combine_hidden_states``), and a draft model none, so those give no target state.
 - **Each request's tokens** are the model runner's record (``input_batch.req_ids``, ``token_ids_cpu``,
   ``num_tokens_no_spec``): the prompt whole (prefix-cached and chunked prompts too), and the tokens verified
   before this step (the proposer runs before the step's bookkeeping). The runner is the one whose ``load_model``
@@ -69,17 +72,20 @@ def find_runner(frame=None):
 class EngineContext:
     """One draft model's view of the request's context: fed by its ``forward``, read at each head call."""
 
-    def __init__(self, vllm_config, runner=None):
+    def __init__(self, vllm_config, runner=None, target_states: bool = False):
+        """``target_states``: the draft's first pass is fed the target's last hidden states (an EAGLE-1 head)."""
         spec = vllm_config.speculative_config
         self.gamma = max(1, int(getattr(spec, "num_speculative_tokens", 1) or 1))
         self.slots = int(vllm_config.scheduler_config.max_num_seqs)
         self.vocab = int((spec.draft_model_config if spec is not None else vllm_config.model_config)
                          .get_vocab_size())
         self.runner = runner
+        self.target_states = target_states
         self.device = torch.device(getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu")
         self.windows: RequestWindows | None = None  # on the engine's device, as every set the head multiplies
         self._ids: torch.Tensor | None = None  # the last pass's input ids [n]
         self._out: torch.Tensor | None = None  # the last first pass's output rows [n, d]
+        self._target: torch.Tensor | None = None  # its hidden-state input rows [n, d] (the target's, for EAGLE-1)
         self._starts: torch.Tensor | None = None  # its requests' first rows [R + 1] (query_start_loc)
         self._first = False  # the next head call is draft position 0 of a first pass
         self._calls = 0  # head calls since the last first pass
@@ -87,9 +93,9 @@ class EngineContext:
         self._slot_rows: torch.Tensor | None = None  # [B] each batch row's window slot, set at position 0
         self._width = 1  # the window columns the batch's rows fill (RequestWindows.width), set with them
 
-    def forward(self, input_ids: torch.Tensor | None, output) -> None:
-        """Record a pass of the draft: its fed ``input_ids`` [n] and its ``output`` (hidden states, or a tuple
-        whose first item they are)."""
+    def forward(self, input_ids: torch.Tensor | None, output, hidden_states: torch.Tensor | None = None) -> None:
+        """Record a pass of the draft: its fed ``input_ids`` [n], its ``output`` (hidden states, or a tuple whose
+        first item they are) and its ``hidden_states`` input (an EAGLE head's; None for a draft model)."""
         if input_ids is None:
             return
         meta = _attention_metadata()
@@ -99,6 +105,7 @@ class EngineContext:
             return
         self._ids, self._first, self._calls = input_ids, True, 0
         self._out = output[0] if isinstance(output, tuple) else output
+        self._target = hidden_states if self.target_states else None
         self._starts = getattr(meta, "query_start_loc", None)
 
     def step(self, hidden: torch.Tensor, reads: frozenset, window: int, embed, head=None) -> StepContext:
@@ -108,14 +115,19 @@ class EngineContext:
         first, self._first = self._first, False
         step = 0 if first else self._calls
         self._calls, self._rows = (1 if first else self._calls + 1), rows
-        fed = windows = None
+        fed = windows = requests = target = None
+        picked = self._picked(hidden) if first and reads & {"fed", "target"} else None
         if "fed" in reads:
-            fed = self._fed_at_first(hidden) if first else self._fed_next(rows)
+            fed = self._ids[picked].long() if picked is not None else self._fed_next(rows)
+        if "target" in reads and picked is not None and self._target is not None:
+            target = self._target[picked]
         if "window" in reads:
             if first or self._slot_rows is None or self._slot_rows.numel() != rows:
                 self._sync(rows, window)
             windows = self.windows.ids[self._slot_rows, : self._width]
-        return StepContext(step, fed, windows, embed, head if "head" in reads else None)
+        if "requests" in reads:
+            requests = self._requests(rows)
+        return StepContext(step, fed, windows, embed, head if "head" in reads else None, requests, target)
 
     def _fed_next(self, rows: int) -> torch.Tensor:
         """The ids fed at a continuation pass (zeros where no pass was seen)."""
@@ -123,20 +135,19 @@ class EngineContext:
             return torch.zeros(rows, dtype=torch.long, device=self.device)
         return self._ids[:rows].long()
 
-    def _fed_at_first(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The id fed at each row's sampled position of the first pass: the row among its request's last output
-        rows that ``hidden`` copies."""
+    def _picked(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's sampled position in the first pass [B]: the row among its request's last output rows that
+        ``hidden`` copies (None where the pass does not match the batch)."""
         out, starts, ids = self._out, self._starts, self._ids
         rows = hidden.shape[0]
         if out is None or starts is None or starts.numel() != rows + 1 or ids is None:
-            return self._fed_next(rows)
+            return None
         starts = starts.to(out.device).long()
         ends = starts[1:] - 1
         back = torch.arange(self.gamma + MATCH_BACK, device=out.device)
         cand = torch.maximum(ends[:, None] - back, starts[:-1, None])  # [B, γ + 2] newest first
         hit = (out[cand] == hidden[:, None, :].to(out.dtype)).all(dim=-1)  # [B, γ + 2]
-        picked = cand.gather(1, hit.int().argmax(dim=1, keepdim=True))[:, 0]  # the first hit (none: the last row)
-        return ids[picked].long()
+        return cand.gather(1, hit.int().argmax(dim=1, keepdim=True))[:, 0]  # the first hit (none: the last row)
 
     def _sync(self, rows: int, window: int) -> None:
         """Bring the windows of the batch's requests up to date from the runner's record; give back the others."""
@@ -153,6 +164,12 @@ class EngineContext:
         slots = self.windows.update_many(req_ids, batch.token_ids_cpu, batch.num_tokens_no_spec[:rows])
         self._slot_rows = torch.tensor(slots, dtype=torch.long, device=self.windows.ids.device)
         self._width = self.windows.width(slots)
+
+    def _requests(self, rows: int) -> tuple | None:
+        """The batch's request keys, one per row, from the runner's record (None: no record for this batch)."""
+        batch = getattr(self.runner, "input_batch", None)
+        req_ids = tuple(getattr(batch, "req_ids", ()))[:rows] if batch is not None else ()
+        return req_ids if len(req_ids) == rows else None
 
     def held(self) -> int:
         """Requests whose windows the plugin holds."""

@@ -213,6 +213,9 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
     _check_out(out)
     spec, source, config = _draft_folder(draft)
     row = vllm_kind(find_kind(spec)[0].name)
+    why = refusal(strategy, row.name)
+    if why:
+        raise DynvocabError(why)
     own, architecture = _architecture(row, config, draft)
     source_ids = config.get("eagle_aux_hidden_state_layer_ids")
     config = row.rewrite(config, source)

@@ -25,23 +25,30 @@ from dynvocab.serving.vllm.context import NO_RUNNER, RUNNER_RECORD, EngineContex
 from dynvocab.serving.vllm.head import DraftHeadPolicy, load_policy
 from dynvocab.serving.vllm.names import ARCHITECTURES
 
+# the speculative method whose draft's first pass is fed the target's last hidden states: EAGLE-1
+# (``llama_eagle.py:forward``); an EAGLE-3 head gets its middle layers combined, a draft model none
+TARGET_STATES_METHOD = "eagle"
+
 
 class SelectedHeadMixin:
     """Put before a vLLM draft class: its head scores only the rows the folder's selector picks per row."""
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        method = getattr(vllm_config.speculative_config, "method", None)
         self.dynvocab: DraftHeadPolicy = load_policy(vllm_config)
         runner = find_runner()
         if runner is None and self.dynvocab.reads_context:
             _warn_once(NO_RUNNER.format(", ".join(RUNNER_RECORD), self.dynvocab.strategy))
-        self.dynvocab_context = EngineContext(vllm_config, runner)
+        self.dynvocab_context = EngineContext(vllm_config, runner, target_states=method == TARGET_STATES_METHOD)
 
     def forward(self, *args, **kwargs):
-        """vLLM's forward; its fed ids and output are recorded for a selector that reads the request's context."""
+        """vLLM's forward; its fed ids, hidden-state input and output are recorded for a selector that reads the
+        request's context."""
         out = super().forward(*args, **kwargs)
         if self.dynvocab.reads_context:
-            self.dynvocab_context.forward(kwargs.get("input_ids", args[0] if args else None), out)
+            states = kwargs.get("hidden_states", args[2] if len(args) > 2 else None)
+            self.dynvocab_context.forward(kwargs.get("input_ids", args[0] if args else None), out, states)
         return out
 
     def load_weights(self, weights):
