@@ -99,13 +99,15 @@ def test_cuda_without_a_gpu_is_refused(tmp_path):
 
 
 def test_the_batched_heads_section_times_every_strategy_both_ways(report):
-    """Every strategy that runs inside vLLM, at each batch size and draft position: scored over the batch's
-    distinct ids and row by row (the two give the same logits), with no device read in a step."""
+    """Every strategy that runs inside vLLM but evospec (its retrieval runs on the host: no graph could hold it), at
+    each batch size and draft position: scored over the batch's distinct ids and row by row (the two give the same
+    logits), with no device read in a step."""
     from dynvocab.runtime.batched import batch_strategies
 
     section = report["sections"]["batch_heads"]["result"]
     cases = {(r["strategy"], r["batch"], r["step"]) for r in section["results"]}
-    assert {s for s, _, _ in cases} == set(batch_strategies()) and len(cases) == len(section["results"])
+    timed = set(batch_strategies()) - {"evospec"}
+    assert {s for s, _, _ in cases} == timed and len(cases) == len(section["results"])
     assert {(b, t) for _, b, t in cases} == {(1, 0), (1, 3), (4, 0), (4, 3)}
     for r in section["results"]:
         for way in ("union", "per_row"):

@@ -9,7 +9,7 @@ the test files that exercise CUDA (the Triton kernels compiled, not interpreted)
 - ``draft_step``: :func:`~dynvocab.bench.draft_step.draft_step_bench` (body and head apart, the fused kernel);
 - ``eagle_step``: :func:`~dynvocab.bench.eagle_step.eagle_step_bench` at every shape of ``EAGLE_SHAPES``;
 - ``kernels``: :func:`~dynvocab.bench.microbench.run_kernel_bench` at the demo draft's and Llama-3-8B's head;
-- ``batch_heads``: :func:`~dynvocab.bench.batch_head_step.batch_head_bench`, every strategy that runs inside vLLM,
+- ``batch_heads``: :func:`~dynvocab.bench.batch_head_step.batch_head_bench`, every strategy that runs inside vLLM but evospec (host-side retrieval),
   selector and head over 1, 4 and 8 rows as the plugin calls them, eagerly and as a CUDA graph.
 
 Every section runs in a child process under its own time limit, inside an overall budget (10 minutes by default),

@@ -88,6 +88,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.use_local_argmax_reduction",
          "the proposer that calls the draft's get_top_tokens"),
     Seam("vllm.config:SpeculativeConfig.draft_model_config", "finds the draft folder"),
+    Seam("vllm.config:SpeculativeConfig.method", "tells a draft model (no target hidden states: evospec refused) "
+         "from an EAGLE-1 head (the target's last hidden states fed to its first pass)"),
     Seam("vllm.config:VllmConfig.speculative_config", "finds the draft folder"),
     Seam("vllm.config:VllmConfig.model_config", "finds the draft folder"),
     Seam("vllm.config:VllmConfig.device_config", "places the selector's tensors"),
