@@ -87,13 +87,13 @@ class ContextSelector:
         weights are loaded, so no request's first step pays for it); nothing for most selectors."""
 
 
-def _eos_ids(bundle: Bundle, vocab_size: int, device) -> torch.Tensor:
+def head_eos_ids(bundle: Bundle, vocab_size: int, device) -> torch.Tensor:
     """The bundle's EOS ids (:func:`~.batch_select.bundle_eos`) a head of ``vocab_size`` rows has."""
     eos = bundle_eos(bundle).long()
     return eos[eos < vocab_size].to(device)
 
 
-def _ranking(bundle: Bundle, vocab_size: int, eos: torch.Tensor, device) -> torch.Tensor:
+def eos_first_ranking(bundle: Bundle, vocab_size: int, eos: torch.Tensor, device) -> torch.Tensor:
     """The bundle's frequency ranking over a head of ``vocab_size`` rows, the EOS ids first (every prefix has them)."""
     from dynvocab.artifacts.tables import FreqTable
 
@@ -256,8 +256,8 @@ class HybridSelector(ContextSelector):
 def position_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                          device: torch.device) -> PositionSelector:
     """``fr-pa``: the bundle's frequency ranking (EOS first), ``budget`` ids at draft positions 0 and 1."""
-    eos = _eos_ids(bundle, vocab_size, device)
-    return PositionSelector(_ranking(bundle, vocab_size, eos, device), budget)
+    eos = head_eos_ids(bundle, vocab_size, device)
+    return PositionSelector(eos_first_ranking(bundle, vocab_size, eos, device), budget)
 
 
 def router_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
@@ -275,13 +275,13 @@ def router_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
                             f"has {hidden_size}; retrain it with `dynvocab train-router --bundle {bundle.path}`")
     clusters = ClusterTable.from_bundle(bundle)
     return RouterSelector(router.module(device), clusters.assign[:vocab_size].to(device), clusters.num_clusters,
-                          budget, _eos_ids(bundle, vocab_size, device))
+                          budget, head_eos_ids(bundle, vocab_size, device))
 
 
 def window_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                        device: torch.device) -> WindowSelector:
     """``microspec``: a window of ``budget`` tokens per request and the bundle's EOS ids."""
-    return WindowSelector(budget, _eos_ids(bundle, vocab_size, device))
+    return WindowSelector(budget, head_eos_ids(bundle, vocab_size, device))
 
 
 def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
@@ -292,8 +292,8 @@ def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
     from dynvocab.runtime.policies.hybrid import HybridConfig
 
-    eos = _eos_ids(bundle, vocab_size, device)
-    core = _ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
+    eos = head_eos_ids(bundle, vocab_size, device)
+    core = eos_first_ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
     graph = GraphTable.from_bundle(bundle).to(device) if bundle.has("graph") else None
     cfg = HybridConfig().for_draft(searches_per_step=True)
     search = None

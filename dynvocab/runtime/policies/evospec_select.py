@@ -12,8 +12,8 @@ only there, so positions 1 … γ - 1 draft from the same set.
 
 What differs from dynvocab's own loop, and why:
 
-- **retrieval runs in the step** (synchronous): an engine's step is the only place the request's state is read, and
-  a result that arrives a cycle late is the same ids one cycle late;
+- **retrieval runs in the step**, not in a worker thread: its ids join the buffer before the cycle drafts rather
+  than a cycle later, at 0.1–0.3 ms a step on the Gemma pair (docs/vllm.md);
 - **no target top-k seeds**: vLLM hands a draft the target's hidden states, not its logits; the HNSW search over
   the target's head rows for that hidden state is the top-k by inner product, what the logits' top-k would be,
   approximately;
@@ -35,7 +35,7 @@ from dynvocab.artifacts.bundle import Bundle
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.arc import ARCCache
 from dynvocab.runtime.policies.context_select import (ContextSelector, ContextSets, HeadSearch, StepContext,
-                                                      _eos_ids, _ranking)
+                                                      eos_first_ranking, head_eos_ids)
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, assemble_candidates
 
 # HNSW ef of the OOV searches in a batched host (the hybrid's per-step search measured ~0.6 ms a query at 64 over the
@@ -44,10 +44,10 @@ EVOSPEC_EF = 64
 
 
 @dataclass
-class EvoSpecRowStats:
+class EvoSpecSelectorStats:
     """What the selector did over an engine's life (for the bench's log and the tests)."""
 
-    cycles: int = 0  # draft position 0 calls, per row
+    cycles: int = 0  # rows seen at draft position 0 (one a request per cycle)
     oov_events: int = 0
     searched: int = 0  # events with an HNSW search (the host gave the target's hidden state and the whole head)
     inserted: int = 0  # ids newly admitted into a request's buffer
@@ -70,7 +70,7 @@ class EvoSpecSelector(ContextSelector):
         self.reads = frozenset({"fed", "requests", "target"} | ({"head"} if search is not None else set()))
         self.k = int(core.numel()) + cfg.dynamic_size
         self.caches: dict[object, ARCCache] = {}  # request key -> its dynamic buffer
-        self.stats = EvoSpecRowStats()
+        self.stats = EvoSpecSelectorStats()
         self._rows: torch.Tensor | None = None  # [B, dynamic_size] the batch's buffers, set at draft position 0
 
     def prepare(self, head: torch.Tensor) -> None:
@@ -147,8 +147,8 @@ def evospec_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_siz
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
 
     cfg = EvoSpecConfig()
-    eos = _eos_ids(bundle, vocab_size, device)
-    core = _ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
+    eos = head_eos_ids(bundle, vocab_size, device)
+    core = eos_first_ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
     search = None
     if torch.device(device).type == "cpu":
         params = HnswParams.from_dict(bundle.info("hnsw")["index"], f"bundle {bundle.path} (stage hnsw)")
