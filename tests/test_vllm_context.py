@@ -132,25 +132,7 @@ def test_the_per_request_state_follows_vllms_request_lifecycle(vllm_pair, vllm_b
     cached, a prompt longer than a prefill chunk, more requests than the KV cache holds (vLLM preempts one and
     recomputes it), a request aborted beside one that finishes, and 200 requests one after another; every output
     equals plain vLLM's, and after each of the 200 the plugin holds a window for at most the one request vLLM ran."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from vllm_lifecycle import checked_run
 
-    from vllm_models import ENGINE_ENV
-
-    req, out = tmp_path / "request.json", tmp_path / "out.json"
-    req.write_text(json.dumps({"target": str(vllm_pair[0]), "bundle": str(vllm_bundle), "strategy": "hybrid",
-                               "speculative_config": spec(folder, use_local_argmax_reduction=True)}))
-    script = Path(__file__).with_name("vllm_lifecycle.py")
-    proc = subprocess.run([sys.executable, str(script), str(req), str(out)], env={**os.environ, **ENGINE_ENV},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    result = json.loads(out.read_text())
-    plain, plugin = result["plain"], result["plugin"]
-    for scenario in ("staggered", "prefix", "long", "preempt", "abort", "sequence"):
-        assert plugin[scenario] == plain[scenario], scenario
-    assert list(plugin["abort"]) == ["1"] and len(plugin["sequence"]) == 200
-    counters = plugin["counters"]
-    assert counters["vllm:prefix_cache_hits"] > 0 and counters["vllm:num_preemptions"] > 0, counters
-    assert len(plugin["held"]) == 200 and all(0 <= n <= 1 for n in plugin["held"])
+    checked_run(tmp_path, {"target": str(vllm_pair[0]), "bundle": str(vllm_bundle), "strategy": "hybrid",
+                           "speculative_config": spec(folder, use_local_argmax_reduction=True)})

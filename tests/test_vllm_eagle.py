@@ -172,28 +172,13 @@ def test_evospec_state_follows_vllms_request_lifecycle_on_an_eagle1_head(models,
     through vLLM's request lifecycle (tests/vllm_lifecycle.py: staggered requests, a cached prefix, a chunked prompt,
     preemption, an abort, 200 requests one after another) every output equals plain vLLM's, it searched the target's
     head rows for OOV tokens, and after each of the 200 it holds a buffer for at most the one request vLLM ran."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from vllm_lifecycle import checked_run
 
     folder = write_draft_folder(models["bundle"], str(models["eagle1"]), "evospec", tmp_path / "e1")
     spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": 3,
             "use_local_argmax_reduction": True}
-    req, out = tmp_path / "request.json", tmp_path / "out.json"
-    req.write_text(json.dumps({"target": str(models["target"]), "bundle": str(models["bundle"]),
-                               "strategy": "evospec", "budget": 40, "speculative_config": spec,
-                               "base_len": 112, "preempt_tokens": 120}))
-    script = Path(__file__).with_name("vllm_lifecycle.py")
-    proc = subprocess.run([sys.executable, str(script), str(req), str(out)], env={**os.environ, **vllm_models.ENGINE_ENV},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    result = json.loads(out.read_text())
-    plain, plugin = result["plain"], result["plugin"]
-    for scenario in ("staggered", "prefix", "long", "preempt", "abort", "sequence"):
-        assert plugin[scenario] == plain[scenario], scenario
-    counters = plugin["counters"]
-    assert counters["vllm:prefix_cache_hits"] > 0 and counters["vllm:num_preemptions"] > 0, counters
-    assert len(plugin["held"]) == 200 and all(0 <= n <= 1 for n in plugin["held"])
+    plugin = checked_run(tmp_path, {"target": str(models["target"]), "bundle": str(models["bundle"]),
+                                    "strategy": "evospec", "budget": 40, "speculative_config": spec,
+                                    "base_len": 112, "preempt_tokens": 120})
     stats = plugin["selector"]
     assert stats["oov_events"] > 0 and stats["searched"] == stats["oov_events"] and stats["inserted"] > 0, stats

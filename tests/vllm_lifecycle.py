@@ -87,6 +87,33 @@ def scenarios(llm, plugin: bool, base_len: int = 48, preempt_tokens: int = 60) -
     return result
 
 
+def checked_run(tmp_path, request: dict) -> dict:
+    """``request`` through this script in a child process (the engine environment of :mod:`vllm_models`), and the
+    checks every plugin must pass: each scenario's outputs equal plain vLLM's, the scenarios hit the prefix cache and
+    preempted, and after each of the sequence the plugin held state for at most the one request vLLM ran. Returns
+    the plugin engine's part of the result."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from vllm_models import ENGINE_ENV
+
+    req, out = tmp_path / "request.json", tmp_path / "out.json"
+    req.write_text(json.dumps(request))
+    proc = subprocess.run([sys.executable, str(Path(__file__)), str(req), str(out)], env={**os.environ, **ENGINE_ENV},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    result = json.loads(out.read_text())
+    plain, plugin = result["plain"], result["plugin"]
+    for scenario in ("staggered", "prefix", "long", "preempt", "abort", "sequence"):
+        assert plugin[scenario] == plain[scenario], scenario
+    assert list(plugin["abort"]) == ["1"] and len(plugin["sequence"]) == SEQUENCE
+    counters = plugin["counters"]
+    assert counters["vllm:prefix_cache_hits"] > 0 and counters["vllm:num_preemptions"] > 0, counters
+    assert len(plugin["held"]) == SEQUENCE and all(0 <= n <= 1 for n in plugin["held"])
+    return plugin
+
+
 def main(argv: list[str]) -> int:
     req = json.loads(open(argv[0]).read())
     out = {"plain": None, "plugin": None}
