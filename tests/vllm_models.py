@@ -70,16 +70,13 @@ def tiny_bundle(path: Path, tokenizer, rows: int, source: str = "tiny", head: to
     fp = ModelFingerprint.of(tokenizer, (rows, HIDDEN), source)
     stages = [freq, Stage(low.kind, low.tensors, low.config, {}), Stage(cen.kind, cen.tensors, cen.config, {}),
               *random_context_stages(g, rows, HIDDEN, clusters=CLUSTERS)]
-    if head is not None:  # a complete graph (M ≥ rows: hnswlib prunes no links), so its search is exact
-        from dynvocab.builders.hnsw import HnswConfig, head_stage
+    from dynvocab.builders.hnsw import HnswConfig, head_stage
 
-        cfg = HnswConfig(m=rows, ef_construction=2 * rows, num_threads=1)
-        stages.append(head_stage("draft_hnsw", head.float(), "draft", cfg))
-    if target_head is not None:
-        from dynvocab.builders.hnsw import HnswConfig, head_stage
-
-        cfg = HnswConfig(m=rows, ef_construction=2 * rows, num_threads=1)
-        stages.append(head_stage("hnsw", target_head.float(), "target", cfg))
+    cfg = HnswConfig(m=rows, ef_construction=2 * rows, num_threads=1)  # a complete graph (M ≥ rows: hnswlib prunes
+    # no links), so its search is exact
+    for name, rows_of, role in (("draft_hnsw", head, "draft"), ("hnsw", target_head, "target")):
+        if rows_of is not None:
+            stages.append(head_stage(name, rows_of.float(), role, cfg))
     return write_bundle(path, stages, fp, fp)
 
 

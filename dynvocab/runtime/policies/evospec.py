@@ -64,6 +64,10 @@ class EvoSpecConfig:
     online_align: bool = False  # the LoRA online alignment (paper §3.4), off by default
     align: AlignConfig = field(default_factory=AlignConfig)
 
+    def new_cache(self) -> ARCCache:
+        """An empty dynamic buffer with these knobs (Table 5's sizes, residency and warm-up)."""
+        return ARCCache(self.dynamic_size, self.ghost_size, self.arc_p, self.min_residency, self.warmup_events)
+
 
 @dataclass(frozen=True)
 class OOVEvent:
@@ -244,7 +248,7 @@ class EvoSpecPolicy(VocabPolicy):
         self.dynamic = torch.empty(0, dtype=torch.long, device=self.device)  # [n ≤ dynamic_size]
         self._dynamic_np = np.empty(0, dtype=np.int64)  # the same ids on the host
         self.active = self._active_set()
-        self.cache = ARCCache(cfg.dynamic_size, cfg.ghost_size, cfg.arc_p, cfg.min_residency, cfg.warmup_events)
+        self.cache = cfg.new_cache()
         self.retriever = Retriever(index, graph, self.in_core, cfg)
         self.stats = EvoSpecStats()
         self._ready: list[tuple[OOVEvent, list[int], float]] = []

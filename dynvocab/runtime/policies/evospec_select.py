@@ -89,7 +89,8 @@ class EvoSpecSelector(ContextSelector):
         keys = list(ctx.requests) if ctx.requests is not None and len(ctx.requests) == rows else None
         if keys is None or ctx.fed is None or ctx.step != 0:
             return self.core[:1].expand(rows, self.cfg.dynamic_size).to(device)
-        for key in [k for k in self.caches if k not in set(keys)]:
+        alive = set(keys)
+        for key in [k for k in self.caches if k not in alive]:
             del self.caches[key]
         fed = ctx.fed.tolist()
         caches = [self._cache(key) for key in keys]
@@ -119,9 +120,7 @@ class EvoSpecSelector(ContextSelector):
     def _cache(self, key) -> ARCCache:
         cache = self.caches.get(key)
         if cache is None:
-            c = self.cfg
-            cache = self.caches[key] = ARCCache(c.dynamic_size, c.ghost_size, c.arc_p, c.min_residency,
-                                                c.warmup_events)
+            cache = self.caches[key] = self.cfg.new_cache()
         return cache
 
     def _semantic(self, rows: list[int], ctx: StepContext) -> dict[int, list[int]]:

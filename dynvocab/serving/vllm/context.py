@@ -125,7 +125,7 @@ class EngineContext:
             if first or self._slot_rows is None or self._slot_rows.numel() != rows:
                 self._sync(rows, window)
             windows = self.windows.ids[self._slot_rows, : self._width]
-        if "requests" in reads:
+        if "requests" in reads and first:
             requests = self._requests(rows)
         return StepContext(step, fed, windows, embed, head if "head" in reads else None, requests, target)
 
@@ -153,14 +153,14 @@ class EngineContext:
         """Bring the windows of the batch's requests up to date from the runner's record; give back the others."""
         if self.windows is None or self.windows.size != window:
             self.windows = RequestWindows(self.slots, window, self.vocab, device=self.device)
-        batch = getattr(self.runner, "input_batch", None)
-        req_ids = list(getattr(batch, "req_ids", ()))[:rows] if batch is not None else []
-        if len(req_ids) != rows:
+        req_ids = self._requests(rows)
+        if req_ids is None:
             self.windows.keep(set())
             self._slot_rows = torch.zeros(rows, dtype=torch.long, device=self.device)  # no record: slot 0 of nothing
             self._width = 1
             return
         self.windows.keep(set(req_ids))
+        batch = self.runner.input_batch
         slots = self.windows.update_many(req_ids, batch.token_ids_cpu, batch.num_tokens_no_spec[:rows])
         self._slot_rows = torch.tensor(slots, dtype=torch.long, device=self.windows.ids.device)
         self._width = self.windows.width(slots)

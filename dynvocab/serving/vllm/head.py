@@ -15,8 +15,9 @@ import torch
 from dynvocab.artifacts.bundle import load_bundle
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import head_rows
-from dynvocab.runtime.batched import DRAFT_MODEL, SelectorSpec, build_selector, refusal
+from dynvocab.runtime.batched import SelectorSpec, build_selector, refusal
 from dynvocab.runtime.policies.batch_select import BatchSelector, SelectedHead, scatter_logits
+from dynvocab.serving.vllm.kinds import kind_of_method
 from dynvocab.serving.vllm.names import CONFIG_KEY, POLICY_FILE
 
 
@@ -159,7 +160,8 @@ def load_policy(vllm_config) -> DraftHeadPolicy:
     model_config = spec_config.draft_model_config if spec_config is not None else vllm_config.model_config
     hf_config = model_config.hf_config
     section = draft_section(hf_config)
-    why = refusal(section["strategy"], DRAFT_MODEL) if getattr(spec_config, "method", None) == "draft_model" else None
+    kind = kind_of_method(getattr(spec_config, "method", None))
+    why = refusal(section["strategy"], kind.name if kind is not None else None)
     if why:
         raise DynvocabError(why)
     path = Path(model_config.model) / section.get("policy_file", POLICY_FILE)

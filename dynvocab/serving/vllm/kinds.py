@@ -28,6 +28,8 @@ class VllmKind:
     fits: Callable[..., tuple[str, list[str]]]  # (bundle, spec, text config, draft) -> (role compared, differences)
     marks: tuple[str, ...] = ()  # what vLLM adds to the architecture's name (stripped to find the plugin's class)
     draft_vocabulary: bool = False  # the head may keep its own draft vocabulary (EAGLE-3's d2t)
+    target_states: bool = False  # vLLM feeds the head's first pass the target's last hidden states (EAGLE-1's
+    # ``llama_eagle.py:forward``; an EAGLE-3 head gets middle layers combined, a draft model none)
 
     def base_architecture(self, architecture: str) -> str:
         """``architecture`` without the kind's marks (``LlamaForCausalLMEagle3``, the eagle3 layout's, and
@@ -134,10 +136,15 @@ def _eagle3_config(config: dict, source: Path) -> dict:
 KINDS: Registry[VllmKind] = Registry("vLLM draft kind")
 for _row in (
     VllmKind("draft-model", "draft_model", _as_is, _fits_own_draft),
-    VllmKind("eagle1", "eagle", _eagle1_config, _fits_target, marks=("Eagle3", "Eagle")),
+    VllmKind("eagle1", "eagle", _eagle1_config, _fits_target, marks=("Eagle3", "Eagle"), target_states=True),
     VllmKind("eagle3", "eagle3", _eagle3_config, _fits_target, marks=("Eagle3", "Eagle"), draft_vocabulary=True),
 ):
     KINDS.register(_row)
+
+
+def kind_of_method(method: str | None) -> VllmKind | None:
+    """The row whose vLLM speculative method is ``method`` (None: none)."""
+    return next((KINDS[name] for name in KINDS if KINDS[name].method == method), None)
 
 
 def vllm_kind(kind: str) -> VllmKind:

@@ -23,11 +23,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.serving.vllm import logger
 from dynvocab.serving.vllm.context import NO_RUNNER, RUNNER_RECORD, EngineContext, find_runner
 from dynvocab.serving.vllm.head import DraftHeadPolicy, load_policy
+from dynvocab.serving.vllm.kinds import kind_of_method
 from dynvocab.serving.vllm.names import ARCHITECTURES
-
-# the speculative method whose draft's first pass is fed the target's last hidden states: EAGLE-1
-# (``llama_eagle.py:forward``); an EAGLE-3 head gets its middle layers combined, a draft model none
-TARGET_STATES_METHOD = "eagle"
 
 
 class SelectedHeadMixin:
@@ -40,7 +37,8 @@ class SelectedHeadMixin:
         runner = find_runner()
         if runner is None and self.dynvocab.reads_context:
             _warn_once(NO_RUNNER.format(", ".join(RUNNER_RECORD), self.dynvocab.strategy))
-        self.dynvocab_context = EngineContext(vllm_config, runner, target_states=method == TARGET_STATES_METHOD)
+        kind = kind_of_method(method)
+        self.dynvocab_context = EngineContext(vllm_config, runner, target_states=kind is not None and kind.target_states)
 
     def forward(self, *args, **kwargs):
         """vLLM's forward; its fed ids, hidden-state input and output are recorded for a selector that reads the
