@@ -25,15 +25,21 @@ from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, str
 err_console = Console(stderr=True)
 
 Target = Annotated[
-    str, typer.Option(help="Target model: hub id, local folder, .gguf file, demo:target, or demo:gemma (262k ids).")
+    str,
+    typer.Option(
+        envvar="DYNVOCAB_TARGET",
+        help="Target model: hub id, local folder, .gguf file, demo:target, or demo:gemma (262k ids).",
+    ),
 ]
 Draft = Annotated[str, typer.Option(
+    envvar="DYNVOCAB_DRAFT",
     help="The draft: a draft model (hub id, local folder, .gguf file, demo:draft) or a draft head (folder, hub id, or "
     "demo:gemma-eagle1, the EAGLE-1 head shipped for demo:gemma); "
     f"its kind is recognised among the registered ones ({kind_names()}).",
 )]
 DraftModel = Annotated[str, typer.Option(
     "--draft",
+    envvar="DYNVOCAB_DRAFT",
     help="The draft model whose passes the stages read (hub id, local folder, .gguf file, demo:draft). For an EAGLE "
     "head, its target (e.g. demo:gemma for demo:gemma-eagle1): the head drafts through the target's head rows.",
 )]
