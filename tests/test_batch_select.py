@@ -202,8 +202,9 @@ def test_selected_head_is_the_full_head_over_each_rows_set_and_shards_score_each
 
 
 def test_changing_sets_go_row_by_row_off_a_cpu_until_they_hold_twice_the_heads_rows():
-    """The rule measured on an H200 (docs/gpu.md): a CPU scores a batch's changing sets over their union; another
-    device row by row (a CUDA graph captures it) up to PER_ROW_LIMIT times the head's rows, over the union past it."""
+    """The rule measured on an H200 (docs/measurements/2026-11-27-gpu-batch-heads-h200.md): a CPU scores a batch's
+    changing sets over their union; another device row by row (a CUDA graph captures it) up to PER_ROW_LIMIT times
+    the head's rows, over the union past it."""
     from dynvocab.runtime.policies.batch_select import PER_ROW_LIMIT
 
     head, meta = SelectedHead(StaticSelector(torch.arange(3))), torch.empty(1, device="meta")

@@ -6,7 +6,8 @@ only where early stops or runner-up leaves need the step's confidence.
 
 Before (run_cycle's first form): 1 read per draft step whatever the settings (the token, the runner-up and the
 confidence), stray ``.tolist()`` per step for dynaspec and centroids, stray ``int()`` per step for the hybrid's graph
-successors. Per strategy, before and after: docs/measurements/host_reads_cpu.md; on CUDA: docs/gpu.md."""
+successors. Per strategy, before and after: docs/measurements/2026-11-26-host-reads-cpu.md; on CUDA:
+docs/measurements/2026-11-26-gpu-loop-device-tokens.md."""
 
 from __future__ import annotations
 

@@ -285,7 +285,8 @@ def lowrank_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, d
 
 # Off a CPU, a batch's changing sets are scored row by row while they hold at most this many times the head's rows
 # (the gather then moves at most twice the whole head's bytes), over their union past it: the rule that picked the
-# faster of the two in every case measured on an H200 (1–64 rows, 2,048–46,886 ids a row; docs/gpu.md).
+# faster of the two in every case measured on an H200 (1–64 rows, 2,048–46,886 ids a row;
+# docs/measurements/2026-11-27-gpu-batch-heads-h200.md).
 PER_ROW_LIMIT = 2
 WHOLE_SHARE = 0.25  # a batch's changing sets over more than this share of the head's rows: a host's whole head
 
@@ -418,8 +419,9 @@ def _over_union(x: torch.Tensor, weight: torch.Tensor, union: torch.Tensor, wher
 def _per_row(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, k] of rows ``x`` [B, d] over their own sets ``ids`` [B, k]: each row's rows gathered [B, k, d] and
     one batched product. Fixed shapes and no host read (``torch.unique``'s output size needs one), so a CUDA graph
-    captures it; it gathers B·k rows where the union gathers each distinct id once (docs/gpu.md: on an H200 it is
-    the faster of the two, eagerly, while B·k is at most :data:`PER_ROW_LIMIT` times the head's rows)."""
+    captures it; it gathers B·k rows where the union gathers each distinct id once. On an H200 it is the faster of
+    the two, eagerly, while B·k is at most :data:`PER_ROW_LIMIT` times the head's rows
+    (docs/measurements/2026-11-27-gpu-batch-heads-h200.md)."""
     return torch.bmm(weight[ids], x[:, :, None])[..., 0]
 
 
