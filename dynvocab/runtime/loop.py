@@ -41,7 +41,8 @@ from dynvocab.runtime.verify import SamplingConfig
 
 DEFAULT_GAMMA = 6  # the longest draft: EvoSpec's speculation horizon
 DEFAULT_STOP_BELOW = 0.4  # transformers' ``assistant_confidence_threshold`` default
-DEFAULT_BRANCH_BELOW = 0.8  # chosen on the demo pair here (a run with early stops and tree leaves, commit bbadcc4): leaves where the draft is unsure
+# Leaves where the draft is unsure: chosen on the demo pair (a run with early stops and tree leaves, commit bbadcc4).
+DEFAULT_BRANCH_BELOW = 0.8
 
 
 @dataclass(frozen=True)
