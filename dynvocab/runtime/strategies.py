@@ -221,12 +221,12 @@ register(Strategy(
 ))
 register(Strategy(
     "lowrank", LowRankConfig, _lowrank, stages=("lowrank",),
-    flags=(Flag("candidates", "lowrank: candidate ids per draft step (default: the bundle stage's budget).", min=1),),
+    flags=(Flag("candidates", "candidate ids per draft step (default: the bundle stage's budget).", min=1),),
     batched=Batched(("lowrank",), lowrank_from_bundle, stage_budget("lowrank"), budget_flags=("candidates",)),
 ))
 register(Strategy(
     "centroids", CentroidConfig, _centroids, stages=("centroids",),
-    flags=(Flag("blocks", "centroids: vocabulary blocks per draft step (default: the bundle stage's budget).", min=1),),
+    flags=(Flag("blocks", "vocabulary blocks per draft step (default: the bundle stage's budget).", min=1),),
     batched=Batched(("centroids",), centroids_from_bundle, stage_budget("centroids"), budget_flags=("blocks",)),
 ))
 register(Strategy(
