@@ -27,7 +27,7 @@ End to end, each step skipped when its output is already there (rerun after an i
 7. ``dynvocab bench --draft HEAD --strategies ar,full --gamma GAMMA --stop-below 0 --branch-below 0`` on the same
    prompts (a greedy chain of GAMMA tokens, as llama.cpp drafts): mean accepted length and acceptance by position.
 
-Writes WORK/results.json and prints the markdown table that docs/interop.md shows.
+Writes WORK/results.json and prints the markdown table that docs/measurements/2026-11-23-interop-llamacpp-eagle3.md shows.
 
     PYTHONPATH=$PWD python scripts/llamacpp_eagle3.py --work /work/llama-build \\
         --convert-python /work/llama-build/venv/bin/python

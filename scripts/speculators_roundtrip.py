@@ -1,4 +1,5 @@
-"""EAGLE-3 heads through vllm-project/speculators' own code, both directions (docs/interop.md has the result).
+"""EAGLE-3 heads through vllm-project/speculators' own code, both directions (the result:
+docs/measurements/2026-11-23-interop-speculators-roundtrip.md).
 
 Not in CI: speculators 0.9.0 pins transformers<=5.19.0 and requires torchvision/torchaudio, so it cannot share
 `.ci/run`'s environment and pass `pip check`. Run it in a venv of its own:

@@ -122,7 +122,7 @@ class DemoHead:
     name: str
     target: str  # the demo target it was trained for
     sha256: str  # of its model.safetensors
-    command: str  # how it was made (docs/train-draft.md has the run)
+    command: str  # how it was made (docs/train-draft.md, Recipes)
 
     def folder(self) -> Path:
         """The head's folder inside the installed package."""

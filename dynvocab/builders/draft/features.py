@@ -56,7 +56,7 @@ class FeatureConfig:
     topk: int = 16  # the target's most likely next ids kept per position (EAGLE-1's sampled loss)
     batch_docs: int | None = None  # documents per target pass (speed only: not part of what the features are);
     # None: 8 on a GPU, 1 on CPU, where a 256-token document already fills the matmuls (8 per pass measured no
-    # faster, docs/train-draft.md) and padding only adds work
+    # faster, docs/measurements/2026-11-23-train-feature-batch-cpu.md) and padding only adds work
 
     def resolved(self, device: str) -> "FeatureConfig":
         """This config with the pass dtype and batch chosen for ``device``."""
