@@ -6,6 +6,7 @@ guides runs as written on tiny local models, in order, one folder per file, unle
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from dataclasses import dataclass
@@ -52,16 +53,20 @@ def blocks(text: str) -> list[Block]:
     return found
 
 
-def prose(text: str) -> str:
-    """The text outside fenced blocks and inline code spans."""
+def outside_fences(text: str) -> list[str]:
+    """The lines of a markdown text outside its fenced blocks."""
     out, inside = [], False
     for line in text.splitlines():
         if FENCE.match(line):
             inside = not inside
-            continue
-        if not inside:
-            out.append(re.sub(r"`[^`]*`", "", line))
-    return "\n".join(out)
+        elif not inside:
+            out.append(line)
+    return out
+
+
+def prose(text: str) -> str:
+    """The text outside fenced blocks and inline code spans."""
+    return "\n".join(re.sub(r"`[^`]*`", "", line) for line in outside_fences(text))
 
 
 def slug(heading: str) -> str:
@@ -73,17 +78,14 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+@functools.cache
 def anchors(path: Path) -> set[str]:
     """Every heading anchor of a markdown file, with GitHub's ``-1``, ``-2`` … for repeated headings."""
     seen: dict[str, int] = {}
     out = set()
-    inside = False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if FENCE.match(line):
-            inside = not inside
-            continue
+    for line in outside_fences(path.read_text(encoding="utf-8")):
         match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
-        if inside or not match:
+        if not match:
             continue
         base = slug(match.group(1))
         count = seen.get(base, 0)
