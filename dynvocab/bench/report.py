@@ -18,7 +18,8 @@ CSV_COLUMNS = (
     "speedup_vs_ar", "speedup_vs_full", "mean_accepted_length", "mean_accepted_length_std", "accept_by_position",
     "wall_s", "prefill_share", "draft_share", "verify_share", "head_share", "policy_share", "head_share_of_draft",
     "draft_steps", "policy_ms_per_step", "head_ms_per_step",
-    "mean_active_vocab", "max_active_vocab", "active_hit_rate", "coverage", "leaves", "leaf_hits", "target_mass",
+    "mean_active_vocab", "max_active_vocab", "active_hit_rate", "coverage", "leaves", "leaf_hits",
+    "lookup_cycles", "lookup_drafted", "lookup_accepted", "target_mass",
     *(f"recall_at_{k}" for k in RECALL_KS),
     "matches_ar", "diverged_from_ar", "first_divergence",
     "tokens_per_s_seed_mean", "tokens_per_s_seed_std", "mean_accepted_length_seed_mean",
@@ -102,9 +103,12 @@ def render_tables(results: dict) -> list[Table]:
         f"{models_line(cfg)}"
     )
     scored = cfg.get("coverage")  # --coverage: the active sets' target mass and Recall@k were scored
+    looked = any(s.get("lookup_cycles") for _, _, s in rows_of(results))  # X+ngram rows ran
     table = Table(title=title, title_justify="left")
     columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %",
                "policy/head ms/step", "vocab mean/max", "hit", "leaf hits", "=ar"]
+    if looked:
+        columns += ["lookup cycles · acc/drafted"]
     if scored:
         columns += ["mass", "R@1", "R@10", "R@256"]
     for col in columns:
@@ -127,6 +131,8 @@ def render_tables(results: dict) -> list[Table]:
             _leaves(s),
             _fmt(s.get("matches_ar"), "{:.0%}"),
         ]
+        if looked:
+            cells.append(_lookup(s))
         if scored:
             cells += [_fmt(s.get(k), "{:.1%}") for k in ("target_mass", "recall_at_1", "recall_at_10", "recall_at_256")]
         table.add_row(*cells, style="dim" if oracle else None)
@@ -278,6 +284,13 @@ def write_plot(path: Path, results: dict) -> None:
     figure.tight_layout()
     write_atomic(path, lambda tmp: figure.savefig(tmp, dpi=110, format=(Path(path).suffix.lstrip(".") or "png")))
     plt.close(figure)
+
+
+def _lookup(s: dict) -> str:
+    """X+ngram rows: the share of cycles whose draft was an n-gram lookup's, and its accepted of drafted tokens."""
+    if not s.get("lookup_cycles"):
+        return "–"
+    return f"{s['lookup_cycles'] / s['cycles']:.0%} · {s['lookup_accepted']}/{s['lookup_drafted']}"
 
 
 def _leaves(s: dict) -> str:

@@ -81,6 +81,8 @@ def summarize(rows: list[dict]) -> dict:
     out["coverage"] = out["active_hit_rate"]  # the old name, kept for readers of earlier JSON
     out["leaves"] = sum(r.get("leaves") or 0 for r in rows)
     out["leaf_hits"] = sum(r.get("leaf_hits") or 0 for r in rows)
+    for key in ("lookup_cycles", "lookup_drafted", "lookup_accepted"):  # X+ngram rows' cycles drafted by lookup
+        out[key] = sum(r.get(key) or 0 for r in rows)
     for key in COVERAGE_KEYS:
         out[key] = _mean((r.get(key) for r in rows), 4)
     positions = [r.get("accept_by_position") or [] for r in rows]

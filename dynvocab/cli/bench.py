@@ -66,7 +66,8 @@ def bench(
     ] = None,
     strategies: Annotated[
         Optional[str],
-        typer.Option(help="Comma-separated rows: strategies (ar,full,fr,…) and hf-assisted, hf-lookup. [default: ar,full]"),
+        typer.Option(help="Comma-separated rows: strategies (ar,full,fr,…), each also as X+ngram (n-gram lookup in the "
+                          "request first; ar+ngram: lookup alone), and hf-assisted, hf-lookup. [default: ar,full]"),
     ] = None,
     ids: Annotated[Optional[str], typer.Option(help="Comma-separated prompt ids to run (default: all).")] = None,
     tasks: Annotated[

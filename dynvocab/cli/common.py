@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW
+from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from dynvocab.runtime.drafts import kind_names
 from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, strategy_flags
 
@@ -176,6 +177,11 @@ def set_threads(threads: int | None) -> None:
 Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (exact rejection sampling).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1], applied to target and draft alike.")]
 Seed = Annotated[int, typer.Option(help="Random seed for sampling.")]
+NgramMax = Annotated[int, typer.Option(
+    min=1, max=64, help="Rows and strategies named X+ngram: the longest suffix of the text so far looked up earlier in "
+    "the request; what followed it there is the cycle's draft (no draft model or head runs).")]
+NgramMin = Annotated[int, typer.Option(
+    min=1, max=64, help="X+ngram: the shortest suffix that counts as a match (at most --ngram-max).")]
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,8 @@ class StrategyFlags:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
     token_map: Optional[str] = None
     fr_size: Optional[int] = None
     bundle: Optional[str] = None
@@ -206,6 +214,8 @@ class StrategyFlags:
         for flag, value in (("--stop-below", self.stop_below), ("--branch-below", self.branch_below)):
             if not math.isfinite(value):
                 raise DynvocabError(f"{flag} must be a number in [0, 1] (got {value})")
+        if self.ngram_min > self.ngram_max:
+            raise DynvocabError(f"--ngram-min ({self.ngram_min}) must not exceed --ngram-max ({self.ngram_max})")
 
     def decode(self, max_new_tokens: int, seed: int | None = None):
         """The :class:`~dynvocab.runtime.loop.DecodeConfig` these flags describe."""
@@ -214,6 +224,7 @@ class StrategyFlags:
         return DecodeConfig(
             gamma=self.gamma, max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
             seed=self.seed if seed is None else seed, stop_below=self.stop_below, branch_below=self.branch_below,
+            ngram_max=self.ngram_max, ngram_min=self.ngram_min,
         )
 
     def options(self) -> StrategyOptions:
@@ -223,7 +234,7 @@ class StrategyFlags:
 
 _SHARED_TYPES = {
     "gamma": Gamma, "stop_below": StopBelow, "branch_below": BranchBelow, "temperature": Temperature, "top_p": TopP,
-    "seed": Seed, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
+    "seed": Seed, "ngram_max": NgramMax, "ngram_min": NgramMin, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
 }
 
 

@@ -35,7 +35,8 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (the chat template is applied unless --no-chat-template).")],
     target: Target = "demo:target",
     draft: Draft = "demo:draft",
-    strategy: Annotated[str, typer.Option(help=f"One of: {', '.join(strategy_names())}.")] = "full",
+    strategy: Annotated[str, typer.Option(help=f"One of: {', '.join(strategy_names())}; X+ngram also drafts what followed the text's "
+                                                   "latest suffix earlier in the request (ar+ngram: that alone).")] = "full",
     max_new_tokens: MaxNew = 128,
     flags: StrategyFlags = StrategyFlags(),
     device: Device = None,

@@ -22,6 +22,7 @@ from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.host import to_host
 from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.ngram import NgramLookup
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.runtime.timing import SectionTimer
 from dynvocab.runtime.tree import DraftTree
@@ -76,7 +77,8 @@ class Sections:
 class CycleSetup:
     """What stays fixed across a generation's cycles. ``proposer`` None: no draft (autoregressive cycles);
     ``policy`` None: nobody observes. ``stop_below``/``branch_below``: see
-    :class:`~dynvocab.runtime.loop.DecodeConfig`."""
+    :class:`~dynvocab.runtime.loop.DecodeConfig`. ``ngram``: draft by lookup in the request's tokens first
+    (:mod:`dynvocab.runtime.ngram`), the proposer only where nothing is found; None: the proposer alone."""
 
     proposer: Proposer | None
     verifier: Verifier
@@ -88,6 +90,7 @@ class CycleSetup:
     branch_below: float = 0.0
     eos_ids: frozenset[int] = frozenset()
     sections: Sections = field(default_factory=Sections)
+    ngram: NgramLookup | None = None
 
     @property
     def branch(self) -> bool:
@@ -151,6 +154,7 @@ class Drafted:
     sets: list[ActiveSet] = field(default_factory=list)
     tops: list[torch.Tensor] = field(default_factory=list)
     leaves: dict[int, torch.Tensor] = field(default_factory=dict)
+    looked_up: bool = False  # the chain is an n-gram lookup's continuation: no draft step ran
 
     @property
     def tree(self) -> DraftTree:
@@ -164,9 +168,17 @@ def draft_chain(setup: CycleSetup, tokens: list[int], gamma: int) -> Drafted:
 
     The first step feeds the proposer the committed tokens it has not seen (one upload per cycle); each later step
     feeds the previous step's token straight from the device. The policy gets the last fed token as a [1] tensor on
-    the device."""
+    the device.
+
+    With :attr:`CycleSetup.ngram`, a continuation found in ``tokens`` is the draft (host values, uploaded with the
+    verification pass) and neither the proposer nor the policy runs; without a proposer, only such a draft is made.
+    """
     draft, proposer, policy, timer, sec = Drafted(), setup.proposer, setup.policy, setup.timer, setup.sections
     if not gamma:
+        return draft
+    if setup.ngram is not None and (found := setup.ngram.continuation(tokens, gamma)):
+        return _looked_up(found)
+    if proposer is None:
         return draft
     feed = torch.tensor(tokens[proposer.length:], dtype=torch.long, device=proposer.info.device)  # once per cycle
     for j in range(gamma):
@@ -191,6 +203,15 @@ def draft_chain(setup: CycleSetup, tokens: list[int], gamma: int) -> Drafted:
             break
         feed = choice.token
     return draft
+
+
+def _looked_up(found: list[int]) -> Drafted:
+    """The chain of an n-gram continuation ``found``: each token with a one-hot draft distribution on itself, so
+    exact rejection sampling accepts it with probability p(x)."""
+    ids = torch.tensor(found, dtype=torch.long)
+    one = torch.ones(1)
+    steps = [DraftStep(ids[j : j + 1], ids[j : j + 1], one) for j in range(len(found))]
+    return Drafted(steps, looked_up=True)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from dynvocab.runtime.cycle import CycleResult, CycleSetup, TargetVerifier, run_
 from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.metrics import Metrics, Tally
+from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.full import FullPolicy
 from dynvocab.runtime.timing import SectionTimer
@@ -52,7 +53,10 @@ class DecodeConfig:
     ``gamma`` is the longest draft. The draft stops early after a token it gave a probability below
     ``stop_below`` (0 never stops early). Greedy decoding also verifies the draft's runner-up at every step where
     its chosen token's probability is below ``branch_below`` (a leaf of a small draft tree, see
-    :mod:`dynvocab.runtime.tree`; 0 verifies the chain alone). Neither changes the output, only its speed.
+    :mod:`dynvocab.runtime.tree`; 0 verifies the chain alone). ``ngram``: each cycle first looks up the committed
+    tokens' longest suffix of ``ngram_min`` to ``ngram_max`` tokens earlier in the request and drafts what followed
+    it (:mod:`dynvocab.runtime.ngram`); the draft runs only where nothing is found, and with no draft at all the
+    lookup alone speculates. None of these changes the output, only its speed.
     """
 
     gamma: int = DEFAULT_GAMMA
@@ -62,6 +66,17 @@ class DecodeConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    ngram: bool = False
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
+
+    def __post_init__(self):
+        NgramLookup(self.ngram_max, self.ngram_min)  # refuses sizes out of order
+
+    @property
+    def lookup(self) -> NgramLookup | None:
+        """The n-gram lookup each cycle tries first, or None."""
+        return NgramLookup(self.ngram_max, self.ngram_min) if self.ngram else None
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -151,9 +166,9 @@ class Decoding:
              draft: Proposer | None, policy: VocabPolicy | None, timing: bool) -> Iterator[list[int]]:
         """The loop: prefill, then one cycle per ``next`` until ``max_new_tokens`` or an EOS."""
         start = time.perf_counter()
-        speculative = draft is not None and cfg.gamma > 0
+        speculative = (draft is not None or cfg.ngram) and cfg.gamma > 0
         draft = draft if speculative else None
-        policy = FullPolicy(draft.info.vocab_size) if speculative and policy is None else policy
+        policy = FullPolicy(draft.info.vocab_size) if draft is not None and policy is None else policy
         setup = _setup(target, cfg, eos_ids, draft, policy, SectionTimer(target.device, timing))
         tally = Tally(cfg.gamma if speculative else 0)
         tokens, out, lengths, stopped = list(prompt_ids), [], [], False  # tokens: the prompt and what followed
@@ -172,7 +187,7 @@ class Decoding:
                 out += result.emitted
                 yield result.emitted
         finally:
-            metrics = tally.finish(time.perf_counter() - start, speculative, draft.rows_copied if speculative else 0)
+            metrics = tally.finish(time.perf_counter() - start, speculative, draft.rows_copied if draft else 0)
             self.generation = Generation(out, metrics, stopped, lengths)
 
 
@@ -187,7 +202,8 @@ def speculative_generate(
 ) -> Generation:
     """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``; returns exactly the target's output.
 
-    With ``draft=None`` (or ``cfg.gamma == 0``) this is autoregressive decoding by the target alone; a draft with
+    With ``draft=None`` (or ``cfg.gamma == 0``) this is autoregressive decoding by the target alone (speculative by
+    n-gram lookup alone with ``cfg.ngram``); a draft with
     no ``policy`` drafts over its full vocabulary. ``timing`` fills the sections of :class:`Metrics` (prefill,
     draft, head, policy, verify); wall time and tokens/s are measured either way. :class:`Decoding` runs the same
     loop a cycle at a time.
@@ -201,11 +217,11 @@ def _setup(target: CausalLM, cfg: DecodeConfig, eos_ids: set[int], draft: Propos
     generator = torch.Generator(device=target.device).manual_seed(cfg.seed)
     verifier = TargetVerifier(target, cfg.sampling, generator)
     return CycleSetup(draft, verifier, policy, cfg.sampling, generator, timer, cfg.stop_below, cfg.branch_below,
-                      frozenset(eos_ids))
+                      frozenset(eos_ids), ngram=cfg.lookup)
 
 
 def _count(tally: Tally, result: CycleResult) -> None:
     """Feed one cycle's host values to the tally."""
     verdict, drafted = result.verdict, result.draft
     tally.cycle(len(drafted.steps), verdict.accepted_chain, verdict.accepted, result.emitted, drafted.sets,
-                len(drafted.leaves), verdict.leaf_row is not None)
+                len(drafted.leaves), verdict.leaf_row is not None, drafted.looked_up)

@@ -34,6 +34,11 @@ class Metrics:
     head_rows_copied: int = 0
     leaves: int = 0  # runner-up leaves verified beside the drafted chains (see dynvocab.runtime.tree)
     leaf_hits: int = 0  # cycles that accepted a leaf (one more token than the chain gave)
+    # Cycles whose draft was an n-gram lookup's continuation (``ngram``, see dynvocab.runtime.ngram), the tokens
+    # they drafted and how many of those the target accepted; their tokens count in ``accept_by_position`` too.
+    lookup_cycles: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     def as_dict(self) -> dict:
         """A JSON-ready dict (floats rounded for readability)."""
@@ -63,28 +68,35 @@ class Tally:
         self._hits: list[torch.Tensor] = []  # device booleans: a recovered token inside its step's active set
 
     def cycle(self, drafted: int, accepted_chain: int, accepted: int, emitted: list[int], sets: list, leaves: int,
-              leaf_hit: bool) -> None:
+              leaf_hit: bool, looked_up: bool = False) -> None:
         """One verified cycle: ``drafted`` chain tokens (one draft step each, over the active ``sets``) of which
         ``accepted_chain`` were accepted, ``accepted`` draft tokens kept in all (an accepted leaf included),
         ``emitted`` tokens, ``leaves`` runner-up leaves verified.
 
         Hit rate: accepted tokens were drafted from the active set; the recovered token at position k < γ is a hit
-        when it was inside the active set of draft step k. A bonus after full acceptance had no step.
+        when it was inside the active set of draft step k. A bonus after full acceptance had no step. A
+        ``looked_up`` chain (an n-gram continuation: no draft step, no active set) counts in the lookup counters
+        and acceptance by position, not in the hit rate.
         """
-        self.m.draft_steps += len(sets)
-        self.active_total += sum(s.size for s in sets)
         for j in range(drafted):
             self.drafted_at[j] += 1
             self.accepted_at[j] += j < accepted_chain  # an accepted leaf counts in leaf_hits, not here
+        self.m.cycles += 1
+        self.m.new_tokens += len(emitted)
+        self.m.leaves += leaves
+        self.m.leaf_hits += leaf_hit
+        if looked_up:
+            self.m.lookup_cycles += 1
+            self.m.lookup_drafted += drafted
+            self.m.lookup_accepted += accepted_chain
+            return
+        self.m.draft_steps += len(sets)
+        self.active_total += sum(s.size for s in sets)
         in_steps = min(accepted + 1, drafted, len(emitted))
         self.counted += in_steps
         self.covered += min(accepted, in_steps)
         if accepted < in_steps:
             self._count_hit(sets[accepted], emitted[accepted])
-        self.m.cycles += 1
-        self.m.new_tokens += len(emitted)
-        self.m.leaves += leaves
-        self.m.leaf_hits += leaf_hit
 
     def _count_hit(self, active, token: int) -> None:
         """Count ``token`` as a hit when it is in ``active`` (an :class:`~dynvocab.runtime.active_set.ActiveSet`):

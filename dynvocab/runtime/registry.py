@@ -25,6 +25,7 @@ from dynvocab.artifacts.stages import adding_commands
 from dynvocab.errors import DynvocabError
 from dynvocab.registry import Registry
 from dynvocab.runtime.draft import DraftInfo
+from dynvocab.runtime.ngram import split_ngram
 from dynvocab.runtime.policies.base import VocabPolicy
 
 C = TypeVar("C")
@@ -144,7 +145,12 @@ class Strategy:
 
 _REGISTRY: Registry[Strategy] = Registry("strategy", duplicate="{noun} '{name}' is registered already")
 unregister = _REGISTRY.pop  # remove strategy ``name`` from the registry; returns its entry
-lookup = _REGISTRY.lookup  # the entry of strategy ``name``; an unknown name is refused in one line
+
+
+def lookup(name: str) -> Strategy:
+    """The entry of strategy ``name`` (``X+ngram`` is ``X``'s: the suffix adds n-gram lookup to the loop, see
+    :mod:`dynvocab.runtime.ngram`); an unknown name is refused in one line."""
+    return _REGISTRY.lookup(split_ngram(name)[0])
 
 
 def register(entry: Strategy) -> Strategy:

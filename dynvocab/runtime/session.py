@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from dynvocab.errors import DynvocabError
@@ -22,6 +22,7 @@ from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.drafts import LoadRequest, find_kind
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, Decoding, Generation
+from dynvocab.runtime.ngram import split_ngram
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, lookup, make_policy
 
@@ -149,6 +150,7 @@ class Session:
     ) -> Decoding:
         """``strategy`` on ``prompt_ids`` as a :class:`~dynvocab.runtime.loop.Decoding`: each ``next`` runs one
         cycle and returns the token ids it committed; the output is the target's own (greedy: token for token).
+        ``X+ngram`` runs strategy ``X`` with n-gram lookup first in each cycle (:mod:`dynvocab.runtime.ngram`).
 
         ``wrap_policy`` may wrap the strategy's policy (bench records active sets this way); the wrapper's
         ``close()``, if any, runs when the decoding ends or is closed, as the policy's own does. ``timing``: measure
@@ -158,8 +160,10 @@ class Session:
             raise DynvocabError("the prompt is empty; pass some text")
         if self.draft is None and lookup(strategy).drafts:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
+        if split_ngram(strategy)[1]:
+            decode = replace(decode, ngram=True)
         policy = make_policy(strategy, options, self.policy_context())
-        if policy is None:  # the strategy decodes with the target alone (``ar``)
+        if policy is None:  # the strategy decodes with the target alone (``ar``; ``ar+ngram`` speculates by lookup)
             return Decoding(self.target, prompt_ids, decode, self.eos_ids, timing=timing)
         if wrap_policy is not None:
             policy = wrap_policy(policy)
