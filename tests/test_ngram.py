@@ -158,3 +158,14 @@ def test_sampling_with_lookup_follows_the_target_distribution(pair):  # noqa: F8
     assert looked_up >= draws
     chi2, dof = pooled_chi_square(counts, p, draws)
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_vllm_refuses_a_lookup_row_in_one_line():
+    """The plugin runs a strategy's batched selector; the lookup is the loop's, so ``X+ngram`` is named and refused."""
+    from dynvocab.runtime.batched import batched, refusal
+
+    why = refusal("microspec+ngram")
+    assert "cannot run inside vLLM" in why and "'ngram' method" in why
+    assert refusal("microspec") is None
+    with pytest.raises(DynvocabError, match="n-gram lookup"):
+        batched("microspec+ngram")

@@ -104,6 +104,9 @@ def hf_metrics(
         head_rows_copied=None,
         leaves=None,
         leaf_hits=None,
+        lookup_cycles=None,
+        lookup_drafted=None,
+        lookup_accepted=None,
     )
     cycles = accepted_per_cycle(target.passes, prompt_len, new_tokens)
     if cycles is None:

@@ -230,6 +230,7 @@ def _metrics(new_tokens: int, cycles: int, wall_s: float, prefill_s: float, veri
         verify_s=None if verify_s is None else round(verify_s, 5),
         draft_s=None, head_s=None, policy_s=None, mean_active_vocab=None, active_hit_rate=None, coverage=None,
         head_rows_copied=None, leaves=None, leaf_hits=None, draft_steps=None, accept_by_position=[],
+        lookup_cycles=None, lookup_drafted=None, lookup_accepted=None,
     )
     return m
 

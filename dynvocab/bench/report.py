@@ -108,7 +108,7 @@ def render_tables(results: dict) -> list[Table]:
     columns = ["row", "tok/s", "×ar", "×full", "MAL", "accept by position", "draft/verify/head %",
                "policy/head ms/step", "vocab mean/max", "hit", "leaf hits", "=ar"]
     if looked:
-        columns += ["lookup cycles · acc/drafted"]
+        columns += ["lookup"]
     if scored:
         columns += ["mass", "R@1", "R@10", "R@256"]
     for col in columns:
@@ -290,7 +290,7 @@ def _lookup(s: dict) -> str:
     """X+ngram rows: the share of cycles whose draft was an n-gram lookup's, and its accepted of drafted tokens."""
     if not s.get("lookup_cycles"):
         return "–"
-    return f"{s['lookup_cycles'] / s['cycles']:.0%} · {s['lookup_accepted']}/{s['lookup_drafted']}"
+    return f"{s['lookup_cycles'] / s['cycles']:.0%} {s['lookup_accepted']}/{s['lookup_drafted']}"
 
 
 def _leaves(s: dict) -> str:

@@ -185,7 +185,7 @@ def print_warnings(results: dict, console: Console) -> None:
 
 def show_and_write(req: BenchRequest, results: dict, console: Console) -> None:
     """Print the tables and notes; write the requested JSON / CSV / plot."""
-    out = Console(width=None if stdout_is_terminal() else 200)
+    out = Console(width=None if stdout_is_terminal() else 240)
     for table in render_tables(results):
         out.print(table)
     print_warnings(results, console)

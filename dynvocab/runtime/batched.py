@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.ngram import split_ngram
 from dynvocab.runtime.policies.batch_select import BatchSelector
 from dynvocab.runtime.registry import SHARED_BUDGET_FLAG, Batched, Strategy, StrategyOptions
 from dynvocab.runtime.strategies import lookup, strategies
@@ -47,6 +48,9 @@ DRAFT_MODEL = "draft-model"  # the draft kind (runtime/drafts.py) to which vLLM 
 def refusal(strategy: str, kind: str | None = None) -> str | None:
     """Why ``strategy`` cannot run as a batched selector inside vLLM, in one line (None: it can); ``kind``: the
     draft's kind where known (a strategy that reads the target's hidden states runs on EAGLE heads only)."""
+    if split_ngram(strategy)[1]:
+        return (f"'{strategy}' cannot run inside vLLM: the n-gram lookup is dynvocab's own loop's; in vLLM use its own "
+                f"'ngram' method, or '{split_ngram(strategy)[0]}'")
     entry = _entry(strategy)
     if entry is not None and entry.batched is not None:
         if kind == DRAFT_MODEL and entry.batched.target_states:
@@ -64,7 +68,7 @@ def refusal(strategy: str, kind: str | None = None) -> str | None:
 def batched(strategy: str) -> Batched:
     """The batched form of ``strategy``; refused in one line where it has none."""
     entry = _entry(strategy)
-    if entry is None or entry.batched is None:
+    if entry is None or entry.batched is None or split_ngram(strategy)[1]:
         raise DynvocabError(refusal(strategy))
     return entry.batched
 
