@@ -335,6 +335,11 @@ def test_cli_self_distill_refusals(target_dir, corpus_txt, tmp_path):
                               "--self-distill", "--max-tokens", 200), "--max-tokens 200 would cut the target's answers")
     assert_one_line_error(run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h",
                               "--self-distill", "--distill-prompts", "text"), "--max-tokens 256 would cut the target's answers")
+    assert_one_line_error(run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h",
+                              "--self-distill", "--distill-engine", "sglang"), "unknown --distill-engine 'sglang'")
+    assert_one_line_error(run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--out", tmp_path / "h",
+                              "--self-distill", "--distill-engine", "vllm", "--vllm-python", tmp_path / "none"),
+                          "does not exist; pass the python of an environment with vLLM")
     assert not (tmp_path / "h").exists()
 
 

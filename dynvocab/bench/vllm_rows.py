@@ -261,11 +261,17 @@ def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str], s
 
 def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
     """One engine: the driver in a child process; its rows, or a one-line error with its last error line."""
+    return drive(cfg.python, req, workdir, cfg.tensor_parallel_size)
+
+
+def drive(python: str, req: dict, workdir: Path, tensor_parallel_size: int = 1) -> list[dict]:
+    """Run the driver (:mod:`dynvocab.bench.vllm_run`) on ``req`` with ``python`` in a child process, in
+    :func:`engine_env`; its rows, or a one-line error with vLLM's last error line (its whole output kept in a log)."""
     path, out = workdir / "request.json", workdir / "result.json"
     path.write_text(json.dumps(req))
     out.unlink(missing_ok=True)
-    env = engine_env(cfg.python, cfg.tensor_parallel_size)
-    proc = subprocess.run([cfg.python, "-m", DRIVER, str(path), str(out)], env=env, stdout=subprocess.PIPE,
+    env = engine_env(python, tensor_parallel_size)
+    proc = subprocess.run([python, "-m", DRIVER, str(path), str(out)], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)  # vLLM's workers log to either stream
     if proc.returncode != 0 or not out.is_file():
         names = ", ".join(r["name"] for r in req["rows"])

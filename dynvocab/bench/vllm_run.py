@@ -4,7 +4,8 @@
 ``python -m dynvocab.bench.vllm_run REQUEST.json OUT.json``. The request names the target, the prompts (token ids),
 decoding settings and the rows:
 
-- ``{"name": "vllm"}``: plain decoding, an engine of its own;
+- ``{"name": "vllm"}``: plain decoding, an engine of its own (``train-draft --self-distill --distill-engine vllm``
+  writes its training answers with it: ``stop_token_ids``, every prompt at ``concurrency`` requests in flight);
 - ``{"name": "vllm-spec", "speculative_config": {...}}``: vLLM's own speculation with the draft's full head;
 - ``{"name": "vllm-spec:lowrank", "speculative_config": {...}, "strategy": "lowrank", "budget": null}``: the same
   engine with the plugin's head switched to a strategy (the draft folder's architecture is the plugin's);
@@ -474,6 +475,7 @@ def run(req: dict) -> dict:
 
     params = SamplingParams(temperature=req.get("temperature", 0.0), top_p=req.get("top_p", 1.0),
                             max_tokens=req["max_tokens"], ignore_eos=req.get("ignore_eos", False),
+                            stop_token_ids=req.get("stop_token_ids"),
                             seed=req.get("seed", 0) if req.get("temperature", 0.0) > 0 else None)
     levels = concurrency(req)
     groups: dict[str, list[dict]] = {}

@@ -62,7 +62,9 @@ def train_draft(
     distill_prompt_tokens: Annotated[int, typer.Option(help="--self-distill: tokens per prompt (turn: of the user's turn, cut beyond; text: of the document).")] = _DISTILL.prompt_tokens,
     distill_new_tokens: Annotated[int, typer.Option(help="--self-distill: tokens the target writes per prompt.")] = _DISTILL.new_tokens,
     distill_temperature: Annotated[float, typer.Option(help="--self-distill: 0 greedy, else sampled from the target's full distribution.")] = _DISTILL.temperature,
-    distill_batch: Annotated[int, typer.Option(help="--self-distill: prompts per generation call (and per cache shard).")] = _DISTILL.batch,
+    distill_batch: Annotated[int, typer.Option(help="--self-distill: prompts per generation call (and per cache shard); with --distill-engine vllm, requests in flight.")] = _DISTILL.batch,
+    distill_engine: Annotated[str, typer.Option(help="--self-distill: who writes the answers: torch (in this process) or vllm (a vLLM engine over the target's local folder, in a child process; the same cache and resume).")] = _DISTILL.engine,
+    vllm_python: Annotated[Optional[str], typer.Option(help="--distill-engine vllm: the python of an environment with vLLM and dynvocab (default: this one).")] = None,
     features_only: Annotated[bool, typer.Option("--features-only", help="Build (or resume) the feature cache and stop, writing no head: a cache that later runs name with --features or --extra-features.")] = False,
     init_from: Annotated[Optional[str], typer.Option("--init-from", help="Continue training this EAGLE head (a folder, a hub id or demo:gemma-eagle1) instead of starting from the target's last layer; same --arch and target.")] = None,
     save_dtype: Annotated[Optional[str], typer.Option(help="The head's weights on disk: float32 (default, as trained), bfloat16 or float16 (half the bytes; loading casts).")] = None,
@@ -100,15 +102,20 @@ def train_draft(
         init_from=init_from,
         features_only=features_only,
         distill=DistillConfig(prompt_tokens=distill_prompt_tokens, new_tokens=distill_new_tokens,
-                              temperature=distill_temperature, batch=distill_batch,
-                              prompts=distill_prompts) if self_distill else None,
+                              temperature=distill_temperature, batch=distill_batch, prompts=distill_prompts,
+                              engine=distill_engine, vllm_python=vllm_python) if self_distill else None,
     )
     check_config(cfg)  # refusals before the progress display starts
+    writer = None
+    if cfg.distill is not None and cfg.distill.engine == "vllm":  # refused before the target loads
+        from dynvocab.bench.vllm_answers import VllmWriter
+
+        writer = VllmWriter.for_target(target, vllm_python)
     if env_rank() != 0:  # under torchrun only rank 0 draws and reports; the others print only their errors
-        run(target, out, cfg, SilentReporter())
+        run(target, out, cfg, SilentReporter(), writer)
         return
     with make_reporter(err_console) as reporter:
-        report = run(target, out, cfg, reporter)
+        report = run(target, out, cfg, reporter, writer)
     info = report.info
     if cfg.features_only:
         err_console.print(f"feature cache {report.path} · {info['docs']:,} documents · {info['tokens']:,} tokens · "

@@ -20,7 +20,8 @@ documents as over corpus text.
 
 The target generates ``batch`` prompts per call (left-padded, one batched pass per new token: a CPU makes them at
 the rate of a batched pass, not one token at a time), in the dtype the runtime would use (bfloat16 on CPUs with
-native bf16). Each batch is one shard, written whole (``dynvocab.files.write_atomic``); a rerun skips finished
+native bf16); with ``engine`` ``vllm`` a vLLM engine writes them, ``batch`` requests in flight
+(``dynvocab.bench.vllm_answers``, which the command hands the trainer). Each batch is one shard, written whole (``dynvocab.files.write_atomic``); a rerun skips finished
 shards, and a manifest records the target's fingerprint and every setting the documents depend on, so documents of
 another target or other settings are refused instead of mixed. Sampling draws from a generator seeded by the seed
 and the shard index, so a resumed run writes the same documents as one that never stopped.
@@ -45,6 +46,7 @@ from dynvocab.progress import Reporter
 
 FORMAT_VERSION = 1
 PROMPT_STYLES = ("turn", "text")
+ENGINES = ("torch", "vllm")  # who writes the answers: PyTorch in this process, or a vLLM engine (a writer)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class DistillConfig:
     dtype: str | None = None  # the target's dtype while generating; None: the runtime's default for the device
     seed: int = 0
     prompts: str = "turn"  # PROMPT_STYLES: the target answers each first user turn, or continues the document
+    engine: str = "torch"  # ENGINES: who writes the answers (not a setting of the documents: either serves a cache)
+    vllm_python: str | None = None  # engine vllm: the python of an environment with vLLM (None: this one)
 
     def check(self) -> None:
         """One-line refusals of impossible settings."""
@@ -69,6 +73,8 @@ class DistillConfig:
             raise DynvocabError(f"--distill-temperature must be 0 (greedy) or positive, got {self.temperature}")
         if self.prompts not in PROMPT_STYLES:
             raise DynvocabError(f"unknown --distill-prompts '{self.prompts}'; use turn or text")
+        if self.engine not in ENGINES:
+            raise DynvocabError(f"unknown --distill-engine '{self.engine}'; use {' or '.join(ENGINES)}")
 
 
 def shard_path(folder: Path, index: int) -> Path:
@@ -167,27 +173,50 @@ def _sampler(draw):
 
 
 def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manifest: dict, cfg: DistillConfig,
-             max_docs: int, end_ids: list[int], reporter: Reporter) -> dict:
+             max_docs: int, end_ids: list[int], reporter: Reporter, writer=None) -> dict:
     """Fill ``folder`` with the shards of the first ``max_docs`` prompts' documents not yet written; returns the
-    manifest. ``prompts`` yields the prompts' token ids in a fixed order (:func:`prompt_ids`)."""
+    manifest. ``prompts`` yields the prompts' token ids in a fixed order (:func:`prompt_ids`). The target ``model``
+    writes each shard's answers in one batched call; a ``writer`` (``dynvocab.bench.vllm_answers.VllmWriter``: an
+    ``answers`` method and ``shards_per_call``) instead answers several shards' prompts per call, and ``model`` is
+    not used."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     docs, made, started = 0, 0, time.perf_counter()
     written = manifests.finished_docs(lambda i: _shard_docs(shard_path(folder, i)), cfg.batch, max_docs)
     if written:
         reporter.log(f"self-distilled documents: {written:,} of {max_docs:,} written before; resuming")
+
+    def answer(shards: list[tuple[int, list[list[int]]]]) -> list[list[list[int]]]:
+        """Each shard's documents (prompt + answer): the model shard by shard, or the writer for all at once."""
+        if writer is None:
+            return [continue_batch(model, chunk, cfg, pad_id, end_ids, cfg.seed * 1_000_003 + index)
+                    for index, chunk in shards]
+        flat = [p for _, chunk in shards for p in chunk]
+        new = iter(writer.answers(flat, cfg.new_tokens, cfg.temperature, end_ids, cfg.batch,
+                                  cfg.seed * 1_000_003 + shards[0][0], cfg.dtype))
+        return [[[*p, *next(new)] for p in chunk] for _, chunk in shards]
+
     with reporter.task("self-distilled documents (the target writes)", total=max_docs - written) as advance:
+        def write(shards: list[tuple[int, list[list[int]]]]) -> None:
+            nonlocal made
+            for (index, chunk), shard_docs in zip(shards, answer(shards) if shards else []):
+                made += _write_shard(shard_path(folder, index), shard_docs, [len(p) for p in chunk])
+                seconds = time.perf_counter() - started
+                rate = f" · {made / seconds:,.0f} new tok/s" if made and seconds > 0 else ""
+                advance(len(chunk), description=f"self-distilled documents{rate}")
+
+        group = 1 if writer is None else writer.shards_per_call
+        pending: list[tuple[int, list[list[int]]]] = []
         chunks = iter(lambda: list(itertools.islice(prompts, cfg.batch)), [])
         for index, chunk in enumerate(itertools.islice(chunks, -(-max_docs // cfg.batch))):
             chunk = chunk[: max_docs - docs]
-            path = shard_path(folder, index)
             docs += len(chunk)
-            if _shard_docs(path) == len(chunk):
+            if _shard_docs(shard_path(folder, index)) == len(chunk):
                 continue  # written before: not counted in this run's bar, rate or ETA
-            made += _write_shard(path, continue_batch(model, chunk, cfg, pad_id, end_ids, cfg.seed * 1_000_003 + index),
-                                 [len(p) for p in chunk])
-            seconds = time.perf_counter() - started
-            rate = f" · {made / seconds:,.0f} new tok/s" if made and seconds > 0 else ""
-            advance(len(chunk), description=f"self-distilled documents{rate}")
+            pending.append((index, chunk))
+            if len(pending) == group:
+                write(pending)
+                pending = []
+        write(pending)
     if docs == 0:
         raise DynvocabError("the corpus gave no prompts; check --corpus and --max-docs")
     manifest = {**manifest, "docs": max(docs, manifest["docs"]), "exhausted": docs < max_docs}
@@ -269,4 +298,5 @@ def as_settings(cfg: DistillConfig) -> dict:
     out = asdict(cfg)
     if out["prompts"] == "text":
         del out["prompts"]
+    del out["engine"], out["vllm_python"]  # how the answers were written, not what they are
     return out

@@ -37,20 +37,24 @@ from dynvocab.models.eagle.modules import embedding_scale
 from dynvocab.progress import Reporter, SilentReporter
 
 
-def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraftConfig(), reporter: Reporter = SilentReporter()) -> TrainDraftReport:
+def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraftConfig(), reporter: Reporter = SilentReporter(),
+                writer=None) -> TrainDraftReport:
     """Build an EAGLE head of ``cfg.arch`` for ``target`` into ``out`` (resuming whatever a previous run left): in
     this process, or data-parallel over the ranks of a ``torchrun`` launch (every rank returns the report). With
-    ``cfg.features_only`` it stops once the feature cache is whole and reports the cache, not a head."""
+    ``cfg.features_only`` it stops once the feature cache is whole and reports the cache, not a head. ``writer``
+    writes the self-distilled answers where ``cfg.distill.engine`` is not ``torch``
+    (``dynvocab.bench.vllm_answers.VllmWriter``)."""
     t0 = time.perf_counter()
     check_config(cfg)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DynvocabError(f"--out {out} is a file; pass a folder")
     with joined(cfg.device or default_device()) as ranks:
-        return _build(target, out, cfg, reporter if ranks.main else SilentReporter(), ranks, t0)
+        return _build(target, out, cfg, reporter if ranks.main else SilentReporter(), ranks, t0, writer)
 
 
-def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ranks: Ranks, t0: float) -> TrainDraftReport:
+def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ranks: Ranks, t0: float,
+           writer=None) -> TrainDraftReport:
     """Both phases on every rank; rank 0 publishes the head and ``training.json``."""
     device = ranks.device(cfg.device or default_device())
     cfg = replace(cfg, features=cfg.features.resolved(device))
@@ -72,7 +76,7 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     head_cfg = head_config(model, cfg.kind, cfg, layers)
     entering = head_cfg.target_layers(layers) if cfg.kind == EAGLE3 else None
     phase1 = _features(cfg, spec, model, tokenizer, itertools.chain([first], documents), work, entering, target_fp,
-                       device, reporter, ranks)
+                       device, reporter, ranks, writer)
     reader = phase1["reader"]
     if cfg.features_only:
         features = phase1["features"]
@@ -110,7 +114,7 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
 
 
 def _features(cfg: TrainDraftConfig, spec, model, tokenizer, documents, work: Path, entering, target_fp, device: str,
-              reporter: Reporter, ranks: Ranks) -> dict:
+              reporter: Reporter, ranks: Ranks, writer=None) -> dict:
     """Phase 1: the target's features over the documents (or its own continuations of them, ``--self-distill``),
     extracted where the cache lacks them; returns the reader, the cache's settings and what was done."""
     settings = feats.settings_of(cfg.features, _corpus_settings(cfg), entering)
@@ -124,7 +128,8 @@ def _features(cfg: TrainDraftConfig, spec, model, tokenizer, documents, work: Pa
         if cfg.distill is not None:
             docs_dir = folder / "documents"
             prompts = distill.prompt_ids(cfg.distill, cfg.corpus, documents, tokenizer)
-            made = ranks.on_main(lambda: _self_distill(spec, model, tokenizer, prompts, docs_dir, cfg, device, target_fp, reporter))
+            made = ranks.on_main(lambda: _self_distill(spec, model, tokenizer, prompts, docs_dir, cfg, device, target_fp,
+                                                       reporter, writer))
             documents = distill.documents(docs_dir, cfg.corpus.max_docs, cfg.features.max_tokens)
         feats.extract(model, documents, folder, manifest, cfg.features, cfg.corpus.max_docs, reporter, ranks)
     features = feats.load_features(folder, cfg.corpus.max_docs)
@@ -176,12 +181,20 @@ def _corpus_settings(cfg: TrainDraftConfig) -> dict:
 
 
 def _self_distill(spec, model, tokenizer, prompts, folder: Path, cfg: TrainDraftConfig, device: str, target_fp,
-                  reporter: Reporter) -> dict:
+                  reporter: Reporter, writer=None) -> dict:
     """The target's own documents for the first ``max_docs`` prompts (resuming ``folder``); the target generates in
-    the distill dtype (a second copy when it differs from the feature pass's). Returns what was generated now."""
+    the distill dtype (a second copy when it differs from the feature pass's), or ``writer`` does (its own engine).
+    Returns what was generated now."""
     manifest = distill.open_manifest(folder, target_fp, distill.settings_of(cfg.distill, cfg.corpus.describe()))
     if not distill.needs_generation(manifest, cfg.corpus.max_docs):
         return {}
+    if cfg.distill.engine != "torch":  # the writer's engine loads the target itself
+        if writer is None:
+            raise DynvocabError(f"--distill-engine {cfg.distill.engine} needs its writer: pass train_draft(…, "
+                                "writer=dynvocab.bench.vllm_answers.VllmWriter.for_target(target))")
+        manifest = distill.generate(None, tokenizer, prompts, folder, manifest, cfg.distill, cfg.corpus.max_docs,
+                                    end_token_ids(spec, tokenizer), reporter, writer=writer)
+        return manifest.get("generate", {})
     same = cfg.distill.dtype == cfg.features.dtype
     writer = model if same else load_model(spec, device, cfg.distill.dtype)
     try:
