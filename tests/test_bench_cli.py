@@ -157,3 +157,19 @@ def test_the_microbenchmark_flags_moved_to_their_own_command(args, command):
     flag = args[0]
     assert_one_line_error(run("bench", *args), f"bench {flag} moved", f"`{command}`")
     assert flag not in run("bench", "--help").output
+
+
+def test_lookup_rows_report_their_cycles_and_match_ar(tiny_dirs, tmp_path):
+    """``ar+ngram`` (no draft) and ``full+ngram`` beside ``ar``: the same text in float32, the lookup counted in the
+    JSON and shown in its own column."""
+    out = tmp_path / "b.json"
+    result = run("bench", "--strategies", "ar,ar+ngram,full+ngram", "--tasks", "code,chat", "--num-prompts", 1,
+                 "--max-new-tokens", 12, "--dtype", "float32", "--json", out, *models(tiny_dirs))
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())["summary"]
+    for row in ("ar+ngram", "full+ngram"):
+        s = summary[row]["all"]
+        assert s["matches_ar"] == 1.0 and s["lookup_cycles"] > 0 and 0 <= s["lookup_accepted"] <= s["lookup_drafted"]
+    assert summary["ar+ngram"]["all"]["draft_steps"] == 0
+    assert summary["ar"]["all"]["lookup_cycles"] == 0
+    assert "lookup" in result.output
