@@ -103,7 +103,7 @@ def train_draft(
         features_only=features_only,
         distill=DistillConfig(prompt_tokens=distill_prompt_tokens, new_tokens=distill_new_tokens,
                               temperature=distill_temperature, batch=distill_batch, prompts=distill_prompts,
-                              engine=distill_engine, vllm_python=vllm_python) if self_distill else None,
+                              engine=distill_engine) if self_distill else None,
     )
     check_config(cfg)  # refusals before the progress display starts
     writer = None

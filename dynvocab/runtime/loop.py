@@ -203,10 +203,9 @@ def speculative_generate(
     """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``; returns exactly the target's output.
 
     With ``draft=None`` (or ``cfg.gamma == 0``) this is autoregressive decoding by the target alone (speculative by
-    n-gram lookup alone with ``cfg.ngram``); a draft with
-    no ``policy`` drafts over its full vocabulary. ``timing`` fills the sections of :class:`Metrics` (prefill,
-    draft, head, policy, verify); wall time and tokens/s are measured either way. :class:`Decoding` runs the same
-    loop a cycle at a time.
+    n-gram lookup alone with ``cfg.ngram``); a draft with no ``policy`` drafts over its full vocabulary. ``timing``
+    fills the sections of :class:`Metrics` (prefill, draft, head, policy, verify); wall time and tokens/s are
+    measured either way. :class:`Decoding` runs the same loop a cycle at a time.
     """
     return Decoding(target, prompt_ids, cfg, eos_ids, draft, policy, timing).run()
 

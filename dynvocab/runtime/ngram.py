@@ -37,7 +37,7 @@ class NgramLookup:
 
     def __post_init__(self):
         if not 1 <= self.shortest <= self.longest:
-            raise ValueError(f"n-gram sizes must satisfy 1 ≤ shortest ≤ longest (got {self.shortest}, {self.longest})")
+            raise ValueError(f"n-gram sizes need 1 ≤ shortest ≤ longest (got {self.shortest}, {self.longest})")
 
     def continuation(self, tokens: list[int], limit: int) -> list[int]:
         """Up to ``limit`` tokens that followed the most recent earlier occurrence of the longest matching suffix

@@ -21,10 +21,11 @@ documents as over corpus text.
 The target generates ``batch`` prompts per call (left-padded, one batched pass per new token: a CPU makes them at
 the rate of a batched pass, not one token at a time), in the dtype the runtime would use (bfloat16 on CPUs with
 native bf16); with ``engine`` ``vllm`` a vLLM engine writes them, ``batch`` requests in flight
-(``dynvocab.bench.vllm_answers``, which the command hands the trainer). Each batch is one shard, written whole (``dynvocab.files.write_atomic``); a rerun skips finished
-shards, and a manifest records the target's fingerprint and every setting the documents depend on, so documents of
-another target or other settings are refused instead of mixed. Sampling draws from a generator seeded by the seed
-and the shard index, so a resumed run writes the same documents as one that never stopped.
+(``dynvocab.bench.vllm_answers``, which the command hands the trainer). Each batch is one shard, written whole
+(``dynvocab.files.write_atomic``); a rerun skips finished shards, and a manifest records the target's fingerprint
+and every setting the documents depend on, so documents of another target or other settings are refused instead of
+mixed. Sampling draws from a generator seeded by the seed and the shard index, so a resumed run writes the same
+documents as one that never stopped.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class DistillConfig:
     seed: int = 0
     prompts: str = "turn"  # PROMPT_STYLES: the target answers each first user turn, or continues the document
     engine: str = "torch"  # ENGINES: who writes the answers (not a setting of the documents: either serves a cache)
-    vllm_python: str | None = None  # engine vllm: the python of an environment with vLLM (None: this one)
 
     def check(self) -> None:
         """One-line refusals of impossible settings."""
@@ -298,5 +298,5 @@ def as_settings(cfg: DistillConfig) -> dict:
     out = asdict(cfg)
     if out["prompts"] == "text":
         del out["prompts"]
-    del out["engine"], out["vllm_python"]  # how the answers were written, not what they are
+    del out["engine"]  # how the answers were written, not what they are
     return out
