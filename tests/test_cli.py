@@ -49,6 +49,22 @@ def test_generate_prints_text_and_a_summary_line(tiny_dirs):
     assert "mean accepted length" in result.stdout.strip().splitlines()[-1]
 
 
+def test_generate_with_lookup_equals_ar_and_says_what_the_lookup_drafted(tiny_dirs):
+    """``--strategy full+ngram`` (and ``ar+ngram``, no draft) on a prompt that repeats itself: ``ar``'s tokens in
+    float32, and the summary line counts the lookup's cycles."""
+    prompt = "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"
+    ids = {}
+    for strategy in ("ar", "full+ngram", "ar+ngram"):
+        result = run("generate", prompt, *model_args(tiny_dirs), "--strategy", strategy, "--max-new-tokens", 12, "--json")
+        assert result.exit_code == 0, result.output
+        payload = last_json(result.stdout)
+        ids[strategy] = payload["token_ids"]
+        if strategy != "ar":
+            assert payload["metrics"]["lookup_cycles"] > 0
+            assert "lookup drafted" in " ".join(result.output.split())  # the summary line, however wrapped
+    assert ids["full+ngram"] == ids["ar"] == ids["ar+ngram"]
+
+
 def test_bench_writes_json(tiny_dirs, tmp_path, token_map):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(

@@ -79,9 +79,11 @@ def generate(
         raise _interrupted(reply, strategy, shown, json_out) from None
     result, session = reply.result, pair.session
     m = result.metrics
+    looked = (f" · lookup drafted {m.lookup_cycles} of {m.cycles} cycles, {m.lookup_accepted}/{m.lookup_drafted} "
+              "tokens accepted") if m.lookup_cycles else ""
     summary = (
         f"[{strategy}] {m.new_tokens} tokens in {m.wall_s:.2f}s · {m.tokens_per_s:.2f} tokens/s · "
-        f"mean accepted length {m.mean_accepted_length:.2f} · {session.dtype} on {session.device}"
+        f"mean accepted length {m.mean_accepted_length:.2f}{looked} · {session.dtype} on {session.device}"
     )
     if json_out:
         err_console.print(summary, highlight=False)
