@@ -41,8 +41,8 @@ class VllmWriter:
 
     def answers(self, prompts: list[list[int]], new_tokens: int, temperature: float, end_ids: list[int],
                 in_flight: int, seed: int, dtype: str) -> list[list[int]]:
-        """The target's continuation of each of ``prompts`` (up to ``new_tokens`` tokens, ending at its first end
-        token), greedy at ``temperature`` 0 else sampled from the full distribution (seeded by ``seed``), with
+        """The target's continuation of each of ``prompts`` (up to ``new_tokens`` tokens, stopping at an end token),
+        greedy at ``temperature`` 0 else sampled from the full distribution (seeded by ``seed``), with
         ``in_flight`` requests in the engine at a time, in ``dtype``."""
         longest = max(map(len, prompts))
         req = {
@@ -51,10 +51,4 @@ class VllmWriter:
             "stop_token_ids": list(end_ids), "max_model_len": -(-(longest + new_tokens + 16) // 128) * 128,
         }
         with tempfile.TemporaryDirectory(prefix="dynvocab-distill-") as work:
-            rows = drive(self.python, req, Path(work))
-        ends = set(end_ids)
-        out = []
-        for row in rows[0]["token_ids"]:
-            cut = next((k + 1 for k, t in enumerate(row) if t in ends), len(row))
-            out.append(row[:cut])
-        return out
+            return drive(self.python, req, Path(work))[0]["token_ids"]

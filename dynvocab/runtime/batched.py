@@ -67,10 +67,10 @@ def refusal(strategy: str, kind: str | None = None) -> str | None:
 
 def batched(strategy: str) -> Batched:
     """The batched form of ``strategy``; refused in one line where it has none."""
-    entry = _entry(strategy)
-    if entry is None or entry.batched is None or split_ngram(strategy)[1]:
-        raise DynvocabError(refusal(strategy))
-    return entry.batched
+    why = refusal(strategy)
+    if why:
+        raise DynvocabError(why)
+    return _entry(strategy).batched
 
 
 def bundle_stages(strategy: str) -> tuple[str, ...]:

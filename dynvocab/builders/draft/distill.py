@@ -142,12 +142,13 @@ def continue_batch(model, prompts: list[list[int]], cfg: DistillConfig, pad_id: 
         generator = torch.Generator(device=device).manual_seed(seed)
         options["logits_processor"] = _sampler(lambda scores: sample_by_cdf(scores, cfg.temperature, generator))
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
+    return [[*p, *through_end(row, end_ids)] for p, row in zip(prompts, out[:, width:].tolist())]
+
+
+def through_end(row: list[int], end_ids: list[int]) -> list[int]:
+    """``row`` up to and including its first end token (all of it where there is none)."""
     ends = set(end_ids)
-    docs = []
-    for p, row in zip(prompts, out[:, width:].tolist()):
-        cut = next((k + 1 for k, t in enumerate(row) if t in ends), len(row))
-        docs.append([*p, *row[:cut]])
-    return docs
+    return row[: next((k + 1 for k, t in enumerate(row) if t in ends), len(row))]
 
 
 def sample_by_cdf(scores: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
@@ -193,12 +194,12 @@ def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manif
         flat = [p for _, chunk in shards for p in chunk]
         new = iter(writer.answers(flat, cfg.new_tokens, cfg.temperature, end_ids, cfg.batch,
                                   cfg.seed * 1_000_003 + shards[0][0], cfg.dtype))
-        return [[[*p, *next(new)] for p in chunk] for _, chunk in shards]
+        return [[[*p, *through_end(next(new), end_ids)] for p in chunk] for _, chunk in shards]
 
     with reporter.task("self-distilled documents (the target writes)", total=max_docs - written) as advance:
         def write(shards: list[tuple[int, list[list[int]]]]) -> None:
             nonlocal made
-            for (index, chunk), shard_docs in zip(shards, answer(shards) if shards else []):
+            for (index, chunk), shard_docs in zip(shards, answer(shards)):
                 made += _write_shard(shard_path(folder, index), shard_docs, [len(p) for p in chunk])
                 seconds = time.perf_counter() - started
                 rate = f" · {made / seconds:,.0f} new tok/s" if made and seconds > 0 else ""
@@ -216,7 +217,8 @@ def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manif
             if len(pending) == group:
                 write(pending)
                 pending = []
-        write(pending)
+        if pending:
+            write(pending)
     if docs == 0:
         raise DynvocabError("the corpus gave no prompts; check --corpus and --max-docs")
     manifest = {**manifest, "docs": max(docs, manifest["docs"]), "exhausted": docs < max_docs}

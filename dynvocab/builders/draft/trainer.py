@@ -46,6 +46,9 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
     (``dynvocab.bench.vllm_answers.VllmWriter``)."""
     t0 = time.perf_counter()
     check_config(cfg)
+    if cfg.distill is not None and cfg.distill.engine != "torch" and writer is None:  # refused before any load
+        raise DynvocabError(f"--distill-engine {cfg.distill.engine} needs its writer: pass train_draft(…, "
+                            "writer=dynvocab.bench.vllm_answers.VllmWriter.for_target(target))")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DynvocabError(f"--out {out} is a file; pass a folder")
@@ -188,20 +191,17 @@ def _self_distill(spec, model, tokenizer, prompts, folder: Path, cfg: TrainDraft
     manifest = distill.open_manifest(folder, target_fp, distill.settings_of(cfg.distill, cfg.corpus.describe()))
     if not distill.needs_generation(manifest, cfg.corpus.max_docs):
         return {}
-    if cfg.distill.engine != "torch":  # the writer's engine loads the target itself
-        if writer is None:
-            raise DynvocabError(f"--distill-engine {cfg.distill.engine} needs its writer: pass train_draft(…, "
-                                "writer=dynvocab.bench.vllm_answers.VllmWriter.for_target(target))")
+    if writer is not None:  # its own engine loads the target
         manifest = distill.generate(None, tokenizer, prompts, folder, manifest, cfg.distill, cfg.corpus.max_docs,
                                     end_token_ids(spec, tokenizer), reporter, writer=writer)
         return manifest.get("generate", {})
     same = cfg.distill.dtype == cfg.features.dtype
-    writer = model if same else load_model(spec, device, cfg.distill.dtype)
+    answering = model if same else load_model(spec, device, cfg.distill.dtype)
     try:
-        manifest = distill.generate(writer, tokenizer, prompts, folder, manifest, cfg.distill, cfg.corpus.max_docs,
+        manifest = distill.generate(answering, tokenizer, prompts, folder, manifest, cfg.distill, cfg.corpus.max_docs,
                                     end_token_ids(spec, tokenizer), reporter)
     finally:
-        del writer
+        del answering
         gc.collect()
     return manifest.get("generate", {})
 
