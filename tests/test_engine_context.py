@@ -87,3 +87,49 @@ def test_a_draft_built_without_a_runner_warns_once(monkeypatch):
     for _ in range(3):
         models._warn_once(models.NO_RUNNER.format(", ".join(models.RUNNER_RECORD), "microspec"))
     assert len(said) == 1 and "microspec" in said[0] and "output unchanged" in said[0] and "\n" not in said[0]
+
+
+def first_pass(ctx: EngineContext, ids: list[int], positions: list[int], starts: list[int]) -> None:
+    """An EAGLE proposer's first pass as :meth:`EngineContext.forward` records it (no forward context here: the
+    pass counts as a first one)."""
+    out = torch.arange(len(ids) * 4, dtype=torch.float32).view(len(ids), 4)
+    ctx.forward(torch.tensor(ids), out, None, torch.tensor(positions))
+    ctx._starts = torch.tensor(starts)
+
+
+def test_a_lookup_reads_the_record_then_the_passes_accepted_and_sampled_tokens():
+    """Request a's record holds 6 tokens (through position 5); this step the target verified [7 @5, 8 @6, 9 @7,
+    1 @8]; the proposer shifted the ids by one and wrote the sampled token 4 at the picked row (2 drafts accepted):
+    a's tokens are the record, then 8, 9 and 4. Request b's pass starts past its record (a gap): no lookup."""
+    from dynvocab.runtime.ngram import NgramLookup
+
+    ctx = EngineContext(engine_config(torch.device("cpu")), runner({"a": [5, 6, 7, 8, 9, 7], "b": [1, 2]}))
+    first_pass(ctx, ids=[8, 9, 4, 0, 3], positions=[5, 6, 7, 8, 9], starts=[0, 4, 5])
+    ctx.lookups = []
+    hidden = ctx._out[[2, 4]]  # the picked rows' outputs
+    at = ctx.advance(hidden)
+    assert at == (0, True)
+    looked = ctx.looked_up(hidden, at, NgramLookup(longest=4, shortest=1))
+    assert ctx.lookups[0]["tokens"] == [5, 6, 7, 8, 9, 7, 8, 9, 4] and ctx.lookups[1]["tokens"] is None
+    assert ctx._continuations == [[], []]  # 4 never occurred before: nothing drafted
+    assert looked is None
+
+
+def test_a_lookup_drafts_its_continuation_one_position_at_a_time():
+    from dynvocab.runtime.ngram import NgramLookup
+
+    ctx = EngineContext(engine_config(torch.device("cpu")), runner({"a": [5, 6, 7, 5], "b": [1, 2, 3, 1, 2]}))
+    first_pass(ctx, ids=[6, 3], positions=[3, 4], starts=[0, 1, 2])  # a: 6 fed at position 3; b: 3 at 4
+    hidden = ctx._out
+    steps = []
+    for _ in range(3):
+        at = ctx.advance(hidden)
+        looked = ctx.looked_up(hidden, at, NgramLookup(longest=4, shortest=2))
+        steps.append((looked.tokens.tolist(), looked.covered.tolist(), looked.every))
+    # a: [5, 6, 7, 5, 6] -> 7, 5, 6; b: [1, 2, 3, 1, 2, 3] -> 1, 2, 3 (a repeating pattern repeats)
+    assert steps == [([7, 1], [True, True], True), ([5, 2], [True, True], True), ([6, 3], [True, True], True)]
+    top = torch.tensor([0, 0])
+    assert looked.over(top).tolist() == [6, 3]
+    full = torch.zeros(2, 10)
+    rows = looked.rows(full, 10, torch.float32)
+    assert rows.argmax(dim=1).tolist() == [6, 3] and torch.isinf(rows).sum().item() == 18

@@ -160,12 +160,17 @@ def test_sampling_with_lookup_follows_the_target_distribution(pair):  # noqa: F8
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
 
 
-def test_vllm_refuses_a_lookup_row_in_one_line():
-    """The plugin runs a strategy's batched selector; the lookup is the loop's, so ``X+ngram`` is named and refused."""
-    from dynvocab.runtime.batched import batched, refusal
+def test_vllm_takes_a_lookup_row_on_eagle_heads_and_refuses_the_rest_in_one_line():
+    """The plugin looks up through an EAGLE proposer's passes (tests/test_vllm_eagle.py runs it); on a draft model
+    it cannot, and a lookup with no head is vLLM's own ``ngram``."""
+    from dynvocab.runtime.batched import SelectorSpec, batched, refusal
 
-    why = refusal("microspec+ngram")
-    assert "cannot run inside vLLM" in why and "'ngram' method" in why
-    assert refusal("microspec") is None
-    with pytest.raises(DynvocabError, match="n-gram lookup"):
-        batched("microspec+ngram")
+    assert refusal("microspec+ngram") is None and refusal("microspec+ngram", "eagle1") is None
+    assert batched("microspec+ngram") is batched("microspec")
+    assert SelectorSpec("fr+ngram", ngram_max=5, ngram_min=3).lookup == NgramLookup(5, 3)
+    assert SelectorSpec("fr").lookup is None
+    why = refusal("microspec+ngram", "draft-model")
+    assert "EAGLE head" in why and "'ngram' method" in why and "\n" not in why
+    assert "'ngram' method" in refusal("ar+ngram")
+    with pytest.raises(DynvocabError, match="'ngram' method"):
+        batched("ar+ngram")

@@ -3,7 +3,8 @@ of 4 layers, heads initialised from it): vLLM's own eagle3 runs a speculators he
 plugin (``export --format vllm``) a Qwen2 EAGLE-1 head and an eagle3-layout EAGLE-3 head over the target's full
 vocabulary run fr, lowrank and centroids and the context strategies (fr-pa, dynaspec, microspec, hybrid, evospec: the
 draft position, the fed token, the request's tokens and, for EAGLE-1, the target's hidden states read from an EAGLE
-proposer's passes), each greedy output equal to plain vLLM's, at one rank and two; evospec's per-request buffers
+proposer's passes) and two of them drafting by n-gram lookup first (``+ngram``: what a lookup read is each request's
+own tokens), each greedy output equal to plain vLLM's, at one rank and two; evospec's per-request buffers
 through vLLM's request lifecycle; a set that holds every id gives
 the full head's acceptance exactly (the selector scores the hidden state vLLM's own head reads), and the eagle3
 layout's layer ids reach vLLM as the speculators head's do. Selectors over a d2t head are refused in one line.
@@ -30,7 +31,8 @@ LAYERS = 4  # EAGLE-3 reads three distinct hidden states (vLLM deduplicates the 
 AUX = (2, 3, 4)  # hidden_states[i]; the eagle3 layout writes them as (1, 2, 3)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 STRATEGIES = (("fr", 40), ("lowrank", None), ("centroids", None),
-              ("fr-pa", 40), ("dynaspec", 4), ("microspec", None), ("hybrid", 40), ("evospec", 40))
+              ("fr-pa", 40), ("dynaspec", 4), ("microspec", None), ("hybrid", 40), ("evospec", 40),
+              ("fr+ngram", 40), ("microspec+ngram", None))
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +184,65 @@ def test_evospec_state_follows_vllms_request_lifecycle_on_an_eagle1_head(models,
                                     "base_len": 112, "preempt_tokens": 120})
     stats = plugin["selector"]
     assert stats["oov_events"] > 0 and stats["searched"] == stats["oov_events"] and stats["inserted"] > 0, stats
+
+
+@pytest.fixture(scope="module")
+def looked_up(models, tmp_path_factory) -> dict:
+    """``+ngram`` rows through get_top_tokens (EAGLE-1) and compute_logits (EAGLE-3), one request at a time and all
+    at once, each lookup logged; and the same strategies without the lookup."""
+    rows = [{"name": "plain"}]
+    root = tmp_path_factory.mktemp("vllm_ngram_folders")
+    for kind, local, strategy, budget in (("eagle1", True, "microspec", None), ("eagle3", False, "fr", 40)):
+        folder = write_draft_folder(models["bundle"], str(models[kind]), strategy + "+ngram", root / kind)
+        spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": 3}
+        if local:
+            spec["use_local_argmax_reduction"] = True
+        rows += [{"name": f"{kind}:{s}", "speculative_config": spec, "strategy": s, "budget": budget}
+                 for s in (strategy, strategy + "+ngram")]
+    req = request(models, rows, batch=False, concurrency=[1, len(PROMPTS)], log_context=True, max_tokens=48)
+    result, output = vllm_models.run_rows(tmp_path_factory.mktemp("vllm_ngram_run"), req)
+    assert result is not None, output[-3000:]
+    return {(row["name"], row["concurrency"]): row for row in result["rows"]}
+
+
+@pytest.mark.parametrize("users", [1, len(PROMPTS)])
+@pytest.mark.parametrize("name", ["eagle1:microspec+ngram", "eagle3:fr+ngram"])
+def test_ngram_looks_up_each_requests_own_tokens_and_stays_exact(looked_up, name, users):
+    """Every lookup read one request's tokens as vLLM ran them: its prompt, then a prefix of its output at least
+    one token long (the token the draft drafts after); some lookups matched and drafted, and the greedy output
+    equals plain vLLM's. (A wrong record row, position or shift gives another request's tokens, a gap, a repeat or
+    a missing token here.)"""
+    row, plain = looked_up[(name, users)], looked_up[("plain", users)]["token_ids"]
+    assert row["token_ids"] == plain
+    seqs = [p + out for p, out in zip(PROMPTS, plain)]
+    lookups = [e for log in row["context_log"] for e in log[-1]["lookups"]]
+    assert lookups
+    for e in lookups:
+        mine = [s for p, s in zip(PROMPTS, seqs) if e["tokens"] is not None and e["tokens"][: len(p)] == p]
+        assert len(mine) == 1, e
+        # a request's last step drafts too, after a bonus token past max_tokens that is never emitted
+        seq, tokens = mine[0], e["tokens"]
+        assert len(PROMPTS[seqs.index(seq)]) < len(tokens) <= len(seq) + 1 and tokens[: len(seq)] == seq[: len(tokens)]
+    drafted = [e for e in lookups if e["drafts"]]
+    assert drafted and row["rounds"][0]["accepted_tokens"] > 0
+
+
+def test_a_lookup_drafts_more_than_its_selector_alone_where_the_output_repeats(looked_up):
+    """The tiny target repeats itself: a row drafting by lookup first accepts more tokens per draft step than the
+    same selector alone (MAL over vLLM's own counters)."""
+    for kind, strategy in (("eagle1", "microspec"), ("eagle3", "fr")):
+        alone = looked_up[(f"{kind}:{strategy}", 1)]["rounds"][0]
+        both = looked_up[(f"{kind}:{strategy}+ngram", 1)]["rounds"][0]
+        assert both["accepted_tokens"] / both["drafts"] > alone["accepted_tokens"] / alone["drafts"], kind
+
+
+def test_ngram_on_a_draft_model_or_alone_is_refused_in_one_line(models, tmp_path):
+    from dynvocab.runtime.batched import refusal
+
+    assert "EAGLE head" in refusal("microspec+ngram", "draft-model")
+    assert "'ngram' method" in refusal("ar+ngram", "eagle1")
+    assert refusal("microspec+ngram", "eagle1") is None
+    out = tmp_path / "out"
+    assert_one_line_error(run("export", models["bundle"], "--format", "vllm", "--strategy", "ar+ngram", "--draft",
+                              models["eagle1"], "--out", out), "ngram")
+    assert not out.exists()

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from dynvocab.bench import stability
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 
 PLAIN, SPEC, PLUGIN = "vllm", "vllm-spec", "vllm-spec:"
 NGRAM = "vllm-spec:ngram"  # vLLM's own prompt-lookup speculation (no draft model, no head)
@@ -60,6 +61,8 @@ class VllmBench:
     budgets: tuple[tuple[str, int], ...] = ()  # (strategy, budget) its own flags ask for; absent: its default
     concurrency: tuple[int, ...] = (1,)  # requests in flight: every row runs at each level
     schedule: str | None = None  # a batch-size schedule (START:K,… or "auto"): every speculative row again with it
+    ngram_sizes: tuple[int, int] = (DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN)  # (longest, shortest) suffix looked up, by
+    # vLLM's ngram row (prompt_lookup_max/min) and the plugin's X+ngram rows alike
 
     @property
     def rows(self) -> list[str]:
@@ -248,14 +251,15 @@ def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str], s
             continue
         if name == NGRAM:  # vLLM's own defaults for the lookup's n-gram sizes
             req["rows"].append({"name": name + suffix, "head": False, "speculative_config": {
-                "method": "ngram", "num_speculative_tokens": cfg.gamma, **extra}})
+                "method": "ngram", "num_speculative_tokens": cfg.gamma, "prompt_lookup_max": cfg.ngram_sizes[0],
+                "prompt_lookup_min": cfg.ngram_sizes[1], **extra}})
             continue
         spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": cfg.gamma,
                 "use_local_argmax_reduction": True, **extra}
         strategy = name[len(PLUGIN):] if name.startswith(PLUGIN) else None
         budget = dict(cfg.budgets).get(strategy)
         req["rows"].append({"name": name + suffix, "speculative_config": spec, "strategy": strategy,
-                            "budget": budget})
+                            "budget": budget, "ngram": list(cfg.ngram_sizes)})
     return req
 
 

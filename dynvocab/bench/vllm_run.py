@@ -115,7 +115,7 @@ class HeadSwitch:
         self.full = full_head(model)
         self.plugin = hasattr(model, "dynvocab")  # one of the plugin's classes (it holds a DraftHeadPolicy)
         self.strategy: str | None = None  # None: vLLM's own full head
-        self.policies: dict[tuple, object] = {}  # (strategy, budget, bundle) -> its head policy, built once
+        self.policies: dict[tuple, object] = {}  # (selector spec, bundle) -> its head policy, built once
         self._sync = None  # waits for the draft's device (found at the first timed call)
         self.log: list | None = None  # when kept: each head call's draft context and greedy tokens
         self.reset(False)
@@ -155,14 +155,19 @@ class HeadSwitch:
 
         return call
 
-    def switch(self, strategy: str | None, budget: int | None, bundle: str | None, timed: bool) -> None:
-        """Run ``strategy``'s selector from ``bundle`` (None: vLLM's own full head); time the calls when ``timed``."""
+    def switch(self, strategy: str | None, budget: int | None, bundle: str | None, timed: bool,
+               ngram: list[int] | None = None) -> None:
+        """Run ``strategy``'s selector from ``bundle`` (None: vLLM's own full head), a ``+ngram`` lookup over
+        suffixes of ``ngram`` = [longest, shortest] tokens (None: the defaults); time the calls when ``timed``."""
         if strategy is not None:
             if not self.plugin:
                 raise RuntimeError("the draft is not one of the plugin's classes; export it with --format vllm")
-            key = (strategy, budget, bundle)
+            from dynvocab.runtime.batched import SelectorSpec
+
+            spec = SelectorSpec(strategy, budget, *(ngram or ()))
+            key = (spec, bundle)
             if key not in self.policies:
-                self.policies[key] = self._build(strategy, budget, bundle)
+                self.policies[key] = self._build(spec, bundle)
             policy = self.policies[key]
             if timed or self.log is not None:
                 self._time_selector(policy)
@@ -170,15 +175,14 @@ class HeadSwitch:
         self.strategy = strategy
         self.reset(timed)
 
-    def _build(self, strategy: str, budget: int | None, bundle: str):
-        """``strategy``'s head policy from ``bundle``, prepared over the draft's rows as the plugin prepares it once
-        the weights are loaded."""
+    def _build(self, spec, bundle: str):
+        """The head policy of ``spec`` (a :class:`~dynvocab.runtime.batched.SelectorSpec`) from ``bundle``, prepared
+        over the draft's rows as the plugin prepares it once the weights are loaded."""
         from dynvocab.artifacts.bundle import load_bundle
-        from dynvocab.runtime.batched import SelectorSpec
         from dynvocab.serving.vllm.head import policy_from_bundle
 
         with load_bundle(bundle) as b:
-            policy = policy_from_bundle(b, SelectorSpec(strategy, budget), self.model.config,
+            policy = policy_from_bundle(b, spec, self.model.config,
                                         self.model.lm_head.weight.device)
         if getattr(self.model.lm_head, "tp_size", 1) == 1:
             policy.prepare(self.model.lm_head.weight)
@@ -194,8 +198,12 @@ class HeadSwitch:
 
     def keep_log(self) -> None:
         """Keep a log from now on: each context selector call's draft position, fed ids and windows (distinct ids),
-        and each greedy head call's tokens (read with :meth:`take_log`)."""
+        each greedy head call's tokens, and each ``+ngram`` lookup's request, tokens and drafts (read with
+        :meth:`take_log`)."""
         self.log = []
+        context = getattr(self.model, "dynvocab_context", None)
+        if context is not None:
+            context.lookups = []
         selector = getattr(getattr(self.model, "dynvocab", None), "head", None)
         if selector is not None and getattr(selector.selector, "reads_context", False):
             if not isinstance(selector.selector, _TimedSelector):
@@ -203,15 +211,19 @@ class HeadSwitch:
 
     def take_log(self) -> list:
         """The log since the last take, and what the plugin holds per request now (windows, or a selector's own
-        per-request state), with the selector's counters where it keeps some (evospec's events and searches)."""
+        per-request state) with the lookups since the last take, and the selector's counters where it keeps some
+        (evospec's events and searches)."""
         out, self.log = self.log or [], []
         context = getattr(self.model, "dynvocab_context", None)
+        lookups = []
+        if context is not None and context.lookups is not None:
+            lookups, context.lookups = context.lookups, []
         selector = getattr(getattr(getattr(self.model, "dynvocab", None), "head", None), "selector", None)
         own = getattr(selector, "held", None)
         held = None if context is None else max(context.held(), own() if callable(own) else 0)
         stats = getattr(selector, "stats", None)
-        return out + [{"held": held, **({"selector": dataclasses.asdict(stats)} if dataclasses.is_dataclass(stats)
-                                        else {})}]
+        return out + [{"held": held, "lookups": lookups,
+                       **({"selector": dataclasses.asdict(stats)} if dataclasses.is_dataclass(stats) else {})}]
 
     def read(self) -> dict:
         """The timer since the last switch (head and selector seconds, calls, rows) and the ids the head scores per
@@ -268,10 +280,12 @@ class HeadBench:
     """Worker methods the driver calls by name through ``LLM.collective_rpc`` (vLLM mixes this class into its
     worker: ``worker_extension_cls``); each runs on every rank, ``self`` the worker."""
 
-    def dynvocab_switch_head(self, strategy: str | None, budget: int | None, bundle: str | None, timed: bool) -> str:
+    def dynvocab_switch_head(self, strategy: str | None, budget: int | None, bundle: str | None, timed: bool,
+                             ngram: list[int] | None = None) -> str:
         """Run the draft's head with ``strategy`` from ``bundle`` (None: the draft's own full head), timed when
-        ``timed``; returns what the head now runs."""
-        _switch(self).switch(strategy, budget, bundle, timed)
+        ``timed``, a ``+ngram`` strategy's lookup over suffixes of ``ngram`` = [longest, shortest] tokens (None:
+        the defaults); returns what the head now runs."""
+        _switch(self).switch(strategy, budget, bundle, timed, ngram)
         return strategy or "full"
 
     def dynvocab_keep_log(self) -> None:
@@ -457,7 +471,7 @@ def _switch_to(llm, row: dict, req: dict, warm: bool) -> None:
     """Switch the engine's draft head to ``row``'s strategy (built once per engine, then reused); with ``warm``, run
     one untimed request through it first (its selector's packs and first-call work), then zero the timer and drop
     what the log kept of it."""
-    args = (row.get("strategy"), row.get("budget"), req.get("bundle"), req.get("time_head", False))
+    args = (row.get("strategy"), row.get("budget"), req.get("bundle"), req.get("time_head", False), row.get("ngram"))
     llm.collective_rpc("dynvocab_switch_head", args=args)
     if warm:
         from vllm import SamplingParams

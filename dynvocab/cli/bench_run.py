@@ -239,7 +239,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         dtype=req.models.dtype or default_dtype("cpu"), tensor_parallel_size=vllm.tensor_parallel_size,
         chat_template=req.chat_template, seed=flags.seed, concurrency=levels, budgets=budgets,
         ngram=req.strategies is None or v.NGRAM_NAME in [s.strip() for s in req.strategies.split(",")],
-        schedule=vllm.schedule,
+        schedule=vllm.schedule, ngram_sizes=(flags.ngram_max, flags.ngram_min),
     )
     v.check_schedule(cfg)  # refused in one line before any engine starts
     console = Console(stderr=True)

