@@ -178,7 +178,7 @@ def export(
     out: Annotated[Path, typer.Option("--out", help="The file to write (torch.save), or for vllm the folder (new or empty).")],
     fmt: Annotated[str, typer.Option("--format", help=f"One of {', '.join(formats())}. " + "; ".join(f"{f.name}: {f.help}" for f in formats().values()) + ".")] = "sglang",
     size: Annotated[Optional[int], typer.Option(min=1, help=f"sglang, eagle3: number of token ids K (default {FR_SIZE}).")] = None,
-    strategy: Annotated[Optional[str], typer.Option(help=f"vllm: the selector the draft's head runs, one of {', '.join(batch_strategies())}.")] = None,
+    strategy: Annotated[Optional[str], typer.Option(help=f"vllm: the selector the draft's head runs, one of {', '.join(batch_strategies())}; on an EAGLE head also S+ngram (the request's own tokens looked up first).")] = None,
     draft: Annotated[Optional[str], typer.Option(help="vllm: the draft the bundle was built for: a local model folder, demo:draft, or an EAGLE head (eagle layout).")] = None,
     budget: Annotated[Optional[int], typer.Option(min=1, help="vllm: the selector's size (fr: ids; lowrank: candidates; centroids: blocks; default: the bundle's).")] = None,
     copy: Annotated[bool, typer.Option("--copy", help="vllm: copy the draft's files into the folder instead of linking them.")] = False,
