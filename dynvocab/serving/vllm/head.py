@@ -179,7 +179,8 @@ def load_policy(vllm_config) -> DraftHeadPolicy:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     bundle = load_bundle(path, verify=True)
     try:
-        spec = SelectorSpec(section["strategy"], section.get("budget"), int(section.get("ngram_max", DEFAULT_NGRAM_MAX)),
+        spec = SelectorSpec(section["strategy"], section.get("budget"),
+                            int(section.get("ngram_max", DEFAULT_NGRAM_MAX)),
                             int(section.get("ngram_min", DEFAULT_NGRAM_MIN)))
         return policy_from_bundle(bundle, spec, text, vllm_config.device_config.device)
     finally:

@@ -12,7 +12,8 @@ embedder does it (``vllm/model_executor/models/gemma4_mtp.py``):
 and ``forward`` wrapped, so a selector that reads the request's context gets the passes' fed ids and outputs
 (:mod:`dynvocab.serving.vllm.context`). A ``+ngram`` strategy first drafts by lookup in each request's tokens: a row
 whose request matched drafts the looked-up token (one-hot in ``compute_logits``: q is the deterministic proposal,
-so rejection sampling stays exact), and where every row of a draft step is covered the head does not run. Everything else (layers, caches, batching, weights) is vLLM's.
+so rejection sampling stays exact), and where every row of a draft step is covered the head does not run.
+Everything else (layers, caches, batching, weights) is vLLM's.
 """
 
 from __future__ import annotations
