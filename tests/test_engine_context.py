@@ -89,9 +89,17 @@ def test_a_draft_built_without_a_runner_warns_once(monkeypatch):
     assert len(said) == 1 and "microspec" in said[0] and "output unchanged" in said[0] and "\n" not in said[0]
 
 
+@pytest.fixture(autouse=True)
+def no_forward_context(monkeypatch):
+    """No vLLM here (CI's first stage): no forward context, so every recorded pass counts as a first one."""
+    from dynvocab.serving.vllm import context
+
+    monkeypatch.setattr(context, "_attention_metadata", lambda: None)
+
+
 def first_pass(ctx: EngineContext, ids: list[int], positions: list[int], starts: list[int]) -> None:
-    """An EAGLE proposer's first pass as :meth:`EngineContext.forward` records it (no forward context here: the
-    pass counts as a first one)."""
+    """An EAGLE proposer's first pass as :meth:`EngineContext.forward` records it (its query starts, which vLLM's
+    attention metadata holds, set by hand)."""
     out = torch.arange(len(ids) * 4, dtype=torch.float32).view(len(ids), 4)
     ctx.forward(torch.tensor(ids), out, None, torch.tensor(positions))
     ctx._starts = torch.tensor(starts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -100,8 +101,15 @@ def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None
     tp = request.get("tensor_parallel_size", 1)
     env = {**os.environ, **ENGINE_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}),
            **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "dynvocab.bench.vllm_run", str(req), str(out)], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    # its own process group: on a timeout the driver's vLLM workers go with it (else they spin on, orphaned)
+    proc = subprocess.Popen([sys.executable, "-m", "dynvocab.bench.vllm_run", str(req), str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=output) from None
     if proc.returncode != 0:
-        return None, proc.stdout
-    return json.loads(out.read_text()), proc.stdout
+        return None, output
+    return json.loads(out.read_text()), output
