@@ -84,8 +84,10 @@ class SelectedHeadMixin:
         share = _from_first_rank if getattr(self.lm_head, "tp_size", 1) > 1 else None
         return at, self.dynvocab_context.looked_up(hidden_states, at, lookup, share)
 
-    def _selected(self, hidden_states: torch.Tensor, at: tuple[int, bool] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [T, k], target ids [T, k])`` of ``hidden_states`` [T, d] over each row's set."""
+    def _selected(self, hidden_states: torch.Tensor,
+                  at: tuple[int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [T, k], target ids [T, k])`` of ``hidden_states`` [T, d] over each row's set (``at``: the head
+        call's count, where :meth:`_call` made it; None: a context selector counts the call itself)."""
         ctx = None
         if self.dynvocab.reads_context:
             selector = self.dynvocab.selector
