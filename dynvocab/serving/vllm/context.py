@@ -124,6 +124,7 @@ class EngineContext:
         self._slot_rows: torch.Tensor | None = None  # [B] each batch row's window slot, set at position 0
         self._width = 1  # the window columns the batch's rows fill (RequestWindows.width), set with them
         self._positions: torch.Tensor | None = None  # the last first pass's positions [n]
+        self._picked_rows: tuple | None = None  # (this head call's picked rows or None,), once found
         self._continuations: list[list[int]] | None = None  # each row's looked-up drafts, set at position 0
         self.lookups: list[dict] | None = None  # when a list: each lookup's request, tokens and drafts (tests, bench)
 
@@ -152,6 +153,7 @@ class EngineContext:
         first, self._first = self._first, False
         step = 0 if first else self._calls
         self._calls, self._rows = (1 if first else self._calls + 1), rows
+        self._picked_rows = None  # found once per first call, by whichever reader asks first (_picked_once)
         return step, first
 
     def step(self, hidden: torch.Tensor, reads: frozenset, window: int, embed, head=None,
@@ -162,7 +164,7 @@ class EngineContext:
         step, first = self.advance(hidden) if at is None else at
         rows = int(hidden.shape[0])
         fed = windows = requests = target = None
-        picked = self._picked(hidden) if first and reads & {"fed", "target"} else None
+        picked = self._picked_once(hidden) if first and reads & {"fed", "target"} else None
         if "fed" in reads:
             fed = self._ids[picked].long() if picked is not None else self._fed_next(rows)
         if "target" in reads and picked is not None and self._target is not None:
@@ -198,7 +200,7 @@ class EngineContext:
     def _look_up(self, hidden: torch.Tensor, lookup: NgramLookup) -> list[list[int]] | None:
         """Each row's continuation (up to γ tokens, [] where nothing matched or its tokens cannot be read)."""
         rows = int(hidden.shape[0])
-        picked = self._picked(hidden)
+        picked = self._picked_once(hidden)
         req_ids = self._requests(rows)
         if picked is None or req_ids is None or self._positions is None:
             return None
@@ -216,18 +218,17 @@ class EngineContext:
         token at p + 1); None for a row whose pass does not reach back to the record's end."""
         batch = self.runner.input_batch
         starts = self._starts.tolist()
-        positions, ids = self._positions.tolist(), self._ids.tolist()
+        lasts = (self._positions[picked] + 1).tolist()  # the position of the token fed at each picked row
         out: list[list[int] | None] = []
-        for row, at in enumerate(picked):
+        for row, (at, last) in enumerate(zip(picked, lasts)):
             known = int(batch.num_tokens_no_spec[row])
-            last = positions[at] + 1  # the position of the token fed at the picked row
             first = at - (last - known)  # the row whose fed token is the record's next one
             if last < known:
                 out.append(batch.token_ids_cpu[row, : last + 1].tolist())
             elif first < starts[row]:
                 out.append(None)
             else:
-                out.append(batch.token_ids_cpu[row, :known].tolist() + ids[first: at + 1])
+                out.append(batch.token_ids_cpu[row, :known].tolist() + self._ids[first: at + 1].tolist())
         return out
 
     def _fed_next(self, rows: int) -> torch.Tensor:
@@ -235,6 +236,13 @@ class EngineContext:
         if self._ids is None or self._ids.shape[0] < rows:
             return torch.zeros(rows, dtype=torch.long, device=self.device)
         return self._ids[:rows].long()
+
+    def _picked_once(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`_picked` of this head call, compared once however many readers (the selector's context, the
+        lookup) ask for it."""
+        if self._picked_rows is None:
+            self._picked_rows = (self._picked(hidden),)
+        return self._picked_rows[0]
 
     def _picked(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's sampled position in the first pass [B]: the row among its request's last output rows that
