@@ -23,7 +23,7 @@ def config(spec: dict) -> TrainDraftConfig:
     return TrainDraftConfig(
         arch=spec["arch"], draft_vocab=spec["draft_vocab"], device="cpu", features_dir=spec.get("features_dir"),
         corpus=CorpusConfig(sources=tuple(spec["corpus"]), max_docs=spec["max_docs"]),
-        features=FeatureConfig(**spec["features"]), optim=OptimConfig(**spec["optim"]),
+        features=FeatureConfig(**spec["features"]), optim=OptimConfig(**spec["optim"]), train_dtype="float32",
     )
 
 

@@ -46,12 +46,14 @@ def corpus_txt(tmp_path_factory) -> Path:
     return path
 
 
-def small_config(corpus: Path, arch: str = "eagle3", **optim) -> TrainDraftConfig:
+def small_config(corpus: Path, arch: str = "eagle3", train_dtype: str = "float32", **optim) -> TrainDraftConfig:
+    """A small run; float32 matmuls by default, so that every CPU kind trains the same head (the default,
+    bfloat16 on CPUs with native bf16, is tested on its own)."""
     return TrainDraftConfig(
         arch=arch, draft_vocab=96, corpus=CorpusConfig(sources=(str(corpus),), max_docs=30),
         features=FeatureConfig(max_tokens=24, shard_docs=4),
         optim=OptimConfig(**{"epochs": 2, "lr": 3e-3, "warmup_steps": 2, "eval_every": 20, "checkpoint_every": 5, **optim}),
-        device="cpu",
+        device="cpu", train_dtype=train_dtype,
     )
 
 
@@ -111,17 +113,19 @@ def test_speculators_format_and_eagle1(target_dir, corpus_txt, tmp_path):
     assert [h["step"] for h in info["heldout"]] == sorted({0, *range(5, steps + 1, 5), steps})
 
 
-def test_training_lowers_heldout_loss(target_dir, corpus_txt, tmp_path):
-    report = trainer.train_draft(str(target_dir), tmp_path / "h", small_config(corpus_txt, epochs=3))
+@pytest.mark.parametrize("train_dtype", ["float32", "bfloat16"])
+def test_training_lowers_heldout_loss(target_dir, corpus_txt, tmp_path, train_dtype):
+    report = trainer.train_draft(str(target_dir), tmp_path / "h", small_config(corpus_txt, train_dtype=train_dtype, epochs=3))
+    assert report.info["config"]["train_dtype"] == train_dtype
     first, last = report.info["heldout"][0], report.info["heldout"][-1]
     assert first["step"] == 0 and last["step"] == report.info["steps"]
     assert last["loss"] < first["loss"], report.info["heldout"]  # soft CE: bounded below by the teacher's entropy
     assert last["top1"][0] >= first["top1"][0] + 0.05, report.info["heldout"]
 
 
-@pytest.mark.parametrize("arch", ["eagle3", "eagle1"])
-def test_resume_after_interruptions_equals_one_run(target_dir, corpus_txt, tmp_path, monkeypatch, arch):
-    cfg = small_config(corpus_txt, arch)
+@pytest.mark.parametrize("arch,train_dtype", [("eagle3", "float32"), ("eagle1", "float32"), ("eagle1", "bfloat16")])
+def test_resume_after_interruptions_equals_one_run(target_dir, corpus_txt, tmp_path, monkeypatch, arch, train_dtype):
+    cfg = small_config(corpus_txt, arch, train_dtype)
     whole = trainer.train_draft(str(target_dir), tmp_path / "whole", cfg)
 
     out = tmp_path / "resumed"
@@ -189,6 +193,39 @@ def test_refuses_empty_corpus_and_eval_split(target_dir, tmp_path):
     assert_one_line_error(result, "evaluation split")
     result = run("train-draft", "--target", target_dir, "--arch", "eagle2", "--out", tmp_path / "c")
     assert_one_line_error(result, "--arch")
+
+
+def test_train_dtype_default_refusal_and_older_checkpoints(target_dir, corpus_txt, tmp_path, monkeypatch):
+    """--train-dtype: an unknown one refused in one line; unset, the device's default dtype; a checkpoint written
+    before the setting existed (float32 on CPU) resumes at float32 and is refused at bfloat16."""
+    result = run("train-draft", "--target", target_dir, "--corpus", corpus_txt, "--train-dtype", "float16",
+                 "--out", tmp_path / "x", "--device", "cpu")
+    assert_one_line_error(result, "--train-dtype")
+    monkeypatch.setattr(trainer, "default_dtype", lambda device: "bfloat16")
+    unset = TrainDraftConfig(**{**small_config(corpus_txt, "eagle1", epochs=1).__dict__, "train_dtype": None})
+    assert trainer.train_draft(str(target_dir), tmp_path / "d", unset).info["config"]["train_dtype"] == "bfloat16"
+
+    out = tmp_path / "old"
+    cfg = small_config(corpus_txt, "eagle1", epochs=1)
+    real_unroll, calls = recipe.unroll, []
+
+    def crash(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 12:
+            raise RuntimeError("power cut")
+        return real_unroll(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "unroll", crash)
+    with pytest.raises(RuntimeError, match="power cut"):
+        trainer.train_draft(str(target_dir), out, cfg)
+    monkeypatch.setattr(recipe, "unroll", real_unroll)
+    ckpt = out / "work" / "checkpoint.pt"
+    blob = torch.load(ckpt, weights_only=False)
+    del blob["state"]["settings"]["train_dtype"]
+    torch.save(blob, ckpt)
+    with pytest.raises(DynvocabError, match="other training settings"):
+        trainer.train_draft(str(target_dir), out, TrainDraftConfig(**{**cfg.__dict__, "train_dtype": "bfloat16"}))
+    assert trainer.train_draft(str(target_dir), out, cfg).info["steps"] > blob["state"]["step"] > 0
 
 
 def test_refuses_features_of_other_settings(target_dir, corpus_txt, tmp_path):

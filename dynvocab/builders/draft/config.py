@@ -68,6 +68,7 @@ class TrainDraftConfig:
     extra_features: tuple[str, ...] = ()  # finished caches of earlier runs for the same target, trained on beside this one
     distill: distill.DistillConfig | None = None  # train on the target's own continuations of the corpus's prompts
     save_dtype: str | None = None  # the head's weights on disk (None: float32, as trained; bfloat16 halves them)
+    train_dtype: str | None = None  # the matmuls' dtype in training (autocast); None: the device's default dtype
     init_from: str | None = None  # continue training this head (a folder or a demo name) instead of starting from the target
     features_only: bool = False  # build (or resume) the feature cache and stop: a cache for other runs, no head
 
@@ -107,6 +108,8 @@ def check_config(cfg: TrainDraftConfig) -> None:
         raise DynvocabError(f"--lr must be positive, got {o.lr}")
     if cfg.save_dtype not in (None, "float32", "bfloat16", "float16"):
         raise DynvocabError(f"unknown --save-dtype '{cfg.save_dtype}'; use float32, bfloat16 or float16")
+    if cfg.train_dtype not in (None, "float32", "bfloat16"):
+        raise DynvocabError(f"unknown --train-dtype '{cfg.train_dtype}'; use float32 or bfloat16")
     if o.negatives < 0:
         raise DynvocabError(f"--negatives must be 0 (the whole head) or positive, got {o.negatives}")
     if cfg.distill is not None:

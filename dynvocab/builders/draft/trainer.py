@@ -63,6 +63,7 @@ def _build(target: str, out: Path, cfg: TrainDraftConfig, reporter: Reporter, ra
     cfg = replace(cfg, features=cfg.features.resolved(device))
     if cfg.distill is not None:
         cfg = replace(cfg, distill=replace(cfg.distill, dtype=cfg.distill.dtype or default_dtype(device)))
+    cfg = replace(cfg, train_dtype=cfg.train_dtype or default_dtype(device))
     spec = resolve_model(target)
     tokenizer = load_tokenizer(spec)
     documents = encode_documents(cfg.corpus, tokenizer, cfg.features.max_tokens)  # ShareGPT: its training split

@@ -27,6 +27,9 @@ from dynvocab.files import write_atomic
 from dynvocab.models.eagle import EAGLE1
 
 
+_LEGACY_DTYPE = {True: "bfloat16", False: "float32"}  # checkpoints that predate train_dtype: (on CUDA?) -> dtype
+
+
 @dataclass(frozen=True)
 class _Setup:
     """What every optimizer step reads: the head, its data and targets, and how it steps."""
@@ -60,8 +63,7 @@ def train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pat
     if ckpt.is_file():
         state = _resume(ckpt, head, opt, sched, state)
         reporter.log(f"resuming training at step {state['step']:,} of {total:,}")
-    gpu = str(head.fc.weight.device).startswith("cuda")
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else contextlib.nullcontext
+    autocast = _autocast(str(head.fc.weight.device), cfg.train_dtype)
     run = _Setup(head, reader, target_head, draft_ids, o, o.steps_for(head.kind), autocast, ranks)
     score = lambda: {"step": state["step"], **evaluate(head, reader, heldout, target_head, draft_ids, run.steps, autocast)}
     if heldout and ranks.main and not state["heldout"]:  # the starting point, for the report's before/after
@@ -140,6 +142,14 @@ def _negatives(o: OptimConfig, kind: str, target_head: torch.Tensor, step: int) 
     return draw[: o.negatives].to(target_head.device)
 
 
+def _autocast(device: str, dtype: str | None) -> Callable:
+    """The training's autocast: bfloat16 matmuls on ``device`` (losses and softmaxes stay float32), or none."""
+    if dtype != "bfloat16":
+        return contextlib.nullcontext
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    return lambda: torch.autocast(kind, dtype=torch.bfloat16)
+
+
 def _lr_factor(step: int, warmup: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -158,7 +168,7 @@ def _bar(running: float | None, heldout: list[dict]) -> str:
 
 def _train_settings(cfg: TrainDraftConfig, feature_settings: dict) -> dict:
     optim = {k: v for k, v in asdict(cfg.optim).items() if k != "micro_docs"}  # any micro-batch resumes
-    return {"optim": optim, "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle,
+    return {"optim": optim, "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle, "train_dtype": cfg.train_dtype,
             "max_docs": cfg.corpus.max_docs, "features": feature_settings,
             **({"init_from": cfg.init_from} if cfg.init_from else {}),  # absent when unset: older checkpoints resume
             **({"extra_features": list(cfg.extra_features)} if cfg.extra_features else {})}
@@ -175,7 +185,9 @@ def _resume(path: Path, head, opt, sched, fresh: dict) -> dict:
         blob = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise DynvocabError(f"cannot read the checkpoint {path} ({type(exc).__name__}); delete it to start training over") from exc
-    if blob["state"]["settings"] != fresh["settings"]:
+    settings = blob["state"]["settings"]
+    settings.setdefault("train_dtype", _LEGACY_DTYPE[str(head.fc.weight.device).startswith("cuda")])
+    if settings != fresh["settings"]:
         raise DynvocabError(
             f"{path} was written with other training settings; rerun with the same options or delete it to start over"
         )
