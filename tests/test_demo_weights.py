@@ -121,7 +121,7 @@ def test_conversion_stops_at_a_mismatch_before_transformers_loads(fake_model, tm
     monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path / "cache"))
     with pytest.raises(DynvocabError, match="expected"):
         demo.ensure_demo("fake")
-    assert not (tmp_path / "cache" / "demo" / f"fake-{bad.sha256[:12]}").exists()
+    assert not (tmp_path / "cache" / "demo" / f"fake-{bad.sha256[:12]}-c{demo.CONVERSION}").exists()
     left = [p.name for p in (tmp_path / "cache" / "demo").iterdir() if not p.name.endswith(".lock")]
     assert left == []  # nothing but the conversion lock file: no entry, no temp folder
 

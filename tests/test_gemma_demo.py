@@ -33,6 +33,32 @@ def test_the_shipped_ranking_fits_gemma(session):
     assert ranking is not None and ranking.numel() == 32768 and int(ranking.max()) < 262144
 
 
+def test_prompts_open_with_bos_as_the_gguf_says(session, tmp_path):
+    """Gemma-3 reads ``<bos>`` first (without it Gemma-3-270M writes loops). The demo's tokenizer adds it as its GGUF
+    says; transformers 5.19's GGUF conversion drops the setting, which ``follow_gguf_specials`` puts back."""
+    from gguf import GGUFWriter
+    from transformers import AutoTokenizer
+
+    from dynvocab.models import resolve_model
+    from dynvocab.models.demo import follow_gguf_specials
+
+    bos = session.tokenizer.bos_token_id
+    ids = encode_prompt(session.tokenizer, [{"role": "user", "content": PROMPTS[1]}])
+    assert bos == 2 and ids[0] == bos and ids.count(bos) == 1
+    as_519 = AutoTokenizer.from_pretrained(resolve_model("demo:gemma").path)
+    as_519.add_bos_token = False
+    as_519.update_post_processor()
+    assert as_519("a")["input_ids"][0] != bos
+    for add in (True, False):
+        writer = GGUFWriter(str(tmp_path / f"{add}.gguf"), "gemma3")
+        writer.add_bool("tokenizer.ggml.add_bos_token", add)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert (follow_gguf_specials(as_519, tmp_path / f"{add}.gguf")("a")["input_ids"][0] == bos) == add
+
+
 STRATEGIES = ("full", "fr", "fr-pa", "microspec", "hybrid")
 
 

@@ -5,6 +5,11 @@ concatenate them in order, check the SHA-256 of every chunk and of the result ag
 (a mismatch names the package to reinstall), let transformers dequantize the GGUF, and save safetensors +
 tokenizer files under the cache so that later loads take seconds. The checks run only when converting: a model
 already in the cache is not re-read.
+
+The saved tokenizer adds a BOS or EOS token exactly where the GGUF's ``tokenizer.ggml.add_bos_token`` and
+``add_eos_token`` say, whatever transformers' version: 5.19's GGUF conversion drops ``add_bos_token``, so Gemma-3's
+prompts started without ``<bos>`` and the model wrote loops; 5.23's keeps it. :data:`CONVERSION` names the cache
+entry, so an entry converted before this rule is converted again.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from pathlib import Path
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
 from dynvocab.models.cache import ensure_entry
+
+
+CONVERSION = 2  # the conversion's version, in each cache entry's name: 2 = special tokens as the GGUF says
 
 
 @dataclass(frozen=True)
@@ -259,7 +267,7 @@ def ensure_demo(name: str) -> Path:
         names = ", ".join("demo:" + n for n in [*DEMO_MODELS, *DEMO_HEADS])
         raise DynvocabError(f"unknown demo model 'demo:{name}'; use {names}")
     model = DEMO_MODELS[name]
-    final = cache_root() / "demo" / f"{name}-{model.sha256[:12]}"
+    final = cache_root() / "demo" / f"{name}-{model.sha256[:12]}-c{CONVERSION}"
     return ensure_entry(final, lambda folder: convert_demo(model, folder), f"demo {name}")
 
 
@@ -268,7 +276,7 @@ def convert_demo(model: DemoModel, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = assemble_gguf(model, folder / f"{model.name}.gguf")
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+    tokenizer = follow_gguf_specials(AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name), gguf)
     weights = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype="float32")
     gguf.unlink()
     # The GGUF tensors are dequantized on load; drop the quantizer so the model saves as plain safetensors.
@@ -277,3 +285,24 @@ def convert_demo(model: DemoModel, folder: Path) -> None:
         del weights.config.quantization_config
     weights.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def follow_gguf_specials(tokenizer, gguf: Path):
+    """``tokenizer`` adding BOS and EOS exactly where the GGUF file ``gguf`` says (``tokenizer.ggml.add_bos_token``,
+    ``add_eos_token``; a key it lacks leaves transformers' choice); refused where the result still disagrees."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    wanted = {attr: bool(fields[key].parts[-1][0]) for key, attr in
+              (("tokenizer.ggml.add_bos_token", "add_bos_token"), ("tokenizer.ggml.add_eos_token", "add_eos_token"))
+              if key in fields}
+    for attr, value in wanted.items():
+        setattr(tokenizer, attr, value)
+    if wanted and hasattr(tokenizer, "update_post_processor"):
+        tokenizer.update_post_processor()
+    ids = tokenizer("a")["input_ids"]
+    for attr, token, at in (("add_bos_token", tokenizer.bos_token_id, 0), ("add_eos_token", tokenizer.eos_token_id, -1)):
+        if attr in wanted and token is not None and (ids[at] == token) != wanted[attr]:
+            raise DynvocabError(f"{gguf.name}: its tokenizer should {'' if wanted[attr] else 'not '}add token {token} "
+                                f"({attr} in the GGUF), and transformers' conversion does not follow it")
+    return tokenizer
