@@ -168,8 +168,8 @@ def _bar(running: float | None, heldout: list[dict]) -> str:
 
 def _train_settings(cfg: TrainDraftConfig, feature_settings: dict) -> dict:
     optim = {k: v for k, v in asdict(cfg.optim).items() if k != "micro_docs"}  # any micro-batch resumes
-    return {"optim": optim, "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle, "train_dtype": cfg.train_dtype,
-            "max_docs": cfg.corpus.max_docs, "features": feature_settings,
+    return {"optim": optim, "arch": cfg.arch, "draft_vocab": cfg.draft_vocab, "bundle": cfg.bundle,
+            "train_dtype": cfg.train_dtype, "max_docs": cfg.corpus.max_docs, "features": feature_settings,
             **({"init_from": cfg.init_from} if cfg.init_from else {}),  # absent when unset: older checkpoints resume
             **({"extra_features": list(cfg.extra_features)} if cfg.extra_features else {})}
 
