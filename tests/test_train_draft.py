@@ -113,6 +113,19 @@ def test_speculators_format_and_eagle1(target_dir, corpus_txt, tmp_path):
     assert [h["step"] for h in info["heldout"]] == sorted({0, *range(5, steps + 1, 5), steps})
 
 
+def unroll_failing_at(call: int):
+    """``recipe.unroll`` that raises "power cut" at its ``call``-th call (a crash mid-training)."""
+    real, calls = recipe.unroll, []
+
+    def unroll(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    return unroll
+
+
 @pytest.mark.parametrize("train_dtype", ["float32", "bfloat16"])
 def test_training_lowers_heldout_loss(target_dir, corpus_txt, tmp_path, train_dtype):
     report = trainer.train_draft(str(target_dir), tmp_path / "h", small_config(corpus_txt, train_dtype=train_dtype, epochs=3))
@@ -146,15 +159,7 @@ def test_resume_after_interruptions_equals_one_run(target_dir, corpus_txt, tmp_p
     assert not list((out / "work" / "features").glob(".*"))
     monkeypatch.setattr(features, "write_shard", real_write)
 
-    calls = []
-
-    def crash_mid_training(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 20:
-            raise RuntimeError("power cut")
-        return real_unroll(*args, **kwargs)
-
-    monkeypatch.setattr(recipe, "unroll", crash_mid_training)
+    monkeypatch.setattr(recipe, "unroll", unroll_failing_at(20))
     seen, logs = [], []
     with pytest.raises(RuntimeError, match="power cut"):
         trainer.train_draft(str(target_dir), out, cfg, callback_reporter(lambda *call: seen.append(call), logs.append))
@@ -207,15 +212,8 @@ def test_train_dtype_default_refusal_and_older_checkpoints(target_dir, corpus_tx
 
     out = tmp_path / "old"
     cfg = small_config(corpus_txt, "eagle1", epochs=1)
-    real_unroll, calls = recipe.unroll, []
-
-    def crash(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 12:
-            raise RuntimeError("power cut")
-        return real_unroll(*args, **kwargs)
-
-    monkeypatch.setattr(recipe, "unroll", crash)
+    real_unroll = recipe.unroll
+    monkeypatch.setattr(recipe, "unroll", unroll_failing_at(12))
     with pytest.raises(RuntimeError, match="power cut"):
         trainer.train_draft(str(target_dir), out, cfg)
     monkeypatch.setattr(recipe, "unroll", real_unroll)
