@@ -27,9 +27,6 @@ from dynvocab.files import write_atomic
 from dynvocab.models.eagle import EAGLE1
 
 
-_LEGACY_DTYPE = {True: "bfloat16", False: "float32"}  # checkpoints that predate train_dtype: (on CUDA?) -> dtype
-
-
 @dataclass(frozen=True)
 class _Setup:
     """What every optimizer step reads: the head, its data and targets, and how it steps."""
@@ -63,7 +60,7 @@ def train(head, reader, target_head, draft_ids, cfg: TrainDraftConfig, work: Pat
     if ckpt.is_file():
         state = _resume(ckpt, head, opt, sched, state)
         reporter.log(f"resuming training at step {state['step']:,} of {total:,}")
-    autocast = _autocast(str(head.fc.weight.device), cfg.train_dtype)
+    autocast = _autocast(head.fc.weight.device.type, cfg.train_dtype)
     run = _Setup(head, reader, target_head, draft_ids, o, o.steps_for(head.kind), autocast, ranks)
     score = lambda: {"step": state["step"], **evaluate(head, reader, heldout, target_head, draft_ids, run.steps, autocast)}
     if heldout and ranks.main and not state["heldout"]:  # the starting point, for the report's before/after
@@ -142,12 +139,11 @@ def _negatives(o: OptimConfig, kind: str, target_head: torch.Tensor, step: int) 
     return draw[: o.negatives].to(target_head.device)
 
 
-def _autocast(device: str, dtype: str | None) -> Callable:
-    """The training's autocast: bfloat16 matmuls on ``device`` (losses and softmaxes stay float32), or none."""
+def _autocast(device_type: str, dtype: str | None) -> Callable:
+    """The training's autocast: bfloat16 matmuls on ``device_type`` (losses and softmaxes stay float32), or none."""
     if dtype != "bfloat16":
         return contextlib.nullcontext
-    kind = "cuda" if device.startswith("cuda") else "cpu"
-    return lambda: torch.autocast(kind, dtype=torch.bfloat16)
+    return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
 
 
 def _lr_factor(step: int, warmup: int, total: int) -> float:
@@ -186,7 +182,8 @@ def _resume(path: Path, head, opt, sched, fresh: dict) -> dict:
     except Exception as exc:
         raise DynvocabError(f"cannot read the checkpoint {path} ({type(exc).__name__}); delete it to start training over") from exc
     settings = blob["state"]["settings"]
-    settings.setdefault("train_dtype", _LEGACY_DTYPE[str(head.fc.weight.device).startswith("cuda")])
+    # a checkpoint from before train_dtype trained as training then did: bfloat16 on CUDA, float32 elsewhere
+    settings.setdefault("train_dtype", "bfloat16" if head.fc.weight.device.type == "cuda" else "float32")
     if settings != fresh["settings"]:
         raise DynvocabError(
             f"{path} was written with other training settings; rerun with the same options or delete it to start over"
