@@ -15,7 +15,7 @@ from cli_helpers import assert_one_line_error, run
 from tiny_models import make_model, make_tokenizer, sentences
 
 from dynvocab.builders.corpus import CorpusConfig, encode_documents
-from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, features, recipe, trainer, vocab
+from dynvocab.builders.draft import OptimConfig, TrainDraftConfig, distill, features, recipe, trainer, vocab
 from dynvocab.builders.draft.features import FeatureConfig
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, load_eagle
@@ -233,6 +233,24 @@ def test_refuses_features_of_other_settings(target_dir, corpus_txt, tmp_path):
     other = TrainDraftConfig(**{**cfg.__dict__, "features": FeatureConfig(max_tokens=20, shard_docs=4)})
     with pytest.raises(DynvocabError, match="other settings"):
         trainer.train_draft(str(target_dir), out, other)
+
+
+def test_caches_record_whether_documents_start_with_bos(target_dir, corpus_txt, tmp_path, monkeypatch):
+    """Where the tokenizer puts a BOS token before each text, the cache records it: documents encoded without it (a
+    tokenizer converted without GGUF's add_bos_token, or a cache from before) are refused as --features and as
+    --extra-features; a tokenizer that adds none (the tiny one) records nothing, so its older caches still serve."""
+    plain = tmp_path / "plain-f"
+    cfg = TrainDraftConfig(**{**small_config(corpus_txt, "eagle1", epochs=1).__dict__, "features_dir": str(plain)})
+    trainer.train_draft(str(target_dir), tmp_path / "plain", cfg)
+    assert "bos" not in json.loads((plain / "manifest.json").read_text())["settings"]["corpus"]
+    monkeypatch.setattr(distill, "adds_bos", lambda tokenizer: True)
+    with pytest.raises(DynvocabError, match=r"other settings \(corpus\)"):
+        trainer.train_draft(str(target_dir), tmp_path / "again", cfg)
+    beside = TrainDraftConfig(**{**cfg.__dict__, "features_dir": str(tmp_path / "bos-f"), "extra_features": (str(plain),)})
+    with pytest.raises(DynvocabError, match="encoded without a BOS token, this run's are with"):
+        trainer.train_draft(str(target_dir), tmp_path / "mixed", beside)
+    trainer.train_draft(str(target_dir), tmp_path / "bos", TrainDraftConfig(**{**cfg.__dict__, "features_dir": str(tmp_path / "bos-f")}))
+    assert json.loads((tmp_path / "bos-f" / "manifest.json").read_text())["settings"]["corpus"]["bos"] is True
 
 
 def test_heads_share_one_feature_cache(target_dir, corpus_txt, tmp_path, monkeypatch):

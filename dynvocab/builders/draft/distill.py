@@ -115,12 +115,17 @@ def prompt_ids(cfg: DistillConfig, corpus, documents: Iterator[list[int]], token
     return (encode_prompt(tokenizer, cut(m)) for m in first_turns(corpus))
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts a BOS token before the text it encodes (``tokenizer(text)``)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+
+
 def with_bos(prompt: list[int], tokenizer) -> list[int]:
     """``prompt`` after the BOS token the tokenizer puts before a prompt (``tokenizer(text)``), as the runtime
     encodes prompts; unchanged for a tokenizer that adds none."""
     bos = tokenizer.bos_token_id
-    adds = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
-    return [bos, *prompt] if adds and prompt[:1] != [bos] else list(prompt)
+    return [bos, *prompt] if adds_bos(tokenizer) and prompt[:1] != [bos] else list(prompt)
 
 
 @torch.inference_mode()

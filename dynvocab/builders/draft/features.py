@@ -344,11 +344,16 @@ def extra_manifest(folder: Path, topk: int) -> dict:
 def open_extra(folder: Path, fingerprint: ModelFingerprint, settings: dict) -> FeatureSet:
     """All documents of another run's finished cache, to train on beside this run's (``--extra-features``). Its
     documents and pass may differ (corpus, prompts, dtype, length); besides :func:`extra_manifest`'s refusals, it is
-    refused when made for another target or, when this run taps layers (EAGLE-3), not holding the same taps."""
+    refused when made for another target, encoded with or without a BOS token where this run's are not, or, when this
+    run taps layers (EAGLE-3), not holding the same taps."""
     manifest = extra_manifest(folder, settings["features"]["topk"])
     diffs = ModelFingerprint.from_dict(manifest["target"]).differences(fingerprint)
     if diffs:
         raise DynvocabError(f"--extra-features {folder} holds features of another target ({diffs[0]})")
+    if manifest["settings"]["corpus"].get("bos") != settings["corpus"].get("bos"):
+        made, run = (("with", "without") if manifest["settings"]["corpus"].get("bos") else ("without", "with"))
+        raise DynvocabError(f"--extra-features {folder} holds documents encoded {made} a BOS token, this run's are {run} "
+                            "(a cache from before caches recorded it, or another tokenizer conversion); rebuild that cache")
     taps = manifest["settings"]["entering_layers"]
     if settings["entering_layers"] and taps != settings["entering_layers"]:
         raise DynvocabError(f"--extra-features {folder} taps layers {taps}, this head {settings['entering_layers']}; "

@@ -121,7 +121,7 @@ def _features(cfg: TrainDraftConfig, spec, model, tokenizer, documents, work: Pa
               reporter: Reporter, ranks: Ranks, writer=None) -> dict:
     """Phase 1: the target's features over the documents (or its own continuations of them, ``--self-distill``),
     extracted where the cache lacks them; returns the reader, the cache's settings and what was done."""
-    settings = feats.settings_of(cfg.features, _corpus_settings(cfg), entering)
+    settings = feats.settings_of(cfg.features, _corpus_settings(cfg, tokenizer), entering)
     extras = [feats.open_extra(Path(f), target_fp, settings) for f in cfg.extra_features]  # refused before any work
     folder = Path(cfg.features_dir) if cfg.features_dir else work / "features"
     manifest = ranks.on_main(lambda: feats.open_manifest(folder, target_fp, settings))
@@ -176,9 +176,20 @@ def _info(cfg: TrainDraftConfig, target_fp, phase1: dict, history: dict, vocab_i
     }
 
 
-def _corpus_settings(cfg: TrainDraftConfig) -> dict:
-    """What the documents are, as the feature cache's manifest records it: the corpus, and how the target rewrote it."""
+def _documents_settings(cfg: TrainDraftConfig, tokenizer) -> dict:
+    """The corpus as caches record it, with ``bos`` where the tokenizer puts a BOS token before each text: documents
+    encoded without it (a tokenizer converted without GGUF's ``add_bos_token``, or a cache from before caches recorded
+    it) are another encoding, refused rather than mixed. A tokenizer that adds none records no key, so its caches
+    from before still serve."""
     corpus = cfg.corpus.describe()
+    if distill.adds_bos(tokenizer):
+        corpus["bos"] = True
+    return corpus
+
+
+def _corpus_settings(cfg: TrainDraftConfig, tokenizer) -> dict:
+    """What the documents are, as the feature cache's manifest records it: the corpus, and how the target rewrote it."""
+    corpus = _documents_settings(cfg, tokenizer)
     if cfg.distill is not None:
         corpus["self_distill"] = distill.as_settings(cfg.distill)
     return corpus
@@ -189,7 +200,7 @@ def _self_distill(spec, model, tokenizer, prompts, folder: Path, cfg: TrainDraft
     """The target's own documents for the first ``max_docs`` prompts (resuming ``folder``); the target generates in
     the distill dtype (a second copy when it differs from the feature pass's), or ``writer`` does (its own engine).
     Returns what was generated now."""
-    manifest = distill.open_manifest(folder, target_fp, distill.settings_of(cfg.distill, cfg.corpus.describe()))
+    manifest = distill.open_manifest(folder, target_fp, distill.settings_of(cfg.distill, _documents_settings(cfg, tokenizer)))
     if not distill.needs_generation(manifest, cfg.corpus.max_docs):
         return {}
     if writer is not None:  # its own engine loads the target
