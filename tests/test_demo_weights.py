@@ -135,10 +135,13 @@ def test_a_demo_target_without_a_demo_draft_is_refused_before_loading():
     assert "\n" not in str(err.value)
 
 
-def test_the_shipped_head_hashes_to_its_recorded_value_and_is_small():
-    """demo:gemma-eagle1 ships inside the package (at most 16 MB) and loads only when its weights hash right."""
-    head = demo.DEMO_HEADS["gemma-eagle1"]
-    assert demo.ensure_demo("gemma-eagle1") == head.folder()
+@pytest.mark.parametrize("name", sorted(demo.DEMO_HEADS))
+def test_the_shipped_heads_hash_to_their_recorded_values_and_are_small(name):
+    """Each shipped head (demo:gemma-eagle1) ships inside the package (at most 16 MB), loads only when its weights
+    hash right, and drafts for its target."""
+    head = demo.DEMO_HEADS[name]
+    assert demo.ensure_demo(name) == head.folder()
+    demo.check_demo_pair(head.target, f"demo:{name}")
     size = sum(p.stat().st_size for p in head.folder().iterdir())
     assert size <= 16 * 2**20, size
     assert json.loads((head.folder() / "config.json").read_text())["architectures"]
