@@ -244,7 +244,7 @@ def test_caches_record_whether_documents_start_with_bos(target_dir, corpus_txt, 
     trainer.train_draft(str(target_dir), tmp_path / "plain", cfg)
     assert "bos" not in json.loads((plain / "manifest.json").read_text())["settings"]["corpus"]
     monkeypatch.setattr(distill, "adds_bos", lambda tokenizer: True)
-    with pytest.raises(DynvocabError, match=r"other settings \(corpus\)"):
+    with pytest.raises(DynvocabError, match=r"other settings \(corpus \(a BOS token before each document\)\)"):
         trainer.train_draft(str(target_dir), tmp_path / "again", cfg)
     beside = TrainDraftConfig(**{**cfg.__dict__, "features_dir": str(tmp_path / "bos-f"), "extra_features": (str(plain),)})
     with pytest.raises(DynvocabError, match="encoded without a BOS token, this run's are with"):

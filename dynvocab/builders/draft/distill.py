@@ -93,7 +93,12 @@ def open_manifest(folder: Path, fingerprint: ModelFingerprint, settings: dict) -
 
 def _changed(have: dict, want: dict) -> list[str] | None:
     """The settings in which recorded documents differ from a run's (None: they serve it)."""
-    return None if have == want else sorted(k for k in want if have.get(k) != want[k])
+    if have == want:
+        return None
+    changed = sorted(k for k in want if have.get(k) != want[k])
+    if have.get("corpus", {}).get("bos") != want["corpus"].get("bos"):
+        changed[changed.index("corpus")] = "corpus (a BOS token before each prompt)"
+    return changed
 
 
 def prompt_ids(cfg: DistillConfig, corpus, documents: Iterator[list[int]], tokenizer) -> Iterator[list[int]]:

@@ -105,6 +105,8 @@ def _changed(have: dict, want: dict) -> list[str] | None:
     """The settings in which a cache differs from a run (None: it serves the run; its EAGLE-3 layer taps count only
     when the run taps layers)."""
     changed = sorted(k for k in ("features", "corpus") if have[k] != want[k])
+    if have["corpus"].get("bos") != want["corpus"].get("bos"):
+        changed[changed.index("corpus")] = "corpus (a BOS token before each document)"
     if want["entering_layers"] and have["entering_layers"] != want["entering_layers"]:
         changed.append("entering_layers (EAGLE-3 layer taps)")
     return changed or None
