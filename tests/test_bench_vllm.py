@@ -42,9 +42,9 @@ def test_a_strategy_vllm_cannot_run_is_refused_in_one_line(tiny_dirs, strategy, 
     assert_one_line_error(result, strategy, why)
 
 
-def test_plugin_rows_need_a_bundle_and_ar_full_are_the_engine_rows():
+def test_plugin_rows_need_a_bundle_and_ar_full_are_the_engine_rows(tiny_dirs):
     assert plugin_strategies("ar,full", None) == ()
-    result = run("bench", "--vllm", "--strategies", "lowrank")
+    result = run("bench", "--vllm", "--draft", tiny_dirs["draft"], "--strategies", "lowrank")
     assert_one_line_error(result, "--bundle")
 
 
