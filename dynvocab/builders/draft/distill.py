@@ -95,10 +95,8 @@ def _changed(have: dict, want: dict) -> list[str] | None:
     """The settings in which recorded documents differ from a run's (None: they serve it)."""
     if have == want:
         return None
-    changed = sorted(k for k in want if have.get(k) != want[k])
-    if have.get("corpus", {}).get("bos") != want["corpus"].get("bos"):
-        changed[changed.index("corpus")] = "corpus (a BOS token before each prompt)"
-    return changed
+    return [manifests.corpus_change(have.get(k) or {}, want[k]) if k == "corpus" else k
+            for k in sorted(k for k in want if have.get(k) != want[k])]
 
 
 def prompt_ids(cfg: DistillConfig, corpus, documents: Iterator[list[int]], tokenizer) -> Iterator[list[int]]:

@@ -105,8 +105,7 @@ def _changed(have: dict, want: dict) -> list[str] | None:
     """The settings in which a cache differs from a run (None: it serves the run; its EAGLE-3 layer taps count only
     when the run taps layers)."""
     changed = sorted(k for k in ("features", "corpus") if have[k] != want[k])
-    if have["corpus"].get("bos") != want["corpus"].get("bos"):
-        changed[changed.index("corpus")] = "corpus (a BOS token before each document)"
+    changed = [manifests.corpus_change(have[k], want[k]) if k == "corpus" else k for k in changed]
     if want["entering_layers"] and have["entering_layers"] != want["entering_layers"]:
         changed.append("entering_layers (EAGLE-3 layer taps)")
     return changed or None
@@ -352,8 +351,8 @@ def open_extra(folder: Path, fingerprint: ModelFingerprint, settings: dict) -> F
     diffs = ModelFingerprint.from_dict(manifest["target"]).differences(fingerprint)
     if diffs:
         raise DynvocabError(f"--extra-features {folder} holds features of another target ({diffs[0]})")
-    if manifest["settings"]["corpus"].get("bos") != settings["corpus"].get("bos"):
-        made, run = (("with", "without") if manifest["settings"]["corpus"].get("bos") else ("without", "with"))
+    if manifests.bos_differs(manifest["settings"]["corpus"], settings["corpus"]):
+        made, run = ("with", "without") if manifest["settings"]["corpus"].get("bos") else ("without", "with")
         raise DynvocabError(f"--extra-features {folder} holds documents encoded {made} a BOS token, this run's are {run} "
                             "(a cache from before caches recorded it, or another tokenizer conversion); rebuild that cache")
     taps = manifest["settings"]["entering_layers"]

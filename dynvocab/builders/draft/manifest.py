@@ -44,6 +44,17 @@ def open_manifest(folder: Path, version: int, fingerprint: ModelFingerprint, set
     return manifest
 
 
+def bos_differs(have: dict, want: dict) -> bool:
+    """Whether recorded corpus settings (``have``) and a run's (``want``) differ in the BOS token before each document
+    (recorded as ``bos`` where the tokenizer adds one)."""
+    return have.get("bos") != want.get("bos")
+
+
+def corpus_change(have: dict, want: dict) -> str:
+    """A corpus difference as a refusal names it: the BOS token where that differs, else just the corpus."""
+    return "corpus (a BOS token before each document)" if bos_differs(have, want) else "corpus"
+
+
 def write_manifest(folder: Path, manifest: dict) -> None:
     """Write ``manifest`` into ``folder`` (atomically: never a half-written file)."""
     write_atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
