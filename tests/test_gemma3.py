@@ -97,7 +97,7 @@ def test_a_tree_pass_past_the_window_scores_each_row_as_its_own_sequence(target_
         torch.testing.assert_close(logits[tree.leaf_row(1)], last(prefix + chain[:1] + [30]), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(logits[tree.leaf_row(2)], last(prefix + chain[:2] + [31]), atol=1e-4, rtol=1e-4)
     n = len(prefix)
-    lm.rollback(n + 1, keep=n - 1 + tree.leaf_row(1))  # accepted: d_1, then the leaf at depth 1 (as the loop does)
+    lm.rollback(n + 1, keep=[n - 1 + tree.leaf_row(1)])  # accepted: d_1, then the leaf at depth 1 (as the loop does)
     nxt = lm.logits(lm.step(torch.tensor([50])))[0]
     with torch.no_grad():
         torch.testing.assert_close(nxt, last(prefix + chain[:1] + [30, 50]), atol=1e-4, rtol=1e-4)

@@ -87,7 +87,7 @@ def test_tree_pass_equals_chain_passes_and_rollback_keeps_the_leaf(pair):
     target.step(prompt[:-1])
     target.step(tree.inputs(prompt[-1:]), tree)
     start = prompt.numel() - 1
-    target.rollback(prompt.numel() + 1, keep=start + tree.leaf_row(1))
+    target.rollback(prompt.numel() + 1, keep=[start + tree.leaf_row(1)])
     assert target.length == prompt.numel() + 2
     after = target.step(torch.tensor([7]))
     target.reset()

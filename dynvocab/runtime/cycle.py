@@ -26,7 +26,12 @@ from dynvocab.runtime.ngram import NgramLookup
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.runtime.timing import SectionTimer
 from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.verify import DraftStep, SamplingConfig, Verdict, probs_from_logits, verify
+from dynvocab.runtime.tree_budget import TreeBudget
+from dynvocab.runtime.tree_draft import GrownTree, grow_tree, tree_of
+from dynvocab.runtime.tree_shape import TreeShape
+from dynvocab.runtime.verify import (
+    DraftStep, SamplingConfig, Verdict, probs_from_logits, verify, verify_token_tree,
+)
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,17 @@ class TargetVerifier:
         hidden = target.step(pass_ids, tree if tree.leaves else None)  # [1 + chain + leaves, d]
         logits = target.logits(hidden)  # [1 + chain + leaves, V]
         verdict = verify(tree, steps, logits, self.sampling, self.generator)
-        kept = None if verdict.leaf_row is None else n - 1 + verdict.leaf_row
-        target.rollback(n + verdict.accepted_chain, keep=kept)
+        target.rollback(n, keep=[n - 1 + row for row in verdict.rows[1:]])
+        return Checked(verdict, logits, hidden)
+
+    def verify_tree(self, grown: GrownTree, tokens: list[int]) -> Checked:
+        """Score an EAGLE-2 tree in one pass (its mask and depth positions), verify it walking from the root, and
+        keep only the accepted path in the target's cache (the rejected nodes' rows are dropped)."""
+        n, target, tree = len(tokens), self.target, grown.tree
+        hidden = target.step(tree.inputs(torch.tensor(tokens[-1:], dtype=torch.long, device=target.device)), tree)
+        logits = target.logits(hidden)  # [n, V]
+        verdict = verify_token_tree(tree, logits, self.sampling, self.generator, grown.proposals)
+        target.rollback(n, keep=[n - 1 + row for row in verdict.path_rows])
         return Checked(verdict, logits, hidden)
 
 
@@ -91,6 +105,8 @@ class CycleSetup:
     eos_ids: frozenset[int] = frozenset()
     sections: Sections = field(default_factory=Sections)
     ngram: NgramLookup | None = None
+    tree: TreeShape | None = None  # EAGLE-2 trees of this shape (None: chains); see dynvocab.runtime.tree_draft
+    budget: TreeBudget | None = None  # ``--tree auto``: chooses the shape and each cycle's tokens
 
     @property
     def branch(self) -> bool:
@@ -223,6 +239,7 @@ class CycleResult:
     eos: bool
     verdict: Verdict
     draft: Drafted
+    grown: GrownTree | None = None  # the EAGLE-2 tree verified, where the cycle drafted one
 
 
 def _emitted(verdict: Verdict, limit: int, eos_ids: frozenset[int]) -> tuple[list[int], bool]:
@@ -246,9 +263,14 @@ def _report(n: int, draft: Drafted, checked: Checked, emitted: list[int]) -> Cyc
 
 
 def run_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> CycleResult:
-    """One draft-verify cycle after the committed ``tokens``: draft up to ``gamma`` tokens, verify them, roll the
-    proposer back to what was kept, and let the policy observe; emits at most ``limit`` tokens. Host reads: one for
-    the verdict (with the drafted tokens), and one per draft step where the setup is ranked."""
+    """One draft-verify cycle after the committed ``tokens``: draft up to ``gamma`` tokens (a chain, or with
+    :attr:`CycleSetup.tree` an EAGLE-2 tree), verify them, roll the proposer back to what was kept, and let the
+    policy observe; emits at most ``limit`` tokens. Host reads: one for the verdict (with the drafted tokens), and
+    one per draft step where the setup is ranked (a chain), or one after the tree's growth (a tree)."""
+    if setup.tree is not None and gamma and setup.proposer is not None:
+        found = setup.ngram.continuation(tokens, setup.tree.depth) if setup.ngram is not None else None
+        if setup.sampling.greedy or not found:  # sampling keeps a found continuation as the cycle's whole draft
+            return _tree_cycle(setup, tokens, limit, found or [])
     timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
     t_draft = timer.mark()
     draft = draft_chain(setup, tokens, gamma)
@@ -266,3 +288,44 @@ def run_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> C
         setup.policy.observe(_report(n, draft, checked, emitted))
         timer.add(sec.observe, t_observe)
     return CycleResult(emitted, eos, verdict, draft)
+
+
+def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[int]) -> CycleResult:
+    """One cycle drafting an EAGLE-2 tree (:mod:`dynvocab.runtime.tree_draft`): grow it (an n-gram continuation
+    ``found`` joins it as a branch under the root), verify its chosen nodes in one pass, keep the accepted path in
+    both caches, let the policy observe the path."""
+    timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
+    shape = setup.tree.within(limit - 1)
+    t_draft = timer.mark()
+    if setup.budget is not None:
+        setup.budget.start()
+    grown, candidates = grow_tree(setup, tokens, shape)
+    size = shape.tokens if setup.budget is None else setup.budget.tokens(candidates, bool(found))
+    grown = tree_of(grown, candidates, size, found[:shape.depth])
+    timer.add(sec.draft, t_draft)
+    t_verify = timer.mark()
+    checked = setup.verifier.verify_tree(grown, tokens)
+    verdict = checked.verdict
+    proposer.rollback(min(proposer.length, n + verdict.accepted))
+    proposer.observe(n - 1, checked.hidden, verdict.rows)  # the committed rows: root, accepted path
+    timer.add(sec.verify, t_verify)
+    if setup.budget is not None:
+        setup.budget.observe(verdict.accepted)
+    emitted, eos = _emitted(verdict, limit, setup.eos_ids)
+    if setup.policy is not None:
+        t_observe = timer.mark()
+        setup.policy.observe(_tree_report(n, grown, checked, emitted))
+        timer.add(sec.observe, t_observe)
+    return CycleResult(emitted, eos, verdict, Drafted(sets=grown.sets), grown)
+
+
+def _tree_report(n: int, grown: GrownTree, checked: Checked, emitted: list[int]) -> CycleReport:
+    """The policy's view of a tree cycle: the accepted path, then the draft's best continuation below it, with
+    their rows of the pass; the active set of each depth."""
+    tree, verdict = grown.tree, checked.verdict
+    rows = verdict.rows
+    while tree.children[rows[-1]]:
+        rows.append(tree.children[rows[-1]][0])  # the draft's first (greedy: best) child
+    drafted = [tree.tokens[r] for r in rows[1:]]
+    return CycleReport(n, drafted, grown.tops, verdict.accepted, emitted, checked.logits[rows], checked.hidden[rows],
+                       grown.sets)

@@ -119,6 +119,36 @@ class EagleDraft(OwnsHead):
         self.length = self.trusted = 1
         return head_in[0]
 
+    def tree_root(self) -> torch.Tensor:
+        """The feature [1, d] the root's children are paired with: the head's own output at the last token it
+        consumed (call after :meth:`step`)."""
+        return self.own
+
+    @torch.inference_mode()
+    def branch(self, ids: torch.Tensor, feats: torch.Tensor, depth: int, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One depth of a draft tree: consume the k nodes ``ids`` [k] at tree depth ``depth`` (1: the children of
+        the last token consumed), each paired with its parent's feature ``feats`` [k, d], in one batched pass whose
+        rows see the committed cache, the tree entries of earlier depths that ``ancestors`` [k, s] marks (in the
+        order they were fed) and themselves. Returns (features [k, d], head inputs [k, d]). The entries are the
+        head's own, so :meth:`rollback` drops them all."""
+        k, past = ids.numel(), self.cache.get_seq_length()
+        fed = ancestors.shape[1]
+        committed = past - fed
+        base = self.length - fed  # tokens consumed before the tree
+        position = base - 1 + depth - 1  # the cache position of a token at sequence index base + depth - 1
+        window = self.model.config.sliding_window
+        seen = torch.ones(k, committed, dtype=torch.bool, device=ids.device)  # cache position i holds position i
+        if window is not None:  # the tree's own entries lie within a few positions: only the committed ones fall out
+            seen = position - torch.arange(committed, device=ids.device)[None, :] < window
+        visible = torch.cat([seen, ancestors.to(ids.device), torch.eye(k, dtype=torch.bool, device=ids.device)], dim=1)
+        dtype = self.model.fc.weight.dtype
+        mask = torch.zeros(1, 1, k, past + k, dtype=dtype, device=ids.device)
+        mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
+        positions = torch.full((1, k), position, dtype=torch.long, device=ids.device)
+        out, head_in = self.model(ids.view(1, -1), feats[None], positions, self.cache, attention_mask=mask)
+        self.length += k
+        return out[0], head_in[0]
+
     @torch.inference_mode()
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` tokens, but none whose entry came from the head's own features: those are

@@ -3,12 +3,14 @@ of a draft model (:class:`~dynvocab.runtime.draft_model.DraftModel` adds the hea
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from dynvocab.runtime import one_token
 from dynvocab.runtime.head import soft_cap
-from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.tree import DraftTree, TokenTree
 
 
 class CausalLM:
@@ -55,7 +57,7 @@ class CausalLM:
         self.length = 0
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, tree: DraftTree | TokenTree | None = None) -> torch.Tensor:
         """Append ``ids`` [n] to the sequence; returns the final hidden states [n, d].
 
         With ``tree``, ``ids`` are its :meth:`~DraftTree.inputs` and the pass uses its positions and tree mask.
@@ -74,14 +76,14 @@ class CausalLM:
         self.length += ids.numel()
         return out.last_hidden_state[0]
 
-    def _tree_mask(self, tree: DraftTree, device) -> torch.Tensor | dict[str, torch.Tensor]:
+    def _tree_mask(self, tree: DraftTree | TokenTree, device) -> torch.Tensor | dict[str, torch.Tensor]:
         """The tree pass's attention mask: one 4-D mask, or — for a model with sliding-window layers (Gemma-3,
         Mistral) — one per layer type, each sized to what that type's cache layer holds (transformers' models take
         such a mapping in place of their own ``create_causal_mask`` / ``create_sliding_window_causal_mask``)."""
         types = self.layer_types
         if set(types) == {"full_attention"}:
             return tree.attention_mask(self.length, self.dtype, device)
-        n = len(tree.chain) + 1 + len(tree.depths)
+        n = tree.size
         masks = {}
         for kind in set(types):
             layer = types.index(kind)
@@ -91,16 +93,20 @@ class CausalLM:
         return masks
 
     @torch.inference_mode()
-    def rollback(self, length: int, keep: int | None = None) -> None:
-        """Crop the KV cache to its first ``length`` positions; with ``keep``, the cached position ``keep``
-        (an accepted tree leaf) is moved to ``length`` first and kept as well. A sliding-window cache layer holds
-        only its last positions: indices there are counted from the first position it still holds."""
-        if keep is not None:
+    def rollback(self, length: int, keep: Sequence[int] = ()) -> None:
+        """Crop the KV cache to its first ``length`` positions; the cached positions ``keep`` (ascending, each at
+        or after its destination: a tree pass's accepted path) are moved to ``length, length + 1, …`` first and
+        kept as well. A sliding-window cache layer holds only its last positions: indices there are counted from
+        the first position it still holds."""
+        moves = [(src, length + i) for i, src in enumerate(keep) if src != length + i]
+        if moves:
             for layer in self.cache.layers:
                 start = layer.get_seq_length() - layer.keys.shape[-2]  # position of the layer's first cached entry
+                src = torch.tensor([s - start for s, _ in moves], device=layer.keys.device)
+                dst = torch.tensor([d - start for _, d in moves], device=layer.keys.device)
                 for kv in (layer.keys, layer.values):
-                    kv[..., length - start, :] = kv[..., keep - start, :]
-            length += 1
+                    kv.index_copy_(-2, dst, kv.index_select(-2, src))
+        length += len(keep)
         remove = self.length - length
         if remove > 0:
             self.cache.crop(-remove)

@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from dynvocab.errors import DynvocabError
 from dynvocab.runtime.cycle import CycleResult, CycleSetup, TargetVerifier, run_cycle
 from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.lm import CausalLM
@@ -37,6 +38,8 @@ from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLo
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.full import FullPolicy
 from dynvocab.runtime.timing import SectionTimer
+from dynvocab.runtime.tree_budget import budget_for
+from dynvocab.runtime.tree_shape import TREE_AUTO, TREE_OFF, TreeShape, parse_tree
 from dynvocab.runtime.verify import SamplingConfig
 
 
@@ -56,7 +59,9 @@ class DecodeConfig:
     :mod:`dynvocab.runtime.tree`; 0 verifies the chain alone). ``ngram``: each cycle first looks up the committed
     tokens' longest suffix of ``ngram_min`` to ``ngram_max`` tokens earlier in the request and drafts what followed
     it (:mod:`dynvocab.runtime.ngram`); the draft runs only where nothing is found, and with no draft at all the
-    lookup alone speculates. None of these changes the output, only its speed.
+    lookup alone speculates. ``tree``: ``off`` (chains), ``DEPTHxTOPKxTOKENS`` (an EAGLE-2 tree each cycle,
+    :mod:`dynvocab.runtime.tree_draft`; EAGLE heads only) or ``auto`` (a tree fitted to the target's measured
+    verification cost, :mod:`dynvocab.runtime.tree_budget`). None of these changes the output, only its speed.
     """
 
     gamma: int = DEFAULT_GAMMA
@@ -69,9 +74,16 @@ class DecodeConfig:
     ngram: bool = False
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
+    tree: str = TREE_OFF
 
     def __post_init__(self):
         NgramLookup(self.ngram_max, self.ngram_min)  # refuses sizes out of order
+        object.__setattr__(self, "tree", str(parse_tree(self.tree) or TREE_OFF))  # refuses a bad shape
+
+    @property
+    def tree_shape(self) -> TreeShape | str | None:
+        """The EAGLE-2 tree each cycle drafts (:class:`TreeShape`), ``"auto"``, or None (chains)."""
+        return parse_tree(self.tree)
 
     @property
     def lookup(self) -> NgramLookup | None:
@@ -215,12 +227,26 @@ def _setup(target: CausalLM, cfg: DecodeConfig, eos_ids: set[int], draft: Propos
     """The generation's fixed parts: the draft, the target as verifier, the policy, the sampling state."""
     generator = torch.Generator(device=target.device).manual_seed(cfg.seed)
     verifier = TargetVerifier(target, cfg.sampling, generator)
+    shape, budget = cfg.tree_shape, None
+    if shape is not None and draft is not None:
+        check_tree_draft(draft)
+        if shape == TREE_AUTO:
+            budget = budget_for(target)
+            shape = budget.shape
     return CycleSetup(draft, verifier, policy, cfg.sampling, generator, timer, cfg.stop_below, cfg.branch_below,
-                      frozenset(eos_ids), ngram=cfg.lookup)
+                      frozenset(eos_ids), ngram=cfg.lookup, tree=shape if draft is not None else None, budget=budget)
+
+
+def check_tree_draft(draft: Proposer) -> None:
+    """Refuse ``--tree`` for a draft that drafts chains only (a draft model), in one line."""
+    if not hasattr(draft, "branch"):
+        raise DynvocabError(f"--tree needs an EAGLE head; a {draft.info.label} drafts chains (drop --tree)")
 
 
 def _count(tally: Tally, result: CycleResult) -> None:
     """Feed one cycle's host values to the tally."""
     verdict, drafted = result.verdict, result.draft
+    if result.grown is not None:
+        tally.tree(result.grown, verdict.path_rows)
     tally.cycle(len(drafted.steps), verdict.accepted_chain, verdict.accepted, result.emitted, drafted.sets,
                 len(drafted.leaves), verdict.leaf_row is not None, drafted.looked_up)

@@ -39,6 +39,14 @@ class Metrics:
     lookup_cycles: int = 0
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    # EAGLE-2 tree cycles (see dynvocab.runtime.tree_draft): how many, the drafted tokens their passes verified, the
+    # candidates grown, the head calls (one per depth), and the accepted tokens that lay off the draft's main path
+    # (the best child at each depth): what the tree's width bought.
+    tree_cycles: int = 0
+    tree_tokens: int = 0
+    tree_candidates: int = 0
+    head_calls: int = 0
+    off_main: int = 0
 
     def as_dict(self) -> dict:
         """A JSON-ready dict (floats rounded for readability)."""
@@ -78,6 +86,10 @@ class Tally:
         ``looked_up`` chain (an n-gram continuation: no draft step, no active set) counts in the lookup counters
         and acceptance by position, not in the hit rate.
         """
+        if drafted > len(self.drafted_at):  # a tree deeper than γ
+            grow = drafted - len(self.drafted_at)
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
         for j in range(drafted):
             self.drafted_at[j] += 1
             self.accepted_at[j] += j < accepted_chain  # an accepted leaf counts in leaf_hits, not here
@@ -97,6 +109,20 @@ class Tally:
         self.covered += min(accepted, in_steps)
         if accepted < in_steps:
             self._count_hit(sets[accepted], emitted[accepted])
+
+    def tree(self, grown, path_rows) -> None:
+        """One tree cycle: the tree verified (a :class:`~dynvocab.runtime.tree_draft.GrownTree`) and the pass rows
+        of its accepted path."""
+        m, tree = self.m, grown.tree
+        m.tree_cycles += 1
+        m.tree_tokens += tree.size - 1
+        m.tree_candidates += grown.candidates
+        m.head_calls += grown.head_calls
+        main = tree.main
+        on_main = 0
+        while on_main < len(path_rows) and on_main < len(main) and path_rows[on_main] == main[on_main]:
+            on_main += 1
+        m.off_main += len(path_rows) - on_main
 
     def _count_hit(self, active, token: int) -> None:
         """Count ``token`` as a hit when it is in ``active`` (an :class:`~dynvocab.runtime.active_set.ActiveSet`):

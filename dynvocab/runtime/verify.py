@@ -15,11 +15,12 @@ Notation follows Leviathan et al. (2023): ``p`` is the target distribution, ``q`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from dynvocab.runtime.host import to_host
-from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.tree import DraftTree, TokenTree
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Verdict:
     next_token: int  # the target's token after the path: recovered (after a rejection) or bonus
     chain: list[int]  # the drafted chain, read back with the verdict
     leaf_row: int | None = None  # the accepted leaf's row in the pass, or None
+    path_rows: tuple[int, ...] | None = None  # a TokenTree's verdict: the pass row of each accepted token
 
     @property
     def accepted(self) -> int:
@@ -63,12 +65,16 @@ class Verdict:
 
     @property
     def accepted_chain(self) -> int:
-        """How many of the accepted tokens are chain tokens (``accepted`` less an accepted leaf)."""
+        """How many of the accepted tokens are chain tokens (``accepted`` less an accepted leaf; a
+        :class:`~dynvocab.runtime.tree.TokenTree`'s whole path)."""
         return self.accepted - (self.leaf_row is not None)
 
     @property
     def rows(self) -> list[int]:
-        """Logit rows along the path: row i predicts ``path[i]``; the last one predicts ``next_token``."""
+        """Logit rows along the path, the root's first: row i predicts ``path[i]``; the last one predicts
+        ``next_token``."""
+        if self.path_rows is not None:
+            return [0, *self.path_rows]
         rows = list(range(self.accepted_chain + 1))
         return rows if self.leaf_row is None else rows + [self.leaf_row]
 
@@ -149,12 +155,70 @@ def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
     return Verdict(chain[:k], choice[k], chain)
 
 
+def verify_token_tree(
+    tree: TokenTree, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator,
+    proposals: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+) -> Verdict:
+    """Verify an EAGLE-2 tree against ``target_logits`` [n, V], the rows of one pass over its inputs, walking from
+    the root child by child.
+
+    Greedy: the child whose token is the target's argmax at its parent's row is accepted (one host read: the
+    argmax of every row). Sampling: at each row, its children are tried in the order they were drawn, without
+    replacement, from the draft's distribution ``q`` there (``proposals(row)``: probabilities [n] over ids [n],
+    None: all ids), by recursive rejection sampling (Jeon et al. 2024, "Recursive Speculative Decoding"): child x
+    is accepted with probability min(1, p(x)/q(x)); on rejection ``p <- norm(max(0, p - q))`` and x leaves ``q``
+    (``q <- norm(q with q(x) = 0)``); with no child left, the token is drawn from ``p``. Exact for the target's
+    distribution as long as which children a row keeps does not depend on the drawn tokens (the tree's shape under
+    sampling is fixed by rank, :mod:`dynvocab.runtime.tree_draft`). One host read per child tried.
+    """
+    if cfg.greedy:
+        choice = to_host(target_logits.argmax(dim=-1))
+        row, rows = 0, []
+        while True:
+            child = next((c for c in tree.children[row] if tree.tokens[c] == choice[row]), None)
+            if child is None:
+                break
+            rows.append(child)
+            row = child
+        return Verdict([tree.tokens[r] for r in rows], choice[row], _main_tokens(tree), path_rows=tuple(rows))
+    row, rows = 0, []
+    while True:
+        p = probs_from_logits(target_logits[row], cfg)  # [V]
+        accepted = None
+        if tree.children[row]:
+            probs, ids = proposals(row)
+            q = _dense_q(DraftStep(None, ids, probs), p.shape[-1], p.device)  # [V]
+            for child in tree.children[row]:
+                x = tree.tokens[child]
+                u = torch.rand(1, generator=generator, device=p.device)
+                px, qx, ux = to_host(torch.cat([p[x : x + 1].double(), q[x : x + 1].double(), u.double()]))
+                if qx > 0 and ux * qx < px:
+                    accepted = child
+                    break
+                residual = (p - q).clamp_(min=0.0)
+                total = residual.sum()
+                p = torch.where(total > 0, residual / total.clamp(min=1e-30), p)
+                q[x] = 0.0
+                q = q / q.sum().clamp(min=1e-30)
+        if accepted is None:
+            token = to_host(torch.multinomial(p, 1, generator=generator))[0]
+            return Verdict([tree.tokens[r] for r in rows], token, _main_tokens(tree), path_rows=tuple(rows))
+        rows.append(accepted)
+        row = accepted
+
+
+def _main_tokens(tree: TokenTree) -> list[int]:
+    """The tokens of the tree's main path (the draft's best child at each depth)."""
+    return [tree.tokens[r] for r in tree.main]
+
+
 def verify(
     tree: DraftTree, steps: list[DraftStep], target_logits: torch.Tensor, cfg: SamplingConfig,
     generator: torch.Generator,
 ) -> Verdict:
     """Verify one cycle's draft against ``target_logits`` [1 + chain + leaves, V] of one target pass: greedy walks
-    the tree (:func:`verify_tree_greedy`), sampling runs exact rejection sampling over the chain's ``steps``."""
+    the tree (:func:`verify_tree_greedy`), sampling runs exact rejection sampling over the chain's ``steps``. An
+    EAGLE-2 :class:`~dynvocab.runtime.tree.TokenTree` is verified by :func:`verify_token_tree`."""
     if cfg.greedy:
         return verify_tree_greedy(tree, target_logits)
     return verify_sampling(steps, target_logits, cfg, generator)

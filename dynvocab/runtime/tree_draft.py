@@ -1,0 +1,215 @@
+"""EAGLE-2 dynamic draft trees (Li et al. 2024), grown on the device with one head call per depth over that depth's
+small set, and reduced to the N best nodes verified in one target pass.
+
+Growth (:func:`grow_tree`): the draft consumes the committed tokens it has not seen; the root's K best children
+form depth 1. At each later depth the K frontier nodes are fed to the draft in one batched pass (tree attention:
+each sees the committed tokens, its own ancestors and itself, :meth:`~dynvocab.runtime.eagle_draft.EagleDraft.branch`),
+the policy names the depth's active set, one head call scores all K rows over it, and each row's K best children
+join the candidates with their cumulative log-probability; the K best of those K² become the next frontier. Of
+all ``K + (D - 1) K²`` candidates the N best (by cumulative score; ties to the earlier node, so every kept node's
+parent is kept) are verified (:func:`~dynvocab.runtime.verify.verify_token_tree`).
+
+The set of a depth: the policy is asked once per depth, with the depth's best frontier node (its head input and its
+token), as the chain asks once per step; static sets (``fr``, ``fr-pa``) and per-cycle sets (``microspec``) are
+then the chain's own, and node-reading ones (``dynaspec``'s router, ``lowrank``'s scorer, ``hybrid``'s search) read
+the most likely node of the depth. Every node of the depth is scored over that one set, so a depth is one head call
+whatever K is.
+
+Sampling: each row's children are drawn without replacement from the draft's ``q`` (Gumbel top-K), and the tree's
+shape (which nodes are expanded and kept) is fixed by the children's ranks, not by their drawn probabilities: the
+score of a rank-r child is ``log(PRIOR_FIRST · PRIOR_DECAY^r)``. A shape chosen from the drawn tokens' own
+probabilities would bias which tokens get verified and break exactness; with a rank-fixed shape recursive rejection
+sampling is exact. Greedy decoding is exact for any tree, so it ranks by the draft's log-probabilities as EAGLE-2
+does.
+
+The drafted tokens stay on the device during growth (no host read inside the draft loop); one read after it brings
+the candidates' tokens, parents and scores to choose the N nodes of the pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.host import to_host
+from dynvocab.runtime.tree import TokenTree
+from dynvocab.runtime.tree_shape import TreeShape
+from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
+
+PRIOR_FIRST = 0.6  # sampling's rank-fixed shape: a rank-0 child's assumed acceptance
+PRIOR_DECAY = 0.4  # each later rank's, relative to the one before
+
+
+@dataclass
+class Candidates:
+    """The grown tree's candidates on the host: token, parent (-1: the root) and score of each, in growth order
+    (depth blocks; within one, by parent row, then rank: candidate i is its parent's child of rank ``i % topk``), and
+    which candidates each depth expanded."""
+
+    topk: int
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+    expanded: list[list[int]]  # per depth >= 1: the candidate index of each frontier row
+
+    def choose(self, n: int) -> list[int]:
+        """The ``n`` best candidates (finite scores; ties to the earlier), kept only with their parent and their
+        earlier siblings, in growth order."""
+        order = sorted((i for i, s in enumerate(self.scores) if math.isfinite(s)), key=lambda i: (-self.scores[i], i))
+        kept, keep = [], set()
+        for i in sorted(order[:n]):
+            parent = self.parents[i]
+            if (parent != -1 and parent not in keep) or (i % self.topk and i - 1 not in keep):
+                continue
+            keep.add(i)
+            kept.append(i)
+        return kept
+
+
+@dataclass
+class GrownTree:
+    """A grown draft tree, ready to verify: the pass's :class:`TokenTree`, the active set of each depth, the
+    draft's distribution at each expanded row (sampling), the drafted tokens by depth (for policies that ask for
+    the draft's alternatives) and what the growth cost."""
+
+    tree: TokenTree
+    sets: list[ActiveSet]
+    candidates: int
+    head_calls: int
+    tops: list[torch.Tensor] = field(default_factory=list)
+    depth_probs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+    by_row: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+
+    def proposals(self, row: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's probabilities [n] over ids [n] (None: all ids) at pass row ``row`` (an expanded node)."""
+        return self.by_row[row]
+
+
+def _expand(logits: torch.Tensor, cols: torch.Tensor | None, k: int, sampling: SamplingConfig,
+            generator: torch.Generator, log_prior: torch.Tensor):
+    """Each row's ``k`` children: (tokens [r, k], score increments [r, k], probabilities [r, n] or None). Greedy: the
+    k most likely, scored by their log-probability; sampling: k drawn without replacement (Gumbel top-k), scored by
+    the rank prior. Children past the set's size, or of zero probability, score -inf."""
+    rows, n = logits.shape
+    if sampling.greedy:
+        probs = None
+        logq = logits.float().log_softmax(dim=-1)  # [r, n]
+        keys = logq
+    else:
+        probs = probs_from_logits(logits, sampling)  # [r, n]
+        logq = probs.log()
+        u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(min=1e-20)
+        keys = logq - (-u.log()).log()  # + Gumbel noise: top-k is a draw without replacement
+    if n < k:  # a set smaller than k: pad with impossible children
+        pad = logq.new_full((rows, k - n), -math.inf)
+        logq, keys = torch.cat([logq, pad], dim=1), torch.cat([keys, pad], dim=1)
+    idx = keys.topk(k, dim=-1).indices  # [r, k], best first / in drawn order
+    values = logq.gather(1, idx)
+    safe = idx.clamp(max=n - 1)
+    tokens = safe if cols is None else cols[safe]
+    increments = values if sampling.greedy else torch.where(values.isfinite(), log_prior[:k].expand(rows, k), values)
+    return tokens, increments.double(), probs
+
+
+def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[GrownTree, Candidates]:
+    """Grow an EAGLE-2 tree of ``shape`` after the committed ``tokens`` (see the module's docstring) with the
+    setup's proposer (one that can :meth:`branch`), policy, sampling and timer. Returns the tree of the
+    ``shape.tokens`` best nodes and all the candidates (for a budget that chooses N itself)."""
+    proposer, policy, sampling, timer, sec = setup.proposer, setup.policy, setup.sampling, setup.timer, setup.sections
+    k, device = shape.topk, proposer.info.device
+    log_prior = torch.tensor([math.log(PRIOR_FIRST) + r * math.log(PRIOR_DECAY) for r in range(k)],
+                             dtype=torch.double, device=device)
+    feed = torch.tensor(tokens[proposer.length:], dtype=torch.long, device=device)  # once per cycle
+    hidden = proposer.step(feed)[-1:]  # [1, d]
+    sets, tops, probs_by_depth = [], [], []
+    cand_tokens, cand_parents, cand_scores, frontier_ids = [], [], [], []
+
+    def head(depth: int, head_in: torch.Tensor, token: torch.Tensor):
+        t_active = timer.mark()
+        active = policy.active_ids(depth, head_in[:1], token[:1])
+        t_head = timer.mark()
+        logits, cols = proposer.head_logits(head_in, active)  # [r, n], [n] or None
+        timer.add(sec.active, t_active, t_head)
+        timer.add(sec.head, t_head)
+        sets.append(active)
+        children, increments, probs = _expand(logits, cols, k, sampling, setup.generator, log_prior)
+        probs_by_depth.append((probs, cols))
+        if policy.draft_topk:
+            tops.append(children.reshape(-1))
+        return children, increments
+
+    children, increments = head(0, hidden, feed[-1:])  # [1, k] each
+    cand_tokens.append(children[0])
+    cand_parents.append(torch.full((k,), -1, dtype=torch.long, device=device))
+    cand_scores.append(increments[0])
+    frontier = torch.arange(k, device=device)  # candidate ids of the frontier rows
+    frontier_tokens, frontier_scores = children[0], increments[0]
+    feats = proposer.tree_root().expand(k, -1)  # [k, d]
+    ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)
+    offset = k
+    for depth in range(1, shape.depth):
+        frontier_ids.append(frontier)
+        out, head_in = proposer.branch(frontier_tokens, feats, depth, ancestors)  # [k, d] each
+        children, increments = head(depth, head_in, frontier_tokens)  # [k, k] each
+        scores = (frontier_scores[:, None] + increments).cummin(dim=1).values  # a later sibling never outranks
+        cand_tokens.append(children.reshape(-1))
+        cand_parents.append(frontier.repeat_interleave(k))
+        cand_scores.append(scores.reshape(-1))
+        if depth + 1 < shape.depth:
+            best = scores.reshape(-1).topk(k)
+            rows = best.indices // k
+            frontier, frontier_scores = offset + best.indices, best.values
+            frontier_tokens = children.reshape(-1)[best.indices]
+            feats = out[rows]
+            ancestors = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=device)], dim=1)[rows]
+        offset += k * k
+    values = to_host(torch.cat([torch.cat(cand_tokens).double(), torch.cat(cand_parents).double(),
+                                torch.cat(cand_scores), *(f.double() for f in frontier_ids)]))
+    count = offset
+    candidates = Candidates(
+        k, [int(v) for v in values[:count]], [int(v) for v in values[count : 2 * count]], list(values[2 * count : 3 * count]),
+        [[int(v) for v in values[3 * count + i * k : 3 * count + (i + 1) * k]] for i in range(len(frontier_ids))],
+    )
+    return GrownTree(TokenTree((-1,), (-1,)), sets, count, len(sets), tops, probs_by_depth), candidates
+
+
+def tree_of(grown: GrownTree, candidates: Candidates, n: int, extra: list[int] = ()) -> GrownTree:
+    """``grown`` verifying the ``n`` best candidates (and a chain ``extra`` of tokens under the root, an n-gram
+    lookup's continuation, greedy only): its :class:`TokenTree` and the draft's distributions at its rows."""
+    kept = candidates.choose(n)
+    row_of = {-1: 0}
+    parents, toks = [-1], [-1]
+    for i in kept:
+        row_of[i] = len(parents)
+        parents.append(row_of[candidates.parents[i]])
+        toks.append(candidates.tokens[i])
+    children: dict[int, list[int]] = {}
+    for i in kept:
+        children.setdefault(candidates.parents[i], []).append(i)
+    main, node = [], -1
+    while children.get(node):
+        node = max(children[node], key=lambda i: (candidates.scores[i], -i))
+        main.append(row_of[node])
+    parent = 0
+    for token in extra:
+        parents.append(parent)
+        toks.append(token)
+        parent = len(parents) - 1
+    proposals = {}
+    depth_probs = grown.depth_probs
+    if depth_probs and depth_probs[0][0] is not None:
+        proposals[0] = (depth_probs[0][0][0], depth_probs[0][1])
+        for depth, ids in enumerate(candidates.expanded, start=1):
+            probs, cols = depth_probs[depth]
+            for r, i in enumerate(ids):
+                if i in row_of:
+                    proposals[row_of[i]] = (probs[r], cols)
+    tree = TokenTree(tuple(parents), tuple(toks), tuple(main))
+    return GrownTree(tree, grown.sets, grown.candidates, grown.head_calls, grown.tops, depth_probs, proposals)
+
+
+__all__ = ["Candidates", "GrownTree", "grow_tree", "tree_of", "PRIOR_DECAY", "PRIOR_FIRST"]
