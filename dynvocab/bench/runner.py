@@ -24,6 +24,7 @@ from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.bench.llamacpp import LLAMA_ROWS, LlamaCpp, prompt_text
 from dynvocab.bench.llamacpp import generate as llama_generate
 from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.tree_shape import TREE_OFF, split_tree
 from dynvocab.bench.recorder import PolicyRecorder
 from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summarize_bench
 from dynvocab.bench.prompts import PromptRow
@@ -106,6 +107,16 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
     """Build each strategy's policy once before the run; one that cannot be built fails now, or is dropped with a
     note when ``skip`` (``--quick``). Returns the config to run and the notes."""
     keep, notes = [], []
+    chains_only = session.draft is not None and not hasattr(session.draft, "branch")
+    if chains_only and (cfg.decode.tree != TREE_OFF or any(split_tree(s)[1] for s in cfg.strategies)):
+        msg = f"--tree needs an EAGLE head; the {session.draft.info.label} drafts chains"
+        if not skip:
+            raise DynvocabError(msg + " (drop --tree and @tree rows)")
+        notes.append(msg + ": this table's rows draft chains")
+        dropped = [s for s in cfg.strategies if split_tree(s)[1]]
+        notes += [f"skipped {s}: {msg}" for s in dropped]
+        cfg = replace(cfg, strategies=tuple(s for s in cfg.strategies if s not in dropped),
+                      decode=replace(cfg.decode, tree=TREE_OFF))
     for name in cfg.strategies:
         if name in LLAMA_ROWS and cfg.llamacpp is None:
             raise DynvocabError(f"the {name} row runs llama.cpp's binaries; pass --llamacpp BIN_DIR")
@@ -147,6 +158,8 @@ def generate_row(
     if strategy in HF_ROWS:
         token_ids, metrics = hf_generate(session, strategy, prompt_ids, decode, cfg.lookup_tokens)
         return token_ids, {**metrics, **{key: None for key in EXTRA_KEYS}}
+    if any(split_tree(s)[1] for s in cfg.strategies) and not split_tree(strategy)[1]:
+        decode = replace(decode, tree=TREE_OFF)  # --tree names its rows (X@tree): the others draft chains
     if not lookup(strategy).drafts:
         result = session.generate(prompt_ids, strategy, decode, cfg.options, timing=True)
         return result.token_ids, {**result.metrics.as_dict(), **{key: None for key in EXTRA_KEYS}}
@@ -254,6 +267,7 @@ def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -
             "gamma": cfg.decode.gamma,
             "stop_below": cfg.decode.stop_below,
             "branch_below": cfg.decode.branch_below,
+            "tree": cfg.decode.tree,
             "max_new_tokens": cfg.decode.max_new_tokens,
             "temperature": cfg.decode.temperature,
             "top_p": cfg.decode.top_p,

@@ -20,6 +20,7 @@ from rich.markup import escape
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW
 from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from dynvocab.runtime.tree_shape import TREE_OFF, parse_tree
 from dynvocab.runtime.drafts import kind_names
 from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, strategy_flags
 
@@ -81,6 +82,16 @@ BranchBelow = Annotated[
         min=0.0, max=1.0,
         help="Greedy only: also verify the draft's runner-up where its pick had a probability below this (tree "
         "leaves in the same target pass; 0: the chain alone).",
+    ),
+]
+Tree = Annotated[
+    str,
+    typer.Option(
+        "--tree", metavar="off|auto|DEPTHxTOPKxTOKENS",
+        help="EAGLE heads: draft an EAGLE-2 tree each cycle, DEPTH draft steps, the TOPK best nodes expanded per "
+        "depth into TOPK children each, the TOKENS best verified in one target pass (e.g. 5x8x60); auto fits it "
+        "to this machine's measured verification cost (timed once per target and kept in the cache); off: chains. "
+        "bench: rows named X@tree get it (auto when off); with no such row it applies to every row.",
     ),
 ]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", min=1, help="Stop after this many new tokens.")]
@@ -200,6 +211,7 @@ class StrategyFlags:
     seed: int = 0
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
+    tree: str = TREE_OFF
     token_map: Optional[str] = None
     fr_size: Optional[int] = None
     bundle: Optional[str] = None
@@ -216,6 +228,7 @@ class StrategyFlags:
                 raise DynvocabError(f"{flag} must be a number in [0, 1] (got {value})")
         if self.ngram_min > self.ngram_max:
             raise DynvocabError(f"--ngram-min ({self.ngram_min}) must not exceed --ngram-max ({self.ngram_max})")
+        parse_tree(self.tree)
 
     def decode(self, max_new_tokens: int, seed: int | None = None):
         """The :class:`~dynvocab.runtime.loop.DecodeConfig` these flags describe."""
@@ -224,7 +237,7 @@ class StrategyFlags:
         return DecodeConfig(
             gamma=self.gamma, max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
             seed=self.seed if seed is None else seed, stop_below=self.stop_below, branch_below=self.branch_below,
-            ngram_max=self.ngram_max, ngram_min=self.ngram_min,
+            ngram_max=self.ngram_max, ngram_min=self.ngram_min, tree=self.tree,
         )
 
     def options(self) -> StrategyOptions:
@@ -234,7 +247,7 @@ class StrategyFlags:
 
 _SHARED_TYPES = {
     "gamma": Gamma, "stop_below": StopBelow, "branch_below": BranchBelow, "temperature": Temperature, "top_p": TopP,
-    "seed": Seed, "ngram_max": NgramMax, "ngram_min": NgramMin, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
+    "seed": Seed, "ngram_max": NgramMax, "ngram_min": NgramMin, "tree": Tree, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
 }
 
 

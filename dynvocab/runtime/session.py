@@ -21,8 +21,9 @@ from dynvocab.models.vocab import end_token_ids
 from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.drafts import LoadRequest, find_kind
 from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.loop import DecodeConfig, Decoding, Generation
+from dynvocab.runtime.loop import DecodeConfig, Decoding, Generation, check_tree_draft
 from dynvocab.runtime.ngram import split_ngram
+from dynvocab.runtime.tree_shape import TREE_AUTO, TREE_OFF, split_tree
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, lookup, make_policy
 
@@ -150,7 +151,8 @@ class Session:
     ) -> Decoding:
         """``strategy`` on ``prompt_ids`` as a :class:`~dynvocab.runtime.loop.Decoding`: each ``next`` runs one
         cycle and returns the token ids it committed; the output is the target's own (greedy: token for token).
-        ``X+ngram`` runs strategy ``X`` with n-gram lookup first in each cycle (:mod:`dynvocab.runtime.ngram`).
+        ``X+ngram`` runs strategy ``X`` with n-gram lookup first in each cycle (:mod:`dynvocab.runtime.ngram`);
+        ``X@tree`` runs it drafting a tree of ``decode.tree`` (``auto`` where that is ``off``).
 
         ``wrap_policy`` may wrap the strategy's policy (bench records active sets this way); the wrapper's
         ``close()``, if any, runs when the decoding ends or is closed, as the policy's own does. ``timing``: measure
@@ -160,8 +162,13 @@ class Session:
             raise DynvocabError("the prompt is empty; pass some text")
         if self.draft is None and lookup(strategy).drafts:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
+        strategy, tree = split_tree(strategy)
+        if tree and decode.tree == TREE_OFF:
+            decode = replace(decode, tree=TREE_AUTO)
         if split_ngram(strategy)[1]:
             decode = replace(decode, ngram=True)
+        if decode.tree != TREE_OFF and self.draft is not None and lookup(strategy).drafts:
+            check_tree_draft(self.draft)
         policy = make_policy(strategy, options, self.policy_context())
         if policy is None:  # the strategy decodes with the target alone (``ar``; ``ar+ngram`` speculates by lookup)
             return Decoding(self.target, prompt_ids, decode, self.eos_ids, timing=timing)
