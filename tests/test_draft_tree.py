@@ -46,7 +46,10 @@ def test_tree_values_and_row_names():
     assert parse_tree("off") is None and parse_tree("AUTO") == "auto"
     assert parse_tree("5x8x60") == TreeShape(5, 8, 60) and TreeShape(5, 8, 60).candidates == 8 + 4 * 64
     assert DecodeConfig(tree="5X8X60").tree == "5x8x60"
-    assert split_tree("fr+ngram@tree") == ("fr+ngram", True) and split_tree("fr") == ("fr", False)
+    assert split_tree("fr+ngram@tree") == ("fr+ngram", "tree") and split_tree("fr") == ("fr", None)
+    assert split_tree("full@4x2x6") == ("full", "4x2x6") and split_tree("full@auto") == ("full", "auto")
+    with pytest.raises(DynvocabError, match="DEPTHxTOPKxTOKENS"):
+        split_tree("full@wide")
     assert TreeShape(5, 2, 10).within(2) == TreeShape(2, 2, 6)
 
 

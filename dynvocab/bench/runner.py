@@ -108,12 +108,12 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
     note when ``skip`` (``--quick``). Returns the config to run and the notes."""
     keep, notes = [], []
     chains_only = session.draft is not None and not hasattr(session.draft, "branch")
-    if chains_only and (cfg.decode.tree != TREE_OFF or any(split_tree(s)[1] for s in cfg.strategies)):
+    if chains_only and (cfg.decode.tree != TREE_OFF or any(split_tree(s)[1] is not None for s in cfg.strategies)):
         msg = f"--tree needs an EAGLE head; the {session.draft.info.label} drafts chains"
         if not skip:
             raise DynvocabError(msg + " (drop --tree and @tree rows)")
         notes.append(msg + ": this table's rows draft chains")
-        dropped = [s for s in cfg.strategies if split_tree(s)[1]]
+        dropped = [s for s in cfg.strategies if split_tree(s)[1] is not None]
         notes += [f"skipped {s}: {msg}" for s in dropped]
         cfg = replace(cfg, strategies=tuple(s for s in cfg.strategies if s not in dropped),
                       decode=replace(cfg.decode, tree=TREE_OFF))
@@ -158,7 +158,7 @@ def generate_row(
     if strategy in HF_ROWS:
         token_ids, metrics = hf_generate(session, strategy, prompt_ids, decode, cfg.lookup_tokens)
         return token_ids, {**metrics, **{key: None for key in EXTRA_KEYS}}
-    if any(split_tree(s)[1] for s in cfg.strategies) and not split_tree(strategy)[1]:
+    if any(split_tree(s)[1] for s in cfg.strategies) and split_tree(strategy)[1] is None:
         decode = replace(decode, tree=TREE_OFF)  # --tree names its rows (X@tree): the others draft chains
     if not lookup(strategy).drafts:
         result = session.generate(prompt_ids, strategy, decode, cfg.options, timing=True)

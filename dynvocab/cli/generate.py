@@ -81,10 +81,14 @@ def generate(
     m = result.metrics
     looked = (f" · lookup drafted {m.lookup_cycles} of {m.cycles} cycles, {m.lookup_accepted}/{m.lookup_drafted} "
               "tokens accepted") if m.lookup_cycles else ""
+    tree = (f" · tree {m.tree}: {m.tree_tokens / max(m.tree_cycles, 1):.1f} tokens verified a cycle, "
+            f"{m.off_main} accepted off the main path") if m.tree_cycles else ""
     summary = (
         f"[{strategy}] {m.new_tokens} tokens in {m.wall_s:.2f}s · {m.tokens_per_s:.2f} tokens/s · "
-        f"mean accepted length {m.mean_accepted_length:.2f}{looked} · {session.dtype} on {session.device}"
+        f"mean accepted length {m.mean_accepted_length:.2f}{looked}{tree} · {session.dtype} on {session.device}"
     )
+    if m.tree_auto:
+        summary += f"\n{m.tree_auto['why']} (median N {m.tree_auto['median_tokens']}, depth {m.tree_auto['median_depth']})"
     if json_out:
         err_console.print(summary, highlight=False)
         print(json.dumps(result.as_dict(), ensure_ascii=False))

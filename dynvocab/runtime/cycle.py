@@ -300,7 +300,7 @@ def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[in
     if setup.budget is not None:
         setup.budget.start()
     grown, candidates = grow_tree(setup, tokens, shape)
-    size = shape.tokens if setup.budget is None else setup.budget.tokens(candidates, bool(found))
+    size = shape.tokens if setup.budget is None else setup.budget.tokens(candidates, len(found[: shape.depth]))
     grown = tree_of(grown, candidates, size, found[:shape.depth])
     timer.add(sec.draft, t_draft)
     t_verify = timer.mark()

@@ -200,6 +200,10 @@ class Decoding:
                 yield result.emitted
         finally:
             metrics = tally.finish(time.perf_counter() - start, speculative, draft.rows_copied if draft else 0)
+            if setup.tree is not None:
+                metrics.tree = str(setup.tree) if setup.budget is None else TREE_AUTO
+                metrics.tree_auto = None if setup.budget is None else {
+                    "why": setup.budget.describe(), **setup.budget.summary()}
             self.generation = Generation(out, metrics, stopped, lengths)
 
 

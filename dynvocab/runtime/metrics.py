@@ -47,6 +47,8 @@ class Metrics:
     tree_candidates: int = 0
     head_calls: int = 0
     off_main: int = 0
+    tree: str | None = None  # the tree shape drafted (DEPTHxTOPKxTOKENS, or auto), None: chains
+    tree_auto: dict | None = None  # ``--tree auto``: its choice and why (shape, median N and depth, the curve)
 
     def as_dict(self) -> dict:
         """A JSON-ready dict (floats rounded for readability)."""

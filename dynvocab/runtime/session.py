@@ -23,7 +23,7 @@ from dynvocab.runtime.drafts import LoadRequest, find_kind
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, Decoding, Generation, check_tree_draft
 from dynvocab.runtime.ngram import split_ngram
-from dynvocab.runtime.tree_shape import TREE_AUTO, TREE_OFF, split_tree
+from dynvocab.runtime.tree_shape import TREE_AUTO, TREE_OFF, TREE_SUFFIX, split_tree
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, lookup, make_policy
 
@@ -152,7 +152,8 @@ class Session:
         """``strategy`` on ``prompt_ids`` as a :class:`~dynvocab.runtime.loop.Decoding`: each ``next`` runs one
         cycle and returns the token ids it committed; the output is the target's own (greedy: token for token).
         ``X+ngram`` runs strategy ``X`` with n-gram lookup first in each cycle (:mod:`dynvocab.runtime.ngram`);
-        ``X@tree`` runs it drafting a tree of ``decode.tree`` (``auto`` where that is ``off``).
+        ``X@tree`` runs it drafting a tree of ``decode.tree`` (``auto`` where that is ``off``); ``X@auto``, ``X@DxKxN``
+        that tree.
 
         ``wrap_policy`` may wrap the strategy's policy (bench records active sets this way); the wrapper's
         ``close()``, if any, runs when the decoding ends or is closed, as the policy's own does. ``timing``: measure
@@ -163,8 +164,9 @@ class Session:
         if self.draft is None and lookup(strategy).drafts:
             raise DynvocabError(f"strategy '{strategy}' needs a draft model; pass --draft")
         strategy, tree = split_tree(strategy)
-        if tree and decode.tree == TREE_OFF:
-            decode = replace(decode, tree=TREE_AUTO)
+        if tree is not None:
+            asked = decode.tree if decode.tree != TREE_OFF else TREE_AUTO
+            decode = replace(decode, tree=asked if tree == TREE_SUFFIX[1:] else tree)
         if split_ngram(strategy)[1]:
             decode = replace(decode, ngram=True)
         if decode.tree != TREE_OFF and self.draft is not None and lookup(strategy).drafts:

@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from dynvocab.files import write_atomic
+from dynvocab.runtime.host import to_host
 from dynvocab.runtime.tree_shape import TreeShape
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # drafted tokens N per pass timed (the pass holds the root too)
 AUTO_DEPTH = 6  # the chain's γ (loop.DEFAULT_GAMMA)
 FLAT = 1.5  # the largest tree auto grows: its pass costs at most this many 1-token passes
 CONTEXT = 256  # tokens in the cache while the curve is timed
-REPEATS = 3  # timed passes per size (the median counts)
-GROWTH = 1.0  # the draft's growth time in 1-token passes, before a cycle has measured it
+REPEATS = 5  # timed passes per size (the median counts)
 
 
 def cpu_name() -> str:
@@ -114,15 +114,20 @@ def load_curve(target, status=None) -> tuple[dict[int, float], bool]:
 
 @dataclass
 class TreeBudget:
-    """Chooses ``--tree auto``'s growth shape once and each cycle's tokens (see the module's docstring).
-    ``curve``: seconds of a pass by drafted tokens N."""
+    """Chooses ``--tree auto``'s growth shape once, when to stop growing, and each cycle's tokens (see the module's
+    docstring). ``curve``: seconds of a pass by drafted tokens N. The running figures are this generation's own:
+    the calibration of the draft's confidence, tokens per cycle, and the seconds of a growth depth and of the rest
+    of the growth (read with ``perf_counter``: a GPU's launches are not waited for, so there use a fixed shape)."""
 
     curve: dict[int, float]
     calibration: float = 1.0  # accepted tokens per unit of predicted acceptance (running)
-    growth: float = GROWTH  # the draft's growth time, in 1-token passes (running)
-    chosen: list[int] = field(default_factory=list)
-    _predicted: list[float] = field(default_factory=list)  # per verified node, in choose order, of the last cycle
-    _started: float | None = None
+    per_cycle: float = 2.0  # tokens per cycle (running)
+    depth_s: float | None = None  # one growth depth (running)
+    cycle_s: float | None = None  # one cycle, growth to verdict (running)
+    chosen: list[int] = field(default_factory=list)  # each cycle's N
+    depths: list[int] = field(default_factory=list)  # each cycle's depth grown
+    _predicted: float = 0.0
+    _marks: list[float] = field(default_factory=list)
 
     @property
     def relative(self) -> dict[int, float]:
@@ -137,53 +142,81 @@ class TreeBudget:
         rel = self.relative
         flat = max([n for n, r in rel.items() if r <= FLAT], default=1)
         topk = 4 if rel.get(16, math.inf) <= FLAT else 2
-        shape = TreeShape(AUTO_DEPTH, topk, 1)
-        return TreeShape(AUTO_DEPTH, topk, min(shape.candidates, max(flat, AUTO_DEPTH)))
+        most = TreeShape(AUTO_DEPTH, topk, 1).candidates
+        return TreeShape(AUTO_DEPTH, topk, min(most, max(flat, AUTO_DEPTH)))
 
-    def cost(self, n: int) -> float:
-        """A pass over ``n`` drafted tokens, in 1-token passes (linear between the timed sizes)."""
-        rel = self.relative
-        sizes = sorted(rel)
+    def verify_s(self, n: int) -> float:
+        """Seconds of a pass over ``n`` drafted tokens (linear between the timed sizes)."""
+        sizes = sorted(self.curve)
         if n <= sizes[0]:
-            return rel[sizes[0]]
+            return self.curve[sizes[0]]
         for lo, hi in zip(sizes, sizes[1:]):
             if n <= hi:
-                return rel[lo] + (rel[hi] - rel[lo]) * (n - lo) / (hi - lo)
-        return rel[sizes[-1]] * n / sizes[-1]
+                return self.curve[lo] + (self.curve[hi] - self.curve[lo]) * (n - lo) / (hi - lo)
+        return self.curve[sizes[-1]] * n / sizes[-1]
 
     def describe(self) -> str:
         """One line: the shape chosen and why."""
         rel, shape = self.relative, self.shape
         points = ", ".join(f"{n}: {rel[n]:.2f}×" for n in (4, 8, 16, 32, 64) if n in rel)
-        return (f"tree auto: grow {shape.depth}x{shape.topk}, verify up to {shape.tokens} tokens, the best N each "
-                f"cycle by the draft's confidence: a pass of N drafted tokens costs ({points}) one token's here")
+        return (f"tree auto: grow up to {shape.depth}x{shape.topk}, verify up to {shape.tokens} tokens; each cycle "
+                f"stops growing and picks N where the draft's calibrated confidence no longer pays for the time: a "
+                f"pass of N drafted tokens costs ({points}) a 1-token pass here")
 
-    def tokens(self, candidates, extra: bool = False) -> int:
-        """This cycle's N: the count of best candidates that maximises expected tokens per unit of time."""
-        if self._started is not None:
-            self.growth = 0.8 * self.growth + 0.2 * (time.perf_counter() - self._started) / self.curve[min(self.curve)]
-        limit = self.shape.tokens
-        scores = sorted((s for s in candidates.scores if math.isfinite(s)), reverse=True)[:limit]
-        best, best_rate, total = 1, -1.0, 0.0
-        extra_cost = AUTO_DEPTH if extra else 0
+    def start(self) -> None:
+        """A cycle's growth begins."""
+        self._marks = [time.perf_counter()]
+
+    def keep_growing(self, frontier: torch.Tensor) -> bool:
+        """After a depth: whether one more is worth its time, given the frontier's cumulative scores ``frontier``
+        [k] (log-probabilities; one host read). Another depth adds at most the calibrated probability mass of the
+        frontier to the cycle's expected tokens and costs a depth's time; it pays while that rate is at least the
+        rate of this generation's cycles so far."""
+        self._marks.append(time.perf_counter())
+        marks = self._marks
+        if len(marks) > 2:
+            depth_s = (marks[-1] - marks[1]) / (len(marks) - 2)
+            self.depth_s = depth_s if self.depth_s is None else 0.8 * self.depth_s + 0.2 * depth_s
+        if self.depth_s is None or self.cycle_s is None:
+            return True
+        gain = self.calibration * sum(math.exp(v) for v in to_host(frontier.double()))
+        return gain * self.cycle_s >= self.per_cycle * self.depth_s
+
+    def tokens(self, candidates, extra: int = 0) -> int:
+        """This cycle's N: the count of best candidates that maximises expected tokens per second, the growth's
+        time so far counted in (``extra``: tokens verified beside them, an n-gram branch)."""
+        now = time.perf_counter()
+        grown_s = now - self._marks[0] if self._marks else 0.0
+        self.depths.append(max(1, len(self._marks) - 1))
+        scores = sorted((s for s in candidates.scores if math.isfinite(s)), reverse=True)[: self.shape.tokens]
+        best, best_rate, total, predicted = 1, -1.0, 0.0, 0.0
         for n, score in enumerate(scores, start=1):
             total += math.exp(score)
-            rate = (1.0 + self.calibration * total) / (self.growth + self.cost(n + extra_cost))
+            rate = (1.0 + self.calibration * total) / (grown_s + self.verify_s(n + extra))
             if rate > best_rate:
-                best, best_rate = n, rate
-        self._predicted = [math.exp(s) for s in scores[:best]]
+                best, best_rate, predicted = n, rate, total
+        self._predicted = predicted
         self.chosen.append(best)
         return best
 
-    def start(self) -> None:
-        """Mark the start of a cycle's growth (its time updates :attr:`growth`)."""
-        self._started = time.perf_counter()
-
     def observe(self, accepted: int) -> None:
-        """Calibrate the draft's confidence against the ``accepted`` tokens of the tree just verified."""
-        predicted = sum(self._predicted)
-        if predicted > 0:
-            self.calibration = min(2.0, max(0.05, 0.9 * self.calibration + 0.1 * accepted / predicted))
+        """Calibrate the draft's confidence against the ``accepted`` tokens of the tree just verified; the cycle
+        ends."""
+        if self._marks:
+            cycle_s = time.perf_counter() - self._marks[0]
+            self.cycle_s = cycle_s if self.cycle_s is None else 0.8 * self.cycle_s + 0.2 * cycle_s
+        self.per_cycle = 0.9 * self.per_cycle + 0.1 * (accepted + 1)
+        if self._predicted > 0:
+            ratio = accepted / self._predicted
+            self.calibration = min(2.0, max(0.05, 0.9 * self.calibration + 0.1 * ratio))
+
+    def summary(self) -> dict:
+        """What auto chose over the generation: the shape, the median N and depth, the calibration."""
+        def median(values):
+            return sorted(values)[len(values) // 2] if values else None
+
+        return {"shape": str(self.shape), "median_tokens": median(self.chosen), "median_depth": median(self.depths),
+                "calibration": round(self.calibration, 3), "curve_ms": {n: round(s * 1000, 2) for n, s in self.curve.items()}}
 
 
 def budget_for(target, status=None) -> TreeBudget:

@@ -95,23 +95,27 @@ def _expand(logits: torch.Tensor, cols: torch.Tensor | None, k: int, sampling: S
     k most likely, scored by their log-probability; sampling: k drawn without replacement (Gumbel top-k), scored by
     the rank prior. Children past the set's size, or of zero probability, score -inf."""
     rows, n = logits.shape
-    if sampling.greedy:
-        probs = None
-        logq = logits.float().log_softmax(dim=-1)  # [r, n]
-        keys = logq
-    else:
-        probs = probs_from_logits(logits, sampling)  # [r, n]
-        logq = probs.log()
-        u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(min=1e-20)
-        keys = logq - (-u.log()).log()  # + Gumbel noise: top-k is a draw without replacement
+    if sampling.greedy:  # the k best and their log-probabilities, without a log-softmax over the whole set
+        top = logits.topk(min(k, n), dim=-1)  # [r, k']
+        values = (top.values.float() - logits.float().logsumexp(dim=-1, keepdim=True))
+        idx = top.indices
+        if n < k:  # a set smaller than k: pad with impossible children
+            values = torch.cat([values, values.new_full((rows, k - n), -math.inf)], dim=1)
+            idx = torch.cat([idx, idx.new_zeros(rows, k - n)], dim=1)
+        tokens = idx if cols is None else cols[idx]
+        return tokens, values.double(), None
+    probs = probs_from_logits(logits, sampling)  # [r, n]
+    logq = probs.log()
+    u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(min=1e-20)
+    keys = logq - (-u.log()).log()  # + Gumbel noise: top-k is a draw without replacement
     if n < k:  # a set smaller than k: pad with impossible children
         pad = logq.new_full((rows, k - n), -math.inf)
         logq, keys = torch.cat([logq, pad], dim=1), torch.cat([keys, pad], dim=1)
-    idx = keys.topk(k, dim=-1).indices  # [r, k], best first / in drawn order
+    idx = keys.topk(k, dim=-1).indices  # [r, k], in drawn order
     values = logq.gather(1, idx)
     safe = idx.clamp(max=n - 1)
     tokens = safe if cols is None else cols[safe]
-    increments = values if sampling.greedy else torch.where(values.isfinite(), log_prior[:k].expand(rows, k), values)
+    increments = torch.where(values.isfinite(), log_prior[:k].expand(rows, k), values)
     return tokens, increments.double(), probs
 
 
@@ -167,6 +171,8 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[GrownTree, Ca
             feats = out[rows]
             ancestors = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=device)], dim=1)[rows]
         offset += k * k
+        if depth + 1 < shape.depth and setup.budget is not None and not setup.budget.keep_growing(frontier_scores):
+            break
     values = to_host(torch.cat([torch.cat(cand_tokens).double(), torch.cat(cand_parents).double(),
                                 torch.cat(cand_scores), *(f.double() for f in frontier_ids)]))
     count = offset

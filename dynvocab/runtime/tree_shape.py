@@ -16,7 +16,8 @@ from dynvocab.errors import DynvocabError
 
 TREE_OFF = "off"
 TREE_AUTO = "auto"
-TREE_SUFFIX = "@tree"  # a bench row or strategy ``X@tree``: X drafted as a tree of ``--tree`` (``auto`` when off)
+TREE_SUFFIX = "@tree"  # a bench row or strategy ``X@tree``: X drafted as a tree of ``--tree`` (``auto`` when off);
+# ``X@auto`` and ``X@DxKxN`` name the tree themselves
 MAX_TREE_TOKENS = 256  # one verification pass: more is never worth it on a CPU, and the masks grow as N²
 _SHAPE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*x\s*(\d+)\s*$", re.IGNORECASE)
 
@@ -70,8 +71,12 @@ def parse_tree(text: str | TreeShape | None) -> TreeShape | str | None:
     return TreeShape(*(int(g) for g in found.groups()))
 
 
-def split_tree(name: str) -> tuple[str, bool]:
-    """``name`` without the ``@tree`` suffix, and whether it had it."""
-    if name.endswith(TREE_SUFFIX) and len(name) > len(TREE_SUFFIX):
-        return name[: -len(TREE_SUFFIX)], True
-    return name, False
+def split_tree(name: str) -> tuple[str, str | None]:
+    """``name`` without its tree suffix, and the suffix's tree: ``X@tree`` -> ``"tree"`` (``--tree``'s shape, or
+    auto where that is off), ``X@auto`` or ``X@DxKxN`` -> that (checked), no suffix -> None."""
+    base, at, tree = name.rpartition("@")
+    if not at or not base:
+        return name, None
+    if tree != TREE_SUFFIX[1:]:
+        parse_tree(tree)
+    return base, tree
