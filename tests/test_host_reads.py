@@ -37,6 +37,7 @@ CONFIGS = {
 }
 LOOP = {"read_confidence", "verify_tree_greedy", "verify_sampling", "finish"}  # finish: the tally's hits, once
 HEAD = {"_counts"}  # the packed head's slot counts, where a changed segment replaces some of its rows
+MAPPED = {"build"}  # EAGLE-3's head mapping a prefix or ranges it has not kept onto its draft vocabulary
 POLICY_READS = {  # where a strategy reads the device itself, through to_host, and why
     "dynaspec": {"_ranges"},  # the routed clusters' row ranges, per step
     "centroids": {"_ranges"},  # the picked blocks' row ranges, per step
@@ -156,6 +157,41 @@ def test_eagle_heads_draft_on_the_device(kind):
     assert g.token_ids == speculative_generate(target, PROMPT, cfg, set()).token_ids
     assert not reads.elsewhere, dict(reads.elsewhere)
     assert reads.helper == {"verify_tree_greedy": g.metrics.cycles}  # none per draft step
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("policy", ["full", "microspec"])
+def test_eagle_trees_read_nothing_while_they_grow(kind, policy):
+    """A tree cycle reads the device twice: once after its growth (the candidates, to choose the pass's nodes) and
+    once for the greedy verdict; nothing inside the draft loop."""
+    from conftest import tiny_qwen2
+    from test_eagle_loop import LAYERS, eagle1, eagle3
+    from dynvocab.models.eagle import LayerTap
+    from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
+    from dynvocab.runtime.policies.microspec import MicroSpecPolicy
+
+    model = tiny_qwen2(layers=LAYERS, seed=0)
+    target = CausalLM(model)
+    if kind == "eagle1":
+        draft, tap = Eagle1Draft(eagle1(model), target), None
+    else:
+        head = eagle3(model)
+        tap = LayerTap(model, head.config.target_layers(LAYERS))
+        draft = Eagle3Draft(head, target, tap)
+    cfg = DecodeConfig(max_new_tokens=16, tree="3x3x8")
+    made = {"full": lambda: FullPolicy(VOCAB), "microspec": lambda: MicroSpecPolicy(MicroSpecConfig(window=24), VOCAB, "cpu")}
+    try:
+        with HostReads() as reads:
+            g = speculative_generate(target, PROMPT, cfg, set(), draft, made[policy]())
+    finally:
+        if tap is not None:
+            tap.remove()
+    assert g.token_ids == speculative_generate(target, PROMPT, cfg, set()).token_ids
+    assert not reads.elsewhere, dict(reads.elsewhere)
+    trees = g.metrics.tree_cycles
+    loop = {helper: n for helper, n in reads.helper.items() if helper not in HEAD | MAPPED}  # the heads' own reads
+    expected = {"grow_tree": trees, "verify_token_tree": trees, "verify_tree_greedy": g.metrics.cycles - trees}
+    assert loop == {helper: n for helper, n in expected.items() if n}
 
 
 def test_policies_get_the_fed_token_on_the_device_and_the_counter_sees_a_stray_read(pair):

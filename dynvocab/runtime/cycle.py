@@ -267,10 +267,22 @@ def run_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> C
     :attr:`CycleSetup.tree` an EAGLE-2 tree), verify them, roll the proposer back to what was kept, and let the
     policy observe; emits at most ``limit`` tokens. Host reads: one for the verdict (with the drafted tokens), and
     one per draft step where the setup is ranked (a chain), or one after the tree's growth (a tree)."""
+    budget = setup.budget
     if setup.tree is not None and gamma and setup.proposer is not None:
         found = setup.ngram.continuation(tokens, setup.tree.depth) if setup.ngram is not None else None
-        if setup.sampling.greedy or not found:  # sampling keeps a found continuation as the cycle's whole draft
+        if budget is None and (setup.sampling.greedy or not found):  # sampling: a continuation is the whole draft
             return _tree_cycle(setup, tokens, limit, found or [])
+        if budget is not None and not found:  # auto: a found continuation drafts the cycle alone, as in a chain
+            tree = budget.wants_tree()
+            budget.start()
+            result = _tree_cycle(setup, tokens, limit, []) if tree else _chain_cycle(setup, tokens, gamma, limit)
+            budget.finish(tree, len(result.emitted), result.verdict.accepted)
+            return result
+    return _chain_cycle(setup, tokens, gamma, limit)
+
+
+def _chain_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> CycleResult:
+    """One cycle drafting a chain (with its runner-up leaves), or an n-gram continuation."""
     timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
     t_draft = timer.mark()
     draft = draft_chain(setup, tokens, gamma)
@@ -297,8 +309,6 @@ def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[in
     timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
     shape = setup.tree.within(limit - 1)
     t_draft = timer.mark()
-    if setup.budget is not None:
-        setup.budget.start()
     grown, candidates = grow_tree(setup, tokens, shape)
     size = shape.tokens if setup.budget is None else setup.budget.tokens(candidates, len(found[: shape.depth]))
     grown = tree_of(grown, candidates, size, found[:shape.depth])
@@ -309,8 +319,6 @@ def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[in
     proposer.rollback(min(proposer.length, n + verdict.accepted))
     proposer.observe(n - 1, checked.hidden, verdict.rows)  # the committed rows: root, accepted path
     timer.add(sec.verify, t_verify)
-    if setup.budget is not None:
-        setup.budget.observe(verdict.accepted)
     emitted, eos = _emitted(verdict, limit, setup.eos_ids)
     if setup.policy is not None:
         t_observe = timer.mark()

@@ -1,4 +1,4 @@
-"""``--tree auto``: a draft tree fitted to the machine's own verification cost.
+"""``--tree auto``: a draft tree fitted to the machine's own verification cost, or the chain where no tree pays.
 
 The target's pass over ``1 + N`` tokens (the root and N drafted nodes) is timed once per target, dtype, device, CPU
 and thread count at the sizes that matter (:data:`SIZES`) and kept in the model cache
@@ -8,11 +8,18 @@ curve.
 
 The growth shape (:attr:`TreeBudget.shape`): depth :data:`AUTO_DEPTH` (the chain's γ), top-k 4 where the curve is
 flat up to 16 tokens, else 2, and at most the largest N whose pass costs :data:`FLAT` × a 1-token pass or less
-(never fewer than the depth). Each cycle then verifies the N best candidates that maximise the expected tokens
-per second, ``(1 + a · Σ_{i ≤ N} p_i) / (g + c(N))``, where ``p_i`` is the draft's cumulative probability of the
-i-th best node (EAGLE-2: a good estimate of its acceptance), ``a`` the calibration of those estimates against the
-acceptances seen so far in the generation, ``c(N)`` the measured pass cost and ``g`` the draft's growth time,
-relative to a 1-token pass. Where a chain-sized tree is best, that is what is verified.
+(never fewer than the depth). Within a cycle, growth stops before a depth whose frontier's calibrated probability
+mass would add tokens more slowly than the generation's cycles make them (:meth:`TreeBudget.keep_growing`), and the
+cycle verifies the N best candidates that maximise the expected tokens per second,
+``(1 + a · Σ_{i ≤ N} p_i) / (g + c(N))``, where ``p_i`` is the draft's cumulative probability of the i-th best
+node (EAGLE-2: a good estimate of its acceptance), ``a`` the calibration of those estimates against the
+acceptances seen so far in the generation, ``c(N)`` the measured pass and ``g`` the growth's time.
+
+And per cycle, tree or chain (:meth:`TreeBudget.wants_tree`): both are tried, then the one whose cycles made tokens
+faster in this generation drafts, the other again every :data:`EXPLORE` cycles; a cycle whose n-gram lookup found a
+continuation (``X+ngram``) drafts it alone, as a chain row does. So where no tree pays (a head whose k rows cost k
+times one, a lookup that already drafts well), auto drafts chains. Timings are read with ``perf_counter``: on a GPU,
+whose launches are not waited for, name a fixed shape instead.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ AUTO_DEPTH = 6  # the chain's γ (loop.DEFAULT_GAMMA)
 FLAT = 1.5  # the largest tree auto grows: its pass costs at most this many 1-token passes
 CONTEXT = 256  # tokens in the cache while the curve is timed
 REPEATS = 5  # timed passes per size (the median counts)
+EXPLORE = 6  # auto drafts with the slower of tree and chain every this many cycles, to see whether it still is
+DECAY = 0.85  # each cycle, a mode's earlier tokens and seconds count this much less
 
 
 def cpu_name() -> str:
@@ -124,10 +133,14 @@ class TreeBudget:
     per_cycle: float = 2.0  # tokens per cycle (running)
     depth_s: float | None = None  # one growth depth (running)
     cycle_s: float | None = None  # one cycle, growth to verdict (running)
+    trees: int = 0  # cycles that drafted a tree
+    chains: int = 0  # cycles that drafted the chain (a found n-gram continuation not counted)
     chosen: list[int] = field(default_factory=list)  # each cycle's N
     depths: list[int] = field(default_factory=list)  # each cycle's depth grown
     _predicted: float = 0.0
     _marks: list[float] = field(default_factory=list)
+    _cycle: int = 0
+    _totals: dict = field(default_factory=dict)  # mode -> (tokens, seconds), decayed
 
     @property
     def relative(self) -> dict[int, float]:
@@ -160,8 +173,9 @@ class TreeBudget:
         rel, shape = self.relative, self.shape
         points = ", ".join(f"{n}: {rel[n]:.2f}×" for n in (4, 8, 16, 32, 64) if n in rel)
         return (f"tree auto: grow up to {shape.depth}x{shape.topk}, verify up to {shape.tokens} tokens; each cycle "
-                f"stops growing and picks N where the draft's calibrated confidence no longer pays for the time: a "
-                f"pass of N drafted tokens costs ({points}) a 1-token pass here")
+                f"stops growing and picks N where the draft's calibrated confidence no longer pays for the time (a "
+                f"pass of N drafted tokens costs {points} a 1-token pass here), and drafts the chain instead where "
+                f"chain cycles made tokens faster")
 
     def start(self) -> None:
         """A cycle's growth begins."""
@@ -199,24 +213,54 @@ class TreeBudget:
         self.chosen.append(best)
         return best
 
-    def observe(self, accepted: int) -> None:
-        """Calibrate the draft's confidence against the ``accepted`` tokens of the tree just verified; the cycle
-        ends."""
-        if self._marks:
-            cycle_s = time.perf_counter() - self._marks[0]
-            self.cycle_s = cycle_s if self.cycle_s is None else 0.8 * self.cycle_s + 0.2 * cycle_s
+    def wants_tree(self) -> bool:
+        """Whether this cycle drafts a tree or the chain: each is tried first, then the one whose cycles made
+        tokens faster in this generation, the other again every :data:`EXPLORE` cycles."""
+        self._cycle += 1
+        tree, chain = self.rate("tree"), self.rate("chain")
+        if tree is None or chain is None:
+            return tree is None
+        better = tree >= chain
+        return better != (self._cycle % EXPLORE == 0)
+
+    def finish(self, tree: bool, emitted: int, accepted: int) -> None:
+        """A cycle that drafted a ``tree`` (else the chain) ended with ``emitted`` tokens, ``accepted`` of them
+        drafted: its tokens and time join that mode's running totals (older cycles weigh less: :data:`DECAY`); a
+        tree's calibrates the draft's confidence too."""
+        cycle_s = time.perf_counter() - self._marks[0]
+        mode = "tree" if tree else "chain"
+        tokens, seconds = self._totals.get(mode, (0.0, 0.0))
+        self._totals[mode] = (DECAY * tokens + emitted, DECAY * seconds + cycle_s)
+        if not tree:
+            self.chains += 1
+            return
+        self.trees += 1
+        self.cycle_s = cycle_s if self.cycle_s is None else 0.8 * self.cycle_s + 0.2 * cycle_s
         self.per_cycle = 0.9 * self.per_cycle + 0.1 * (accepted + 1)
         if self._predicted > 0:
             ratio = accepted / self._predicted
             self.calibration = min(2.0, max(0.05, 0.9 * self.calibration + 0.1 * ratio))
+
+    def rate(self, mode: str) -> float | None:
+        """Tokens per second of this generation's ``"tree"`` or ``"chain"`` cycles (None before the first)."""
+        if mode not in self._totals:
+            return None
+        tokens, seconds = self._totals[mode]
+        return tokens / max(seconds, 1e-9)
 
     def summary(self) -> dict:
         """What auto chose over the generation: the shape, the median N and depth, the calibration."""
         def median(values):
             return sorted(values)[len(values) // 2] if values else None
 
-        return {"shape": str(self.shape), "median_tokens": median(self.chosen), "median_depth": median(self.depths),
+        return {"shape": str(self.shape), "tree_cycles": self.trees, "chain_cycles": self.chains,
+                "tree_rate": _rounded(self.rate("tree")), "chain_rate": _rounded(self.rate("chain")),
+                "median_tokens": median(self.chosen), "median_depth": median(self.depths),
                 "calibration": round(self.calibration, 3), "curve_ms": {n: round(s * 1000, 2) for n, s in self.curve.items()}}
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def budget_for(target, status=None) -> TreeBudget:

@@ -156,6 +156,8 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[GrownTree, Ca
     ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)
     offset = k
     for depth in range(1, shape.depth):
+        if setup.budget is not None and not setup.budget.keep_growing(frontier_scores):
+            break
         frontier_ids.append(frontier)
         out, head_in = proposer.branch(frontier_tokens, feats, depth, ancestors)  # [k, d] each
         children, increments = head(depth, head_in, frontier_tokens)  # [k, k] each
@@ -171,8 +173,6 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[GrownTree, Ca
             feats = out[rows]
             ancestors = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=device)], dim=1)[rows]
         offset += k * k
-        if depth + 1 < shape.depth and setup.budget is not None and not setup.budget.keep_growing(frontier_scores):
-            break
     values = to_host(torch.cat([torch.cat(cand_tokens).double(), torch.cat(cand_parents).double(),
                                 torch.cat(cand_scores), *(f.double() for f in frontier_ids)]))
     count = offset
