@@ -19,7 +19,8 @@ CSV_COLUMNS = (
     "wall_s", "prefill_share", "draft_share", "verify_share", "head_share", "policy_share", "head_share_of_draft",
     "draft_steps", "policy_ms_per_step", "head_ms_per_step",
     "mean_active_vocab", "max_active_vocab", "active_hit_rate", "coverage", "leaves", "leaf_hits",
-    "lookup_cycles", "lookup_drafted", "lookup_accepted", "target_mass",
+    "lookup_cycles", "lookup_drafted", "lookup_accepted", "tree", "tree_cycles", "tree_tokens_per_cycle",
+    "head_calls_per_cycle", "head_ms_per_cycle", "off_main_share", "auto_tree_cycles", "auto_chain_cycles", "target_mass",
     *(f"recall_at_{k}" for k in RECALL_KS),
     "matches_ar", "diverged_from_ar", "first_divergence",
     "tokens_per_s_seed_mean", "tokens_per_s_seed_std", "mean_accepted_length_seed_mean",
@@ -137,11 +138,28 @@ def render_tables(results: dict) -> list[Table]:
             cells += [_fmt(s.get(k), "{:.1%}") for k in ("target_mass", "recall_at_1", "recall_at_10", "recall_at_256")]
         table.add_row(*cells, style="dim" if oracle else None)
     tables = [table]
+    trees = [(name, per["all"]) for name, per in results["summary"].items() if per.get("all", {}).get("tree_cycles")]
+    if trees:
+        tables.append(_tree_table(trees))
     tasks = [t for t in next(iter(results["summary"].values()), {}) if t != "all"]
     if len(tasks) > 1:
         per = [*results["summary"].items(), (ORACLE, results.get("oracle") or {})]
         tables.append(_per_task_table(tasks, [(name, p) for name, p in per if p]))
     return tables
+
+
+def _tree_table(rows: list[tuple[str, dict]]) -> Table:
+    """The rows that drafted trees: their shape, tokens verified, head calls and head time per cycle, the share of
+    accepted tokens off the draft's main path, and where ``auto`` drafted trees or chains."""
+    table = Table(title="draft trees (--tree): per cycle", title_justify="left")
+    for col in ("row", "tree", "tokens verified", "head calls", "head ms", "accepted off main path", "auto: tree/chain cycles"):
+        table.add_column(col, justify="left" if col in ("row", "tree") else "right", no_wrap=True)
+    for name, s in rows:
+        auto = "–" if s.get("auto_tree_cycles") is None else f"{s['auto_tree_cycles']}/{s['auto_chain_cycles']}"
+        table.add_row(name, s.get("tree") or "–", _fmt(s.get("tree_tokens_per_cycle"), "{:.1f}"),
+                      _fmt(s.get("head_calls_per_cycle"), "{:.2f}"), _fmt(s.get("head_ms_per_cycle"), "{:.1f}"),
+                      _fmt(s.get("off_main_share"), "{:.0%}"), auto)
+    return table
 
 
 WIDE_TASKS = 4  # more tasks than this (Spec-Bench's 13 categories): one line per task and row, not a column each

@@ -83,6 +83,7 @@ def summarize(rows: list[dict]) -> dict:
     out["leaf_hits"] = sum(r.get("leaf_hits") or 0 for r in rows)
     for key in ("lookup_cycles", "lookup_drafted", "lookup_accepted"):  # X+ngram rows' cycles drafted by lookup
         out[key] = sum(r.get(key) or 0 for r in rows)
+    out.update(tree_figures(rows, cycles, out["head_s"]))
     for key in COVERAGE_KEYS:
         out[key] = _mean((r.get(key) for r in rows), 4)
     positions = [r.get("accept_by_position") or [] for r in rows]
@@ -91,6 +92,27 @@ def summarize(rows: list[dict]) -> dict:
         round(statistics.fmean([p[j] for p in positions if len(p) > j]), 4) for j in range(width)
     ]
     return out
+
+
+def tree_figures(rows: list[dict], cycles: int, head_s: float | None) -> dict:
+    """What a row's draft trees did (``--tree``, :mod:`dynvocab.runtime.tree_draft`): its tree cycles, drafted
+    tokens verified per tree cycle, head calls and head ms per cycle (chain and tree cycles alike: a call per
+    step or depth), the share of accepted tokens that lay off the draft's main path, and ``--tree auto``'s choices."""
+    trees = sum(r.get("tree_cycles") or 0 for r in rows)
+    calls = sum(r.get("draft_steps") or 0 for r in rows)  # one head call per chain step and per tree depth
+    accepted = sum(r["new_tokens"] - (r["cycles"] or 0) for r in rows if r.get("tree_cycles"))
+    autos = [r["tree_auto"] for r in rows if r.get("tree_auto")]
+    shapes = sorted({r["tree"] for r in rows if r.get("tree")})
+    return {
+        "tree": ",".join(shapes) or None,
+        "tree_cycles": trees,
+        "tree_tokens_per_cycle": round(sum(r.get("tree_tokens") or 0 for r in rows) / trees, 3) if trees else None,
+        "head_calls_per_cycle": round(calls / cycles, 3) if cycles and calls else None,
+        "head_ms_per_cycle": round(1e3 * head_s / cycles, 3) if cycles and head_s is not None else None,
+        "off_main_share": round(sum(r.get("off_main") or 0 for r in rows) / accepted, 4) if accepted > 0 else None,
+        "auto_tree_cycles": sum(a["tree_cycles"] for a in autos) if autos else None,
+        "auto_chain_cycles": sum(a["chain_cycles"] for a in autos) if autos else None,
+    }
 
 
 def _ratio(a, b):
