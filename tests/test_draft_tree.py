@@ -268,3 +268,58 @@ def test_a_draft_model_refuses_trees(tiny_pair):
         speculative_generate(CausalLM(target_model), [1, 2, 3], DecodeConfig(tree="3x2x4"), set(),
                              DraftModel(draft_model), FullPolicy(VOCAB))
     assert "\n" not in str(caught.value)
+
+
+def test_auto_measures_the_curve_once_and_stays_exact(pair, tmp_path, monkeypatch):
+    from dynvocab.runtime.tree_budget import curve_key, curve_path, load_curve
+
+    monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))
+    target, draft = pair
+    prompt, cfg = greedy_case(3)
+    ar = speculative_generate(target, prompt, cfg, set())
+    spec = speculative_generate(target, prompt, replace(cfg, tree="auto"), set(), draft, FullPolicy(VOCAB))
+    assert spec.token_ids == ar.token_ids
+    auto = spec.metrics.tree_auto
+    assert spec.metrics.tree == "auto" and auto["why"].startswith("tree auto: grow up to 6x")
+    assert auto["tree_cycles"] >= 1 and auto["chain_cycles"] >= 1  # both tried
+    saved = curve_path(curve_key(target))
+    assert saved.parent == tmp_path / "verify-cost" and [p.name for p in saved.parent.iterdir()] == [saved.name]
+    curve, measured = load_curve(target)
+    assert not measured and sorted(curve) == [1, 2, 4, 8, 16, 32, 64] and min(curve.values()) > 0
+
+
+def test_auto_drafts_the_faster_mode_and_retries_the_other():
+    from dynvocab.runtime.tree_budget import EXPLORE, TreeBudget
+
+    budget = TreeBudget({1: 1.0, 16: 1.2})
+    picks = []
+    for cycle in range(3 * EXPLORE):
+        tree = budget.wants_tree()
+        picks.append(tree)
+        budget._marks = [0.0]  # a cycle of ~now seconds: the tree makes 4 tokens, the chain 1
+        budget.finish(tree, 4 if tree else 1, 3 if tree else 0)
+    assert picks[:2] == [True, False]  # each tried once
+    assert picks.count(False) <= 2 + 3 * EXPLORE // EXPLORE  # then the chain only to re-check it
+    assert budget.shape.topk == 4  # 16 tokens cost 1.2 passes: flat enough for 4 children a node
+
+
+def test_sampled_trees_follow_the_target_distribution(pair, target_model):
+    """First sampled token over many seeds, drafted as a tree over a subset (recursive rejection sampling over the
+    root's children), vs the target's p (chi-square); siblings off the main path are accepted too."""
+    from dynvocab.runtime.policies import FrequencyPolicy
+    from dynvocab.runtime.verify import probs_from_logits
+
+    target, draft = pair
+    prompt = [5, 9, 13]
+    with torch.no_grad():
+        p = probs_from_logits(target_model(torch.tensor([prompt])).logits[0, -1].float(), SamplingConfig(temperature=1.5))
+    draws, counts, off_main = 400, torch.zeros(VOCAB), 0
+    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:50]
+    for seed in range(draws):
+        cfg = DecodeConfig(max_new_tokens=2, temperature=1.5, seed=seed, tree="3x3x8")
+        g = speculative_generate(target, prompt, cfg, set(), draft, FrequencyPolicy(ranking))
+        counts[g.token_ids[0]] += 1
+        off_main += g.metrics.off_main
+    chi2, dof = pooled_chi_square(counts, p, draws)
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
+    assert off_main > 0
