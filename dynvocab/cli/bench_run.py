@@ -109,7 +109,10 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     """
     from dynvocab import api
     from dynvocab.bench.runner import needs_draft, parse_rows, with_llama_rows
+    from dynvocab.models.loading import resolve_model
+    from dynvocab.runtime.draft_registry import check_tree_kind
     from dynvocab.runtime.strategies import check_bundle_stages
+    from dynvocab.runtime.tree_shape import TREE_OFF, split_tree
 
     quick = Quick() if req.quick else None
     names = with_llama_rows(parse_rows(req.strategies or (quick.strategies if quick else DEFAULT_ROWS)), req.llamacpp)
@@ -121,6 +124,8 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
         check_bundle_stages(names, flags.bundle)
     max_new = req.max_new_tokens or (quick.max_new_tokens if quick else DEFAULT_MAX_NEW)
     m = req.models
+    if not req.quick and needs_draft(names) and (flags.tree != TREE_OFF or any(split_tree(n)[1] for n in names)):
+        check_tree_kind(resolve_model(m.draft))  # before anything loads
     pair = api.load(
         m.target, m.draft if needs_draft(names) else None, flags.bundle, m.device, m.dtype, m.draft_weights, m.prepack,
         status=status_printer(),

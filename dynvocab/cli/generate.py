@@ -27,6 +27,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError, Interrupted
 from dynvocab.runtime.strategies import check_bundle_stages, check_strategy, lookup, strategy_names
+from dynvocab.runtime.tree_shape import TREE_OFF, split_tree
 
 
 @one_line_errors
@@ -62,6 +63,11 @@ def generate(
     check_dtype_device(device, dtype, draft_weights)
     flags.check()
     check_bundle_stages([strategy], flags.bundle)
+    if lookup(strategy).drafts and (flags.tree != TREE_OFF or split_tree(strategy)[1]):
+        from dynvocab.models.loading import resolve_model
+        from dynvocab.runtime.draft_registry import check_tree_kind
+
+        check_tree_kind(resolve_model(draft))  # before anything loads
     pair = api.load(
         target, draft if lookup(strategy).drafts else None, flags.bundle, device, dtype, draft_weights, prepack,
         threads, status_printer(quiet),

@@ -72,6 +72,7 @@ class DraftKind:
     priority: int = 0
     stand_in: Callable[[int, int, torch.Generator], DraftInfo] | None = None
     help: str = field(default="", compare=False)  # one line for --help listings
+    trees: bool = False  # its proposer drafts EAGLE-2 trees (``tree_root`` and ``branch``; --tree)
 
 
 _REGISTRY: Registry[DraftKind] = Registry("draft kind")
@@ -100,6 +101,14 @@ def find_kind(spec) -> tuple[DraftKind, object]:
         if found is not None:
             return kind, found
     raise DynvocabError(f"{spec.source} is no draft that dynvocab can run (kinds: {kind_names()})")
+
+
+def check_tree_kind(spec) -> None:
+    """Refuse ``--tree`` for the draft ``spec`` (a ModelSpec) in one line, before it loads, when its kind drafts
+    chains only."""
+    kind, _ = find_kind(spec)
+    if not kind.trees:
+        raise DynvocabError(f"--tree needs an EAGLE head; a {kind.label} drafts chains (drop --tree and @tree rows)")
 
 
 def kind_names() -> str:

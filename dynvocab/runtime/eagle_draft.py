@@ -253,10 +253,12 @@ def _stand_in(label: str, shares_target_head: bool):
 EAGLE1_KIND = DraftKind(
     "eagle1", "EAGLE-1 head", functools.partial(checkpoint_of_kind, kind=EAGLE1), load_eagle1, priority=10,
     stand_in=_stand_in("EAGLE-1 head", True), help="an EAGLE-1/2 head (EAGLE or SGLang layout) for the target",
+    trees=True,
 )
 EAGLE3_KIND = DraftKind(
     "eagle3", "EAGLE-3 head", functools.partial(checkpoint_of_kind, kind=EAGLE3), load_eagle3, priority=10,
     stand_in=_stand_in("EAGLE-3 head", False), help="an EAGLE-3 head (EAGLE, SGLang or speculators layout)",
+    trees=True,
 )
 
 __all__ = ["EAGLE1_KIND", "EAGLE3_KIND", "Eagle1Draft", "Eagle3Draft", "EagleDraft"]
