@@ -114,3 +114,14 @@ def test_the_batched_heads_section_times_every_strategy_both_ways(report):
             assert r[way]["host_reads_per_step"] == {} and r[way]["ms"] > 0, (r["strategy"], way)
             assert not r[way]["graph"]["captured"]  # CPU: the CUDA run captures them
         assert r["per_row"]["max_abs_diff"] < 1e-4, r
+
+
+def test_tree_cycles_read_the_host_once_after_growth(report):
+    tree = report["sections"]["tree_step"]["result"]
+    rows = {(r["set"], r["tree"]): r for r in tree["rows"]}
+    assert set(rows) == {("full", "off"), ("full", "3x2x5"), (256, "off"), (256, "3x2x5")}
+    for (_, shape), row in rows.items():
+        assert row["reads_elsewhere"] == {}
+        if shape != "off":
+            assert row["reads"]["grow_tree"] == row["reads"]["verify_token_tree"] > 0  # none inside the growth
+            assert row["tokens_verified"] > 1 and row["draft_ms"] > 0 and row["verify_ms"] > 0

@@ -10,7 +10,9 @@ the test files that exercise CUDA (the Triton kernels compiled, not interpreted)
 - ``eagle_step``: :func:`~dynvocab.bench.eagle_step.eagle_step_bench` at every shape of ``EAGLE_SHAPES``;
 - ``kernels``: :func:`~dynvocab.bench.microbench.run_kernel_bench` at the demo draft's and Llama-3-8B's head;
 - ``batch_heads``: :func:`~dynvocab.bench.batch_head_step.batch_head_bench`, every strategy that runs inside vLLM but evospec (host-side retrieval),
-  selector and head over 1, 4 and 8 rows as the plugin calls them, eagerly and as a CUDA graph.
+  selector and head over 1, 4 and 8 rows as the plugin calls them, eagerly and as a CUDA graph;
+- ``tree_step``: :func:`~dynvocab.bench.tree_step.tree_step_bench`, EAGLE-2 tree cycles (``--tree``) at Gemma-3-270M's
+  shape beside the chain, with the full head and two static sets, and the host reads of each cycle.
 
 Every section runs in a child process under its own time limit, inside an overall budget (10 minutes by default),
 so a hang or a broken CUDA context costs one section, not the run. With ``--device cpu`` the same sections run at
@@ -38,12 +40,15 @@ import torch
 from dynvocab.bench.draft_step import QWEN2_0_5B
 from dynvocab.files import write_atomic
 
-SECTIONS = ("tests", "graph_step", "draft_step", "eagle_step", "kernels", "batch_heads")
+SECTIONS = ("tests", "graph_step", "draft_step", "eagle_step", "kernels", "batch_heads", "tree_step")
 LIMIT_S = {"tests": 200, "graph_step": 150, "draft_step": 120, "eagle_step": 200, "kernels": 150,
-           "batch_heads": 150}
+           "batch_heads": 150, "tree_step": 120}
 BUDGET_S = 570  # the whole run, under the 10 minutes a first GPU session has
 TINY_DRAFT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
               "vocab_size": 4096, "max_position_embeddings": 512}
+TINY_TREE_TARGET = {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+                    "sliding_window": 8}
 # What the test files use to mark a test as one that runs on CUDA (tests/triton_modes.py).
 CUDA_TEST_MARKS = ("needs_cuda", "KERNEL_DEVICE", "kernel_runs_here")
 CUDA_ONLY = {
@@ -52,6 +57,8 @@ CUDA_ONLY = {
     "draft_step": "the '<K>_gathered' heads through the fused Triton gathered_logits kernel (on CPU: the reference)",
     "kernels": "the 'fused' method (Triton gathered_logits) and the theoretical DRAM bandwidth",
     "batch_heads": "each strategy's selector + head captured as a torch.cuda.CUDAGraph (or why not), replay ms",
+    "tree_step": "EAGLE-2 tree cycles at Gemma-3-270M's shape in bfloat16 (CUDA events): where a 16-60-token pass "
+    "costs what a 1-token one does, the seeds' own regime",
 }
 NOT_CAPTURED = {
     "eagle_step": "not captured: the EAGLE head keeps a DynamicCache (torch.cat per step, cropped on the host), so "
@@ -75,6 +82,8 @@ def settings(quick: bool, device: str) -> dict:
             "graph_step": {"dtype": dtype, "dims": QWEN2_0_5B, "context": 128, "heads": (32768, 3072), "repeats": 50},
             "batch_heads": {"dtype": dtype, "vocab": 151936, "hidden": 896, "batches": (1, 4, 8), "steps": (0, 3),
                             "context": 1024, "repeats": 20, "bundle_sizes": {}},
+            "tree_step": {"dtype": dtype, "target": "gemma3-270m", "shapes": ("4x4x16", "5x8x60", "6x10x60"),
+                          "sets": (None, 32768, 1024), "context": 512, "cycles": 16},
         }
     return {
         "kernels": {"dtype": dtype, "shapes": {"tiny-head": (4096, 64)}, "sizes": (256, 1024), "ms": (1, 4),
@@ -87,6 +96,8 @@ def settings(quick: bool, device: str) -> dict:
                         "context": 256, "repeats": 2,
                         "bundle_sizes": {"clusters": 32, "width": 32, "rank": 16, "candidates": 256, "block": 32,
                                          "blocks": 8}},
+        "tree_step": {"dtype": dtype, "target": "tiny", "shapes": ("3x2x5",), "sets": (None, 256), "context": 16,
+                      "cycles": 3},
     }
 
 
@@ -226,6 +237,12 @@ def run_section(name: str, device: str, quick: bool) -> dict:
         return batch_head_bench(cfg["vocab"], cfg["hidden"], batches=cfg["batches"], steps=cfg["steps"],
                                 context=cfg["context"], device=device, dtype=cfg["dtype"], repeats=cfg["repeats"],
                                 warmup=1 if quick else 3, bundle_sizes=cfg["bundle_sizes"])
+    if name == "tree_step":
+        from dynvocab.bench.tree_step import GEMMA3_270M_TEXT, tree_step_bench
+
+        shape = GEMMA3_270M_TEXT if cfg["target"] == "gemma3-270m" else TINY_TREE_TARGET
+        return tree_step_bench(shape, device, cfg["dtype"], shapes=cfg["shapes"], sets=cfg["sets"],
+                               context=cfg["context"], cycles=cfg["cycles"])
     raise ValueError(f"unknown section {name!r}; known: {SECTIONS}")
 
 
