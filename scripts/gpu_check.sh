@@ -2,7 +2,7 @@
 # The first hour on a GPU, in one command: build random-weight models at real shapes (nothing is downloaded), run
 # the CUDA-marked tests and the step microbenchmarks (a demo-draft step eager vs CUDA-graph replay, microbench
 # draft-step's body/head split, microbench eagle-step at every EAGLE shape, microbench kernels, every vLLM strategy's
-# batched head at 1, 4 and 8 rows eager vs CUDA-graph replay), and write one JSON,
+# batched head at 1, 4 and 8 rows eager vs CUDA-graph replay, EAGLE-2 tree cycles beside the chain), and write one JSON,
 # all inside 10 minutes. `--device cpu` runs the same sections at small shapes (CI does, so it cannot rot); its
 # JSON names what the CUDA run would time (`would_time_on_cuda`). The code is dynvocab/bench/gpu_check.py.
 set -euo pipefail

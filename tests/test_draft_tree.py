@@ -323,3 +323,33 @@ def test_sampled_trees_follow_the_target_distribution(pair, target_model):
     chi2, dof = pooled_chi_square(counts, p, draws)
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
     assert off_main > 0
+
+
+@pytest.mark.parametrize("tree", ["3x3x8", "auto"])
+def test_every_strategy_drafts_trees_equal_to_ar(target_model, tmp_path, monkeypatch, tree):
+    """Every registered strategy (each over a tiny bundle with every stage), an EAGLE-1 head, greedy: = ar."""
+    from test_host_reads import OPTIONS, PROMPT, tiny_bundle
+    from dynvocab.runtime.strategies import PolicyContext, make_policy, strategy_names
+
+    monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))
+    target = CausalLM(target_model)
+    draft = Eagle1Draft(eagle1(target_model), target)
+    bundle = tiny_bundle(tmp_path / "tiny.safetensors", target, _IndexRows(draft))
+    ctx = PolicyContext(VOCAB, {VOCAB - 1}, "cpu", bundle, draft.info, target)
+    cfg = DecodeConfig(max_new_tokens=16, tree=tree)
+    ar = speculative_generate(target, PROMPT, cfg, set())
+    for name in strategy_names():
+        if name == "ar":
+            continue
+        spec = speculative_generate(target, PROMPT, cfg, set(), draft, make_policy(name, OPTIONS, ctx))
+        assert spec.token_ids == ar.token_ids, name
+        assert spec.metrics.tree_cycles > 0 or tree == "auto", name
+
+
+class _IndexRows:
+    """What ``tiny_bundle`` reads of a draft: its hidden size and the rows a draft HNSW index covers (here the
+    target's head rows, which an EAGLE-1 head predicts through)."""
+
+    def __init__(self, draft):
+        self.hidden_size = draft.info.hidden_size
+        self.info = type("Info", (), {"index_rows": draft.step_rows[0]})()
