@@ -235,7 +235,7 @@ def _setup(target: CausalLM, cfg: DecodeConfig, eos_ids: set[int], draft: Propos
     if shape is not None and draft is not None:
         check_tree_draft(draft)
         if shape == TREE_AUTO:
-            budget = budget_for(target)
+            budget = budget_for(target, draft, (getattr(policy, "name", ""), cfg.sampling.greedy, cfg.ngram))
             shape = budget.shape
     return CycleSetup(draft, verifier, policy, cfg.sampling, generator, timer, cfg.stop_below, cfg.branch_below,
                       frozenset(eos_ids), ngram=cfg.lookup, tree=shape if draft is not None else None, budget=budget)

@@ -15,8 +15,9 @@ cycle verifies the N best candidates that maximise the expected tokens per secon
 node (EAGLE-2: a good estimate of its acceptance), ``a`` the calibration of those estimates against the
 acceptances seen so far in the generation, ``c(N)`` the measured pass and ``g`` the growth's time.
 
-And per cycle, tree or chain (:meth:`TreeBudget.wants_tree`): both are tried, then the one whose cycles made tokens
-faster in this generation drafts, the other again every :data:`EXPLORE` cycles; a cycle whose n-gram lookup found a
+And per cycle, tree or chain (:meth:`TreeBudget.wants_tree`): both are tried, then the chain drafts unless tree
+cycles made tokens :data:`MARGIN` × faster (over this generation and the last ones of the same strategy on the same
+draft), the other again every :data:`EXPLORE` cycles; a cycle whose n-gram lookup found a
 continuation (``X+ngram``) drafts it alone, as a chain row does. So where no tree pays (a head whose k rows cost k
 times one, a lookup that already drafts well), auto drafts chains. Timings are read with ``perf_counter``: on a GPU,
 whose launches are not waited for, name a fixed shape instead.
@@ -29,6 +30,7 @@ import json
 import math
 import platform
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +45,8 @@ AUTO_DEPTH = 6  # the chain's γ (loop.DEFAULT_GAMMA)
 FLAT = 1.5  # the largest tree auto grows: its pass costs at most this many 1-token passes
 CONTEXT = 256  # tokens in the cache while the curve is timed
 REPEATS = 5  # timed passes per size (the median counts)
-EXPLORE = 6  # auto drafts with the slower of tree and chain every this many cycles, to see whether it still is
+EXPLORE = 8  # auto drafts with the slower of tree and chain every this many cycles, to see whether it still is
+MARGIN = 1.05  # auto drafts trees only where their cycles made tokens this much faster than the chain's
 DECAY = 0.85  # each cycle, a mode's earlier tokens and seconds count this much less
 
 
@@ -124,9 +127,10 @@ def load_curve(target, status=None) -> tuple[dict[int, float], bool]:
 @dataclass
 class TreeBudget:
     """Chooses ``--tree auto``'s growth shape once, when to stop growing, and each cycle's tokens (see the module's
-    docstring). ``curve``: seconds of a pass by drafted tokens N. The running figures are this generation's own:
-    the calibration of the draft's confidence, tokens per cycle, and the seconds of a growth depth and of the rest
-    of the growth (read with ``perf_counter``: a GPU's launches are not waited for, so there use a fixed shape)."""
+    docstring). ``curve``: seconds of a pass by drafted tokens N. The running figures (the calibration of the
+    draft's confidence, tokens per cycle, the seconds of a growth depth and of a cycle, each mode's rate) carry over
+    from the last generation of the same strategy on the same draft (:func:`budget_for`); they are read with
+    ``perf_counter``: a GPU's launches are not waited for, so there name a fixed shape."""
 
     curve: dict[int, float]
     calibration: float = 1.0  # accepted tokens per unit of predicted acceptance (running)
@@ -220,7 +224,7 @@ class TreeBudget:
         tree, chain = self.rate("tree"), self.rate("chain")
         if tree is None or chain is None:
             return tree is None
-        better = tree >= chain
+        better = tree > MARGIN * chain  # the chain unless the tree is clearly faster
         return better != (self._cycle % EXPLORE == 0)
 
     def finish(self, tree: bool, emitted: int, accepted: int) -> None:
@@ -263,10 +267,21 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def budget_for(target, status=None) -> TreeBudget:
-    """The :class:`TreeBudget` of ``target`` on this machine (its curve measured once and cached)."""
-    curve, _ = load_curve(target, status)
-    return TreeBudget(curve)
+_LEARNED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()  # draft -> {key: TreeBudget}
+
+
+def budget_for(target, draft=None, key: tuple = ()) -> TreeBudget:
+    """The :class:`TreeBudget` of ``target`` on this machine (its curve measured once and cached). With a ``draft``,
+    what the last generation of the same ``key`` (strategy, sampling, lookup) learned on this draft carries over:
+    the modes' rates, the calibration and the growth's times (a new generation starts where the last left off)."""
+    curve, _ = load_curve(target)
+    learned = None if draft is None else _LEARNED.setdefault(draft, {})
+    old = None if learned is None else learned.get(key)
+    budget = TreeBudget(curve) if old is None else TreeBudget(
+        curve, old.calibration, old.per_cycle, old.depth_s, old.cycle_s, _totals=dict(old._totals))
+    if learned is not None:
+        learned[key] = budget
+    return budget
 
 
 __all__ = ["SIZES", "TreeBudget", "budget_for", "curve_key", "load_curve", "measure_curve"]
