@@ -46,7 +46,7 @@ class BenchResult:
 
 def decode_config(**decoding) -> DecodeConfig:
     """A :class:`DecodeConfig` from keyword decoding settings (``max_new_tokens``, ``gamma``, ``temperature``,
-    ``top_p``, ``seed``, ``stop_below``, ``branch_below``); an unknown one is refused in one line."""
+    ``top_p``, ``seed``, ``stop_below``, ``branch_below``, ``tree``); an unknown one is refused in one line."""
     unknown = sorted(set(decoding) - set(DECODING))
     if unknown:
         raise DynvocabError(f"unknown decoding setting {', '.join(unknown)}; use {', '.join(DECODING)}")
@@ -122,9 +122,9 @@ class Pair:
         are refused here, before anything runs.
 
         ``decoding``: :class:`DecodeConfig` fields (``max_new_tokens=128``, ``gamma``, ``temperature``, ``top_p``,
-        ``seed``, ``stop_below``, ``branch_below``). Strategy knobs: ``configs`` (their frozen config dataclasses),
-        ``token_map``, ``fr_size``, or a whole ``options``. ``timing`` also measures the loop's sections (prefill,
-        draft, head, policy, verify) in the metrics.
+        ``seed``, ``stop_below``, ``branch_below``, ``tree``: ``"off"``, ``"auto"`` or ``"5x8x60"``). Strategy
+        knobs: ``configs`` (their frozen config dataclasses), ``token_map``, ``fr_size``, or a whole ``options``.
+        ``timing`` also measures the loop's sections (prefill, draft, head, policy, verify) in the metrics.
         """
         from dynvocab.runtime.strategies import check_strategy
 

@@ -17,9 +17,10 @@ acceptances seen so far in the generation, ``c(N)`` the measured pass and ``g`` 
 
 And per cycle, tree or chain (:meth:`TreeBudget.wants_tree`): both are tried, then the chain drafts unless tree
 cycles made tokens :data:`MARGIN` × faster (over this generation and the last ones of the same strategy on the same
-draft), the other again every :data:`EXPLORE` cycles; a cycle whose n-gram lookup found a
-continuation (``X+ngram``) drafts it alone, as a chain row does. So where no tree pays (a head whose k rows cost k
-times one, a lookup that already drafts well), auto drafts chains. Timings are read with ``perf_counter``: on a GPU,
+draft), the other again after :data:`EXPLORE` cycles, twice as many each time it is still slower (up to
+:data:`EXPLORE_MAX`); a cycle whose n-gram lookup found a continuation (``X+ngram``) drafts it alone, as a chain
+row does. So where no tree pays (a head whose k rows cost k times one, a lookup that already drafts well), auto
+drafts chains. Timings are read with ``perf_counter``: on a GPU,
 whose launches are not waited for, name a fixed shape instead.
 """
 
@@ -45,7 +46,8 @@ AUTO_DEPTH = 6  # the chain's γ (loop.DEFAULT_GAMMA)
 FLAT = 1.5  # the largest tree auto grows: its pass costs at most this many 1-token passes
 CONTEXT = 256  # tokens in the cache while the curve is timed
 REPEATS = 5  # timed passes per size (the median counts)
-EXPLORE = 8  # auto drafts with the slower of tree and chain every this many cycles, to see whether it still is
+EXPLORE = 8  # auto drafts with the slower of tree and chain after this many cycles, to see whether it still is,
+EXPLORE_MAX = 64  # … and after twice as many each time it still was, up to this many
 MARGIN = 1.05  # auto drafts trees only where their cycles made tokens this much faster than the chain's
 DECAY = 0.85  # each cycle, a mode's earlier tokens and seconds count this much less
 
@@ -145,6 +147,8 @@ class TreeBudget:
     _marks: list[float] = field(default_factory=list)
     _cycle: int = 0
     _totals: dict = field(default_factory=dict)  # mode -> (tokens, seconds), decayed
+    explore_every: int = EXPLORE  # cycles between looks at the slower mode (running)
+    _leader: bool = False  # whether trees led at the last look
 
     @property
     def relative(self) -> dict[int, float]:
@@ -225,7 +229,12 @@ class TreeBudget:
         if tree is None or chain is None:
             return tree is None
         better = tree > MARGIN * chain  # the chain unless the tree is clearly faster
-        return better != (self._cycle % EXPLORE == 0)
+        if better != self._leader:  # the other mode took the lead: look back at the loser soon
+            self._leader, self.explore_every = better, EXPLORE
+        if self._cycle % self.explore_every:
+            return better
+        self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # it stayed behind: look less often
+        return not better
 
     def finish(self, tree: bool, emitted: int, accepted: int) -> None:
         """A cycle that drafted a ``tree`` (else the chain) ended with ``emitted`` tokens, ``accepted`` of them
@@ -278,7 +287,8 @@ def budget_for(target, draft=None, key: tuple = ()) -> TreeBudget:
     learned = None if draft is None else _LEARNED.setdefault(draft, {})
     old = None if learned is None else learned.get(key)
     budget = TreeBudget(curve) if old is None else TreeBudget(
-        curve, old.calibration, old.per_cycle, old.depth_s, old.cycle_s, _totals=dict(old._totals))
+        curve, old.calibration, old.per_cycle, old.depth_s, old.cycle_s, _totals=dict(old._totals),
+        explore_every=old.explore_every, _leader=old._leader)
     if learned is not None:
         learned[key] = budget
     return budget
