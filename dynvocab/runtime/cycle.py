@@ -106,7 +106,7 @@ class CycleSetup:
     sections: Sections = field(default_factory=Sections)
     ngram: NgramLookup | None = None
     tree: TreeShape | None = None  # EAGLE-2 trees of this shape (None: chains); see dynvocab.runtime.tree_draft
-    budget: TreeBudget | None = None  # ``--tree auto``: chooses the shape and each cycle's tokens
+    budget: TreeBudget | None = None  # ``--tree auto``: per cycle tree or chain, the growth's depth and its tokens
 
     @property
     def branch(self) -> bool:

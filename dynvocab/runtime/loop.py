@@ -250,7 +250,9 @@ def check_tree_draft(draft: Proposer) -> None:
 def _count(tally: Tally, result: CycleResult) -> None:
     """Feed one cycle's host values to the tally."""
     verdict, drafted = result.verdict, result.draft
-    if result.grown is not None:
+    depths = len(drafted.steps)
+    if result.grown is not None:  # a tree: its depths are the draft's steps, accepted by depth
         tally.tree(result.grown, verdict.path_rows)
-    tally.cycle(len(drafted.steps), verdict.accepted_chain, verdict.accepted, result.emitted, drafted.sets,
+        depths = len(drafted.sets)
+    tally.cycle(depths, verdict.accepted_chain, verdict.accepted, result.emitted, drafted.sets,
                 len(drafted.leaves), verdict.leaf_row is not None, drafted.looked_up)

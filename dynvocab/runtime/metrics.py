@@ -27,8 +27,8 @@ class Metrics:
     # Share of the emitted tokens (on the accepted path, within a draft step) that lay inside that step's active
     # set. Not bench's --coverage (target probability mass); JSON also carries it as ``coverage``, its old name.
     active_hit_rate: float | None = None
-    # Per chain position j: the share of cycles drafting j whose chain token j was accepted. An accepted tree leaf
-    # is not a chain token; it counts in ``leaf_hits`` only.
+    # Per chain position j: the share of cycles drafting j whose chain token j was accepted (an EAGLE-2 tree: per
+    # depth, its accepted path). An accepted runner-up leaf is not a chain token; it counts in ``leaf_hits`` only.
     accept_by_position: list[float] = field(default_factory=list)
     draft_steps: int = 0
     head_rows_copied: int = 0
