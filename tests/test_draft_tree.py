@@ -28,7 +28,7 @@ from dynvocab.runtime.tree_draft import Candidates, grow_tree, tree_of
 from dynvocab.runtime.tree_shape import TreeShape, parse_tree, split_tree
 from dynvocab.runtime.verify import SamplingConfig, verify_token_tree
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.transformers_api]  # CI: again at the lower bound
 
 
 @pytest.mark.parametrize("text, why", [
