@@ -9,16 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import tiny_qwen2
-from test_eagle_loop import LAYERS, eagle1, eagle3
+from test_eagle_loop import eagle1, setup, target_model  # noqa: F401  (fixtures: the target, both head layouts)
 from test_loop import VOCAB, greedy_case, make_policy, pooled_chi_square
 from dynvocab.errors import DynvocabError
-from dynvocab.models.eagle import LayerTap
-from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.cycle import CycleSetup, TargetVerifier, run_cycle
 from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.draft_model import DraftModel
-from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
+from dynvocab.runtime.eagle_draft import Eagle1Draft
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
@@ -153,27 +150,10 @@ def test_recursive_rejection_sampling_is_exact_and_accepts_siblings():
     assert second > draws // 20
 
 
-@pytest.fixture(scope="module")
-def target_model():
-    return tiny_qwen2(layers=LAYERS, seed=0)
-
-
-@pytest.fixture(scope="module", params=["eagle1", "eagle3"])
-def pair(request, target_model):
-    target = CausalLM(target_model)
-    if request.param == "eagle1":
-        yield target, Eagle1Draft(eagle1(target_model), target)
-        return
-    model = eagle3(target_model)
-    tap = LayerTap(target_model, model.config.target_layers(LAYERS))
-    yield target, Eagle3Draft(model, target, tap)
-    tap.remove()
-
-
 @pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random", "microspec", "hybrid"])
 @pytest.mark.parametrize("tree", ["3x2x5", "5x4x30"])
-def test_greedy_trees_equal_ar(pair, kind, tree):
-    target, draft = pair
+def test_greedy_trees_equal_ar(setup, kind, tree):
+    target, draft = setup
     for seed in range(2):
         prompt, cfg = greedy_case(seed)
         ar = speculative_generate(target, prompt, cfg, set())
@@ -182,8 +162,8 @@ def test_greedy_trees_equal_ar(pair, kind, tree):
         assert spec.metrics.tree_cycles >= spec.metrics.cycles - 1 and spec.metrics.head_calls > 0  # the last: 1 token
 
 
-def test_greedy_tree_with_an_ngram_branch_equals_ar(pair):
-    target, draft = pair
+def test_greedy_tree_with_an_ngram_branch_equals_ar(setup):
+    target, draft = setup
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
     cfg = DecodeConfig(max_new_tokens=30, ngram=True, tree="4x2x6")
     ar = speculative_generate(target, prompt, DecodeConfig(max_new_tokens=30), set())
@@ -270,11 +250,11 @@ def test_a_draft_model_refuses_trees(tiny_pair):
     assert "\n" not in str(caught.value)
 
 
-def test_auto_measures_the_curve_once_and_stays_exact(pair, tmp_path, monkeypatch):
+def test_auto_measures_the_curve_once_and_stays_exact(setup, tmp_path, monkeypatch):
     from dynvocab.runtime.tree_budget import curve_key, curve_path, load_curve
 
     monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))
-    target, draft = pair
+    target, draft = setup
     prompt, cfg = greedy_case(3)
     ar = speculative_generate(target, prompt, cfg, set())
     spec = speculative_generate(target, prompt, replace(cfg, tree="auto"), set(), draft, FullPolicy(VOCAB))
@@ -304,13 +284,13 @@ def test_auto_drafts_the_faster_mode_and_retries_the_other():
     assert budget.shape.topk == 4  # 16 tokens cost 1.2 passes: flat enough for 4 children a node
 
 
-def test_sampled_trees_follow_the_target_distribution(pair, target_model):
+def test_sampled_trees_follow_the_target_distribution(setup, target_model):
     """First sampled token over many seeds, drafted as a tree over a subset (recursive rejection sampling over the
     root's children), vs the target's p (chi-square); siblings off the main path are accepted too."""
     from dynvocab.runtime.policies import FrequencyPolicy
     from dynvocab.runtime.verify import probs_from_logits
 
-    target, draft = pair
+    target, draft = setup
     prompt = [5, 9, 13]
     with torch.no_grad():
         p = probs_from_logits(target_model(torch.tensor([prompt])).logits[0, -1].float(), SamplingConfig(temperature=1.5))

@@ -132,8 +132,8 @@ def test_autoregressive_decoding_reads_once_per_token(pair):
     assert reads.helper == {"verify_tree_greedy": 12} and len(g.token_ids) == 12
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-def test_eagle_heads_draft_on_the_device(kind):
+def eagle_pair(kind: str):
+    """(target, EAGLE head of ``kind``, the EAGLE-3 head's layer tap or None) on a tiny random target."""
     from conftest import tiny_qwen2
     from test_eagle_loop import LAYERS, eagle1, eagle3
     from dynvocab.models.eagle import LayerTap
@@ -142,11 +142,15 @@ def test_eagle_heads_draft_on_the_device(kind):
     model = tiny_qwen2(layers=LAYERS, seed=0)
     target = CausalLM(model)
     if kind == "eagle1":
-        draft, tap = Eagle1Draft(eagle1(model), target), None
-    else:
-        head = eagle3(model)
-        tap = LayerTap(model, head.config.target_layers(LAYERS))
-        draft = Eagle3Draft(head, target, tap)
+        return target, Eagle1Draft(eagle1(model), target), None
+    head = eagle3(model)
+    tap = LayerTap(model, head.config.target_layers(LAYERS))
+    return target, Eagle3Draft(head, target, tap), tap
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_eagle_heads_draft_on_the_device(kind):
+    target, draft, tap = eagle_pair(kind)
     cfg = CONFIGS["greedy"]
     try:
         with HostReads() as reads:
@@ -164,20 +168,9 @@ def test_eagle_heads_draft_on_the_device(kind):
 def test_eagle_trees_read_nothing_while_they_grow(kind, policy):
     """A tree cycle reads the device twice: once after its growth (the candidates, to choose the pass's nodes) and
     once for the greedy verdict; nothing inside the draft loop."""
-    from conftest import tiny_qwen2
-    from test_eagle_loop import LAYERS, eagle1, eagle3
-    from dynvocab.models.eagle import LayerTap
-    from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
     from dynvocab.runtime.policies.microspec import MicroSpecPolicy
 
-    model = tiny_qwen2(layers=LAYERS, seed=0)
-    target = CausalLM(model)
-    if kind == "eagle1":
-        draft, tap = Eagle1Draft(eagle1(model), target), None
-    else:
-        head = eagle3(model)
-        tap = LayerTap(model, head.config.target_layers(LAYERS))
-        draft = Eagle3Draft(head, target, tap)
+    target, draft, tap = eagle_pair(kind)
     cfg = DecodeConfig(max_new_tokens=16, tree="3x3x8")
     made = {"full": lambda: FullPolicy(VOCAB), "microspec": lambda: MicroSpecPolicy(MicroSpecConfig(window=24), VOCAB, "cpu")}
     try:

@@ -283,30 +283,40 @@ def run_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> C
 
 def _chain_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> CycleResult:
     """One cycle drafting a chain (with its runner-up leaves), or an n-gram continuation."""
-    timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
+    timer, sec, n = setup.timer, setup.sections, len(tokens)
     t_draft = timer.mark()
     draft = draft_chain(setup, tokens, gamma)
     timer.add(sec.draft, t_draft)
     t_verify = timer.mark()
     checked = setup.verifier(draft.tree, draft.steps, tokens)
-    verdict = checked.verdict
+    emitted, eos = _settle(setup, n, checked, checked.verdict.accepted_chain, limit, t_verify,
+                           lambda emitted: _report(n, draft, checked, emitted))
+    return CycleResult(emitted, eos, checked.verdict, draft)
+
+
+def _settle(setup: CycleSetup, n: int, checked: Checked, kept: int, limit: int, t_verify,
+            report: Callable[[list[int]], CycleReport]) -> tuple[list[int], bool]:
+    """After a verification pass over the draft of ``n`` committed tokens: roll the proposer back to them and the
+    ``kept`` accepted ones it may hold, hand it the committed rows of the pass, and let the policy observe
+    ``report(emitted)``. Returns the emitted tokens and whether an EOS ended the generation."""
+    timer, sec, proposer, verdict = setup.timer, setup.sections, setup.proposer, checked.verdict
     if proposer is not None:
-        proposer.rollback(min(proposer.length, n + verdict.accepted_chain))
+        proposer.rollback(min(proposer.length, n + kept))
         proposer.observe(n - 1, checked.hidden, verdict.rows)  # the committed rows: root, accepted path
     timer.add(sec.verify, t_verify)
     emitted, eos = _emitted(verdict, limit, setup.eos_ids)
     if setup.policy is not None:
         t_observe = timer.mark()
-        setup.policy.observe(_report(n, draft, checked, emitted))
+        setup.policy.observe(report(emitted))
         timer.add(sec.observe, t_observe)
-    return CycleResult(emitted, eos, verdict, draft)
+    return emitted, eos
 
 
 def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[int]) -> CycleResult:
     """One cycle drafting an EAGLE-2 tree (:mod:`dynvocab.runtime.tree_draft`): grow it (an n-gram continuation
     ``found`` joins it as a branch under the root), verify its chosen nodes in one pass, keep the accepted path in
     both caches, let the policy observe the path."""
-    timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
+    timer, sec, n = setup.timer, setup.sections, len(tokens)
     shape = setup.tree.within(limit - 1)
     t_draft = timer.mark()
     grown, candidates = grow_tree(setup, tokens, shape)
@@ -315,16 +325,9 @@ def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[in
     timer.add(sec.draft, t_draft)
     t_verify = timer.mark()
     checked = setup.verifier.verify_tree(grown, tokens)
-    verdict = checked.verdict
-    proposer.rollback(min(proposer.length, n + verdict.accepted))
-    proposer.observe(n - 1, checked.hidden, verdict.rows)  # the committed rows: root, accepted path
-    timer.add(sec.verify, t_verify)
-    emitted, eos = _emitted(verdict, limit, setup.eos_ids)
-    if setup.policy is not None:
-        t_observe = timer.mark()
-        setup.policy.observe(_tree_report(n, grown, checked, emitted))
-        timer.add(sec.observe, t_observe)
-    return CycleResult(emitted, eos, verdict, Drafted(sets=grown.sets), grown)
+    emitted, eos = _settle(setup, n, checked, checked.verdict.accepted, limit, t_verify,
+                           lambda emitted: _tree_report(n, grown, checked, emitted))
+    return CycleResult(emitted, eos, checked.verdict, Drafted(sets=grown.sets), grown)
 
 
 def _tree_report(n: int, grown: GrownTree, checked: Checked, emitted: list[int]) -> CycleReport:
