@@ -48,7 +48,7 @@ CONTEXT = 256  # tokens in the cache while the curve is timed
 REPEATS = 5  # timed passes per size (the median counts)
 EXPLORE = 8  # auto drafts with the slower of tree and chain after this many cycles, to see whether it still is,
 EXPLORE_MAX = 64  # … and after twice as many each time it still was, up to this many
-MARGIN = 1.05  # auto drafts trees only where their cycles made tokens this much faster than the chain's
+MARGIN = 1.10  # auto drafts trees only where their cycles made tokens this much faster than the chain's
 DECAY = 0.85  # each cycle, a mode's earlier tokens and seconds count this much less
 
 
