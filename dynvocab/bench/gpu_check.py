@@ -23,7 +23,6 @@ the CUDA-only items the GPU run times.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -39,6 +38,7 @@ import torch
 
 from dynvocab.bench.draft_step import QWEN2_0_5B
 from dynvocab.files import write_atomic
+from dynvocab.models.loading import cpu_name
 
 SECTIONS = ("tests", "graph_step", "draft_step", "eagle_step", "kernels", "batch_heads", "tree_step")
 LIMIT_S = {"tests": 200, "graph_step": 150, "draft_step": 120, "eagle_step": 200, "kernels": 150,
@@ -149,16 +149,8 @@ def environment(device: str, root: Path) -> dict:
                    memory_gib=round(props.total_memory / 2**30, 1), gpu_count=torch.cuda.device_count(),
                    l2_cache_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1))
     else:
-        env["device_name"] = _cpu_name()
+        env["device_name"] = cpu_name()
     return env
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "cpu"
 
 
 def cuda_test_files(root: Path) -> list[str]:

@@ -23,8 +23,8 @@ from dynvocab.bench import stability
 from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.bench.llamacpp import LLAMA_ROWS, LlamaCpp, prompt_text
 from dynvocab.bench.llamacpp import generate as llama_generate
-from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.tree_shape import TREE_OFF, split_tree
+from dynvocab.runtime.loop import DecodeConfig, drafts_trees
+from dynvocab.runtime.tree_shape import TREE_OFF, asks_for_trees, chains_only, split_tree
 from dynvocab.bench.recorder import PolicyRecorder
 from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summarize_bench
 from dynvocab.bench.prompts import PromptRow
@@ -107,14 +107,14 @@ def runnable_strategies(session: Session, cfg: BenchConfig, skip: bool) -> tuple
     """Build each strategy's policy once before the run; one that cannot be built fails now, or is dropped with a
     note when ``skip`` (``--quick``). Returns the config to run and the notes."""
     keep, notes = [], []
-    chains_only = session.draft is not None and not hasattr(session.draft, "branch")
-    if chains_only and (cfg.decode.tree != TREE_OFF or any(split_tree(s)[1] is not None for s in cfg.strategies)):
-        msg = f"--tree needs an EAGLE head; the {session.draft.info.label} drafts chains"
+    chains = session.draft is not None and not drafts_trees(session.draft)
+    if chains and asks_for_trees(cfg.decode.tree, cfg.strategies):
+        refusal = chains_only(session.draft.info.label)
         if not skip:
-            raise DynvocabError(msg + " (drop --tree and @tree rows)")
-        notes.append(msg + ": this table's rows draft chains")
+            raise refusal
+        notes.append(f"{refusal}: this table's rows draft chains")
         dropped = [s for s in cfg.strategies if split_tree(s)[1] is not None]
-        notes += [f"skipped {s}: {msg}" for s in dropped]
+        notes += [f"skipped {s}: {refusal}" for s in dropped]
         cfg = replace(cfg, strategies=tuple(s for s in cfg.strategies if s not in dropped),
                       decode=replace(cfg.decode, tree=TREE_OFF))
     for name in cfg.strategies:
@@ -158,7 +158,7 @@ def generate_row(
     if strategy in HF_ROWS:
         token_ids, metrics = hf_generate(session, strategy, prompt_ids, decode, cfg.lookup_tokens)
         return token_ids, {**metrics, **{key: None for key in EXTRA_KEYS}}
-    if any(split_tree(s)[1] for s in cfg.strategies) and split_tree(strategy)[1] is None:
+    if asks_for_trees(TREE_OFF, cfg.strategies) and split_tree(strategy)[1] is None:
         decode = replace(decode, tree=TREE_OFF)  # --tree names its rows (X@tree): the others draft chains
     if not lookup(strategy).drafts:
         result = session.generate(prompt_ids, strategy, decode, cfg.options, timing=True)

@@ -112,7 +112,7 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     from dynvocab.models.loading import resolve_model
     from dynvocab.runtime.draft_registry import check_tree_kind
     from dynvocab.runtime.strategies import check_bundle_stages
-    from dynvocab.runtime.tree_shape import TREE_OFF, split_tree
+    from dynvocab.runtime.tree_shape import asks_for_trees
 
     quick = Quick() if req.quick else None
     names = with_llama_rows(parse_rows(req.strategies or (quick.strategies if quick else DEFAULT_ROWS)), req.llamacpp)
@@ -124,7 +124,7 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
         check_bundle_stages(names, flags.bundle)
     max_new = req.max_new_tokens or (quick.max_new_tokens if quick else DEFAULT_MAX_NEW)
     m = req.models
-    if not req.quick and needs_draft(names) and (flags.tree != TREE_OFF or any(split_tree(n)[1] for n in names)):
+    if not req.quick and needs_draft(names) and asks_for_trees(flags.tree, names):
         check_tree_kind(resolve_model(m.draft))  # before anything loads
     pair = api.load(
         m.target, m.draft if needs_draft(names) else None, flags.bundle, m.device, m.dtype, m.draft_weights, m.prepack,

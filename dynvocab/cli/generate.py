@@ -27,7 +27,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError, Interrupted
 from dynvocab.runtime.strategies import check_bundle_stages, check_strategy, lookup, strategy_names
-from dynvocab.runtime.tree_shape import TREE_OFF, split_tree
+from dynvocab.runtime.tree_shape import asks_for_trees
 
 
 @one_line_errors
@@ -63,7 +63,7 @@ def generate(
     check_dtype_device(device, dtype, draft_weights)
     flags.check()
     check_bundle_stages([strategy], flags.bundle)
-    if lookup(strategy).drafts and (flags.tree != TREE_OFF or split_tree(strategy)[1]):
+    if lookup(strategy).drafts and asks_for_trees(flags.tree, [strategy]):
         from dynvocab.models.loading import resolve_model
         from dynvocab.runtime.draft_registry import check_tree_kind
 

@@ -319,9 +319,10 @@ def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[in
     timer, sec, n = setup.timer, setup.sections, len(tokens)
     shape = setup.tree.within(limit - 1)
     t_draft = timer.mark()
-    grown, candidates = grow_tree(setup, tokens, shape)
-    size = shape.tokens if setup.budget is None else setup.budget.tokens(candidates, len(found[: shape.depth]))
-    grown = tree_of(grown, candidates, size, found[:shape.depth])
+    growth, candidates = grow_tree(setup, tokens, shape)
+    branch = found[: shape.depth]
+    size = shape.tokens if setup.budget is None else setup.budget.tokens(candidates, len(branch))
+    grown = tree_of(growth, candidates, size, branch)
     timer.add(sec.draft, t_draft)
     t_verify = timer.mark()
     checked = setup.verifier.verify_tree(grown, tokens)

@@ -106,9 +106,11 @@ def find_kind(spec) -> tuple[DraftKind, object]:
 def check_tree_kind(spec) -> None:
     """Refuse ``--tree`` for the draft ``spec`` (a ModelSpec) in one line, before it loads, when its kind drafts
     chains only."""
+    from dynvocab.runtime.tree_shape import chains_only
+
     kind, _ = find_kind(spec)
     if not kind.trees:
-        raise DynvocabError(f"--tree needs an EAGLE head; a {kind.label} drafts chains (drop --tree and @tree rows)")
+        raise chains_only(kind.label)
 
 
 def kind_names() -> str:

@@ -29,7 +29,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from dynvocab.errors import DynvocabError
 from dynvocab.runtime.cycle import CycleResult, CycleSetup, TargetVerifier, run_cycle
 from dynvocab.runtime.draft import Proposer
 from dynvocab.runtime.lm import CausalLM
@@ -39,7 +38,7 @@ from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.full import FullPolicy
 from dynvocab.runtime.timing import SectionTimer
 from dynvocab.runtime.tree_budget import budget_for
-from dynvocab.runtime.tree_shape import TREE_AUTO, TREE_OFF, TreeShape, parse_tree
+from dynvocab.runtime.tree_shape import TREE_AUTO, TREE_OFF, TreeShape, chains_only, parse_tree
 from dynvocab.runtime.verify import SamplingConfig
 
 
@@ -241,10 +240,15 @@ def _setup(target: CausalLM, cfg: DecodeConfig, eos_ids: set[int], draft: Propos
                       frozenset(eos_ids), ngram=cfg.lookup, tree=shape if draft is not None else None, budget=budget)
 
 
+def drafts_trees(draft: Proposer) -> bool:
+    """Whether ``draft`` grows EAGLE-2 trees (it has ``tree_root`` and ``branch``: the EAGLE heads)."""
+    return hasattr(draft, "branch")
+
+
 def check_tree_draft(draft: Proposer) -> None:
     """Refuse ``--tree`` for a draft that drafts chains only (a draft model), in one line."""
-    if not hasattr(draft, "branch"):
-        raise DynvocabError(f"--tree needs an EAGLE head; a {draft.info.label} drafts chains (drop --tree)")
+    if not drafts_trees(draft):
+        raise chains_only(draft.info.label)
 
 
 def _count(tally: Tally, result: CycleResult) -> None:

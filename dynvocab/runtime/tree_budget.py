@@ -26,10 +26,10 @@ whose launches are not waited for, name a fixed shape instead.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-import platform
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from dynvocab.files import write_atomic
+from dynvocab.models.loading import cpu_name
 from dynvocab.runtime.host import to_host
 from dynvocab.runtime.tree_shape import TreeShape
 
@@ -50,17 +51,6 @@ EXPLORE = 8  # auto drafts with the slower of tree and chain after this many cyc
 EXPLORE_MAX = 64  # … and after twice as many each time it still was, up to this many
 MARGIN = 1.10  # auto drafts trees only where their cycles made tokens this much faster than the chain's
 DECAY = 0.85  # each cycle, a mode's earlier tokens and seconds count this much less
-
-
-def cpu_name() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def curve_key(target) -> dict:
@@ -150,13 +140,13 @@ class TreeBudget:
     explore_every: int = EXPLORE  # cycles between looks at the slower mode (running)
     _leader: bool = False  # whether trees led at the last look
 
-    @property
+    @functools.cached_property
     def relative(self) -> dict[int, float]:
         """The curve relative to a 1-token pass."""
         one = self.curve[min(self.curve)]
         return {n: s / one for n, s in sorted(self.curve.items())}
 
-    @property
+    @functools.cached_property
     def shape(self) -> TreeShape:
         """The growth shape: depth :data:`AUTO_DEPTH`, top-k 4 where 16 tokens cost at most :data:`FLAT` passes
         (else 2), and up to the largest N within :data:`FLAT` (at least the depth)."""

@@ -70,18 +70,31 @@ class Candidates:
 
 
 @dataclass
+class Growth:
+    """What a growth made besides its candidates: the active set of each depth, the drafted tokens by depth (for
+    policies that ask for the draft's alternatives) and each depth's draft distributions (sampling: probabilities
+    [rows, n] over ids [n]; greedy: None)."""
+
+    sets: list[ActiveSet]
+    tops: list[torch.Tensor]
+    depth_probs: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+
+
+@dataclass
 class GrownTree:
     """A grown draft tree, ready to verify: the pass's :class:`TokenTree`, the active set of each depth, the
-    draft's distribution at each expanded row (sampling), the drafted tokens by depth (for policies that ask for
-    the draft's alternatives) and what the growth cost."""
+    candidates grown, the drafted tokens by depth and the draft's distribution at each expanded row (sampling)."""
 
     tree: TokenTree
     sets: list[ActiveSet]
     candidates: int
-    head_calls: int
     tops: list[torch.Tensor] = field(default_factory=list)
-    depth_probs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     by_row: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+
+    @property
+    def head_calls(self) -> int:
+        """One head call per depth grown."""
+        return len(self.sets)
 
     def proposals(self, row: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft's probabilities [n] over ids [n] (None: all ids) at pass row ``row`` (an expanded node)."""
@@ -95,8 +108,8 @@ def _expand(logits: torch.Tensor, cols: torch.Tensor | None, k: int, sampling: S
     the rank prior. Children past the set's size, or of zero probability, score -inf."""
     rows, n = logits.shape
     if sampling.greedy:  # the k best and their log-probabilities, without a log-softmax over the whole set
-        top = logits.topk(min(k, n), dim=-1)  # [r, k']
-        values = (top.values.float() - logits.float().logsumexp(dim=-1, keepdim=True))
+        top = logits.topk(min(k, n), dim=-1)  # [r, k'] (the head's logits are float32)
+        values = top.values - logits.logsumexp(dim=-1, keepdim=True)
         idx = top.indices
         if n < k:  # a set smaller than k: pad with impossible children
             values = torch.cat([values, values.new_full((rows, k - n), -math.inf)], dim=1)
@@ -118,10 +131,10 @@ def _expand(logits: torch.Tensor, cols: torch.Tensor | None, k: int, sampling: S
     return tokens, increments.double(), probs
 
 
-def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[GrownTree, Candidates]:
+def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[Growth, Candidates]:
     """Grow an EAGLE-2 tree of ``shape`` after the committed ``tokens`` (see the module's docstring) with the
-    setup's proposer (one that can :meth:`branch`), policy, sampling and timer. Returns the tree of the
-    ``shape.tokens`` best nodes and all the candidates (for a budget that chooses N itself)."""
+    setup's proposer (one that can :meth:`branch`), policy, sampling and timer. Returns what the growth made and
+    all its candidates; :func:`tree_of` chooses the nodes to verify."""
     proposer, policy, sampling, timer, sec = setup.proposer, setup.policy, setup.sampling, setup.timer, setup.sections
     k, device = shape.topk, proposer.info.device
     log_prior = torch.tensor([math.log(PRIOR_FIRST) + r * math.log(PRIOR_DECAY) for r in range(k)],
@@ -179,12 +192,13 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[GrownTree, Ca
         k, [int(v) for v in values[:count]], [int(v) for v in values[count : 2 * count]], list(values[2 * count : 3 * count]),
         [[int(v) for v in values[3 * count + i * k : 3 * count + (i + 1) * k]] for i in range(len(frontier_ids))],
     )
-    return GrownTree(TokenTree((-1,), (-1,)), sets, count, len(sets), tops, probs_by_depth), candidates
+    return Growth(sets, tops, probs_by_depth), candidates
 
 
-def tree_of(grown: GrownTree, candidates: Candidates, n: int, extra: list[int] = ()) -> GrownTree:
-    """``grown`` verifying the ``n`` best candidates (and a chain ``extra`` of tokens under the root, an n-gram
-    lookup's continuation, greedy only): its :class:`TokenTree` and the draft's distributions at its rows."""
+def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = ()) -> GrownTree:
+    """The tree verifying the ``n`` best ``candidates`` of ``growth`` (and a chain ``extra`` of tokens under the
+    root, an n-gram lookup's continuation, greedy only): its :class:`TokenTree` and the draft's distributions at
+    its rows."""
     kept = candidates.choose(n)
     row_of = {-1: 0}
     parents, toks = [-1], [-1]
@@ -205,7 +219,7 @@ def tree_of(grown: GrownTree, candidates: Candidates, n: int, extra: list[int] =
         toks.append(token)
         parent = len(parents) - 1
     proposals = {}
-    depth_probs = grown.depth_probs
+    depth_probs = growth.depth_probs
     if depth_probs and depth_probs[0][0] is not None:
         proposals[0] = (depth_probs[0][0][0], depth_probs[0][1])
         for depth, ids in enumerate(candidates.expanded, start=1):
@@ -214,7 +228,7 @@ def tree_of(grown: GrownTree, candidates: Candidates, n: int, extra: list[int] =
                 if i in row_of:
                     proposals[row_of[i]] = (probs[r], cols)
     tree = TokenTree(tuple(parents), tuple(toks), tuple(main))
-    return GrownTree(tree, grown.sets, grown.candidates, grown.head_calls, grown.tops, depth_probs, proposals)
+    return GrownTree(tree, growth.sets, len(candidates.tokens), growth.tops, proposals)
 
 
-__all__ = ["Candidates", "GrownTree", "grow_tree", "tree_of", "PRIOR_DECAY", "PRIOR_FIRST"]
+__all__ = ["Candidates", "GrownTree", "Growth", "grow_tree", "tree_of", "PRIOR_DECAY", "PRIOR_FIRST"]

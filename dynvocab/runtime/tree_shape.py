@@ -71,6 +71,16 @@ def parse_tree(text: str | TreeShape | None) -> TreeShape | str | None:
     return TreeShape(*(int(g) for g in found.groups()))
 
 
+def chains_only(label: str) -> DynvocabError:
+    """The one-line refusal of ``--tree`` for a draft (``label``: what it is) that drafts chains only."""
+    return DynvocabError(f"--tree needs an EAGLE head; a {label} drafts chains (drop --tree and @tree rows)")
+
+
+def asks_for_trees(tree: str, names) -> bool:
+    """Whether a run with ``--tree tree`` over the strategies or rows ``names`` drafts any tree."""
+    return str(tree) != TREE_OFF or any(split_tree(name)[1] is not None for name in names)
+
+
 def split_tree(name: str) -> tuple[str, str | None]:
     """``name`` without its tree suffix, and the suffix's tree: ``X@tree`` -> ``"tree"`` (``--tree``'s shape, or
     auto where that is off), ``X@auto`` or ``X@DxKxN`` -> that (checked), no suffix -> None."""
