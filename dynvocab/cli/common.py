@@ -18,9 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.loop import DEFAULT_BRANCH_BELOW, DEFAULT_GAMMA, DEFAULT_STOP_BELOW
-from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
-from dynvocab.runtime.tree_shape import TREE_OFF, parse_tree
+from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.tree_shape import parse_tree
 from dynvocab.runtime.drafts import kind_names
 from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, strategy_flags
 
@@ -195,23 +194,28 @@ NgramMin = Annotated[int, typer.Option(
     min=1, max=64, help="X+ngram: the shortest suffix that counts as a match (at most --ngram-max).")]
 
 
+_DECODING = DecodeConfig()  # the decoding flags' defaults are the loop's own
+
+
 @dataclass(frozen=True)
 class StrategyFlags:
     """The decoding flags and strategy inputs ``generate`` and ``bench`` share, as given on the command line, and
     the strategies' configs that their own flags describe (each registered strategy contributes its flags).
 
-    Defined once: :func:`with_strategy_flags` adds them to a command, which receives them as ``flags``.
+    Defined once: :func:`with_strategy_flags` adds them to a command, which receives them as ``flags``. The decoding
+    flags are :class:`~dynvocab.runtime.loop.DecodeConfig`'s fields of the same names, with its defaults, held as
+    given until :meth:`check` (a DecodeConfig would refuse some of them before the command's own checks ran).
     """
 
-    gamma: int = DEFAULT_GAMMA
-    stop_below: float = DEFAULT_STOP_BELOW
-    branch_below: float = DEFAULT_BRANCH_BELOW
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    ngram_max: int = DEFAULT_NGRAM_MAX
-    ngram_min: int = DEFAULT_NGRAM_MIN
-    tree: str = TREE_OFF
+    gamma: int = _DECODING.gamma
+    stop_below: float = _DECODING.stop_below
+    branch_below: float = _DECODING.branch_below
+    temperature: float = _DECODING.temperature
+    top_p: float = _DECODING.top_p
+    seed: int = _DECODING.seed
+    ngram_max: int = _DECODING.ngram_max
+    ngram_min: int = _DECODING.ngram_min
+    tree: str = _DECODING.tree
     token_map: Optional[str] = None
     fr_size: Optional[int] = None
     bundle: Optional[str] = None
@@ -230,21 +234,19 @@ class StrategyFlags:
             raise DynvocabError(f"--ngram-min ({self.ngram_min}) must not exceed --ngram-max ({self.ngram_max})")
         parse_tree(self.tree)
 
-    def decode(self, max_new_tokens: int, seed: int | None = None):
-        """The :class:`~dynvocab.runtime.loop.DecodeConfig` these flags describe."""
-        from dynvocab.runtime.loop import DecodeConfig
-
-        return DecodeConfig(
-            gamma=self.gamma, max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            seed=self.seed if seed is None else seed, stop_below=self.stop_below, branch_below=self.branch_below,
-            ngram_max=self.ngram_max, ngram_min=self.ngram_min, tree=self.tree,
-        )
+    def decode(self, max_new_tokens: int, seed: int | None = None) -> DecodeConfig:
+        """The :class:`~dynvocab.runtime.loop.DecodeConfig` these flags describe (``seed``: in place of theirs)."""
+        values = {name: getattr(self, name) for name in _DECODING_FLAGS}
+        if seed is not None:
+            values["seed"] = seed
+        return DecodeConfig(**values, max_new_tokens=max_new_tokens)
 
     def options(self) -> StrategyOptions:
         """The :class:`~dynvocab.runtime.registry.StrategyOptions` these flags describe."""
         return StrategyOptions(token_map=self.token_map, fr_size=self.fr_size, configs=self.configs)
 
 
+_DECODING_FLAGS = tuple(f.name for f in dataclasses.fields(StrategyFlags) if f.name in vars(_DECODING))
 _SHARED_TYPES = {
     "gamma": Gamma, "stop_below": StopBelow, "branch_below": BranchBelow, "temperature": Temperature, "top_p": TopP,
     "seed": Seed, "ngram_max": NgramMax, "ngram_min": NgramMin, "tree": Tree, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
