@@ -9,15 +9,10 @@ from typing import Annotated, Optional
 import typer
 
 from dynvocab.cli.common import (
-    Device,
     Draft,
-    DraftWeights,
-    Dtype,
-    Prepack,
+    LoadFlags,
     StrategyFlags,
     Target,
-    Threads,
-    check_dtype_device,
     check_out,
     one_line_errors,
     set_threads,
@@ -92,11 +87,7 @@ def bench(
         Optional[str], typer.Option(help="Comma-separated seeds (e.g. 0,1,2): every row once per seed; mean ± std over seeds.")
     ] = None,
     flags: StrategyFlags = StrategyFlags(),
-    device: Device = None,
-    dtype: Dtype = None,
-    draft_weights: DraftWeights = None,
-    prepack: Prepack = None,
-    threads: Threads = None,
+    load: LoadFlags = LoadFlags(),
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode prompts as plain text.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the full results (generations, summary) here.")] = None,
     csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Write one row per strategy × task here.")] = None,
@@ -158,7 +149,7 @@ def bench(
     from dynvocab.runtime.session import ModelConfig
 
     refuse_moved(kernels=kernels, policy_steps=policy_steps, eagle_step=eagle_step, draft_kind=draft_kind)
-    check_dtype_device(device, dtype, draft_weights)
+    load.check()
     for path, flag in ((json_path, "--json"), (csv_path, "--csv"), (plot_path, "--plot")):
         check_out(path, flag)
     flags.check()
@@ -168,19 +159,19 @@ def bench(
     if vllm:
         from dynvocab.cli.bench_run import BenchRequest, VllmRequest, run_vllm_command
 
-        refuse_beside_vllm({"--csv": csv_path, "--plot": plot_path, "--seeds": seeds, "--device": device,
-                            "--draft-weights": draft_weights, "--prepack": prepack, "--threads": threads,
+        refuse_beside_vllm({"--csv": csv_path, "--plot": plot_path, "--seeds": seeds, "--device": load.device,
+                            "--draft-weights": load.draft_weights, "--prepack": load.prepack, "--threads": load.threads,
                             "--coverage": score_sets or None, "--llamacpp": llamacpp})
 
         request = BenchRequest(
-            models=ModelConfig(target, draft, dtype=dtype), prompts=prompts, strategies=strategies, ids=ids, tasks=tasks,
+            models=ModelConfig(target, draft, dtype=load.dtype), prompts=prompts, strategies=strategies, ids=ids, tasks=tasks,
             num_prompts=num_prompts, quick=quick, max_new_tokens=max_new_tokens, chat_template=not no_chat_template,
             json_path=json_path,
         )
         run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size, concurrency,
                                                                 schedule))
         return
-    set_threads(threads)
+    set_threads(load.threads)
     llama = None
     if llamacpp is not None:
         from dynvocab.bench.llamacpp import prepare
@@ -189,7 +180,8 @@ def bench(
             raise DynvocabError("--llamacpp rows decode greedily; drop --temperature")
         llama = prepare(llamacpp, target, draft)
     request = BenchRequest(
-        models=ModelConfig(target, draft, device, dtype, prepack=prepack, draft_weights=draft_weights),
+        models=ModelConfig(target, draft, load.device, load.dtype, prepack=load.prepack,
+                           draft_weights=load.draft_weights),
         prompts=prompts, strategies=strategies, ids=ids, tasks=tasks, num_prompts=num_prompts, quick=quick,
         max_new_tokens=max_new_tokens, seeds=seeds, score_sets=score_sets, chat_template=not no_chat_template,
         json_path=json_path, csv_path=csv_path, plot_path=plot_path, llamacpp=llama,

@@ -184,6 +184,34 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+@dataclass(frozen=True)
+class LoadFlags:
+    """How ``generate`` and ``bench`` load and run the models: --device, --dtype, --draft-weights, --prepack and
+    --threads, as given on the command line.
+
+    Defined once: :func:`with_strategy_flags` adds them to a command in place of its parameter of this type.
+    """
+
+    device: Device = None
+    dtype: Dtype = None
+    draft_weights: DraftWeights = None
+    prepack: Prepack = None
+    threads: Threads = None
+
+    def check(self) -> None:
+        """Validate --device / --dtype / --draft-weights before any model is loaded (:func:`check_dtype_device`)."""
+        check_dtype_device(self.device, self.dtype, self.draft_weights)
+
+
+def load_flag_params() -> list[inspect.Parameter]:
+    """The options of :class:`LoadFlags`, as parameters typer reads."""
+    hints = typing.get_type_hints(LoadFlags, include_extras=True)
+    return [
+        inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[f.name], default=f.default)
+        for f in dataclasses.fields(LoadFlags)
+    ]
+
+
 Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (exact rejection sampling).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1], applied to target and draft alike.")]
 Seed = Annotated[int, typer.Option(help="Random seed for sampling.")]
@@ -274,8 +302,9 @@ def strategy_flag_params() -> list[inspect.Parameter]:
 
 
 def with_strategy_flags(command):
-    """Give ``command`` the shared options (:func:`strategy_flag_params`) in place of its ``flags`` parameter (typer
-    reads the signature); the command receives them as one checked :class:`StrategyFlags`."""
+    """Give ``command`` the shared options (:func:`strategy_flag_params`) in place of its ``flags`` parameter, and
+    those of :class:`LoadFlags` (:func:`load_flag_params`) in place of its parameter of that type, if any (typer reads
+    the signature); the command receives them as one :class:`StrategyFlags` and one :class:`LoadFlags`."""
     return _StrategyCommand(command)
 
 
@@ -295,6 +324,8 @@ class _StrategyCommand:
         for p in signature.parameters.values():
             if p.name == "flags":
                 params += strategy_flag_params()
+            elif hints.get(p.name) is LoadFlags:
+                params += load_flag_params()
             else:
                 params.append(p.replace(annotation=hints.get(p.name, p.annotation)))
         return signature.replace(parameters=params)
@@ -303,6 +334,10 @@ class _StrategyCommand:
         shared = {n: kwargs.pop(n) for n in _SHARED_TYPES if n in kwargs}
         values = {flag.name: kwargs.pop(flag.name) for flag, _ in strategy_flags() if flag.name in kwargs}
         flags = StrategyFlags(**shared, configs=configs_from_flags(values))
+        for name, hint in typing.get_type_hints(self.command, include_extras=True).items():
+            if hint is LoadFlags:
+                given = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(LoadFlags) if f.name in kwargs}
+                kwargs[name] = LoadFlags(**given)
         return self.command(*args, flags=flags, **kwargs)
 
 

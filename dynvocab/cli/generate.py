@@ -10,16 +10,11 @@ from typing import Annotated
 import typer
 
 from dynvocab.cli.common import (
-    Device,
     Draft,
-    DraftWeights,
-    Dtype,
+    LoadFlags,
     MaxNew,
-    Prepack,
     StrategyFlags,
     Target,
-    Threads,
-    check_dtype_device,
     err_console,
     one_line_errors,
     status_printer,
@@ -40,11 +35,7 @@ def generate(
                                                    "latest suffix earlier in the request (ar+ngram: that alone).")] = "full",
     max_new_tokens: MaxNew = 128,
     flags: StrategyFlags = StrategyFlags(),
-    device: Device = None,
-    dtype: Dtype = None,
-    draft_weights: DraftWeights = None,
-    prepack: Prepack = None,
-    threads: Threads = None,
+    load: LoadFlags = LoadFlags(),
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Encode the prompt as plain text.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, token_ids, strategy, metrics) as the last line.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No loading messages.")] = False,
@@ -60,7 +51,7 @@ def generate(
     if not prompt.strip():
         raise DynvocabError("the prompt is empty; pass some text")
     check_strategy(strategy)
-    check_dtype_device(device, dtype, draft_weights)
+    load.check()
     flags.check()
     check_bundle_stages([strategy], flags.bundle)
     if lookup(strategy).drafts and asks_for_trees(flags.tree, [strategy]):
@@ -69,8 +60,8 @@ def generate(
 
         check_tree_kind(resolve_model(draft))  # before anything loads
     pair = api.load(
-        target, draft if lookup(strategy).drafts else None, flags.bundle, device, dtype, draft_weights, prepack,
-        threads, status_printer(quiet),
+        target, draft if lookup(strategy).drafts else None, flags.bundle, load.device, load.dtype, load.draft_weights,
+        load.prepack, load.threads, status_printer(quiet),
     )
     shown, reply = api.TextStream(pair.tokenizer), None
     try:
