@@ -1,6 +1,7 @@
 """The loop's device→host reads, counted on CPU for every registered strategy, greedy and sampled: every read goes
-through :func:`dynvocab.runtime.host.to_host`, with no ``int()``/``float()``/``.item()``/``.tolist()``/``bool()`` of
-a tensor anywhere else in dynvocab while a generation runs (on a GPU each would be a wait), and the drafted tokens
+through :func:`dynvocab.runtime.host.to_host` (or ``to_host_tensor``, for the host's HNSW searches and kept tables),
+with no ``int()``/``float()``/``.item()``/``.tolist()``/``bool()``/``.cpu()`` of a tensor anywhere else in dynvocab
+while a generation runs (on a GPU each would be a wait; ``.cpu()`` is counted on the CPU too), and the drafted tokens
 stay on the device: the loop reads once per cycle (the verdict, with the drafted tokens) and once per draft step
 only where early stops or runner-up leaves need the step's confidence.
 
@@ -37,11 +38,12 @@ CONFIGS = {
 }
 LOOP = {"read_confidence", "verify_tree_greedy", "verify_sampling", "finish"}  # finish: the tally's hits, once
 HEAD = {"_counts"}  # the packed head's slot counts, where a changed segment replaces some of its rows
-MAPPED = {"build"}  # EAGLE-3's head mapping a prefix or ranges it has not kept onto its draft vocabulary
+MAPPED = {"build", "mapped_order"}  # EAGLE-3's head mapping an order, prefix or ranges it has not kept
 POLICY_READS = {  # where a strategy reads the device itself, through to_host, and why
     "dynaspec": {"_ranges"},  # the routed clusters' row ranges, per step
     "centroids": {"_ranges"},  # the picked blocks' row ranges, per step
-    "hybrid": {"_neighbours", "contains"},  # a missed token and its neighbours, per cycle
+    "hybrid": {"_neighbours", "contains", "step_candidates"},  # a missed token and its neighbours, per cycle; the
+    # hidden state for the per-step search, per step (which the hybrid turns off on CUDA)
     "evospec": {"contains", "observe", "semantic", "prefill"},  # OOV events, per cycle; the prompt, once
 }
 OPTIONS = StrategyOptions(configs=(
@@ -205,6 +207,23 @@ def test_policies_get_the_fed_token_on_the_device_and_the_counter_sees_a_stray_r
     assert set(seen) == {(torch.Tensor, (1,), draft.device)}
     (where, count), = reads.elsewhere.items()
     assert where.startswith(f"{Path(__file__).name}:") and where.endswith("__int__")
+    assert count == g.metrics.draft_steps
+
+
+def test_a_stray_cpu_copy_is_caught_on_the_cpu_too(pair):
+    """``.cpu()`` of a CPU tensor copies nothing, yet the counter charges it: on a GPU it would be a wait."""
+    target, draft = pair
+
+    class Copying(FullPolicy):
+        def active_ids(self, step, hidden=None, token=None):
+            token.cpu()
+            return super().active_ids(step, hidden, token)
+
+    with HostReads(roots=(PACKAGE, __file__)) as reads:
+        g = speculative_generate(target, [3, 1, 4], DecodeConfig(gamma=2, max_new_tokens=6), set(), draft,
+                                 Copying(draft.vocab_size))
+    (where, count), = reads.elsewhere.items()
+    assert where.startswith(f"{Path(__file__).name}:") and where.endswith(" cpu")
     assert count == g.metrics.draft_steps
 
 

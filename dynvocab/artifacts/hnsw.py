@@ -100,8 +100,8 @@ def augment_rows(rows: torch.Tensor) -> tuple[np.ndarray, float]:
 
 
 def augment_queries(queries: torch.Tensor) -> np.ndarray:
-    """Queries [n, r] -> float32 array [n, r + 1] with a zero last coordinate."""
-    q = queries.detach().float().cpu().reshape(-1, queries.shape[-1])
+    """Queries [n, r] on the CPU -> float32 array [n, r + 1] with a zero last coordinate."""
+    q = queries.detach().float().reshape(-1, queries.shape[-1])
     return torch.cat([q, torch.zeros(q.shape[0], 1)], dim=1).numpy()
 
 
@@ -202,13 +202,14 @@ def load_hnsw(bundle: Bundle, head: torch.Tensor, stage: str = "hnsw") -> tuple[
 def rerank(head: torch.Tensor, queries: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
     """The top-``k`` of each query's ``candidates`` [n, c] by exact inner product with ``head`` [V, d] rows.
 
-    ``queries`` [n, d]; returns LongTensor [n, k] of row ids (CPU), largest inner product first.
+    ``queries`` [n, d]; returns LongTensor [n, k] of row ids on the head's device (not read back: the caller
+    reads what it needs), largest inner product first.
     """
     ids = candidates.to(head.device)  # [n, c]
     rows = head[ids].float()  # [n, c, d]
     scores = torch.einsum("ncd,nd->nc", rows, queries.to(head.device).float())  # [n, c]
     top = scores.topk(min(k, ids.shape[1]), dim=1).indices  # [n, k]
-    return ids.gather(1, top).cpu()
+    return ids.gather(1, top)
 
 
 def mips_search(index: MipsIndex, queries: torch.Tensor, k: int, num_threads: int = 1) -> torch.Tensor:
@@ -216,10 +217,13 @@ def mips_search(index: MipsIndex, queries: torch.Tensor, k: int, num_threads: in
 
     On a projection (rank < d) the graph proposes ``max(k, candidates)`` rows per query and the exact inner
     products with the head's rows keep the best ``k``; at full rank the graph's order already is that of the
-    inner products (re-ranking measured no change in recall on the demo), so its top ``k`` are returned. Returns LongTensor [n, k] of token ids, largest inner
-    product first. One thread suits single queries at run time; pass ``num_threads=-1`` for large batches.
+    inner products (re-ranking measured no change in recall on the demo), so its top ``k`` are returned. Returns
+    LongTensor [n, k] of token ids, largest inner product first: on the CPU at full rank, on the head's device after
+    a re-rank. The search runs on the host (hnswlib), so ``queries`` must be on the CPU: the decoding loop copies a
+    hidden state there with :func:`dynvocab.runtime.host.to_host_tensor`, which counts the read. One thread suits
+    single queries at run time; pass ``num_threads=-1`` for large batches.
     """
-    q = queries.detach().float().cpu().reshape(-1, queries.shape[-1])  # [n, d]
+    q = queries.detach().float().reshape(-1, queries.shape[-1])  # [n, d]
     exact = index.params.rank >= index.params.hidden  # the graph's own distances are the inner products
     wanted = k if exact else min(max(k, index.params.candidates), index.params.num_elements)
     labels, _ = index.index.knn_query(augment_queries(q @ index.query_map), k=wanted, num_threads=num_threads)

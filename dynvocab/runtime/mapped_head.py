@@ -8,7 +8,7 @@ import torch
 
 from dynvocab.runtime.active_set import ActiveSet, Gathered, Prefix, RowRanges, Segment, SegmentKey, merge_ranges
 from dynvocab.runtime.head import DraftHead
-from dynvocab.runtime.host import to_host
+from dynvocab.runtime.host import to_host, to_host_tensor
 
 
 class MappedHead:
@@ -61,7 +61,7 @@ class MappedHead:
             rows = self.row_of[order]
             kept = rows >= 0
             before = torch.cat([kept.new_zeros(1, dtype=torch.long), kept.cumsum(0)])
-            hit = (rows[kept], before.cpu())
+            hit = (rows[kept], to_host_tensor(before))
             self._orders[key] = hit
             if len(self._orders) > self.KEEP_ORDERS:
                 self._orders.popitem(last=False)

@@ -34,6 +34,7 @@ from dynvocab.artifacts.hnsw import MipsIndex, mips_search
 from dynvocab.artifacts.router import DEFAULT_K_MAX
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.host import to_host_tensor
 from dynvocab.runtime.policies.batch_select import bundle_eos
 
 # HNSW ef of the hybrid's per-step search in a batched host: on the demo pair in vLLM-CPU (bfloat16, one request) ef 32
@@ -220,7 +221,7 @@ class HeadSearch:
         if index is None:
             return None
         threads = min(int(hidden.shape[0]), torch.get_num_threads())
-        return mips_search(index, hidden, self.neighbours, num_threads=threads).to(hidden.device)
+        return mips_search(index, to_host_tensor(hidden), self.neighbours, num_threads=threads).to(hidden.device)
 
 
 class HybridSelector(ContextSelector):

@@ -41,7 +41,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
 from dynvocab.runtime.policies.arc import ARCCache
 from dynvocab.runtime.active_set import ActiveSet, Prefix
-from dynvocab.runtime.host import to_host
+from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
 @dataclass(frozen=True)
@@ -304,7 +304,8 @@ class EvoSpecPolicy(VocabPolicy):
                     self.cache.touch(tok)
                 continue
             top = cycle.target_logits[j, : self.vocab_size].topk(self.cfg.target_topk).indices  # [k]
-            event = OOVEvent(tok, tuple(to_host(top)), cycle.target_hidden[j].float().cpu().clone(), self.stats.cycles)
+            hidden = to_host_tensor(cycle.target_hidden[j].float()).clone()  # the worker's own copy
+            event = OOVEvent(tok, tuple(to_host(top)), hidden, self.stats.cycles)
             self.stats.oov_events += 1
             if self.cfg.synchronous:
                 self._ready.append((event, *self.retriever.candidates(event)))

@@ -34,7 +34,7 @@ import torch
 from dynvocab.artifacts import mips_search
 from dynvocab.budget import pa_budget
 from dynvocab.runtime.active_set import ActiveSet, Prefix
-from dynvocab.runtime.host import to_host
+from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.evospec import assemble_candidates
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
@@ -133,7 +133,7 @@ class HybridPolicy(MicroSpecPolicy):
         cfg = self.hcfg
         parts = []
         if self.draft_hnsw is not None and hidden is not None and cfg.step_neighbours:
-            parts.append(mips_search(self.draft_hnsw, hidden[-1:], cfg.step_neighbours).flatten())
+            parts.append(mips_search(self.draft_hnsw, to_host_tensor(hidden[-1:]), cfg.step_neighbours).flatten())
         if self.graph is not None and token is not None and cfg.step_successors:
             parts.append(self._device_graph.top_successors(token, cfg.step_successors, self.vocab_size,
                                                            below=self.vocab_size))
@@ -162,7 +162,8 @@ class HybridPolicy(MicroSpecPolicy):
         top = to_host(cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices)
         semantic = []
         if self.hnsw is not None:
-            semantic = to_host(mips_search(self.hnsw, cycle.target_hidden[k : k + 1].float().cpu(), cfg.miss_topk)[0])
+            query = to_host_tensor(cycle.target_hidden[k : k + 1].float())
+            semantic = to_host(mips_search(self.hnsw, query, cfg.miss_topk)[0])
         found = assemble_candidates(token, top, semantic, *self._csr, cfg.successors, self._in_core)
         return torch.tensor(found[: cfg.max_insert], dtype=torch.long, device=self.core.device)
 
