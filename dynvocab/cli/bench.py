@@ -164,9 +164,9 @@ def bench(
                             "--coverage": score_sets or None, "--llamacpp": llamacpp})
 
         request = BenchRequest(
-            models=ModelConfig(target, draft, dtype=load.dtype), prompts=prompts, strategies=strategies, ids=ids, tasks=tasks,
-            num_prompts=num_prompts, quick=quick, max_new_tokens=max_new_tokens, chat_template=not no_chat_template,
-            json_path=json_path,
+            models=ModelConfig(target, draft, dtype=load.dtype), prompts=prompts, strategies=strategies, ids=ids,
+            tasks=tasks, num_prompts=num_prompts, quick=quick, max_new_tokens=max_new_tokens,
+            chat_template=not no_chat_template, json_path=json_path,
         )
         run_vllm_command(request, flags, VllmRequest(vllm_python, rounds, tensor_parallel_size, concurrency,
                                                                 schedule))
