@@ -11,6 +11,7 @@ import torch
 from cli_helpers import assert_one_line_error, run
 from conftest import random_eagle3
 
+from dynvocab.bench.timing import StepParams
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
 from dynvocab.models.int8 import int8_supported
@@ -103,7 +104,7 @@ def test_eagle_step_bench_shapes():
                                                    intermediate_size=128, num_attention_heads=4,
                                                    num_key_value_heads=2, vocab_size=9000)
     try:
-        r = eagle_step.eagle_step_bench("tiny-eagle3", active=(32768, 3072), repeats=2, warmup=1)
+        r = eagle_step.eagle_step_bench("tiny-eagle3", step=StepParams(active=(32768, 3072), repeats=2, warmup=1))
     finally:
         del eagle_step.EAGLE_SHAPES["tiny-eagle3"]
     assert r["head_rows"] == 4000 and set(r["step_ms"]) == {"full", "3072"}  # 32k > the draft vocabulary
@@ -119,8 +120,9 @@ def test_eagle_step_bench_times_int8_weights_as_the_runtime_steps_them():
     eagle_step.EAGLE_SHAPES["tiny-eagle1"] = dict(kind="eagle", hidden_size=64, intermediate_size=128,
                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=9000)
     try:
-        plain = eagle_step.eagle_step_bench("tiny-eagle1", active=(5000, 3072), repeats=2, warmup=1)
-        r = eagle_step.eagle_step_bench("tiny-eagle1", active=(5000, 3072), repeats=2, warmup=1, weights="int8")
+        step = StepParams(active=(5000, 3072), repeats=2, warmup=1)
+        plain = eagle_step.eagle_step_bench("tiny-eagle1", step=step)
+        r = eagle_step.eagle_step_bench("tiny-eagle1", step=step, weights="int8")
     finally:
         del eagle_step.EAGLE_SHAPES["tiny-eagle1"]
     assert plain["weights"] == "float32" and r["weights"] == "int8"

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from dynvocab.bench import draft_step, eagle_step, microbench, policy_step
 from dynvocab.bench.microbench import draft_step_bench, render_kernel_table, run_kernel_bench
+from dynvocab.bench.timing import StepParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # and puts back the threads a --threads run sets
 TINY_DRAFT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
@@ -36,8 +37,8 @@ def test_run_kernel_bench_cpu_small():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_draft_step_bench_tiny(dtype):
-    result = draft_step_bench(TINY_DRAFT, "cpu", dtype, layers=1, context=8, active=(1024, 128, 4096),
-                              repeats=2, warmup=1, threads=1)
+    step = StepParams(context=8, active=(1024, 128, 4096), repeats=2, warmup=1)
+    result = draft_step_bench(TINY_DRAFT, "cpu", dtype, layers=1, step=step, threads=1)
     assert result["config"]["num_hidden_layers"] == 1 and result["config"]["hidden_size"] == 64
     assert set(result["head_ms"]) == {"full", "1024", "1024_gathered", "128", "128_gathered"}
     for name, head in result["head_ms"].items():
@@ -98,7 +99,7 @@ def test_microbench_policy_steps_times_the_asked_rows(monkeypatch, tmp_path):
 def test_microbench_eagle_step_times_every_shape(monkeypatch, tmp_path):
     shapes = {"tiny-a": TINY_EAGLE, "tiny-b": {**TINY_EAGLE, "vocab_size": 5000}}
     monkeypatch.setattr(eagle_step, "EAGLE_SHAPES", shapes)
-    shrunk(monkeypatch, eagle_step, "eagle_step_bench", context=8, active=(3072,), repeats=1, warmup=0)
+    shrunk(monkeypatch, eagle_step, "eagle_step_bench", step=StepParams(context=8, active=(3072,), repeats=1, warmup=0))
     out = tmp_path / "e.json"
     result = run("microbench", "eagle-step", "--device", "cpu", "--dtype", "float32", "--draft-weights", "float32",
                  "--json", out)
@@ -109,7 +110,8 @@ def test_microbench_eagle_step_times_every_shape(monkeypatch, tmp_path):
 
 
 def test_microbench_draft_step_splits_body_and_head(monkeypatch, tmp_path):
-    calls = shrunk(monkeypatch, draft_step, "draft_step_bench", context=8, active=(1024, 128), repeats=1, warmup=0)
+    small = StepParams(context=8, active=(1024, 128), repeats=1, warmup=0)
+    calls = shrunk(monkeypatch, draft_step, "draft_step_bench", step=small)
     monkeypatch.setitem(draft_step.DRAFT_CONFIGS, "qwen2-0.5b", {**draft_step.QWEN2_0_5B, **TINY_DRAFT})
     out = tmp_path / "d.json"
     result = run("microbench", "draft-step", "--device", "cpu", "--layers", 1, "--threads", 1, "--json", out)

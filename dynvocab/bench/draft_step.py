@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from dynvocab.kernels.gathered_head import gathered_logits_auto
-from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
+from dynvocab.bench.timing import CacheFlusher, StepParams, cpu_threads, resolve_dtype, time_ms
 
 QWEN2_0_5B = {  # Qwen2.5(-Coder)-0.5B: the demo draft
     "hidden_size": 896,
@@ -48,34 +48,30 @@ def draft_step_bench(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
     layers: int | None = None,
-    context: int = 128,
-    active: tuple[int, ...] = (32768, 3072),
-    repeats: int = 10,
-    warmup: int = 2,
-    seed: int = 0,
+    step: StepParams = StepParams(),
     threads: int | None = None,
 ) -> dict:
     """Median times of one draft step's body and head (M = 1) on a randomly initialised Qwen2 body.
 
-    The body decodes one token after ``context`` cached tokens (the cache is cropped back after each step). Heads:
-    ``full`` (all V rows), ``"<K>"`` for each K in ``active`` (a contiguous K-row buffer: FR-Spec's static slice
-    or MicroSpec's packed buffer, the same matmul), and ``"<K>_gathered"`` (``gathered_logits_auto`` over K random
-    ids: the fused kernel on CUDA, index_select + matmul elsewhere). Returns ``config``, ``device``, ``dtype``,
-    ``context``, ``repeats``, ``threads``, ``body_ms``, ``head_ms``, ``step_ms`` (body + head) and ``head_share``
-    per head. ``threads`` sets the CPU intra-op threads for the run (None: unchanged).
+    The body decodes one token after ``step.context`` cached tokens (the cache is cropped back after each step).
+    Heads: ``full`` (all V rows), ``"<K>"`` for each K in ``step.active`` (a contiguous K-row buffer: FR-Spec's
+    static slice or MicroSpec's packed buffer, the same matmul), and ``"<K>_gathered"`` (``gathered_logits_auto``
+    over K random ids: the fused kernel on CUDA, index_select + matmul elsewhere). Returns ``config``, ``device``,
+    ``dtype``, ``context``, ``repeats``, ``threads``, ``body_ms``, ``head_ms``, ``step_ms`` (body + head) and
+    ``head_share`` per head. ``threads`` sets the CPU intra-op threads for the run (None: unchanged).
     """
     with cpu_threads(threads):
-        return _draft_step_bench(config_name_or_dims, torch.device(device), resolve_dtype(dtype), layers, context,
-                                 active, repeats, warmup, seed)
+        return _draft_step_bench(config_name_or_dims, torch.device(device), resolve_dtype(dtype), layers, step)
 
 
 def _draft_step_bench(config_name_or_dims: str | dict, dev: torch.device, dt: torch.dtype, layers: int | None,
-                      context: int, active: tuple[int, ...], repeats: int, warmup: int, seed: int) -> dict:
+                      step: StepParams) -> dict:
     from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
+    context, repeats, warmup = step.context, step.repeats, step.warmup
     dims = draft_dims(config_name_or_dims, layers)
     cfg = Qwen2Config(**dims)
-    torch.manual_seed(seed)
+    torch.manual_seed(step.seed)
     with torch.device(dev):
         body = Qwen2Model(cfg).to(dt).eval()
     weight = body.embed_tokens.weight.detach()  # [V, d] the tied LM head
@@ -95,7 +91,7 @@ def _draft_step_bench(config_name_or_dims: str | dict, dev: torch.device, dt: to
     h = body_step()  # [1, d]
     flush = CacheFlusher(dev)  # the body streams its weights through the cache before the head runs
     heads = {"full": lambda: F.linear(h, weight)}
-    for k in (k for k in active if k <= vocab):
+    for k in (k for k in step.active if k <= vocab):
         rows = weight[torch.randperm(vocab, device=dev)[:k]].contiguous()  # [k, d]
         ids = torch.randperm(vocab, device=dev)[:k]  # [k]
         heads[str(k)] = lambda rows=rows: F.linear(h, rows)

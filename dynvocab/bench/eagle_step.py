@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 
-from dynvocab.bench.timing import CacheFlusher, cpu_threads, interleaved_ms, resolve_dtype
+from dynvocab.bench.timing import CacheFlusher, StepParams, cpu_threads, interleaved_ms, resolve_dtype
 from dynvocab.models.eagle import EAGLE1
 from dynvocab.models.int8 import INT8
 from dynvocab.models.prepack import quantize_linears
@@ -78,17 +78,13 @@ def eagle_step_bench(
     shape: str = "demo-eagle1",
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
-    context: int = 128,
-    active: tuple[int, ...] = (32768, 3072),
-    repeats: int = 10,
-    warmup: int = 2,
-    seed: int = 0,
+    step: StepParams = StepParams(),
     threads: int | None = None,
     weights: str | None = None,
 ) -> dict:
     """Median times of one EAGLE draft step (M = 1) at ``shape`` (:data:`EAGLE_SHAPES`): the layer alone
     (``body_ms``) and the whole step with the head over ``full`` and over a contiguous K-row buffer for each K in
-    ``active`` (FR-Spec's slice or a packed dynamic set: the same matmul). Returns ``shape``, ``dims``, ``device``,
+    ``step.active`` (FR-Spec's slice or a packed dynamic set: the same matmul). Returns ``shape``, ``dims``, ``device``,
     ``dtype``, ``context``, ``repeats``, ``threads``, ``layer_params``, ``head_rows``, ``body_ms``, ``step_ms``
     and ``ratio`` (step / full step) per head, ``head_share`` (of the full step) and ``weights``. ``weights``:
     ``"int8"`` for int8 draft weights, else (``None`` or the dtype's name) ``dtype``'s."""
@@ -97,11 +93,11 @@ def eagle_step_bench(
     dev, dt = torch.device(device), resolve_dtype(dtype)
     int8 = weights == INT8
     with cpu_threads(threads):
-        model, weight = _random_head(EAGLE_SHAPES[shape], dev, dt, seed)
-        body = _decode_step(model, context, dev, dt)
-        heads = _heads(model, weight, active, int8, dev, seed)
+        model, weight = _random_head(EAGLE_SHAPES[shape], dev, dt, step.seed)
+        body = _decode_step(model, step.context, dev, dt)
+        heads = _heads(model, weight, step.active, int8, dev, step.seed)
         fns = {"body": body, **{name: (lambda head=head: head(body())) for name, head in heads.items()}}
-        step_ms = interleaved_ms(fns, dev, repeats, warmup, CacheFlusher(dev))
+        step_ms = interleaved_ms(fns, dev, step.repeats, step.warmup, CacheFlusher(dev))
         body_ms = step_ms.pop("body")
         heads_and_tables = ("embed_tokens", "lm_head")
         return {
@@ -109,8 +105,8 @@ def eagle_step_bench(
             "dims": EAGLE_SHAPES[shape],
             "device": str(dev),
             "dtype": str(dt).removeprefix("torch."),
-            "context": context,
-            "repeats": repeats,
+            "context": step.context,
+            "repeats": step.repeats,
             "threads": torch.get_num_threads(),
             "layer_params": sum(p.numel() for n, p in model.named_parameters() if not n.startswith(heads_and_tables)),
             "head_rows": weight.shape[0],

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from dynvocab.bench.draft_step import QWEN2_0_5B
+from dynvocab.bench.timing import StepParams
 from dynvocab.files import write_atomic
 from dynvocab.models.loading import cpu_name
 
@@ -209,13 +210,13 @@ def run_section(name: str, device: str, quick: bool) -> dict:
     if name == "draft_step":
         from dynvocab.bench.draft_step import draft_step_bench
 
-        return draft_step_bench(cfg["config"], device, cfg["dtype"], layers=cfg["layers"], active=cfg["active"],
-                                repeats=cfg["repeats"], warmup=2)
+        step = StepParams(active=cfg["active"], repeats=cfg["repeats"], warmup=2)
+        return draft_step_bench(cfg["config"], device, cfg["dtype"], layers=cfg["layers"], step=step)
     if name == "eagle_step":
         from dynvocab.bench.eagle_step import eagle_step_bench
 
-        results = [eagle_step_bench(shape, device=device, dtype=cfg["dtype"], active=cfg["active"],
-                                    repeats=cfg["repeats"], warmup=1 if quick else 2) for shape in cfg["shapes"]]
+        step = StepParams(active=cfg["active"], repeats=cfg["repeats"], warmup=1 if quick else 2)
+        results = [eagle_step_bench(shape, device=device, dtype=cfg["dtype"], step=step) for shape in cfg["shapes"]]
         return {"results": results, "graph": NOT_CAPTURED["eagle_step"]}
     if name == "kernels":
         from dynvocab.bench.microbench import run_kernel_bench

@@ -1,11 +1,12 @@
-"""Timing helpers shared by the kernel and draft-step benchmarks: median wall/device times, cache flushing, and
-the device's memory bandwidth as a copy achieves it."""
+"""Timing helpers shared by the kernel and draft-step benchmarks: median wall/device times, cache flushing, the
+device's memory bandwidth as a copy achieves it, and the parameters of a one-step benchmark."""
 
 from __future__ import annotations
 
 import contextlib
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -13,6 +14,20 @@ import torch
 from dynvocab.models.loading import DTYPE_ALIASES, DTYPES
 
 CPU_FLUSH_BYTES = 64 << 20  # larger than this machine's 32 MiB L3
+
+
+@dataclass(frozen=True)
+class StepParams:
+    """What a one-step benchmark (:mod:`~dynvocab.bench.draft_step`, :mod:`~dynvocab.bench.eagle_step`) times and
+    how often: one token decoded after ``context`` cached positions, the head over the full vocabulary and over a
+    K-row set for each K in ``active``, each timed ``repeats`` times after ``warmup`` untimed runs; ``seed`` draws
+    the random weights and ids."""
+
+    context: int = 128
+    active: tuple[int, ...] = (32768, 3072)
+    repeats: int = 10
+    warmup: int = 2
+    seed: int = 0
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
