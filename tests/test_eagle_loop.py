@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_qwen2
-from test_loop import VOCAB, greedy_case, make_policy, pooled_chi_square
+from sampling_checks import first_tokens_follow_the_target
+from test_loop import VOCAB, greedy_case, make_policy
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
 from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
@@ -16,7 +17,6 @@ from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
-from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
 
 LAYERS = 6  # EAGLE-3's default taps (2, L//2, L-3) need a few layers
 DRAFT_VOCAB = 60
@@ -124,16 +124,6 @@ def test_sampling_follows_the_target_distribution(target_model, kind):
     else:
         model = eagle3(target_model)
         draft = Eagle3Draft(model, target, LayerTap(target_model, model.config.target_layers(LAYERS)))
-    prompt = [5, 9, 13]
-    cfg_s = SamplingConfig(temperature=1.5)
-    with torch.no_grad():
-        p = probs_from_logits(target_model(torch.tensor([prompt])).logits[0, -1].float(), cfg_s)
-    draws = 400
-    counts = torch.zeros(VOCAB)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:50]
-    for seed in range(draws):
-        cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5, seed=seed)
-        g = speculative_generate(target, prompt, cfg, set(), draft, FrequencyPolicy(ranking))
-        counts[g.token_ids[0]] += 1
-    chi2, dof = pooled_chi_square(counts, p, draws)
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
+    cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5)
+    first_tokens_follow_the_target(target, [5, 9, 13], cfg, draft, lambda: FrequencyPolicy(ranking))

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import tiny_qwen2
+from sampling_checks import first_tokens_follow_the_target
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
-from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
 from dynvocab.runtime.draft_model import DraftModel
 
 pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
@@ -159,33 +159,12 @@ def test_max_new_tokens_and_eos_stop_cleanly(pair):
         assert short.token_ids == ar.token_ids[:5]
 
 
-def pooled_chi_square(counts: torch.Tensor, p: torch.Tensor, draws: int) -> tuple[float, int]:
-    """Pearson's chi-square of ``counts`` [V] against ``draws`` × ``p`` [V], the tail pooled into one bin so every
-    expected count is >= 5: (statistic, degrees of freedom)."""
-    order = p.argsort(descending=True)
-    big = order[p[order] * draws >= 5]
-    rest = ~torch.isin(torch.arange(p.numel()), big)
-    observed = torch.cat([counts[big], counts[rest].sum(0, keepdim=True)])
-    expected = torch.cat([p[big], p[rest].sum(0, keepdim=True)]) * draws
-    return float(((observed - expected) ** 2 / expected).sum()), observed.numel() - 1
-
-
 def test_sampling_follows_the_target_distribution(pair):
     """First sampled token over many seeds, with q restricted to a subset, vs the target's p (chi-square)."""
     target, draft = pair
-    prompt = [5, 9, 13]
-    cfg_s = SamplingConfig(temperature=1.5)
-    with torch.no_grad():
-        p = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1].float(), cfg_s)
-    draws = 400
-    counts = torch.zeros(VOCAB)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:30]
-    for seed in range(draws):
-        cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5, seed=seed)
-        g = speculative_generate(target, prompt, cfg, set(), draft, FrequencyPolicy(ranking))
-        counts[g.token_ids[0]] += 1
-    chi2, dof = pooled_chi_square(counts, p, draws)
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
+    cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5)
+    first_tokens_follow_the_target(target, [5, 9, 13], cfg, draft, lambda: FrequencyPolicy(ranking))
 
 
 def test_sampling_is_reproducible_with_a_seed(pair):
