@@ -21,15 +21,7 @@ from dynvocab.builders.models import fingerprint
 from dynvocab.errors import DynvocabError
 from dynvocab.progress import SilentReporter, callback_reporter
 
-pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]  # CI: again at the lower bound
 
 
 @pytest.fixture(scope="module")

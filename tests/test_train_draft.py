@@ -21,14 +21,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, load_eagle
 from dynvocab.progress import SilentReporter, callback_reporter
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine are ~30x slower with 2 threads (spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -478,13 +471,10 @@ def test_draft_vocab_matches_speculators():
 @pytest.fixture(scope="module")
 def trained(target_dir, corpus_txt, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trained")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     out = {}
     for name, arch, layout in (("eagle3", "eagle3", "eagle"), ("speculators", "eagle3", "speculators"), ("eagle1", "eagle1", "eagle")):
         cfg = TrainDraftConfig(**{**small_config(corpus_txt, arch, epochs=1).__dict__, "layout": layout})
         out[name] = trainer.train_draft(str(target_dir), root / name, cfg).path
-    torch.set_num_threads(before)
     return out
 
 
@@ -630,12 +620,7 @@ def one_rank(target_dir, corpus_txt, tmp_path_factory):
     cfg = small_config(corpus_txt, **{**RANK_OPTIM, "micro_docs": 4})
     cfg = TrainDraftConfig(**{**cfg.__dict__, "corpus": CorpusConfig(sources=(str(corpus_txt),), max_docs=27)})
     out = tmp_path_factory.mktemp("one_rank") / "one"
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # set up before the per-test one_thread fixture
-    try:
-        report = trainer.train_draft(str(target_dir), out, cfg)
-    finally:
-        torch.set_num_threads(before)
+    report = trainer.train_draft(str(target_dir), out, cfg)
     assert report.info["data"]["train_docs"] == 25 and report.info["steps"] == 2 * 7 and report.info["ranks"] == 1
     return cfg, report, out
 
