@@ -1,10 +1,12 @@
 """What ``bench --vllm`` decides from the driver's rows, without an engine: greedy acceptance that differs between
 rounds ends the run non-zero naming the row (the JSON written first), and the batch-size schedule: given, picked by
-``auto`` from the rows, refused in one line, and what ``export`` prints with it."""
+``auto`` from the rows, refused in one line, and what ``export`` prints with it; a failed driver's log kept in its
+run's folder."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -171,3 +173,31 @@ def test_the_head_timer_waits_for_the_device_off_a_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(1))
     _device_sync(types.SimpleNamespace(device=torch.device("cuda")))()
     assert waits == [1]
+
+
+def test_a_failed_driver_leaves_its_log_beside_its_request_in_the_kept_run_folder(tmp_path):
+    """A driver that fails writes vLLM's whole output to ``vllm.log`` in the run's own folder, which stays (with the
+    request it ran) and is named in the one-line error; a run that ends otherwise removes its folder."""
+    python = tmp_path / "venv" / "bin" / "python"  # a stand-in for the vLLM environment's interpreter
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\necho 'loading the engine'\necho 'ValueError: no room for the KV cache'\nexit 3\n")
+    python.chmod(0o755)
+    with pytest.raises(v.DriverFailed) as failed:
+        with v.work_folder("dynvocab-test-") as work:
+            v.drive(str(python), {"rows": [{"name": "vllm"}]}, work)
+    try:
+        log = work / "vllm.log"
+        assert log.read_text(encoding="utf-8") == "loading the engine\nValueError: no room for the KV cache\n"
+        assert json.loads((work / "request.json").read_text()) == {"rows": [{"name": "vllm"}]}
+        message = str(failed.value)
+        assert "\n" not in message and "exit 3" in message and "no room for the KV cache" in message
+        assert str(log) in message
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    with v.work_folder("dynvocab-test-") as work:
+        (work / "result.json").write_text("{}")
+    assert not work.exists()
+    with pytest.raises(DynvocabError, match="another failure"):
+        with v.work_folder("dynvocab-test-") as work:
+            raise DynvocabError("another failure")
+    assert not work.exists()

@@ -15,11 +15,9 @@ otherwise than PyTorch breaks it (another kernel, other batch shapes). The tests
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-from dynvocab.bench.vllm_rows import drive, find_vllm_python, local_folder
+from dynvocab.bench.vllm_rows import drive, find_vllm_python, local_folder, work_folder
 
 SHARDS_PER_ENGINE = 8  # shards whose prompts one engine answers before the shards are written
 
@@ -50,5 +48,5 @@ class VllmWriter:
             "temperature": temperature, "seed": seed, "rows": [{"name": "vllm"}], "concurrency": [in_flight],
             "stop_token_ids": list(end_ids), "max_model_len": -(-(longest + new_tokens + 16) // 128) * 128,
         }
-        with tempfile.TemporaryDirectory(prefix="dynvocab-distill-") as work:
-            return drive(self.python, req, Path(work))[0]["token_ids"]
+        with work_folder("dynvocab-distill-") as work:
+            return drive(self.python, req, work)[0]["token_ids"]

@@ -12,6 +12,7 @@ flight, a closed loop), and each level's rows are compared with plain vLLM at th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -263,6 +265,27 @@ def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str], s
     return req
 
 
+class DriverFailed(DynvocabError):
+    """The driver's child process failed; :func:`work_folder` keeps the folder it ran in, whose ``vllm.log`` holds
+    vLLM's whole output beside the request it ran."""
+
+
+@contextlib.contextmanager
+def work_folder(prefix: str) -> Iterator[Path]:
+    """A new temporary folder for the driver's requests, results and draft folder, removed afterwards, unless the
+    driver failed in it (:class:`DriverFailed`, whose message names its log there): then it is the user's."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    failed = False
+    try:
+        yield folder
+    except DriverFailed:
+        failed = True
+        raise
+    finally:
+        if not failed:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
     """One engine: the driver in a child process; its rows, or a one-line error with its last error line."""
     return drive(cfg.python, req, workdir, cfg.tensor_parallel_size)
@@ -270,7 +293,8 @@ def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
 
 def drive(python: str, req: dict, workdir: Path, tensor_parallel_size: int = 1) -> list[dict]:
     """Run the driver (:mod:`dynvocab.bench.vllm_run`) on ``req`` with ``python`` in a child process, in
-    :func:`engine_env`; its rows, or a one-line error with vLLM's last error line (its whole output kept in a log)."""
+    :func:`engine_env`, from ``workdir`` (a :func:`work_folder`); its rows, or a one-line :class:`DriverFailed`
+    with vLLM's last error line, its whole output written to ``vllm.log`` in ``workdir``."""
     path, out = workdir / "request.json", workdir / "result.json"
     path.write_text(json.dumps(req))
     out.unlink(missing_ok=True)
@@ -279,10 +303,10 @@ def drive(python: str, req: dict, workdir: Path, tensor_parallel_size: int = 1) 
                           stderr=subprocess.STDOUT, text=True)  # vLLM's workers log to either stream
     if proc.returncode != 0 or not out.is_file():
         names = ", ".join(r["name"] for r in req["rows"])
-        log = Path(tempfile.mkstemp(prefix="dynvocab-vllm-", suffix=".log")[1])  # outlives the work folder
-        log.write_text(proc.stdout)
-        raise DynvocabError(f"vLLM failed on the {names} rows (exit {proc.returncode}): {last_error_line(proc.stdout)}"
-                            f"; vLLM's whole output is in {log}")
+        log = workdir / "vllm.log"
+        log.write_text(proc.stdout, encoding="utf-8")
+        raise DriverFailed(f"vLLM failed on the {names} rows (exit {proc.returncode}): {last_error_line(proc.stdout)}"
+                           f"; vLLM's whole output is in {log} (its run's folder, kept with the request it ran)")
     return json.loads(out.read_text())["rows"]
 
 
@@ -307,8 +331,7 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
     ``log``: one line per engine start and per finished row, and what ``auto`` picked."""
     from dynvocab.serving.vllm.folder import write_draft_folder
 
-    workdir = Path(tempfile.mkdtemp(prefix="dynvocab-vllm-"))
-    try:
+    with work_folder("dynvocab-vllm-") as workdir:
         if cfg.strategies:  # one folder: the engine switches its head to each strategy from the bundle
             folder = write_draft_folder(cfg.bundle, cfg.draft, cfg.strategies[0], workdir / "draft")
         else:
@@ -345,8 +368,6 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
             log(f"vllm: schedule {schedule['text']} ({schedule['why']})")
             engines([[PLAIN]], cfg.engines()[1:], schedule["ranges"])
         return rows, schedule
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def check_schedule(cfg: VllmBench) -> None:
