@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from cli_helpers import assert_one_line_error, run
+
+from dynvocab.bench import stability
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,25 +48,36 @@ def test_bench_writes_json_csv_and_plot(tiny_dirs, prompts, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left behind
 
 
-@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="the load is read from /proc")
-def test_a_busy_machine_prints_one_warning_under_the_table(tiny_dirs, prompts, tmp_path):
-    """Another process spinning a core while the bench runs (detached: not this process's descendant): the JSON
-    records its share and one warning line says the figures are not the method's."""
-    spin = "import time\nt = time.time() + 20\nwhile time.time() < t: pass\n"
-    pid = int(subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" >/dev/null 2>&1 & echo $!', spin],
-                             check=True, capture_output=True, text=True).stdout)
-    try:
-        time.sleep(0.3)
-        out_json = tmp_path / "b.json"
-        result = run("bench", "--prompts", prompts, "--strategies", "ar,full", "--max-new-tokens", 24, "--json",
-                     out_json, *models(tiny_dirs))
-    finally:
-        os.kill(pid, signal.SIGTERM)
+def readings(others_share: float):
+    """A stand-in for ``stability.sample``: each reading 100 machine ticks after the last, ``others_share`` of them
+    spent by other processes (none by this one)."""
+    count = itertools.count(1)
+
+    def sample() -> stability.LoadSample:
+        n = next(count)
+        return stability.LoadSample(float(n), (0.5, 0.4, 0.3), round(100 * n * others_share), 100 * n, 0)
+
+    return sample
+
+
+@pytest.mark.parametrize("others_share", [0.0, 0.3])
+def test_a_busy_machine_prints_one_warning_under_the_table(tiny_dirs, prompts, tmp_path, monkeypatch, others_share):
+    """The load read around each row (readings in which other processes took ``others_share`` of the machine): the
+    JSON records that share; at 10% or more one warning line says the figures are not the method's, and on an idle
+    machine nothing says it was busy."""
+    monkeypatch.setattr(stability, "sample", readings(others_share))
+    out_json = tmp_path / "b.json"
+    result = run("bench", "--prompts", prompts, "--strategies", "ar,full", "--max-new-tokens", 4, "--json", out_json,
+                 *models(tiny_dirs))
     assert result.exit_code == 0, result.output
     data = json.loads(out_json.read_text())
-    assert data["machine"]["others_share_max"] >= 0.1
-    assert data["warnings"][0].startswith("the machine was busy")
-    assert result.output.count("warning:") == 1 and "the machine was busy" in result.output
+    assert data["machine"]["others_share_max"] == pytest.approx(others_share)
+    busy = [w for w in data["warnings"] if w.startswith("the machine was busy")]
+    if others_share:
+        assert len(busy) == 1 and "30%" in busy[0]
+        assert result.output.count("warning:") == 1 and "the machine was busy" in result.output
+    else:
+        assert busy == [] and "the machine was busy" not in result.output
 
 
 def test_bench_seeds_report_spread(tiny_dirs, prompts, tmp_path):
