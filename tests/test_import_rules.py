@@ -72,6 +72,7 @@ VLLM_IMPORTERS = (  # the modules that must import vLLM (files under dynvocab/)
     "serving/vllm/__init__.py",  # the plugin's entry point: registers the architectures with vLLM's ModelRegistry
     "serving/vllm/models.py",  # vLLM's model classes with the head replaced
     "serving/vllm/eagle1.py",  # vLLM's EAGLE-1 class widened to dynvocab's heads (activation, fc bias, scale)
+    "serving/vllm/proposal.py",  # wraps the model runner's method where a proposal begins
     "serving/vllm/head.py",  # vLLM's head, logits processor and tensor-parallel shard
     "serving/vllm/context.py",  # the forward context's attention metadata: which draft pass ran
     "serving/vllm/contract.py",  # what the plugin asks of vLLM's classes, checked at load

@@ -44,9 +44,10 @@ RECEIVERS = {
 # Receivers whose name means a vLLM class in one module only (``model`` is the EAGLE-1 head's ``LlamaModel`` in
 # eagle1.py, a draft model elsewhere).
 FILE_RECEIVERS = {
-    "context.py": {"meta": "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
-                   "runner": "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
-                   "batch": "vllm.v1.worker.gpu_input_batch:InputBatch"},
+    "context.py": {"meta": "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata"},
+    "proposal.py": {"runner": "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+                    "batch": "vllm.v1.worker.gpu_input_batch:InputBatch",
+                    "scheduler_output": "vllm.v1.core.sched.output:SchedulerOutput"},
     "eagle1.py": {"model": "vllm.model_executor.models.llama_eagle:LlamaModel",
                   "layer": "vllm.model_executor.models.llama_eagle:LlamaDecoderLayer",
                   "mlp": "vllm.model_executor.models.llama:LlamaMLP",
@@ -113,8 +114,8 @@ def test_versions_and_seams_are_consistent():
     paths = [s.path for s in contract.SEAMS]
     assert len(paths) == len(set(paths))
     for seam in contract.SEAMS:
-        assert re.fullmatch(r"vllm[\w.]*:\w+(\.\w+)*(\(\w+\))?", seam.path), seam.path
-        assert seam.group in ("plugin", "bench") and seam.use
+        assert re.fullmatch(r"vllm[\w.]*:\w+(\.\w+)*(\(\w+(,\w+)*\))?", seam.path), seam.path
+        assert seam.group in ("plugin", "context", "bench") and seam.use
 
 
 def test_version_and_sampling_bug_lookups():
@@ -241,3 +242,70 @@ def test_the_bench_driver_refuses_a_vllm_without_its_seams(monkeypatch, tmp_path
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("dynvocab bench --vllm cannot drive vLLM")
     assert "vllm:LLM.collective_rpc" in err and not out.exists()
+
+
+@needs_vllm
+def test_register_wraps_the_runner_where_a_proposal_begins_once(plugin_log):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from dynvocab.serving.vllm import proposal, register
+
+    register()
+    register()  # every process calls it; the method is wrapped once
+    wrapped = GPUModelRunner.propose_draft_token_ids
+    assert proposal.installed() and wrapped.__wrapped__.__name__ == "propose_draft_token_ids"
+    assert not getattr(wrapped.__wrapped__, "__dynvocab_proposal__", False)
+
+
+@needs_vllm
+def test_the_arguments_order_of_a_seam_is_checked(monkeypatch):
+    """A runner whose entry takes its arguments in another order is a missing seam: the hook would read them wrong."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def swapped(self, sampled_token_ids, scheduler_output, *rest):
+        pass
+
+    monkeypatch.setattr(GPUModelRunner, "propose_draft_token_ids", swapped)
+    assert contract.missing("context") == [
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids(scheduler_output,sampled_token_ids)"]
+
+
+@needs_vllm
+def test_a_vllm_without_the_proposal_hook_refuses_context_strategies_in_one_line(plugin_log, monkeypatch):
+    """Model Runner V2's shape: no ``propose_draft_token_ids``. ``register()`` still registers (the context-free
+    strategies serve), says in one line that the context ones are refused, and a folder with one is refused at load."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from dynvocab.serving.vllm import head, proposal, register
+
+    monkeypatch.delattr(GPUModelRunner, "propose_draft_token_ids")
+    register()
+    assert [level for level, _ in plugin_log if "proposal begins" in _] == ["ERROR"]
+    line = next(m for _, m in plugin_log if "proposal begins" in m)
+    assert "refused" in line and "context-free ones serve" in line and "\n" not in line
+    assert not proposal.installed() and not proposal.install()
+
+    class Policy:
+        follows_requests = True
+
+    monkeypatch.setattr(head, "policy_from_bundle", lambda *a, **k: Policy())
+    monkeypatch.setattr(head, "load_bundle", lambda *a, **k: type("B", (), {"close": lambda self: None})())
+    monkeypatch.setattr(head, "draft_section", lambda cfg: {"strategy": "microspec"})
+    with pytest.raises(DynvocabError, match="proposal begins") as caught:
+        head.load_policy(_config_with_policy_file())
+    assert "microspec is one" in str(caught.value)
+
+
+def _config_with_policy_file():
+    """A VllmConfig-shaped object whose draft folder holds a policy file (the load is stubbed above)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from dynvocab.serving.vllm.names import POLICY_FILE
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / POLICY_FILE).parent.mkdir(parents=True, exist_ok=True)
+    (folder / POLICY_FILE).write_bytes(b"")
+    draft = SimpleNamespace(model=str(folder), hf_config=SimpleNamespace())
+    return SimpleNamespace(speculative_config=SimpleNamespace(method="draft_model", draft_model_config=draft),
+                           device_config=SimpleNamespace(device="cpu"))

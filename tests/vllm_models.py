@@ -93,16 +93,19 @@ def vllm_bundle(vllm_pair, tmp_path_factory) -> Path:
     return tiny_bundle(tmp_path_factory.mktemp("vllm_bundle") / "bundle.safetensors", tokenizer, rows, head=head)
 
 
-def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None = None) -> tuple[dict | None, str]:
+def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None = None,
+             script: Path | None = None) -> tuple[dict | None, str]:
     """Run ``request`` through the driver in a child process: ``(result or None, its output)`` (vLLM's workers log
-    to either stream). At tensor_parallel_size N each rank is bound to one core (``VLLM_CPU_OMP_THREADS_BIND`` 0|1…)."""
+    to either stream). At tensor_parallel_size N each rank is bound to one core (``VLLM_CPU_OMP_THREADS_BIND`` 0|1…).
+    ``script``: a test's own driver script (``REQUEST.json OUT.json``) instead of the bench's."""
     req, out = tmp_path / "request.json", tmp_path / "out.json"
     req.write_text(json.dumps(request))
     tp = request.get("tensor_parallel_size", 1)
     env = {**os.environ, **ENGINE_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}),
            **(env or {})}
     # its own process group: on a timeout the driver's vLLM workers go with it (else they spin on, orphaned)
-    proc = subprocess.Popen([sys.executable, "-m", "dynvocab.bench.vllm_run", str(req), str(out)], env=env,
+    driver = [str(script)] if script is not None else ["-m", "dynvocab.bench.vllm_run"]
+    proc = subprocess.Popen([sys.executable, *driver, str(req), str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -112,4 +115,8 @@ def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None
         raise subprocess.TimeoutExpired(proc.args, timeout, output=output) from None
     if proc.returncode != 0:
         return None, output
-    return json.loads(out.read_text()), output
+    result = json.loads(out.read_text())
+    for row in result.get("rows", []):  # every engine test: no row drafted without its request's context
+        missed = [(r.get("head") or {}).get("without_context", 0) for r in row.get("rounds", [])]
+        assert not any(missed), (row["name"], row.get("concurrency"), missed)
+    return result, output

@@ -362,12 +362,29 @@ def run_vllm_rows(cfg: VllmBench, prompts: list[list[int]], log=print) -> tuple[
                     again["rounds"].extend(row["rounds"])
 
         engines(cfg.engines())
+        check_context(rows)
         schedule = None
         if cfg.schedule:  # after the rows (auto picks from them), so that at most three engines are up at once
             schedule = resolve_schedule(cfg, rows)
             log(f"vllm: schedule {schedule['text']} ({schedule['why']})")
             engines([[PLAIN]], cfg.engines()[1:], schedule["ranges"])
+            check_context(rows)
         return rows, schedule
+
+
+def without_context(row: dict) -> int:
+    """The rows a row's draft drafted without their request's context, over its rounds (its worker's count)."""
+    return sum(int((r.get("head") or {}).get("without_context", 0)) for r in row["rounds"])
+
+
+def check_context(rows: list[dict]) -> None:
+    """Fail the run where a row drafted any row without its request's context (the plugin could not tell which
+    request a batch row was: its figures would not be the strategy's), naming the rows."""
+    bad = [f"{row['name']} at {row.get('concurrency', 1)} in flight: {without_context(row)}" for row in rows
+           if without_context(row)]
+    if bad:
+        raise DynvocabError(f"vLLM rows drafted without their request's context ({'; '.join(bad)} rows); their "
+                            "figures are not the strategies' (docs/vllm.md: rows without context)")
 
 
 def check_schedule(cfg: VllmBench) -> None:
@@ -480,6 +497,7 @@ def summarize_row(row: dict, ids: int | None) -> dict:
         "active_ids": ids,
         "head_ms_per_step": round(1e3 * head_s / calls, 4) if calls else None,
         "selector_ms_per_step": round(1e3 * selector_s / calls, 4) if calls and head and row["name"] != SPEC else None,
+        "without_context": without_context(row),
         "oracle_tokens_per_s": _median([r["new_tokens"] / w for r, w in zip(rounds, no_head) if w > 0]) if head else None,
         "rounds": rounds,
     }

@@ -118,6 +118,7 @@ class HeadSwitch:
         self.policies: dict[tuple, object] = {}  # (selector spec, bundle) -> its head policy, built once
         self._sync = None  # waits for the draft's device (found at the first timed call)
         self.log: list | None = None  # when kept: each head call's draft context and greedy tokens
+        self._missed = 0  # the draft's rows without their request's context, at the last read
         self.reset(False)
         for name in self.selected:
             setattr(model, name, self._entry(name))
@@ -226,7 +227,8 @@ class HeadSwitch:
                        **({"selector": dataclasses.asdict(stats)} if dataclasses.is_dataclass(stats) else {})}]
 
     def read(self) -> dict:
-        """The timer since the last switch (head and selector seconds, calls, rows) and the ids the head scores per
+        """The timer since the last switch (head and selector seconds, calls, rows), the rows that drafted without
+        their request's context since the last read (``without_context``), and the ids the head scores per
         step (the selector's k; for a context selector, whose padded k overstates it, the distinct ids it multiplied
         per head call; the head's rows for the full head)."""
         from dynvocab.models.eagle.config import head_rows
@@ -236,8 +238,11 @@ class HeadSwitch:
         scored, calls = self.model.dynvocab.head.scored if self.plugin else (0, 0)
         if selected and calls:  # a context selector: the distinct ids it multiplied per head call, on average
             ids = round(scored / calls)
+        context = getattr(self.model, "dynvocab_context", None)
+        total = 0 if context is None else context.misses.total
+        missed, self._missed = total - self._missed, total
         return {"head_s": self.head_s, "selector_s": self.selector_s if selected else 0.0, "calls": self.calls,
-                "rows": self.rows, "ids": ids}
+                "rows": self.rows, "ids": ids, "without_context": missed}
 
 
 class _TimedSelector:

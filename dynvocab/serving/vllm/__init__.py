@@ -23,6 +23,9 @@ CHECKED_ENV = "DYNVOCAB_VLLM_CHECKED"
 
 # A child of vLLM's own logger: the plugin's lines print as vLLM's do (vllm/logger.py configures "vllm").
 logger = logging.getLogger("vllm.dynvocab")
+NO_HOOK = ("dynvocab: this vLLM has no {} where a proposal begins, so a draft cannot know its batch rows' requests: "
+           "the context strategies (those reading a window, a lookup or a request's state) are refused; "
+           "the context-free ones serve")
 
 
 def register() -> None:
@@ -30,13 +33,21 @@ def register() -> None:
     vLLM, unguarded, in every process). It never raises: on a vLLM that lacks a piece the plugin uses it logs one
     line naming it and registers nothing, so vLLM still starts for every model but the plugin's draft folders (whose
     architecture vLLM then refuses at load, in its own one line); a version the plugin was not tested with runs with
-    one warning; where vLLM is known to sample wrongly under speculation, one warning says so."""
+    one warning; where vLLM is known to sample wrongly under speculation, one warning says so. Where vLLM has the
+    runner method where a proposal begins, it is wrapped (:mod:`.proposal`), else the context strategies are refused
+    (one line here, and again where a draft folder asks for one); the exporter of the rows that drafted without
+    their request's context is installed in the first process (:mod:`.without_context`)."""
     from vllm import ModelRegistry
 
     try:
         check_vllm()
     except DynvocabError:
         return  # logged by check_vllm; nothing registered
+    from dynvocab.serving.vllm import contract, proposal, without_context
+
+    without_context.install_exporter()
+    if not contract.missing("context"):
+        proposal.install()
     for name, _ in ARCHITECTURES.values():
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, f"dynvocab.serving.vllm.models:{name}")
@@ -52,6 +63,9 @@ def check_vllm() -> list[str]:
     if os.environ.get(CHECKED_ENV) == version:
         return []
     lost = contract.missing()
+    hook = contract.missing("context")
+    if hook:
+        logger.error(NO_HOOK.format(", ".join(hook)))
     if lost:
         message = (f"dynvocab's vLLM plugin cannot run on vLLM {version}: it lacks {', '.join(lost)} "
                    f"(tested: vLLM {', '.join(contract.TESTED_VERSIONS)}; source read: "

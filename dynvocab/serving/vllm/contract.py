@@ -42,11 +42,13 @@ class Seam:
 
     ``path`` is ``"module:Name.attr"``: the module is imported and the names looked up in turn; the last name may
     also be a dataclass field or an attribute that the class (or a base) sets in ``__init__``, or that a function
-    sets on its argument (``layer.cpu_linear = …``). ``"module:function(param)"`` names a parameter."""
+    sets on its argument (``layer.cpu_linear = …``). ``"module:function(param)"`` names a parameter;
+    ``"module:function(a,b)"`` the first parameters (after ``self``), in that order."""
 
     path: str
     use: str  # what the plugin does with it, for the refusal and the docs
-    group: str = "plugin"  # "plugin": register() refuses without it; "bench": `dynvocab bench --vllm`'s driver
+    group: str = "plugin"  # "plugin": register() refuses without it; "context": without it the context strategies
+    # are refused (the proposal hook); "bench": `dynvocab bench --vllm`'s driver
 
 
 _DRAFT_CLASSES = (
@@ -58,9 +60,11 @@ _DRAFT_CLASSES = (
     "vllm.model_executor.models.qwen3_eagle3:Eagle3Qwen3ForCausalLM",
 )
 _LAYERS = "vllm.model_executor.layers"
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_ENTRY = "propose_draft_token_ids"
 _EAGLE1 = "vllm.model_executor.models.llama_eagle"
 # The attention metadata a draft pass's forward context holds, per backend the plugin ran or was read on (CPU; CUDA's
-# FlashAttention): its query lengths and starts tell a first pass from a continuation (context.py).
+# FlashAttention): a first pass's query starts (context.py: each request's rows, searched for its sampled one).
 _ATTENTION_METADATA = (
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
     "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata",
@@ -96,19 +100,31 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm.config:VllmConfig.scheduler_config", "sizes the per-request windows (context.py)"),
     Seam("vllm.config:SchedulerConfig.max_num_seqs", "the per-request windows' slots (context.py)"),
     Seam("vllm.config:ModelConfig.get_vocab_size", "the ids a request window keeps (context.py)"),
-    Seam("vllm.forward_context:get_forward_context", "which draft pass ran: its attention metadata (context.py)"),
-    Seam("vllm.forward_context:is_forward_context_available", "which draft pass ran (context.py)"),
-    Seam("vllm.forward_context:ForwardContext.attn_metadata", "a pass's query lengths and starts (context.py)"),
-    *(Seam(f"{meta}.{attr}", "a pass's query lengths and starts (context.py)") for meta in _ATTENTION_METADATA
-      for attr in ("max_query_len", "query_start_loc")),
-    Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch", "each request's tokens (context.py)"),
-    Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.requests", "finds the model runner (context.py)"),
-    Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.drafter", "finds the model runner (context.py); reaches "
-         "the draft in a bench worker"),
-    Seam("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model", "the runner builds the draft here; the "
-         "context finds it on the call stack (context.py)"),
-    *(Seam(f"vllm.v1.worker.gpu_input_batch:InputBatch.{attr}", "each request's tokens (context.py)")
-      for attr in ("req_ids", "token_ids_cpu", "num_tokens_no_spec")),
+    Seam("vllm.forward_context:get_forward_context", "a first pass's attention metadata (context.py)"),
+    Seam("vllm.forward_context:is_forward_context_available", "a first pass's attention metadata (context.py)"),
+    Seam("vllm.forward_context:ForwardContext.attn_metadata", "a first pass's query starts (context.py)"),
+    *(Seam(f"{meta}.query_start_loc", "a first pass's query starts (context.py)") for meta in _ATTENTION_METADATA),
+    Seam(f"{_RUNNER}.{_ENTRY}", "where a proposal begins: the plugin's hook wraps it (proposal.py)", "context"),
+    Seam(f"{_RUNNER}.{_ENTRY}(scheduler_output,sampled_token_ids)", "the hook's first two arguments, in this order "
+         "(proposal.py)", "context"),
+    *(Seam(f"{_RUNNER}.{attr}", "the batch the hook announces (proposal.py)", "context")
+      for attr in ("input_batch", "drafter", "discard_request_mask")),
+    *(Seam(f"vllm.v1.worker.gpu_input_batch:InputBatch.{attr}", "each row's request and its record (proposal.py)",
+           "context") for attr in ("req_ids", "token_ids_cpu", "num_tokens_no_spec", "num_reqs")),
+    Seam("vllm.v1.core.sched.output:SchedulerOutput.num_spec_tokens_to_schedule",
+         "k for the step: a batch-size schedule changes it (proposal.py)", "context"),
+    Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model", "the draft model in a worker: the hook "
+         "reaches its request context; the bench switches its head"),
+    *(Seam(f"{cls}.forward(input_ids,positions{',hidden_states' if 'eagle' in cls else ''})",
+           "the draft's forward, wrapped: its fed ids and an EAGLE head's hidden-state input, by position or name "
+           "(models.py)") for cls in _DRAFT_CLASSES),
+    Seam("vllm.config:SpeculativeConfig.num_speculative_tokens", "γ: the rows searched for a sampled position "
+         "(context.py); the exported folder's speculative_config (folder.py)"),
+    Seam("vllm.config:SpeculativeConfig.num_speculative_tokens_per_batch_size",
+         "the batch-size schedule an exported folder names (schedule.py)"),
+    Seam("vllm.config:DeviceConfig.device", "places the selector's tensors and the windows"),
+    Seam("vllm.model_executor.models.llama_eagle:LlamaModel.embed_tokens", "tells a head tied to its embedding "
+         "(models.py: _owns_head)"),
     *(Seam(f"{cls}.embed_input_ids", "dynaspec embeds the fed token (context.py)") for cls in _DRAFT_CLASSES),
     Seam("vllm.config:ModelConfig.hf_config", "reads the folder's dynvocab section"),
     Seam("vllm.config:ModelConfig.model", "reads the folder's policy file"),
@@ -155,8 +171,6 @@ SEAMS: tuple[Seam, ...] = (
     Seam("vllm:SamplingParams", "the rows' sampling", "bench"),
     Seam("vllm.inputs:TokensPrompt", "the rows' prompts as token ids", "bench"),
     Seam("vllm.v1.worker.worker_base:WorkerBase.model_runner", "reaches the draft in a worker", "bench"),
-    Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model", "the draft model in a worker",
-         "bench"),
 )
 
 
@@ -207,9 +221,11 @@ def _present(path: str) -> bool:
             return False
     if param is not None:
         try:
-            return param in inspect.signature(obj).parameters
+            names = [n for n in inspect.signature(obj).parameters if n != "self"]
         except (TypeError, ValueError):
             return False
+        wanted = param.split(",")
+        return param in names if len(wanted) == 1 else names[: len(wanted)] == wanted
     return True
 
 

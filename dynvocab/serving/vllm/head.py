@@ -18,6 +18,7 @@ from dynvocab.models.eagle.config import head_rows
 from dynvocab.runtime.batched import SelectorSpec, build_selector, refusal
 from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
 from dynvocab.runtime.policies.batch_select import BatchSelector, SelectedHead, scatter_logits
+from dynvocab.serving.vllm import NO_HOOK, proposal
 from dynvocab.serving.vllm.kinds import kind_of_method
 from dynvocab.serving.vllm.names import CONFIG_KEY, POLICY_FILE
 
@@ -182,9 +183,12 @@ def load_policy(vllm_config) -> DraftHeadPolicy:
         spec = SelectorSpec(section["strategy"], section.get("budget"),
                             int(section.get("ngram_max", DEFAULT_NGRAM_MAX)),
                             int(section.get("ngram_min", DEFAULT_NGRAM_MIN)))
-        return policy_from_bundle(bundle, spec, text, vllm_config.device_config.device)
+        policy = policy_from_bundle(bundle, spec, text, vllm_config.device_config.device)
     finally:
         bundle.close()
+    if policy.follows_requests and not proposal.installed():
+        raise DynvocabError(NO_HOOK.format(f"{proposal.RUNNER}.{proposal.ENTRY}") + f" ({spec.strategy} is one)")
+    return policy
 
 
 def policy_from_bundle(bundle, spec: SelectorSpec, text_config, device) -> DraftHeadPolicy:

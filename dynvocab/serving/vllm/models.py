@@ -10,7 +10,8 @@ embedder does it (``vllm/model_executor/models/gemma4_mtp.py``):
   exact.
 
 and ``forward`` wrapped, so a selector that reads the request's context gets the passes' fed ids and outputs
-(:mod:`dynvocab.serving.vllm.context`). A ``+ngram`` strategy first drafts by lookup in each request's tokens: a row
+(:mod:`dynvocab.serving.vllm.context`; each batch row's request comes from the proposal hook,
+:mod:`dynvocab.serving.vllm.proposal`). A ``+ngram`` strategy first drafts by lookup in each request's tokens: a row
 whose request matched drafts the looked-up token (one-hot in ``compute_logits``: q is the deterministic proposal,
 so rejection sampling stays exact), and where every row of a draft step is covered the head does not run.
 Everything else (layers, caches, batching, weights) is vLLM's.
@@ -23,8 +24,7 @@ import importlib
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.serving.vllm import logger
-from dynvocab.serving.vllm.context import NO_RUNNER, RUNNER_RECORD, EngineContext, LookedUp, find_runner
+from dynvocab.serving.vllm.context import EngineContext, LookedUp
 from dynvocab.serving.vllm.head import DraftHeadPolicy, load_policy
 from dynvocab.serving.vllm.kinds import kind_of_method
 from dynvocab.serving.vllm.names import ARCHITECTURES
@@ -37,20 +37,18 @@ class SelectedHeadMixin:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         method = getattr(vllm_config.speculative_config, "method", None)
         self.dynvocab: DraftHeadPolicy = load_policy(vllm_config)
-        runner = find_runner()
-        if runner is None and self.dynvocab.follows_requests:
-            _warn_once(NO_RUNNER.format(", ".join(RUNNER_RECORD), self.dynvocab.strategy))
         kind = kind_of_method(method)
-        self.dynvocab_context = EngineContext(vllm_config, runner, target_states=kind is not None and kind.target_states)
+        self.dynvocab_context = EngineContext(vllm_config, target_states=kind is not None and kind.target_states,
+                                              strategy=self.dynvocab.strategy)
 
     def forward(self, *args, **kwargs):
-        """vLLM's forward; its fed ids, positions, hidden-state input and output are recorded for a selector that
-        reads the request's context or a lookup that reads its tokens."""
+        """vLLM's forward; its fed ids, hidden-state input and output are recorded for a selector that reads the
+        request's context or a lookup that reads its tokens. vLLM's draft classes take
+        ``(input_ids, positions, hidden_states, …)``, as vLLM's proposer passes them by name."""
         out = super().forward(*args, **kwargs)
         if self.dynvocab.follows_requests:
             states = kwargs.get("hidden_states", args[2] if len(args) > 2 else None)
-            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-            self.dynvocab_context.forward(kwargs.get("input_ids", args[0] if args else None), out, states, positions)
+            self.dynvocab_context.forward(kwargs.get("input_ids", args[0] if args else None), out, states)
         return out
 
     def load_weights(self, weights):
@@ -102,8 +100,12 @@ class SelectedHeadMixin:
         (every row covered: the head does not run)."""
         at, looked = self._call(hidden_states)
         if looked is not None and looked.every:
+            self._drafted(looked.tokens, at)
             return looked.rows(None, self.dynvocab.vocab, hidden_states.dtype)
         logits, ids = self._selected(hidden_states, at)
+        if at is not None:
+            greedy = self.dynvocab.top_tokens(logits, ids)
+            self._drafted(greedy if looked is None else looked.over(greedy), at)
         full = self.dynvocab.scatter(logits, ids, self.lm_head, self.logits_processor)
         return full if looked is None or full is None else looked.rows(full, self.dynvocab.vocab, full.dtype)
 
@@ -112,10 +114,18 @@ class SelectedHeadMixin:
         (every row covered: the head does not run)."""
         at, looked = self._call(hidden_states)
         if looked is not None and looked.every:
+            self._drafted(looked.tokens, at)
             return looked.tokens
         logits, ids = self._selected(hidden_states, at)
         top = self.dynvocab.top_tokens(logits, ids, self.lm_head)
-        return top if looked is None else looked.over(top)
+        top = top if looked is None else looked.over(top)
+        self._drafted(top, at)
+        return top
+
+    def _drafted(self, top: torch.Tensor, at: tuple[int, bool] | None) -> None:
+        """Tell the request context the head call's greedy tokens (where it follows requests)."""
+        if at is not None:
+            self.dynvocab_context.drafted(top)
 
 
 def _without_identity_d2t(weights):
@@ -134,16 +144,6 @@ def _from_first_rank(value):
     from vllm.distributed import get_tp_group
 
     return get_tp_group().broadcast_object(value, src=0)
-
-
-_WARNED: set[str] = set()  # the warnings this process logged
-
-
-def _warn_once(line: str) -> None:
-    """Log ``line`` as a warning of vLLM's logger, once per process."""
-    if line not in _WARNED:
-        _WARNED.add(line)
-        logger.warning(line)
 
 
 def _build(name: str, base_path: str) -> type:
