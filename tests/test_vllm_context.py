@@ -159,3 +159,8 @@ def test_windows_and_lookups_hold_the_outputs_when_the_record_holds_async_placeh
         got, want = row["rounds"][0], real["rounds"][0]
         assert got["accepted_tokens"] == want["accepted_tokens"] > 0 and got["head"]["without_context"] == 0
         assert row["context_log"] == real["context_log"], row["name"]
+    from dynvocab.serving.vllm import contract
+
+    seams = {seam.path.split("(")[0] for seam in contract.SEAMS}  # by the object the hook read each attribute off
+    unlisted = [names[0] for names in result["read"] if not seams & set(names)]
+    assert result["read"] and not unlisted, f"add these to contract.SEAMS: {unlisted}"

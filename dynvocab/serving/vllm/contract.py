@@ -111,6 +111,7 @@ SEAMS: tuple[Seam, ...] = (
       for attr in ("input_batch", "drafter", "discard_request_mask")),
     *(Seam(f"vllm.v1.worker.gpu_input_batch:InputBatch.{attr}", "each row's request and its record (proposal.py)",
            "context") for attr in ("req_ids", "token_ids_cpu", "num_tokens_no_spec", "num_reqs")),
+    Seam("vllm.v1.utils:CpuGpuBuffer.np", "the rows whose sample the runner discards (proposal.py)", "context"),
     Seam("vllm.v1.core.sched.output:SchedulerOutput.num_spec_tokens_to_schedule",
          "k for the step: a batch-size schedule changes it (proposal.py)", "context"),
     Seam("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model", "the draft model in a worker: the hook "
