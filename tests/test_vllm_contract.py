@@ -234,11 +234,11 @@ def test_the_bench_driver_refuses_a_vllm_without_its_seams(monkeypatch, tmp_path
     written."""
     import vllm
 
-    from dynvocab.bench import vllm_run
+    from dynvocab.bench.engines.vllm import driver
 
     monkeypatch.delattr(vllm.LLM, "collective_rpc")
     out = tmp_path / "out.json"
-    assert vllm_run.main([str(tmp_path / "request.json"), str(out)]) == 2
+    assert driver.main([str(tmp_path / "request.json"), str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("dynvocab bench --vllm cannot drive vLLM")
     assert "vllm:LLM.collective_rpc" in err and not out.exists()
