@@ -324,7 +324,7 @@ class SelectedHead:
         """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight``, in the
         weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it); ids
         outside them are ``-inf`` and not multiplied. ``ctx``: the draft step's
-        :class:`~dynvocab.runtime.policies.context_select.StepContext`, for a selector that reads it."""
+        :class:`~dynvocab.runtime.selectors.context_select.StepContext`, for a selector that reads it."""
         x = hidden.to(weight.dtype)
         if getattr(self.selector, "reads_context", False):
             return self._context(x, hidden, weight, ctx, start, end)
