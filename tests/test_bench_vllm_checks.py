@@ -166,7 +166,7 @@ def test_the_head_timer_waits_for_the_device_off_a_cpu(monkeypatch):
 
     import torch
 
-    from dynvocab.bench.engines.vllm.driver import _device_sync
+    from dynvocab.bench.engines.vllm.worker import _device_sync
 
     assert _device_sync(torch.zeros(1))() is None
     waits = []
