@@ -1,9 +1,9 @@
 """``dynvocab microbench``: one part of a draft step timed alone, at real shapes with random weights (or a bundle's
 tables). Each mode is a command of this sub-app; ``bench`` itself only runs strategies side by side.
 
-The timing code lives in :mod:`dynvocab.bench` (``microbench``, ``policy_step``, ``eagle_step``, ``draft_step``),
-which ``scripts/gpu_check.sh`` calls directly; these commands only parse flags, show progress on stderr, print the
-table and write the JSON.
+The timing code lives in :mod:`dynvocab.bench.micro` (``microbench``, ``policy_step``, ``eagle_step``,
+``draft_step``), which ``scripts/gpu_check.sh`` calls directly; these commands only parse flags, show progress on
+stderr, print the table and write the JSON.
 """
 
 from __future__ import annotations
