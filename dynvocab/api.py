@@ -185,13 +185,14 @@ class Pair:
 
         ``prompts``: user messages (strings), chat message lists, ``(id, text)`` pairs, or bench items.
         ``strategies``: registered strategies and the ``hf-assisted`` / ``hf-lookup`` rows (and the llama.cpp rows
-        with ``llamacpp``, a :class:`~dynvocab.bench.llamacpp.LlamaCpp`). ``decoding`` and the strategy knobs as in
-        :meth:`start` (``max_new_tokens`` defaults to 128); every row runs once per seed in ``seeds``.
+        with ``llamacpp``, a :class:`~dynvocab.bench.engines.llamacpp.LlamaCpp`). ``decoding`` and the strategy
+        knobs as in :meth:`start` (``max_new_tokens`` defaults to 128); every row runs once per seed in ``seeds``.
         ``skip_unrunnable``: drop a row whose policy cannot be built here, with a note, instead of refusing.
         ``progress``: a callback ``(stage, done, total)`` or a reporter. A Ctrl-C raises
         :class:`~dynvocab.errors.Interrupted` whose ``result`` holds the rows finished so far.
         """
-        from dynvocab.bench.runner import BenchConfig, bench_items, parse_rows, runnable_strategies, with_llama_rows
+        from dynvocab.bench.loop.runner import (BenchConfig, bench_items, parse_rows, runnable_strategies,
+                                                with_llama_rows)
 
         rows = with_llama_rows(parse_rows(",".join(strategies)), llamacpp)
         if not seeds:
@@ -212,7 +213,7 @@ class Pair:
 def _run_rows(session, items: list, cfg, notes: list[str], progress) -> BenchResult:
     """Run the bench's rows with a progress task over rows × prompts; a Ctrl-C raises
     :class:`~dynvocab.errors.Interrupted` holding the rows finished so far."""
-    from dynvocab.bench.runner import bench_results, run_bench
+    from dynvocab.bench.loop.runner import bench_results, run_bench
     from dynvocab.errors import Interrupted
     from dynvocab.progress import as_reporter
 

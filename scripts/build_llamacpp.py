@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dynvocab.bench.llamacpp import build, llama_tree
+from dynvocab.bench.engines.llamacpp import build, llama_tree
 
 
 def main() -> None:

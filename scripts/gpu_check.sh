@@ -4,7 +4,7 @@
 # draft-step's body/head split, microbench eagle-step at every EAGLE shape, microbench kernels, every vLLM strategy's
 # batched head at 1, 4 and 8 rows eager vs CUDA-graph replay, EAGLE-2 tree cycles beside the chain), and write one JSON,
 # all inside 10 minutes. `--device cpu` runs the same sections at small shapes (CI does, so it cannot rot); its
-# JSON names what the CUDA run would time (`would_time_on_cuda`). The code is dynvocab/bench/gpu_check.py.
+# JSON names what the CUDA run would time (`would_time_on_cuda`). The code is dynvocab/bench/micro/gpu_check.py.
 set -euo pipefail
 
 usage() {
@@ -58,4 +58,4 @@ if ! "$python" -c "import torch, transformers, dynvocab" 2>/dev/null; then
     echo "gpu_check: $python cannot import torch, transformers and dynvocab; pip install -e '.[test]' first" >&2
     exit 2
 fi
-exec "$python" -m dynvocab.bench.gpu_check --device "$device" --out "$out" --root "$root" ${extra[@]+"${extra[@]}"}
+exec "$python" -m dynvocab.bench.micro.gpu_check --device "$device" --out "$out" --root "$root" ${extra[@]+"${extra[@]}"}

@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from dynvocab.bench.llamacpp import VERSION, build, llama_tree  # the sdist download and cmake build, shared
+from dynvocab.bench.engines.llamacpp import VERSION, build, llama_tree  # the sdist download and cmake build, shared
 
 QWEN2 = "src/models/qwen2.cpp"
 LOOP = "    for (int il = 0; il < n_layer; ++il) {\n"
@@ -144,7 +144,7 @@ def check_gguf(path: Path, head: Path, tree: Path, num_layers: int) -> dict:
 def prompts(args, target: Path) -> list[dict]:
     from transformers import AutoTokenizer
 
-    from dynvocab.bench.tasks import embedded_items
+    from dynvocab.bench.loop.tasks import embedded_items
     from dynvocab.prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(str(target))

@@ -17,11 +17,11 @@ The prompts are the embedded held-out tasks (code and chat), written as the clie
 ``1 + accepted / drafts`` from ``vllm:spec_decode_num_*`` over the client's run (the server was checked through
 ``/health`` first, so the client sends no test request: the counters hold its requests alone).
 Each speculative row's served greedy text is compared with plain vLLM's for every request (``= plain``). With
-``--check-llm`` the same requests then run through ``LLM`` (``dynvocab.bench.vllm_run``, each row's own folder, the
-same users as a closed loop): ``= LLM`` says whether the server accepted exactly what ``LLM`` did (``=``), or by
-how many tokens it differed. At one user they must be equal. With several in flight the server forms its batches
-as requests arrive (its engine core in a process of its own), ``LLM`` as the closed loop steps it; batches of other
-shapes round bfloat16 differently, so a near-tie may differ (docs/bench.md, greedy acceptance).
+``--check-llm`` the same requests then run through ``LLM`` (``dynvocab.bench.engines.vllm.driver``, each row's own
+folder, the same users as a closed loop): ``= LLM`` says whether the server accepted exactly what ``LLM`` did
+(``=``), or by how many tokens it differed. At one user they must be equal. With several in flight the server forms
+its batches as requests arrive (its engine core in a process of its own), ``LLM`` as the closed loop steps it; batches
+of other shapes round bfloat16 differently, so a near-tie may differ (docs/bench.md, greedy acceptance).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def write_prompts(target: str, tasks: list[str], n: int, chat_template: bool, ou
     else:
         from transformers import AutoTokenizer
 
-        from dynvocab.bench.tasks import embedded_items
+        from dynvocab.bench.loop.tasks import embedded_items
         from dynvocab.prompts import encode_prompt
 
         tok = AutoTokenizer.from_pretrained(target)
@@ -159,12 +159,12 @@ def write_prompts(target: str, tasks: list[str], n: int, chat_template: bool, ou
 
 
 def llm_check(args, target: str, texts: list[str], served: list[tuple[str, list[str]]], work: Path) -> dict:
-    """The served rows' requests through ``LLM`` (the bench's driver, ``dynvocab.bench.vllm_run``): plain vLLM and
-    every speculative row as its own folder (no head switched), at each number of users; ``{(row, users): {"drafts",
-    "accepted_tokens", "token_ids"}}``."""
+    """The served rows' requests through ``LLM`` (the bench's driver, ``dynvocab.bench.engines.vllm.driver``): plain
+    vLLM and every speculative row as its own folder (no head switched), at each number of users;
+    ``{(row, users): {"drafts", "accepted_tokens", "token_ids"}}``."""
     from transformers import AutoTokenizer
 
-    from dynvocab.bench.vllm_rows import engine_env
+    from dynvocab.bench.engines.vllm.rows import engine_env
 
     tok = AutoTokenizer.from_pretrained(target)
     rows = [{"name": "vllm"}]
@@ -180,7 +180,8 @@ def llm_check(args, target: str, texts: list[str], served: list[tuple[str, list[
     path.write_text(json.dumps(req))
     with open(work / "llm.log", "w") as log:
         env = engine_env(sys.executable)  # the bench's driver environment: its engines stepped in its process
-        proc = subprocess.run([sys.executable, "-m", "dynvocab.bench.vllm_run", str(path), str(out)], stdout=log,
+        driver = "dynvocab.bench.engines.vllm.driver"
+        proc = subprocess.run([sys.executable, "-m", driver, str(path), str(out)], stdout=log,
                               stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0 or not out.is_file():
         raise SystemExit(f"the LLM check failed (exit {proc.returncode}); its log: {work / 'llm.log'}")

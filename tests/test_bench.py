@@ -10,15 +10,15 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.bench import runner as bench
-from dynvocab.bench.recorder import PolicyRecorder
-from dynvocab.bench.runner import BenchConfig, run_bench
-from dynvocab.bench.summary import EXTRA_KEYS, oracle_summary, summarize_bench
-from dynvocab.bench.hf_baselines import accepted_per_cycle
+from dynvocab.bench.loop import runner as bench
+from dynvocab.bench.loop.recorder import PolicyRecorder
+from dynvocab.bench.loop.runner import BenchConfig, run_bench
+from dynvocab.bench.loop.summary import EXTRA_KEYS, oracle_summary, summarize_bench
+from dynvocab.bench.engines.hf import accepted_per_cycle
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.bench.tasks import (
+from dynvocab.bench.loop.tasks import (
     MAX_CHARS,
     BenchItem,
     clip,
@@ -332,7 +332,7 @@ def test_many_tasks_get_a_line_per_task_and_row():
     """Spec-Bench's 13 categories: a column each left no room for the row names; a line per task and row does."""
     from rich.console import Console
 
-    from dynvocab.bench.report import WIDE_TASKS, _per_task_table
+    from dynvocab.bench.loop.report import WIDE_TASKS, _per_task_table
 
     tasks = [f"category-{i}" for i in range(WIDE_TASKS + 9)]
     stats = {"tokens_per_s": 5.0, "mean_accepted_length": 3.0, "speedup_vs_ar": 2.0, "speedup_vs_full": 1.0}

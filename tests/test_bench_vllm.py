@@ -12,7 +12,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run
 from vllm_models import ENGINE_ENV, LOWRANK_K, vllm_bundle, vllm_pair  # noqa: F401
 
-from dynvocab.bench.vllm_rows import engine_env, last_error_line, plugin_strategies, summarize_row
+from dynvocab.bench.engines.vllm.rows import engine_env, last_error_line, plugin_strategies, summarize_row
 from dynvocab.errors import DynvocabError
 
 pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)

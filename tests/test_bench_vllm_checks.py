@@ -12,7 +12,7 @@ import sys
 import pytest
 from cli_helpers import assert_one_line_error, run
 
-from dynvocab.bench import vllm_rows as v
+from dynvocab.bench.engines.vllm import rows as v
 from dynvocab.errors import DynvocabError
 from dynvocab.serving.vllm.schedule import (format_schedule, parse_schedule, pick_schedule, schedule_ranges)
 
@@ -166,7 +166,7 @@ def test_the_head_timer_waits_for_the_device_off_a_cpu(monkeypatch):
 
     import torch
 
-    from dynvocab.bench.vllm_run import _device_sync
+    from dynvocab.bench.engines.vllm.worker import _device_sync
 
     assert _device_sync(torch.zeros(1))() is None
     waits = []

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import run
 
-from dynvocab.bench import hf_baselines
+from dynvocab.bench.engines import hf as hf_rows
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.strategies import StrategyOptions
 
@@ -58,7 +58,7 @@ def test_bench_doc_describes_hf_assisted_as_the_code_runs_it(session):
     prompt = session.tokenizer.encode("w5 w9 w13 w40")
     for gamma, stop_below in ((3, 0.0), (5, 0.0), (3, 0.5), (5, 0.8)):
         decode = DecodeConfig(gamma=gamma, max_new_tokens=24, stop_below=stop_below)
-        tokens, hf = hf_baselines.hf_generate(session, "hf-assisted", prompt, decode)
+        tokens, hf = hf_rows.hf_generate(session, "hf-assisted", prompt, decode)
         full = session.generate(prompt, "full", decode, StrategyOptions())
         assert tokens == full.token_ids and len(tokens) == 24
         assert (hf["cycles"], hf["draft_steps"]) == (full.metrics.cycles, full.metrics.draft_steps), (gamma, stop_below)

@@ -186,7 +186,7 @@ def test_ctrl_c_in_generate_prints_the_tokens_so_far(tiny_dirs, monkeypatch):
 
 
 def test_ctrl_c_in_bench_writes_the_finished_rows(tiny_dirs, files, tmp_path, monkeypatch):
-    from dynvocab.bench import runner
+    from dynvocab.bench.loop import runner
 
     real, calls = runner.generate_row, []
 

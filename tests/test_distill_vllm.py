@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from vllm_models import ENGINE_ENV, vllm_pair  # noqa: E402,F401  (vllm_pair is a fixture)
 
 from dynvocab.builders.draft import distill  # noqa: E402
-from dynvocab.bench.vllm_answers import VllmWriter  # noqa: E402
+from dynvocab.bench.engines.vllm.answers import VllmWriter  # noqa: E402
 from dynvocab.builders.models import fingerprint  # noqa: E402
 from dynvocab.models import load_model, load_tokenizer, resolve_model  # noqa: E402
 from dynvocab.progress import SilentReporter  # noqa: E402

@@ -14,8 +14,8 @@ import pytest
 import torch
 from cli_helpers import run
 
-from dynvocab.bench.policy_step import bench_context, policy_step_bench
-from dynvocab.bench.scripted import ScriptedDraft
+from dynvocab.bench.micro.policy_step import bench_context, policy_step_bench
+from dynvocab.bench.micro.scripted import ScriptedDraft
 from dynvocab.errors import DynvocabError
 from dynvocab.models import resolve_model
 from dynvocab.models.rows import FloatRows

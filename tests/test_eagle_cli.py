@@ -11,7 +11,7 @@ import torch
 from cli_helpers import assert_one_line_error, run
 from conftest import random_eagle3
 
-from dynvocab.bench.timing import StepParams
+from dynvocab.bench.micro.timing import StepParams
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
 from dynvocab.models.int8 import int8_supported
@@ -98,7 +98,7 @@ def test_bench_reports_the_eagle_head(tiny_dirs, heads, token_map, tmp_path):
 
 
 def test_eagle_step_bench_shapes():
-    from dynvocab.bench import eagle_step
+    from dynvocab.bench.micro import eagle_step
 
     eagle_step.EAGLE_SHAPES["tiny-eagle3"] = dict(kind="eagle3", draft_vocab_size=4000, hidden_size=64,
                                                    intermediate_size=128, num_attention_heads=4,
@@ -115,7 +115,7 @@ def test_eagle_step_bench_shapes():
 
 @pytest.mark.skipif(not int8_supported("cpu"), reason="this torch has no fbgemm")
 def test_eagle_step_bench_times_int8_weights_as_the_runtime_steps_them():
-    from dynvocab.bench import eagle_step
+    from dynvocab.bench.micro import eagle_step
 
     eagle_step.EAGLE_SHAPES["tiny-eagle1"] = dict(kind="eagle", hidden_size=64, intermediate_size=128,
                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=9000)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dynvocab.runtime.ngram import NgramLookup
-from dynvocab.runtime.policies.context_select import WindowSelector
+from dynvocab.runtime.selectors.context_select import WindowSelector
 from dynvocab.serving.vllm import proposal
 from dynvocab.serving.vllm.context import EngineContext
 from dynvocab.serving.vllm.proposal import RequestTokens, sampled_lists
@@ -165,10 +165,10 @@ def test_a_lookup_reads_the_announced_tokens_and_drafts_one_position_at_a_time()
 
 
 def test_misses_are_logged_rate_limited_and_written_for_the_servers_collector(tmp_path, monkeypatch):
-    from dynvocab.serving.vllm import logger, without_context
+    from dynvocab.serving.vllm import without_context
 
     said = []
-    monkeypatch.setattr(logger, "warning", lambda line, *args: said.append(line % args))
+    monkeypatch.setattr(without_context.logger, "warning", lambda line, *args: said.append(line % args))
     monkeypatch.setenv(without_context.DIR_ENV, str(tmp_path))
     monkeypatch.setattr(without_context, "_PROCESS", {"total": 0})
     misses = without_context.Misses("microspec")

@@ -14,7 +14,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies.base import CycleReport
-from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever, assemble_candidates
+from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever
+from dynvocab.runtime.selectors.candidates import assemble_candidates
 from dynvocab.runtime import strategies
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions
 from dynvocab.runtime.draft_model import DraftModel

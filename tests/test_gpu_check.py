@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynvocab.bench.gpu_check import BUDGET_S, LIMIT_S, SECTIONS
+from dynvocab.bench.micro.gpu_check import BUDGET_S, LIMIT_S, SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -56,7 +56,7 @@ def test_sections_share_the_budget_and_report_their_time(tmp_path, monkeypatch):
     """On a clock the test moves (each section, replaced, takes 100 s of it): a section is given its own limit or
     what is left of the budget, whichever is less, and reports the seconds it took; once less than 10 s are left the
     rest are skipped, and the run is not ok; ``total_s`` is the run's time on that clock."""
-    from dynvocab.bench import gpu_check as check
+    from dynvocab.bench.micro import gpu_check as check
 
     now, given = [0.0], {}
 

@@ -21,7 +21,7 @@ The rules, each failure named ``file:line -> module``:
 - no arrow runs up (a module imports only its own floor or lower ones), and a module missing from the table fails
   until it is given a floor;
 - ``builders`` and ``runtime`` never import each other (they meet in ``artifacts``), nor do ``builders`` and
-  ``serving`` (:data:`APART`);
+  ``serving``, nor bench's microbenchmarks (``bench/micro``) and its loop bench or other engines' rows (:data:`APART`);
 - ``dynvocab.serving`` is imported only inside ``serving/`` and from the floors above it (:data:`SERVING_USERS`);
 - vLLM is imported only by the modules that must (:data:`VLLM_IMPORTERS`), so dynvocab installs and tests without it;
   so is a module whose name is computed at run time (``import_module(name)``), which this test cannot follow;
@@ -62,6 +62,8 @@ FLOORS = {  # package prefix -> floor; a module imports its own floor and the on
 APART = {  # pairs that never import each other, either way, and why
     ("dynvocab.builders", "dynvocab.runtime"): "they meet in artifacts",
     ("dynvocab.builders", "dynvocab.serving"): "two rooms on one floor",
+    ("dynvocab.bench.micro", "dynvocab.bench.loop"): "a microbenchmark times one part alone, the loop bench whole runs",
+    ("dynvocab.bench.micro", "dynvocab.bench.engines"): "a microbenchmark times one part alone, not another engine",
 }
 SERVING = "dynvocab.serving"
 # The floors above serving that import it: bench only (its vLLM rows write the draft folder and drive the engine).
@@ -76,7 +78,7 @@ VLLM_IMPORTERS = (  # the modules that must import vLLM (files under dynvocab/)
     "serving/vllm/head.py",  # vLLM's head, logits processor and tensor-parallel shard
     "serving/vllm/context.py",  # the forward context's attention metadata: which draft pass ran
     "serving/vllm/contract.py",  # what the plugin asks of vLLM's classes, checked at load
-    "bench/vllm_run.py",  # the child process behind bench --vllm and the engine tests
+    "bench/engines/vllm/driver.py",  # the child process behind bench --vllm and the engine tests
 )
 COMPUTED = "<computed>"  # an import_module(name) whose name is only known at run time: it may be vLLM's
 

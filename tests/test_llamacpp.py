@@ -11,9 +11,9 @@ import struct
 import pytest
 from cli_helpers import assert_one_line_error, run
 
-from dynvocab.bench import llamacpp
-from dynvocab.bench.report import llamacpp_note
-from dynvocab.bench.summary import summarize_bench
+from dynvocab.bench.engines import llamacpp
+from dynvocab.bench.loop.report import llamacpp_note
+from dynvocab.bench.loop.summary import summarize_bench
 from dynvocab.errors import DynvocabError
 
 COMPLETION_LOG = """\

@@ -8,9 +8,9 @@ import pytest
 from cli_helpers import assert_one_line_error, run
 from rich.console import Console
 
-from dynvocab.bench import draft_step, eagle_step, microbench, policy_step
-from dynvocab.bench.microbench import draft_step_bench, render_kernel_table, run_kernel_bench
-from dynvocab.bench.timing import StepParams
+from dynvocab.bench.micro import draft_step, eagle_step, microbench, policy_step
+from dynvocab.bench.micro.microbench import draft_step_bench, render_kernel_table, run_kernel_bench
+from dynvocab.bench.micro.timing import StepParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # and puts back the threads a --threads run sets
 TINY_DRAFT = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,

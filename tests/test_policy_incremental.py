@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dynvocab.artifacts import GraphTable
-from dynvocab.bench.scripted import ScriptedCycle, ScriptedDraft, run_script
+from dynvocab.bench.micro.scripted import ScriptedCycle, ScriptedDraft, run_script
 from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.head import DraftHead
 from dynvocab.runtime.policies.base import CycleReport

@@ -9,8 +9,8 @@ import torch
 
 from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
 
-from dynvocab.bench import policy_step
-from dynvocab.bench.policy_step import policy_rows, policy_step_bench, render_policy_table
+from dynvocab.bench.micro import policy_step
+from dynvocab.bench.micro.policy_step import policy_rows, policy_step_bench, render_policy_table
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.timing import SectionTimer

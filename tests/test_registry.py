@@ -11,7 +11,7 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, run
 
-from dynvocab.bench.policy_step import policy_rows, policy_step_bench
+from dynvocab.bench.micro.policy_step import policy_rows, policy_step_bench
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.policies import VocabPolicy

@@ -17,7 +17,7 @@ from dynvocab.models import load_model, load_tokenizer, resolve_model
 from dynvocab.runtime.active_set import RowRanges
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
-from dynvocab.runtime.policies.batch_select import top_ids
+from dynvocab.runtime.selectors.batch_select import top_ids
 from dynvocab.runtime.policies.centroids import CentroidConfig
 from dynvocab.runtime.policies.lowrank import LowRankConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy

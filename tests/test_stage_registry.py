@@ -16,7 +16,7 @@ from tiny_models import corpus_jsonl, tiny_dirs  # noqa: F401  (fixtures)
 
 from dynvocab.artifacts import FreqTable, ModelFingerprint, Stage, load_bundle, read_stage, stage_names, write_bundle
 from dynvocab.artifacts.stages import BundleStage, adding_commands
-from dynvocab.bench.policy_step import bench_context
+from dynvocab.bench.micro.policy_step import bench_context
 from dynvocab.builders import stages
 
 TOY_TOP = 16

@@ -57,12 +57,14 @@ TORCH_ATTRIBUTES = {"weight"}  # a head's rows: torch's parameter, not a vLLM na
 
 
 def vllm_files() -> list[Path]:
-    """dynvocab's modules that speak to vLLM (import it, or name its classes), less the contract itself."""
+    """dynvocab's modules that speak to vLLM (import it, or name its classes), and every module of a ``vllm/`` folder
+    (the bench's worker extension runs inside vLLM's worker and reads its objects without importing vLLM), less the
+    contract itself."""
     hits = []
     for path in sorted(SRC.rglob("*.py")):
         text = path.read_text()
-        if path.name != "contract.py" and re.search(r"^\s*(from vllm[\s.]|import vllm\b)|\"vllm[\w.]*:[A-Z]", text,
-                                                    re.M):
+        speaks = re.search(r"^\s*(from vllm[\s.]|import vllm\b)|\"vllm[\w.]*:[A-Z]", text, re.M)
+        if path.name != "contract.py" and (speaks or "vllm" in path.relative_to(SRC).parts[:-1]):
             hits.append(path)
     return hits
 
@@ -102,7 +104,7 @@ def listed(name: str) -> bool:
 
 def test_every_vllm_name_dynvocab_uses_is_a_listed_seam():
     files = vllm_files()
-    assert any(f.name == "head.py" for f in files), files
+    assert any(f.name == "head.py" for f in files) and any(f.name == "worker.py" for f in files), files
     unlisted = sorted(f"{p.relative_to(SRC)}: {n}" for p in files for n in used_names(p) if not listed(n))
     assert not unlisted, f"add these to contract.SEAMS: {unlisted}"
 
@@ -234,11 +236,11 @@ def test_the_bench_driver_refuses_a_vllm_without_its_seams(monkeypatch, tmp_path
     written."""
     import vllm
 
-    from dynvocab.bench import vllm_run
+    from dynvocab.bench.engines.vllm import driver
 
     monkeypatch.delattr(vllm.LLM, "collective_rpc")
     out = tmp_path / "out.json"
-    assert vllm_run.main([str(tmp_path / "request.json"), str(out)]) == 2
+    assert driver.main([str(tmp_path / "request.json"), str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("dynvocab bench --vllm cannot drive vLLM")
     assert "vllm:LLM.collective_rpc" in err and not out.exists()

@@ -6,7 +6,7 @@ placeholders into ``input_batch.token_ids_cpu`` where each step's sampled tokens
 only (vllm 0.32.0 ``v1/worker/gpu_model_runner.py:_bookkeeping_sync``). Here every proposal hook call sees the
 record so: each output position of every request is -1 (the prompt stays), restored right after the hook read it
 (the synchronous engine itself reads the record for its inputs). The plugin must take the outputs from what the hook
-announced at earlier steps. Writes the driver's rows as :mod:`dynvocab.bench.vllm_run` does, and under ``"read"``
+announced at earlier steps. Writes the driver's rows as :mod:`dynvocab.bench.engines.vllm.driver` does, and under ``"read"``
 every attribute the hook read off vLLM's objects, named by the class of the object it was read from (its MRO), for
 tests/test_vllm_contract.py's check of the seams by object.
 """
@@ -57,7 +57,7 @@ def with_placeholders(announce):
 
 
 def main(argv: list[str]) -> int:
-    from dynvocab.bench.vllm_run import run
+    from dynvocab.bench.engines.vllm.driver import run
     from dynvocab.serving.vllm import proposal
 
     proposal.announce = with_placeholders(proposal.announce)  # the runner's wrapper looks it up at each call

@@ -21,7 +21,7 @@ CHUNK, BLOCKS, SEQUENCE = 32, 10, 200
 def _engine(req: dict, spec: dict | None):
     from vllm import LLM
 
-    from dynvocab.bench.vllm_run import EXTENSION
+    from dynvocab.bench.engines.vllm.worker import EXTENSION
 
     kw = dict(model=req["target"], dtype="float32", enforce_eager=True, seed=0, max_model_len=256, max_num_seqs=4,
               disable_log_stats=False, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=CHUNK,

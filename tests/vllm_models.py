@@ -1,5 +1,5 @@
 """Tiny models at shapes vLLM-CPU runs (head dim 64), a bundle for them, and the driver that runs rows in a real
-vLLM engine (``python -m dynvocab.bench.vllm_run`` in a child process). No download.
+vLLM engine (``python -m dynvocab.bench.engines.vllm.driver`` in a child process). No download.
 
 Import the fixtures with ``from vllm_models import vllm_pair, vllm_bundle`` in a module that starts with
 ``pytest.importorskip("vllm")``.
@@ -104,7 +104,7 @@ def run_rows(tmp_path: Path, request: dict, timeout: int = 600, env: dict | None
     env = {**os.environ, **ENGINE_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}),
            **(env or {})}
     # its own process group: on a timeout the driver's vLLM workers go with it (else they spin on, orphaned)
-    driver = [str(script)] if script is not None else ["-m", "dynvocab.bench.vllm_run"]
+    driver = [str(script)] if script is not None else ["-m", "dynvocab.bench.engines.vllm.driver"]
     proc = subprocess.Popen([sys.executable, *driver, str(req), str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -174,7 +174,7 @@ def bench(
     set_threads(load.threads)
     llama = None
     if llamacpp is not None:
-        from dynvocab.bench.llamacpp import prepare
+        from dynvocab.bench.engines.llamacpp import prepare
 
         if flags.temperature > 0:
             raise DynvocabError("--llamacpp rows decode greedily; drop --temperature")

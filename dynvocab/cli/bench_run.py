@@ -11,9 +11,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dynvocab.bench.llamacpp import LlamaCpp
-from dynvocab.bench.report import notes, render_tables, write_csv, write_plot
-from dynvocab.bench.tasks import TASKS, BenchItem, embedded_items, file_items
+from dynvocab.bench.engines.llamacpp import LlamaCpp
+from dynvocab.bench.loop.report import notes, render_tables, write_csv, write_plot
+from dynvocab.bench.loop.tasks import TASKS, BenchItem, embedded_items, file_items
 from dynvocab.cli.common import StrategyFlags, status_printer, stdout_is_terminal
 from dynvocab.errors import DynvocabError, Interrupted
 from dynvocab.files import write_atomic
@@ -108,7 +108,7 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     :class:`~dynvocab.errors.Interrupted` says how many there were.
     """
     from dynvocab import api
-    from dynvocab.bench.runner import needs_draft, parse_rows, with_llama_rows
+    from dynvocab.bench.loop.runner import needs_draft, parse_rows, with_llama_rows
     from dynvocab.models.loading import resolve_model
     from dynvocab.runtime.draft_registry import check_tree_kind
     from dynvocab.runtime.strategies import check_bundle_stages
@@ -221,8 +221,8 @@ class VllmRequest:
 
 def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest) -> dict:
     """``bench --vllm``: the same prompt token ids as our own rows (first turn of each item, chat template), run
-    through vLLM in a child process (:mod:`dynvocab.bench.vllm_rows`); print the table, write the JSON."""
-    from dynvocab.bench import vllm_rows as v
+    through vLLM in a child process (:mod:`dynvocab.bench.engines.vllm.rows`); print the table, write the JSON."""
+    from dynvocab.bench.engines.vllm import rows as v
     from dynvocab.models import default_dtype, load_tokenizer, resolve_model
     from dynvocab.prompts import encode_prompt
     from dynvocab.runtime.batched import asked_budget

@@ -1,9 +1,9 @@
 """``dynvocab microbench``: one part of a draft step timed alone, at real shapes with random weights (or a bundle's
 tables). Each mode is a command of this sub-app; ``bench`` itself only runs strategies side by side.
 
-The timing code lives in :mod:`dynvocab.bench` (``microbench``, ``policy_step``, ``eagle_step``, ``draft_step``),
-which ``scripts/gpu_check.sh`` calls directly; these commands only parse flags, show progress on stderr, print the
-table and write the JSON.
+The timing code lives in :mod:`dynvocab.bench.micro` (``microbench``, ``policy_step``, ``eagle_step``,
+``draft_step``), which ``scripts/gpu_check.sh`` calls directly; these commands only parse flags, show progress on
+stderr, print the table and write the JSON.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def kernels(device: Device = None, dtype: Dtype = None, threads: Threads = None,
     kernel (CUDA only) and a packed buffer, for 1k-32k active rows and M = 1, 8, 64 hidden states; each time is
     set against the device's measured copy bandwidth. --dtype defaults to float32.
     """
-    from dynvocab.bench.microbench import render_kernel_table, run_kernel_bench
+    from dynvocab.bench.micro.microbench import render_kernel_table, run_kernel_bench
     from dynvocab.models import default_device
 
     _start(device, dtype, None, threads, json_path)
@@ -121,7 +121,7 @@ def policy_steps(
     --dtype it times bfloat16 and float32 rows, and int8 rows first where the draft weights are int8.
     """
     from dynvocab.artifacts.bundle import load_bundle
-    from dynvocab.bench.policy_step import SYNTHETIC_KIND, policy_step_bench, render_policy_table
+    from dynvocab.bench.micro.policy_step import SYNTHETIC_KIND, policy_step_bench, render_policy_table
     from dynvocab.models.int8 import INT8, default_draft_weights
 
     _start(None, dtype, draft_weights, threads, json_path)
@@ -150,7 +150,7 @@ def eagle_step(
     EAGLE-3, Llama-3-8B EAGLE-1, Llama-3.1-8B EAGLE-3; EAGLE-1 also with the lowrank and centroids selectors.
     --draft-weights is int8 or the --dtype.
     """
-    from dynvocab.bench.eagle_step import EAGLE_SHAPES, eagle_step_bench, render_eagle_step_table
+    from dynvocab.bench.micro.eagle_step import EAGLE_SHAPES, eagle_step_bench, render_eagle_step_table
     from dynvocab.models import default_device, default_dtype
     from dynvocab.models.int8 import INT8, default_draft_weights
 
@@ -185,7 +185,7 @@ def draft_step(
     vocabulary, a 32k and a 3k packed buffer, and the same sets gathered (the fused Triton kernel on CUDA).
     --dtype defaults to float32.
     """
-    from dynvocab.bench.draft_step import draft_step_bench, render_draft_step_table
+    from dynvocab.bench.micro.draft_step import draft_step_bench, render_draft_step_table
     from dynvocab.models import default_device
 
     _start(device, dtype, None, threads, json_path)

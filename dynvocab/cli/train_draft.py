@@ -110,7 +110,7 @@ def train_draft(
     check_config(cfg)  # refusals before the progress display starts
     writer = None
     if cfg.distill is not None and cfg.distill.engine == "vllm":  # refused before the target loads
-        from dynvocab.bench.vllm_answers import VllmWriter
+        from dynvocab.bench.engines.vllm.answers import VllmWriter
 
         writer = VllmWriter.for_target(target, vllm_python)
     if env_rank() != 0:  # under torchrun only rank 0 draws and reports; the others print only their errors

@@ -2,7 +2,7 @@
 
 Importing this package never imports Triton: the ``*_triton.py`` kernel modules load on the first launch (so
 ``TRITON_INTERPRET`` may be set any time before it), and the ``*_auto`` functions use the torch references on
-CPU. Their timings live in :mod:`dynvocab.bench.microbench`. Public entry points, and who calls them:
+CPU. Their timings live in :mod:`dynvocab.bench.micro.microbench`. Public entry points, and who calls them:
 
 - ``gathered_logits(h, weight, idx)``: float32 logits [M, n] over rows ``idx`` of an LM head, fused, reading the
   rows in place. On the decode path on CUDA: :class:`~dynvocab.runtime.head.RangeHead` (the head over a

@@ -1,4 +1,4 @@
-"""Per-generation metrics as data (the CLI renders them; :mod:`dynvocab.bench.summary` aggregates them)."""
+"""Per-generation metrics as data (the CLI renders them; :mod:`dynvocab.bench.loop.summary` aggregates them)."""
 
 from __future__ import annotations
 

@@ -5,13 +5,14 @@ The loop never knows which policy it runs. Adding a strategy: its policy and fro
 in the module that brings it, or through an entry point in the :data:`ENTRY_POINTS` group). A strategy runs
 inside vLLM too when its entry says how (``batched=Batched(stages, build, default_budget)``,
 :mod:`dynvocab.runtime.batched`: a selector over the draft's hidden state, or one that also reads the request's
-context, :mod:`dynvocab.runtime.policies.context_select`); one that cannot says why (``why_not_batched``). Import
+context, :mod:`dynvocab.runtime.selectors.context_select`); one that cannot says why (``why_not_batched``). Import
 the registry's API from here, so that the built-in strategies are in it.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import torch
 
@@ -19,25 +20,9 @@ from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
 from dynvocab.registry import load_plugins
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy
-from dynvocab.runtime.policies.batch_select import (
-    centroids_from_bundle,
-    frequency_budget,
-    frequency_selector,
-    lowrank_from_bundle,
-    stage_budget,
-)
 from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
-from dynvocab.runtime.policies.context_select import (
-    fixed_budget,
-    hybrid_from_bundle,
-    position_from_bundle,
-    router_budget,
-    router_from_bundle,
-    window_from_bundle,
-)
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.policies.evospec_select import evospec_from_bundle
 from dynvocab.runtime.policies.frequency import PositionAwareConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.lowrank import LowRankConfig, LowRankPolicy
@@ -61,6 +46,22 @@ from dynvocab.runtime.registry import (
     strategy_names,
     unregister,
 )
+from dynvocab.runtime.selectors.batch_select import (
+    centroids_from_bundle,
+    frequency_budget,
+    frequency_selector,
+    lowrank_from_bundle,
+    stage_budget,
+)
+from dynvocab.runtime.selectors.context_select import (
+    fixed_budget,
+    hybrid_from_bundle,
+    position_from_bundle,
+    router_budget,
+    router_from_bundle,
+    window_from_bundle,
+)
+from dynvocab.runtime.selectors.evospec_select import evospec_from_bundle
 from dynvocab.runtime.token_map import load_token_map
 
 ENTRY_POINTS = "dynvocab.strategies"  # the entry-point group of strategies that installed packages bring
@@ -238,8 +239,8 @@ register(Strategy(
 register(Strategy(
     "evospec", EvoSpecConfig, _evospec, stages=("freq", "hnsw", "graph"),
     flags=(Flag("online_align", "online LoRA alignment of the draft (q, v projections)."),),
-    batched=Batched(("freq", "hnsw", "graph"), evospec_from_bundle, fixed_budget(EvoSpecConfig().static_size),
-                    budget_flags=("fr_size",), target_states=True),
+    batched=Batched(("freq", "hnsw", "graph"), partial(evospec_from_bundle, cfg=EvoSpecConfig()),
+                    fixed_budget(EvoSpecConfig().static_size), budget_flags=("fr_size",), target_states=True),
 ))
 register(Strategy(
     "hybrid", HybridConfig, _hybrid,
@@ -262,8 +263,9 @@ register(Strategy(
             min=0,
         ),
     ),
-    batched=Batched(("freq",), hybrid_from_bundle, fixed_budget(HybridConfig().core_size),
-                    optional=("graph", "draft_hnsw"), budget_flags=("core_size",)),
+    batched=Batched(("freq",), partial(hybrid_from_bundle, cfg=HybridConfig().for_draft(searches_per_step=True)),
+                    fixed_budget(HybridConfig().core_size), optional=("graph", "draft_hnsw"),
+                    budget_flags=("core_size",)),
 ))
 
 load_plugins(ENTRY_POINTS, register, Strategy)  # strategies that installed packages bring

@@ -21,7 +21,7 @@ documents as over corpus text.
 The target generates ``batch`` prompts per call (left-padded, one batched pass per new token: a CPU makes them at
 the rate of a batched pass, not one token at a time), in the dtype the runtime would use (bfloat16 on CPUs with
 native bf16); with ``engine`` ``vllm`` a vLLM engine writes them, ``batch`` requests in flight
-(``dynvocab.bench.vllm_answers``, which the command hands the trainer). Each batch is one shard, written whole
+(``dynvocab.bench.engines.vllm.answers``, which the command hands the trainer). Each batch is one shard, written whole
 (``dynvocab.files.write_atomic``); a rerun skips finished shards, and a manifest records the target's fingerprint
 and every setting the documents depend on, so documents of another target or other settings are refused instead of
 mixed. Sampling draws from a generator seeded by the seed and the shard index, so a resumed run writes the same
@@ -185,8 +185,8 @@ def generate(model, tokenizer, prompts: Iterator[list[int]], folder: Path, manif
              max_docs: int, end_ids: list[int], reporter: Reporter, writer=None) -> dict:
     """Fill ``folder`` with the shards of the first ``max_docs`` prompts' documents not yet written; returns the
     manifest. ``prompts`` yields the prompts' token ids in a fixed order (:func:`prompt_ids`). The target ``model``
-    writes each shard's answers in one batched call; a ``writer`` (``dynvocab.bench.vllm_answers.VllmWriter``: an
-    ``answers`` method and ``shards_per_call``) instead answers several shards' prompts per call, and ``model`` is
+    writes each shard's answers in one batched call; a ``writer`` (``dynvocab.bench.engines.vllm.answers.VllmWriter``:
+    an ``answers`` method and ``shards_per_call``) instead answers several shards' prompts per call, and ``model`` is
     not used."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     docs, made, started = 0, 0, time.perf_counter()

@@ -43,12 +43,12 @@ def train_draft(target: str, out: str | Path, cfg: TrainDraftConfig = TrainDraft
     this process, or data-parallel over the ranks of a ``torchrun`` launch (every rank returns the report). With
     ``cfg.features_only`` it stops once the feature cache is whole and reports the cache, not a head. ``writer``
     writes the self-distilled answers where ``cfg.distill.engine`` is not ``torch``
-    (``dynvocab.bench.vllm_answers.VllmWriter``)."""
+    (``dynvocab.bench.engines.vllm.answers.VllmWriter``)."""
     t0 = time.perf_counter()
     check_config(cfg)
     if cfg.distill is not None and cfg.distill.engine != "torch" and writer is None:  # refused before any load
         raise DynvocabError(f"--distill-engine {cfg.distill.engine} needs its writer: pass train_draft(…, "
-                            "writer=dynvocab.bench.vllm_answers.VllmWriter.for_target(target))")
+                            "writer=dynvocab.bench.engines.vllm.answers.VllmWriter.for_target(target))")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DynvocabError(f"--out {out} is a file; pass a folder")

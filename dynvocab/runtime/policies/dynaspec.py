@@ -20,7 +20,7 @@ from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.policies.context_select import RouterSelector
+from dynvocab.runtime.selectors.context_select import RouterSelector
 from dynvocab.runtime.policies.groups import Groups
 
 

@@ -36,7 +36,7 @@ from dynvocab.budget import pa_budget
 from dynvocab.runtime.active_set import ActiveSet, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.policies.base import CycleReport
-from dynvocab.runtime.policies.evospec import assemble_candidates
+from dynvocab.runtime.selectors.candidates import assemble_candidates
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
 
 
@@ -156,7 +156,7 @@ class HybridPolicy(MicroSpecPolicy):
 
     def _neighbours(self, token: int, cycle: CycleReport, k: int) -> torch.Tensor:
         """Candidates for a missed ``token`` at verified position ``k`` (at most ``max_insert``): EvoSpec's
-        retrieval (:func:`~dynvocab.runtime.policies.evospec.assemble_candidates`) over the target's top ids
+        retrieval (:func:`~dynvocab.runtime.selectors.candidates.assemble_candidates`) over the target's top ids
         there and the HNSW neighbours of its hidden state, run in the loop's thread."""
         cfg = self.hcfg
         top = to_host(cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices)

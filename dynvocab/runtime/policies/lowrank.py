@@ -11,7 +11,7 @@ import torch
 from dynvocab.artifacts.selectors import LOWRANK, SelectorTable
 from dynvocab.runtime.active_set import ActiveSet, Gathered
 from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.policies.batch_select import lowrank_selector
+from dynvocab.runtime.selectors.batch_select import lowrank_selector
 from dynvocab.runtime.policies.selector_stage import prepared
 
 
@@ -25,7 +25,7 @@ class LowRankConfig:
 
 class LowRankPolicy(VocabPolicy):
     """Per draft step: score every id at rank r from the head's input, keep the top-k (EOS pinned): the batched
-    :class:`~dynvocab.runtime.policies.batch_select.LowRankSelector` at one row, the one the vLLM plugin runs."""
+    :class:`~dynvocab.runtime.selectors.batch_select.LowRankSelector` at one row, the one the vLLM plugin runs."""
 
     name = LOWRANK
 

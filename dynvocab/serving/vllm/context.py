@@ -1,5 +1,5 @@
 """The request's context inside vLLM's V1 model runner, for the plugin's context selectors
-(:mod:`dynvocab.runtime.policies.context_select`) and ``+ngram`` lookups: each batch row's request and tokens, the
+(:mod:`dynvocab.runtime.selectors.context_select`) and ``+ngram`` lookups: each batch row's request and tokens, the
 draft position of each head call, and the token each row was fed.
 
 vLLM gives a draft head only hidden states (``compute_logits`` / ``get_top_tokens``). The rest comes from two places:
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from dynvocab.runtime.ngram import NgramLookup
-from dynvocab.runtime.policies.context_select import StepContext
-from dynvocab.runtime.policies.request_window import RequestWindows
+from dynvocab.runtime.selectors.context_select import StepContext
+from dynvocab.runtime.selectors.request_window import RequestWindows
 from dynvocab.serving.vllm.proposal import Proposal, RequestTokens
 from dynvocab.serving.vllm.without_context import Misses
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -32,6 +33,7 @@ HELP = "Draft rows of a dynvocab context strategy that drafted without their req
 DIR_ENV = "DYNVOCAB_VLLM_METRICS_DIR"
 LOG_EVERY_S = 30.0
 _PROCESS = {"total": 0}  # every draft's rows in this process (what its file says)
+logger = logging.getLogger("vllm.dynvocab")  # the plugin's logger (a child of vLLM's), as in the package's __init__
 
 
 class Misses:
@@ -53,8 +55,6 @@ class Misses:
         now = time.monotonic()
         if now - self._logged.get(why, -LOG_EVERY_S) >= LOG_EVERY_S:
             self._logged[why] = now
-            from dynvocab.serving.vllm import logger
-
             logger.warning("dynvocab: %s drafted %d row(s) without their request's context (%s); %d so far in this "
                            "worker, exported as %s_total; output unchanged, fewer drafts accepted",
                            self.strategy or "the draft", rows, why, self.total, METRIC)

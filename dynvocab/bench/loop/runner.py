@@ -1,14 +1,14 @@
 """Run several strategies over several prompts on one loaded session; results as data.
 
 Rows are our strategies (through the one speculative loop) and transformers' own decoders (``hf-assisted``,
-``hf-lookup``, see :mod:`dynvocab.bench.hf_baselines`), all on the same loaded models and timed the same way; with
+``hf-lookup``, see :mod:`dynvocab.bench.engines.hf`), all on the same loaded models and timed the same way; with
 ``--llamacpp``, llama.cpp's plain and speculative decoding on the same GGUF files and prompt ids (``llama.cpp``,
-``llama.cpp-spec``, see :mod:`dynvocab.bench.llamacpp`), compared with ``ar`` by their text.
+``llama.cpp-spec``, see :mod:`dynvocab.bench.engines.llamacpp`), compared with ``ar`` by their text.
 Replayed conversations (multiturn, topic-switch) feed an answer back before each next user turn: ``ar``'s
 answer when ``ar`` is in the run (so every row sees the same context), else each row's own.
 
-Each draft step's active set is recorded by :class:`dynvocab.bench.recorder.PolicyRecorder`; the results are
-aggregated by :mod:`dynvocab.bench.summary`.
+Each draft step's active set is recorded by :class:`dynvocab.bench.loop.recorder.PolicyRecorder`; the results are
+aggregated by :mod:`dynvocab.bench.loop.summary`.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.bench import stability
-from dynvocab.bench.hf_baselines import HF_ROWS, LOOKUP_TOKENS, hf_generate
-from dynvocab.bench.llamacpp import LLAMA_ROWS, LlamaCpp, prompt_text
-from dynvocab.bench.llamacpp import generate as llama_generate
+from dynvocab.bench.engines.hf import HF_ROWS, LOOKUP_TOKENS, hf_generate
+from dynvocab.bench.engines.llamacpp import LLAMA_ROWS, LlamaCpp, prompt_text
+from dynvocab.bench.engines.llamacpp import generate as llama_generate
 from dynvocab.runtime.loop import DecodeConfig, drafts_trees
 from dynvocab.runtime.tree_shape import TREE_OFF, asks_for_trees, chains_only, split_tree
-from dynvocab.bench.recorder import PolicyRecorder
-from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summarize_bench
-from dynvocab.bench.prompts import PromptRow
+from dynvocab.bench.loop.recorder import PolicyRecorder
+from dynvocab.bench.loop.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summarize_bench
+from dynvocab.bench.loop.prompts import PromptRow
 from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.session import Session
 from dynvocab.runtime.strategies import StrategyOptions, lookup, make_policy, parse_strategies
-from dynvocab.bench.tasks import HISTORY_CHARS, BenchItem, as_item
+from dynvocab.bench.loop.tasks import HISTORY_CHARS, BenchItem, as_item
 
 
 @dataclass(frozen=True)

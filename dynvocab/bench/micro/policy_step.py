@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from dynvocab.artifacts import FreqTable, HnswParams, ModelFingerprint, load_bundle, write_bundle
-from dynvocab.bench.scripted import ScriptedCycle, ScriptedDraft, run_script
-from dynvocab.bench.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
+from dynvocab.bench.micro.scripted import ScriptedCycle, ScriptedDraft, run_script
+from dynvocab.bench.micro.timing import CacheFlusher, cpu_threads, resolve_dtype, time_ms
 from dynvocab.errors import DynvocabError
 from dynvocab.models.int8 import INT8
 from dynvocab.models.rows import FloatRows, Int8Rows
@@ -213,7 +213,7 @@ BENCH_SECTIONS = Sections(active="active_s", observe="observe_s")  # active_ids 
 
 def run_policy(policy, script: list[ScriptedCycle], info: DraftInfo, head: DraftHead | None = None,
                prompt: torch.Tensor | None = None, tokens: list[int] | None = None) -> dict:
-    """Drive ``policy`` through ``script`` with the loop's own cycle (:func:`~dynvocab.bench.scripted.run_script`)
+    """Drive ``policy`` through ``script`` with the loop's own cycle (:func:`~dynvocab.bench.micro.scripted.run_script`)
     after the committed ``tokens`` (default: ``prompt``; they grow in place), a scripted draft reading as ``info``
     does; returns the active sets per step
     (``sets``, lists of sorted ids) and the seconds spent in ``active_ids`` (``active_s``), ``observe``

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dynvocab.bench.summary import EXTRA_KEYS, RECALL_KS
+from dynvocab.bench.loop.summary import EXTRA_KEYS, RECALL_KS
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
 

@@ -15,7 +15,7 @@ number of ids per row); a batched host (the vLLM plugin, :mod:`dynvocab.serving.
   successors of the fed token, and on a CPU the draft head's rows nearest each hidden state (:class:`HeadSearch`,
   bundle stage ``draft_hnsw``: the retrieval :class:`~dynvocab.runtime.policies.hybrid.HybridPolicy` runs at every
   draft step).
-- ``evospec``: :class:`~dynvocab.runtime.policies.evospec_select.EvoSpecSelector`, whose per-request ARC caches
+- ``evospec``: :class:`~dynvocab.runtime.selectors.evospec_select.EvoSpecSelector`, whose per-request ARC caches
   change between cycles (its own module).
 
 Padding repeats an id of the row: its logits equal the id's own, so the argmax and the scattered row are the same
@@ -35,7 +35,7 @@ from dynvocab.artifacts.router import DEFAULT_K_MAX
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.host import to_host_tensor
-from dynvocab.runtime.policies.batch_select import bundle_eos
+from dynvocab.runtime.selectors.batch_select import bundle_eos
 
 # HNSW ef of the hybrid's per-step search in a batched host: on the demo pair in vLLM-CPU (bfloat16, one request) ef 32
 # kept 97.2% of the full head's MAL and ef 64 and 128 98.3%
@@ -287,17 +287,16 @@ def window_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
 
 
 def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
-                       device: torch.device, window: int | None = None) -> HybridSelector:
-    """``hybrid``: a core of the ``budget`` most frequent ids (EOS first), the hybrid's default window, the
-    bundle's graph successors where it has a ``graph`` stage, and on a CPU its ``draft_hnsw`` search for a head of
-    this hidden size (:data:`ENGINE_EF`)."""
+                       device: torch.device, cfg, window: int | None = None) -> HybridSelector:
+    """``hybrid``: a core of the ``budget`` most frequent ids (EOS first), the window of ``cfg`` (a
+    :class:`~dynvocab.runtime.policies.hybrid.HybridConfig` with its per-step candidates decided; the strategy
+    registers the hybrid's defaults as a draft model's), the bundle's graph successors where it has a ``graph``
+    stage, and on a CPU its ``draft_hnsw`` search for a head of this hidden size (:data:`ENGINE_EF`)."""
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
-    from dynvocab.runtime.policies.hybrid import HybridConfig
 
     eos = head_eos_ids(bundle, vocab_size, device)
     core = eos_first_ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
     graph = GraphTable.from_bundle(bundle).to(device) if bundle.has("graph") else None
-    cfg = HybridConfig().for_draft(searches_per_step=True)
     search = None
     if bundle.has("draft_hnsw") and torch.device(device).type == "cpu":
         params = HnswParams.from_dict(bundle.info("draft_hnsw")["index"], f"bundle {bundle.path} (stage draft_hnsw)")

@@ -3,16 +3,17 @@
 On a CUDA machine it builds random-weight models at real shapes from their configs (nothing is downloaded), runs
 the test files that exercise CUDA (the Triton kernels compiled, not interpreted), and times:
 
-- ``graph_step``: :func:`~dynvocab.bench.graph_step.graph_step_bench`, one demo-draft step (Qwen2.5-0.5B shape,
+- ``graph_step``: :func:`~dynvocab.bench.micro.graph_step.graph_step_bench`, one demo-draft step (Qwen2.5-0.5B shape,
   24 layers, a static KV cache) eagerly and as a replayed ``torch.cuda.CUDAGraph``, with the head over the full
   vocabulary and over packed K-row buffers;
-- ``draft_step``: :func:`~dynvocab.bench.draft_step.draft_step_bench` (body and head apart, the fused kernel);
-- ``eagle_step``: :func:`~dynvocab.bench.eagle_step.eagle_step_bench` at every shape of ``EAGLE_SHAPES``;
-- ``kernels``: :func:`~dynvocab.bench.microbench.run_kernel_bench` at the demo draft's and Llama-3-8B's head;
-- ``batch_heads``: :func:`~dynvocab.bench.batch_head_step.batch_head_bench`, every strategy that runs inside vLLM but evospec (host-side retrieval),
-  selector and head over 1, 4 and 8 rows as the plugin calls them, eagerly and as a CUDA graph;
-- ``tree_step``: :func:`~dynvocab.bench.tree_step.tree_step_bench`, EAGLE-2 tree cycles (``--tree``) at Gemma-3-270M's
-  shape beside the chain, with the full head and two static sets, and the host reads of each cycle.
+- ``draft_step``: :func:`~dynvocab.bench.micro.draft_step.draft_step_bench` (body and head apart, the fused kernel);
+- ``eagle_step``: :func:`~dynvocab.bench.micro.eagle_step.eagle_step_bench` at every shape of ``EAGLE_SHAPES``;
+- ``kernels``: :func:`~dynvocab.bench.micro.microbench.run_kernel_bench` at the demo draft's and Llama-3-8B's head;
+- ``batch_heads``: :func:`~dynvocab.bench.micro.batch_head_step.batch_head_bench`, every strategy that runs inside
+  vLLM but evospec (host-side retrieval), selector and head over 1, 4 and 8 rows as the plugin calls them, eagerly and
+  as a CUDA graph;
+- ``tree_step``: :func:`~dynvocab.bench.micro.tree_step.tree_step_bench`, EAGLE-2 tree cycles (``--tree``) at
+  Gemma-3-270M's shape beside the chain, with the full head and two static sets, and the host reads of each cycle.
 
 Every section runs in a child process under its own time limit, inside an overall budget (10 minutes by default),
 so a hang or a broken CUDA context costs one section, not the run. With ``--device cpu`` the same sections run at
@@ -37,8 +38,8 @@ from typing import Callable
 
 import torch
 
-from dynvocab.bench.draft_step import QWEN2_0_5B
-from dynvocab.bench.timing import StepParams
+from dynvocab.bench.micro.draft_step import QWEN2_0_5B
+from dynvocab.bench.micro.timing import StepParams
 from dynvocab.files import write_atomic
 from dynvocab.models.loading import cpu_name
 
@@ -70,7 +71,7 @@ NOT_CAPTURED = {
 
 def settings(quick: bool, device: str) -> dict:
     """Each section's shapes and repeats: real shapes (``quick`` False) or small ones (CPU, CI)."""
-    from dynvocab.bench.eagle_step import EAGLE_SHAPES
+    from dynvocab.bench.micro.eagle_step import EAGLE_SHAPES
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     if not quick:
@@ -205,34 +206,34 @@ def run_section(name: str, device: str, quick: bool) -> dict:
     """Run one benchmark section in this process; returns its JSON-ready result."""
     cfg = settings(quick, device)[name]
     if name == "graph_step":
-        from dynvocab.bench.graph_step import graph_step_bench
+        from dynvocab.bench.micro.graph_step import graph_step_bench
 
         return graph_step_bench(cfg["dims"], device, cfg["dtype"], cfg["context"], cfg["heads"], cfg["repeats"])
     if name == "draft_step":
-        from dynvocab.bench.draft_step import draft_step_bench
+        from dynvocab.bench.micro.draft_step import draft_step_bench
 
         step = StepParams(active=cfg["active"], repeats=cfg["repeats"], warmup=2)
         return draft_step_bench(cfg["config"], device, cfg["dtype"], layers=cfg["layers"], step=step)
     if name == "eagle_step":
-        from dynvocab.bench.eagle_step import eagle_step_bench
+        from dynvocab.bench.micro.eagle_step import eagle_step_bench
 
         step = StepParams(active=cfg["active"], repeats=cfg["repeats"], warmup=1 if quick else 2)
         results = [eagle_step_bench(shape, device=device, dtype=cfg["dtype"], step=step) for shape in cfg["shapes"]]
         return {"results": results, "graph": NOT_CAPTURED["eagle_step"]}
     if name == "kernels":
-        from dynvocab.bench.microbench import run_kernel_bench
+        from dynvocab.bench.micro.microbench import run_kernel_bench
 
         return {shape: run_kernel_bench(device, cfg["dtype"], vocab=vocab, dim=dim, sizes=cfg["sizes"], ms=cfg["ms"],
                                         repeats=cfg["repeats"], warmup=1 if quick else 3, flush_cache=not quick)
                 for shape, (vocab, dim) in cfg["shapes"].items()}
     if name == "batch_heads":
-        from dynvocab.bench.batch_head_step import batch_head_bench
+        from dynvocab.bench.micro.batch_head_step import batch_head_bench
 
         return batch_head_bench(cfg["vocab"], cfg["hidden"], batches=cfg["batches"], steps=cfg["steps"],
                                 context=cfg["context"], device=device, dtype=cfg["dtype"], repeats=cfg["repeats"],
                                 warmup=1 if quick else 3, bundle_sizes=cfg["bundle_sizes"])
     if name == "tree_step":
-        from dynvocab.bench.tree_step import GEMMA3_270M_TEXT, tree_step_bench
+        from dynvocab.bench.micro.tree_step import GEMMA3_270M_TEXT, tree_step_bench
 
         shape = GEMMA3_270M_TEXT if cfg["target"] == "gemma3-270m" else TINY_TREE_TARGET
         return tree_step_bench(shape, device, cfg["dtype"], shapes=cfg["shapes"], sets=cfg["sets"],
@@ -244,7 +245,7 @@ def _child(name: str, device: str, quick: bool, root: Path, limit_s: float) -> d
     """Section ``name`` in a child process under ``limit_s`` seconds (a hang or a broken CUDA context stays there)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "section.json"
-        args = [sys.executable, "-m", "dynvocab.bench.gpu_check", "--section", name, "--device", device,
+        args = [sys.executable, "-m", "dynvocab.bench.micro.gpu_check", "--section", name, "--device", device,
                 "--result", str(out), "--quick" if quick else "--full"]
         try:
             run = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=limit_s)
@@ -291,7 +292,7 @@ def _write(path: Path, payload: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dynvocab.bench.gpu_check``: the whole check (``--out``), or one section (``--section``, the
+    """``python -m dynvocab.bench.micro.gpu_check``: the whole check (``--out``), or one section (``--section``, the
     children's entry point). Exit status 0 when every section passed, 1 when one did not, 2 for a bad request."""
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -18,10 +18,10 @@ CPU_FLUSH_BYTES = 64 << 20  # larger than this machine's 32 MiB L3
 
 @dataclass(frozen=True)
 class StepParams:
-    """What a one-step benchmark (:mod:`~dynvocab.bench.draft_step`, :mod:`~dynvocab.bench.eagle_step`) times and
-    how often: one token decoded after ``context`` cached positions, the head over the full vocabulary and over a
-    K-row set for each K in ``active``, each timed ``repeats`` times after ``warmup`` untimed runs; ``seed`` draws
-    the random weights and ids."""
+    """What a one-step benchmark (:mod:`~dynvocab.bench.micro.draft_step`,
+    :mod:`~dynvocab.bench.micro.eagle_step`) times and how often: one token decoded after ``context`` cached positions,
+    the head over the full vocabulary and over a K-row set for each K in ``active``, each timed ``repeats`` times after
+    ``warmup`` untimed runs; ``seed`` draws the random weights and ids."""
 
     context: int = 128
     active: tuple[int, ...] = (32768, 3072)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dynvocab.bench.timing import resolve_dtype, time_ms
+from dynvocab.bench.micro.timing import resolve_dtype, time_ms
 from dynvocab.runtime.host import host_reads
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from dynvocab.kernels.gathered_head import gathered_logits_auto
-from dynvocab.bench.timing import CacheFlusher, StepParams, cpu_threads, resolve_dtype, time_ms
+from dynvocab.bench.micro.timing import CacheFlusher, StepParams, cpu_threads, resolve_dtype, time_ms
 
 QWEN2_0_5B = {  # Qwen2.5(-Coder)-0.5B: the demo draft
     "hidden_size": 896,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 
-from dynvocab.bench.timing import CacheFlusher, StepParams, cpu_threads, interleaved_ms, resolve_dtype
+from dynvocab.bench.micro.timing import CacheFlusher, StepParams, cpu_threads, interleaved_ms, resolve_dtype
 from dynvocab.models.eagle import EAGLE1
 from dynvocab.models.int8 import INT8
 from dynvocab.models.prepack import quantize_linears

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dynvocab.bench.timing import resolve_dtype
+from dynvocab.bench.micro.timing import resolve_dtype
 from dynvocab.runtime.host import HostReads
 
 GEMMA3_270M_TEXT = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 
 from dynvocab.artifacts.bundle import load_bundle
 from dynvocab.artifacts.random_stages import random_bundle
-from dynvocab.bench.graph_step import replayed
-from dynvocab.bench.timing import resolve_dtype, time_ms
+from dynvocab.bench.micro.graph_step import replayed
+from dynvocab.bench.micro.timing import resolve_dtype, time_ms
 from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector, bundle_stages
 from dynvocab.runtime.host import host_reads
-from dynvocab.runtime.policies.batch_select import SelectedHead
-from dynvocab.runtime.policies.context_select import StepContext
-from dynvocab.runtime.policies.request_window import RequestWindows
+from dynvocab.runtime.selectors.batch_select import SelectedHead
+from dynvocab.runtime.selectors.context_select import StepContext
+from dynvocab.runtime.selectors.request_window import RequestWindows
 
 
 @torch.inference_mode()

@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.table import Table
 
 from dynvocab.files import write_atomic
-from dynvocab.bench.llamacpp import LLAMA_ROWS
-from dynvocab.bench.summary import RECALL_KS
+from dynvocab.bench.engines.llamacpp import LLAMA_ROWS
+from dynvocab.bench.loop.summary import RECALL_KS
 
 ORACLE = "oracle"
 CSV_COLUMNS = (

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from dynvocab.bench.prompts import PromptRow, load_prompts
+from dynvocab.bench.loop.prompts import PromptRow, load_prompts
 from dynvocab.data.sharegpt import is_eval_position
 from dynvocab.errors import DynvocabError
 from dynvocab.prompts import CODE_INSTRUCTION

@@ -1,13 +1,13 @@
 """``dynvocab bench --vllm``: the same prompts through a vLLM engine, with and without the plugin's heads.
 
-Rows: ``vllm`` (plain decoding), ``vllm-spec:ngram`` (vLLM's own prompt-lookup speculation, no draft),
-``vllm-spec`` (speculation with the draft's full head) and ``vllm-spec:<strategy>`` (the plugin's head switched to a
-batched selector, :mod:`dynvocab.serving.vllm`). This module imports no vLLM: it writes one draft folder, builds the
-driver's request (:mod:`dynvocab.bench.vllm_run`), runs the driver as a child process in the environment that has
-vLLM (``--vllm-python``), one engine at a time, and summarises what it returns. Every row with the draft shares one
-engine, whose head the driver switches between interleaved rounds, so the machine's drift falls on every row alike;
-figures are medians over rounds. With several levels of ``concurrency`` every row runs at each (N requests in
-flight, a closed loop), and each level's rows are compared with plain vLLM at the same level.
+Rows: ``vllm`` (plain decoding), ``vllm-spec:ngram`` (vLLM's own prompt-lookup speculation, no draft), ``vllm-spec``
+(speculation with the draft's full head) and ``vllm-spec:<strategy>`` (the plugin's head switched to a batched selector,
+:mod:`dynvocab.serving.vllm`). This module imports no vLLM: it writes one draft folder, builds the driver's request
+(:mod:`dynvocab.bench.engines.vllm.driver`), runs the driver as a child process in the environment that has vLLM
+(``--vllm-python``), one engine at a time, and summarises what it returns. Every row with the draft shares one engine,
+whose head the driver switches between interleaved rounds, so the machine's drift falls on every row alike; figures are
+medians over rounds. With several levels of ``concurrency`` every row runs at each (N requests in flight, a closed
+loop), and each level's rows are compared with plain vLLM at the same level.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PLAIN, SPEC, PLUGIN = "vllm", "vllm-spec", "vllm-spec:"
 NGRAM = "vllm-spec:ngram"  # vLLM's own prompt-lookup speculation (no draft model, no head)
 ORACLE = "oracle"
 DEFAULT_ROUNDS = 3
-DRIVER = "dynvocab.bench.vllm_run"
+DRIVER = "dynvocab.bench.engines.vllm.driver"
 DOCS = "docs/vllm.md"
 OUR_FULL_ROWS = ("ar", "full")  # the vllm and vllm-spec rows, which always run
 NGRAM_NAME = "ngram"  # in --strategies: the vllm-spec:ngram row
@@ -292,7 +292,7 @@ def run_driver(cfg: VllmBench, req: dict, workdir: Path) -> list[dict]:
 
 
 def drive(python: str, req: dict, workdir: Path, tensor_parallel_size: int = 1) -> list[dict]:
-    """Run the driver (:mod:`dynvocab.bench.vllm_run`) on ``req`` with ``python`` in a child process, in
+    """Run the driver (:mod:`dynvocab.bench.engines.vllm.driver`) on ``req`` with ``python`` in a child process, in
     :func:`engine_env`, from ``workdir`` (a :func:`work_folder`); its rows, or a one-line :class:`DriverFailed`
     with vLLM's last error line, its whole output written to ``vllm.log`` in ``workdir``."""
     path, out = workdir / "request.json", workdir / "result.json"
@@ -312,7 +312,7 @@ def drive(python: str, req: dict, workdir: Path, tensor_parallel_size: int = 1) 
 
 def row_ids(row: dict) -> int | None:
     """A speculative row's ids per draft step at its level of concurrency, as its worker reported it
-    (``vllm_run.HeadSwitch.read``: the selector's k; for a context selector the distinct ids it multiplied per head
+    (``worker.HeadSwitch.read``: the selector's k; for a context selector the distinct ids it multiplied per head
     call, which grow with the rows in flight; the head's rows for ``vllm-spec``); None for a row without a head."""
     return (row["rounds"][0].get("head") or {}).get("ids") or None
 

@@ -302,7 +302,13 @@ class SelectedHead:
     A vocab-parallel head (vLLM's ``ParallelLMHead`` at tensor_parallel_size > 1) holds rows ``start … end - 1`` of
     the vocabulary on each rank: every rank computes the same set from the same hidden state and scores only the ids
     of its own rows; the others are ``-inf`` in its logits, so a reduction over ranks (a max, vLLM's local-argmax
-    exchange, or a gather of shards) sees each id scored once."""
+    exchange, or a gather of shards) sees each id scored once.
+
+    What it keeps is packed from one weight, known by identity: a call with another weight tensor (a host that loads
+    or swaps its weights hands a new one) packs again. For that weight it keeps a static set's rows (on a shard, with
+    their slots), or a context selector's shared parts, each found by its ids tensor's ``(data_ptr(), numel())``:
+    those tensors are the selector's own (its core, its EOS ids, prefixes of its ranking) and live as long as it
+    does, so a key never comes back for other ids. Changing sets are gathered each step and kept nowhere."""
 
     def __init__(self, selector: BatchSelector, pack=None, union: bool | None = None, whole=None):
         """``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a static set's rows are multiplied once packed (a host's
@@ -324,7 +330,7 @@ class SelectedHead:
         """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight``, in the
         weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it); ids
         outside them are ``-inf`` and not multiplied. ``ctx``: the draft step's
-        :class:`~dynvocab.runtime.policies.context_select.StepContext`, for a selector that reads it."""
+        :class:`~dynvocab.runtime.selectors.context_select.StepContext`, for a selector that reads it."""
         x = hidden.to(weight.dtype)
         if getattr(self.selector, "reads_context", False):
             return self._context(x, hidden, weight, ctx, start, end)

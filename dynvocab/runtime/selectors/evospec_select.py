@@ -7,7 +7,7 @@ clock of the row's request ticks, and the token the draft is fed there (the targ
 correction or bonus token, the one emitted token that can lie outside the set the cycle was drafted with) is looked
 up: in the dynamic buffer it is a hit, outside the core and the buffer it is an OOV event whose candidates (the
 token, the HNSW top ids for the target's hidden state that produced it, then the graph successors of each,
-:func:`~dynvocab.runtime.policies.evospec.assemble_candidates`) are offered to the request's cache. The cache changes
+:func:`~dynvocab.runtime.selectors.candidates.assemble_candidates`) are offered to the request's cache. The cache changes
 only there, so positions 1 … γ - 1 draft from the same set.
 
 What differs from dynvocab's own loop, and why:
@@ -33,10 +33,10 @@ import torch
 
 from dynvocab.artifacts.bundle import Bundle
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.policies.arc import ARCCache
-from dynvocab.runtime.policies.context_select import (ContextSelector, ContextSets, HeadSearch, StepContext,
-                                                      eos_first_ranking, head_eos_ids)
-from dynvocab.runtime.policies.evospec import EvoSpecConfig, assemble_candidates
+from dynvocab.runtime.selectors.arc import ARCCache
+from dynvocab.runtime.selectors.candidates import assemble_candidates
+from dynvocab.runtime.selectors.context_select import (ContextSelector, ContextSets, HeadSearch, StepContext,
+                                                       eos_first_ranking, head_eos_ids)
 
 # HNSW ef of the OOV searches in a batched host (the hybrid's per-step search measured ~0.6 ms a query at 64 over the
 # demo pair's 151,936 rows, outside the engine)
@@ -57,10 +57,11 @@ class EvoSpecSelector(ContextSelector):
     """``evospec`` in a batched host: ``core`` [K] for every row, and each request's ARC buffer (at most
     ``cfg.dynamic_size`` ids, padded with the core's first id)."""
 
-    def __init__(self, core: torch.Tensor, vocab_size: int, graph, cfg: EvoSpecConfig,
-                 search: HeadSearch | None = None):
-        """``graph``: the bundle's :class:`~dynvocab.artifacts.GraphTable` (host tensors); ``search``: the HNSW
-        index of the bundle's ``hnsw`` stage over the target's head rows, or None."""
+    def __init__(self, core: torch.Tensor, vocab_size: int, graph, cfg, search: HeadSearch | None = None):
+        """``graph``: the bundle's :class:`~dynvocab.artifacts.GraphTable` (host tensors); ``cfg``: EvoSpec's knobs
+        (:class:`~dynvocab.runtime.policies.evospec.EvoSpecConfig`: the buffer's size and cache, the graph fan-out,
+        the ids admitted per event); ``search``: the HNSW index of the bundle's ``hnsw`` stage over the target's head
+        rows, or None."""
         if core.numel() < 1 or cfg.dynamic_size < 1:
             raise DynvocabError("evospec needs a core and a dynamic buffer of at least 1 id each")
         self.core, self.cfg, self.search = core.long(), cfg, search
@@ -139,13 +140,13 @@ class EvoSpecSelector(ContextSelector):
         return len(self.caches)
 
 
-def evospec_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
-                        device: torch.device) -> EvoSpecSelector:
-    """``evospec``: a core of the ``budget`` most frequent ids (EOS first), EvoSpec's default buffer and retrieval
-    knobs, the bundle's graph, and on a CPU the search of its ``hnsw`` stage for a head of this hidden size."""
+def evospec_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int, device: torch.device,
+                        cfg) -> EvoSpecSelector:
+    """``evospec``: a core of the ``budget`` most frequent ids (EOS first), the buffer and retrieval knobs of ``cfg``
+    (an :class:`~dynvocab.runtime.policies.evospec.EvoSpecConfig`; the strategy registers EvoSpec's defaults), the
+    bundle's graph, and on a CPU the search of its ``hnsw`` stage for a head of this hidden size."""
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
 
-    cfg = EvoSpecConfig()
     eos = head_eos_ids(bundle, vocab_size, device)
     core = eos_first_ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
     search = None

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from dynvocab.kernels._triton import triton_available
-from dynvocab.bench.draft_step import draft_step_bench
+from dynvocab.bench.micro.draft_step import draft_step_bench
 from dynvocab.kernels.gathered_head import gathered_logits
-from dynvocab.bench.timing import (
+from dynvocab.bench.micro.timing import (
     CacheFlusher,
     copy_bandwidth_gbps,
     cpu_threads,

@@ -3,7 +3,7 @@
 PyTorch generates a batch of prompts as one padded batch, one pass per new token. vLLM schedules many requests at
 once with paged attention and no padding: on Gemma-3-270M, 32 requests in flight, it wrote 285 new tok/s against
 PyTorch's 196 (docs/measurements/2026-11-29-train-gemma-distill-vllm.md). The
-engine runs in a child process, the bench's driver (:mod:`dynvocab.bench.vllm_run`, a plain ``vllm`` row, its
+engine runs in a child process, the bench's driver (:mod:`dynvocab.bench.engines.vllm.driver`, a plain ``vllm`` row, its
 engine core in the driver's process), started once for every :data:`SHARDS_PER_ENGINE` shards: an engine start
 costs seconds, and a kill loses at most those shards. The shards, manifest and resume are
 :mod:`dynvocab.builders.draft.distill`'s, the same as with PyTorch; the command (``dynvocab train-draft``) hands
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynvocab.bench.vllm_rows import drive, find_vllm_python, local_folder, work_folder
+from dynvocab.bench.engines.vllm.rows import drive, find_vllm_python, local_folder, work_folder
 
 SHARDS_PER_ENGINE = 8  # shards whose prompts one engine answers before the shards are written
 
