@@ -201,3 +201,18 @@ def test_a_failed_driver_leaves_its_log_beside_its_request_in_the_kept_run_folde
         with v.work_folder("dynvocab-test-") as work:
             raise DynvocabError("another failure")
     assert not work.exists()
+
+
+def test_a_run_whose_rows_drafted_without_their_requests_context_fails_naming_them():
+    """The worker's count of rows without context (each round's ``head.without_context``) fails the run in one line
+    naming the row and level; rows whose count is zero, and rows without a head, pass."""
+    ok = {"name": "vllm-spec:microspec", "concurrency": 1, "rounds": [{"head": {"without_context": 0}}]}
+    plain = {"name": "vllm", "concurrency": 4, "rounds": [{"head": {}}, {}]}
+    bad = {"name": "vllm-spec:hybrid", "concurrency": 4, "rounds": [{"head": {"without_context": 3}},
+                                                                    {"head": {"without_context": 2}}]}
+    v.check_context([ok, plain])
+    assert v.summarize_row(bad, None)["without_context"] == 5
+    with pytest.raises(DynvocabError) as caught:
+        v.check_context([ok, bad])
+    message = str(caught.value)
+    assert "vllm-spec:hybrid at 4 in flight: 5" in message and "microspec" not in message and "\n" not in message
