@@ -171,3 +171,30 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
 @pytest.mark.parametrize("text", ["0", "1,1", "a,b", ""])
 def test_bad_concurrency_is_one_line(text):
     assert_one_line_error(run("bench", "--vllm", "--concurrency", text), "--concurrency")
+
+
+def test_the_suffix_row_beside_ngram_on_tiny_models(tmp_path, monkeypatch, request):
+    """``suffix`` in --strategies: vLLM's suffix decoding (Arctic Inference's suffix trees) as a row beside plain
+    vLLM and ``ngram``, greedy: its tokens equal plain vLLM's, its acceptance is vLLM's own counters. Runs where
+    arctic-inference is installed beside vLLM (an sdist with a C++ extension: CI's vLLM environment does not build
+    it); the refusal without it is tested in tests/test_bench_vllm_checks.py."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("arctic_inference.suffix_decoding")
+    pair = request.getfixturevalue("vllm_pair")
+    for key, value in ENGINE_ENV.items():
+        monkeypatch.setenv(key, value)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "task": "code", "prompt": "a b c a b c a b c a b c"}\n'
+                       '{"id": "b", "task": "chat", "prompt": "the cat sat on the mat, the cat sat on the mat"}\n')
+    out = tmp_path / "bench.json"
+    result = run("bench", "--vllm", "--target", pair[0], "--draft", pair[1], "--strategies", "ngram,suffix",
+                 "--prompts", prompts, "--max-new-tokens", 16, "--gamma", 3, "--rounds", 1, "--dtype", "float32",
+                 "--json", out)
+    assert result.exit_code == 0, result.output[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {"vllm", "vllm-spec:ngram", "vllm-spec:suffix", "vllm-spec"} <= set(rows)
+    suffix = rows["vllm-spec:suffix"]
+    assert suffix["drafts"] > 0 and suffix["oracle_tokens_per_s"] is None and suffix["head_ms_per_step"] is None
+    generations = json.loads(out.read_text())["generations"]
+    plain = [g["token_ids"] for g in generations if g["strategy"] == "vllm"]
+    assert [g["token_ids"] for g in generations if g["strategy"] == "vllm-spec:suffix"] == plain

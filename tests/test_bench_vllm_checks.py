@@ -216,3 +216,24 @@ def test_a_run_whose_rows_drafted_without_their_requests_context_fails_naming_th
         v.check_context([ok, bad])
     message = str(caught.value)
     assert "vllm-spec:hybrid at 4 in flight: 5" in message and "microspec" not in message and "\n" not in message
+
+
+def test_the_suffix_row_is_vllms_own_draft_free_speculation_in_an_engine_of_its_own(tmp_path):
+    """``suffix`` in --strategies: vLLM's suffix decoding (method "suffix", no head to switch), its own engine beside
+    ngram's; not a plugin strategy (no bundle stage asked), and never auto's fastest draft row."""
+    assert v.plugin_strategies("suffix,ngram", None) == ()
+    cfg = v.VllmBench(target="t", draft="d", bundle="b", strategies=("fr",), python="p", gamma=3, suffix=True,
+                      concurrency=(1,), schedule=v.AUTO)
+    assert cfg.engines() == [["vllm"], ["vllm-spec:ngram"], ["vllm-spec:suffix"], ["vllm-spec", "vllm-spec:fr"]]
+    req = v.request(cfg, [[1, 2, 3]], v._PlainFolder(tmp_path, "eagle"), ["vllm-spec:suffix"])
+    assert req["rows"] == [{"name": "vllm-spec:suffix", "head": False,
+                            "speculative_config": {"method": "suffix", "num_speculative_tokens": 3}}]
+    rows = [_row("vllm", [_round(2.0)]), _row("vllm-spec:suffix", [_round(0.5)]), _row("vllm-spec:fr", [_round(1.0)])]
+    assert v.resolve_schedule(cfg, rows)["speedups"] == {1: 2.0}  # fr's 2x, not suffix's 4x
+    assert v.summarize_row(_row("vllm-spec:suffix", [_round(0.5)]), None)["oracle_tokens_per_s"] is None
+
+
+def test_the_suffix_row_is_refused_in_one_line_without_arctic_inference_beside_vllm():
+    with pytest.raises(DynvocabError) as caught:
+        v.check_suffix(sys.executable)  # this environment has no arctic-inference
+    assert "arctic-inference" in str(caught.value) and "\n" not in str(caught.value)

@@ -110,7 +110,8 @@ def bench(
     vllm: Annotated[
         bool,
         typer.Option("--vllm", help="Instead: run the prompts through vLLM: rows vllm, vllm-spec:ngram (vLLM's own "
-                     "prompt lookup, suffixes of --ngram-min to --ngram-max tokens; 'ngram' in --strategies), vllm-spec (the "
+                     "prompt lookup, suffixes of --ngram-min to --ngram-max tokens; 'ngram' in --strategies), vllm-spec:suffix "
+                     "(vLLM's suffix decoding, with arctic-inference beside vLLM; 'suffix' in --strategies), vllm-spec (the "
                      "draft's full head) and vllm-spec:<strategy> per plugin strategy (every strategy with a batched selector: "
                      "fr, fr-pa, dynaspec, lowrank, centroids, microspec, hybrid; evospec and X+ngram with an EAGLE head) in one engine. Greedy acceptance must repeat in every round: "
                      "a row whose rounds differ ends the run non-zero, naming it."),

@@ -233,6 +233,9 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
     budgets = tuple((s, b) for s in strategies if (b := asked_budget(s, flags.options())) is not None)
     levels = v.parse_concurrency(vllm.concurrency)
     python = v.find_vllm_python(vllm.python)
+    asked = [s.strip() for s in (req.strategies or "").split(",")]
+    if v.SUFFIX_NAME in asked:
+        v.check_suffix(python)
     items = select_items(req)
     target = v.local_folder(req.models.target, "--target")
     tokenizer = load_tokenizer(resolve_model(req.models.target))
@@ -243,7 +246,7 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         max_new_tokens=req.max_new_tokens or (Quick().max_new_tokens if req.quick else DEFAULT_MAX_NEW),
         dtype=req.models.dtype or default_dtype("cpu"), tensor_parallel_size=vllm.tensor_parallel_size,
         chat_template=req.chat_template, seed=flags.seed, concurrency=levels, budgets=budgets,
-        ngram=req.strategies is None or v.NGRAM_NAME in [s.strip() for s in req.strategies.split(",")],
+        ngram=req.strategies is None or v.NGRAM_NAME in asked, suffix=v.SUFFIX_NAME in asked,
         schedule=vllm.schedule, ngram_sizes=(flags.ngram_max, flags.ngram_min),
     )
     v.check_schedule(cfg)  # refused in one line before any engine starts

@@ -1,6 +1,7 @@
 """``dynvocab bench --vllm``: the same prompts through a vLLM engine, with and without the plugin's heads.
 
-Rows: ``vllm`` (plain decoding), ``vllm-spec:ngram`` (vLLM's own prompt-lookup speculation, no draft), ``vllm-spec``
+Rows: ``vllm`` (plain decoding), ``vllm-spec:ngram`` (vLLM's own prompt-lookup speculation, no draft; with ``suffix``
+in ``--strategies``, ``vllm-spec:suffix``: its suffix decoding, arctic-inference beside vLLM), ``vllm-spec``
 (speculation with the draft's full head) and ``vllm-spec:<strategy>`` (the plugin's head switched to a batched selector,
 :mod:`dynvocab.serving.vllm`). This module imports no vLLM: it writes one draft folder, builds the driver's request
 (:mod:`dynvocab.bench.engines.vllm.driver`), runs the driver as a child process in the environment that has vLLM
@@ -39,6 +40,10 @@ DRIVER = "dynvocab.bench.engines.vllm.driver"
 DOCS = "docs/vllm.md"
 OUR_FULL_ROWS = ("ar", "full")  # the vllm and vllm-spec rows, which always run
 NGRAM_NAME = "ngram"  # in --strategies: the vllm-spec:ngram row
+SUFFIX = "vllm-spec:suffix"  # vLLM's suffix decoding (Arctic Inference's suffix trees; no draft model, no head)
+SUFFIX_NAME = "suffix"  # in --strategies: the vllm-spec:suffix row (needs arctic-inference beside vLLM)
+SUFFIX_MODULE = "arctic_inference.suffix_decoding"  # what vLLM's suffix proposer imports
+DRAFT_FREE = (NGRAM, SUFFIX)  # vLLM's own rows without a draft: no head to switch or time
 SCHEDULED = "+schedule"  # a row's name with the batch-size schedule (speculative_config's per-batch-size tokens)
 AUTO = "auto"  # --schedule auto: picked from this run's rows without it
 
@@ -60,6 +65,7 @@ class VllmBench:
     chat_template: bool = True
     seed: int = 0
     ngram: bool = True  # the vllm-spec:ngram row
+    suffix: bool = False  # the vllm-spec:suffix row
     budgets: tuple[tuple[str, int], ...] = ()  # (strategy, budget) its own flags ask for; absent: its default
     concurrency: tuple[int, ...] = (1,)  # requests in flight: every row runs at each level
     schedule: str | None = None  # a batch-size schedule (START:K,… or "auto"): every speculative row again with it
@@ -69,7 +75,7 @@ class VllmBench:
     @property
     def rows(self) -> list[str]:
         """Every row's name, in table order."""
-        spec = [*([NGRAM] if self.ngram else []), SPEC, *(PLUGIN + s for s in self.strategies)]
+        spec = [*self._draft_free(), SPEC, *(PLUGIN + s for s in self.strategies)]
         return [PLAIN, *spec, *([name + SCHEDULED for name in spec] if self.schedule else [])]
 
     @property
@@ -79,7 +85,11 @@ class VllmBench:
 
     def engines(self) -> list[list[str]]:
         """The rows of each engine, in the order they start: plain, vLLM's n-gram speculation, the draft's rows."""
-        return [[PLAIN], *([[NGRAM]] if self.ngram else []), [SPEC, *(PLUGIN + s for s in self.strategies)]]
+        return [[PLAIN], *([name] for name in self._draft_free()), [SPEC, *(PLUGIN + s for s in self.strategies)]]
+
+    def _draft_free(self) -> list[str]:
+        """vLLM's own rows without a draft that this run asks for, each an engine of its own."""
+        return [*([NGRAM] if self.ngram else []), *([SUFFIX] if self.suffix else [])]
 
 
 def plugin_strategies(text: str | None, bundle: str | None, draft: str | None = None) -> tuple[str, ...]:
@@ -98,7 +108,7 @@ def plugin_strategies(text: str | None, bundle: str | None, draft: str | None = 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if len(set(names)) != len(names):
         raise DynvocabError(f"--strategies names a row twice: {text}")
-    plugin = [s for s in names if s not in (*OUR_FULL_ROWS, NGRAM_NAME)]
+    plugin = [s for s in names if s not in (*OUR_FULL_ROWS, NGRAM_NAME, SUFFIX_NAME)]
     kind = _draft_kind(draft) if plugin and draft is not None else None
     for name in plugin:
         why = refusal(name, kind)
@@ -125,6 +135,16 @@ def _draft_kind(draft: str) -> str | None:
         return find_kind(resolve_model(draft))[0].name
     except DynvocabError:
         return None
+
+
+def check_suffix(python: str) -> None:
+    """Refuse the ``suffix`` row in one line where ``python``'s environment lacks what vLLM's suffix proposer
+    imports (arctic-inference: an sdist that compiles its suffix trees' C++ extension, CPU included)."""
+    proc = subprocess.run([python, "-c", f"import {SUFFIX_MODULE}"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DynvocabError(f"the {SUFFIX} row needs arctic-inference beside vLLM ({python} cannot import "
+                            f"{SUFFIX_MODULE}: {last_error_line(proc.stderr)}); pip install arctic-inference there "
+                            f"({DOCS})")
 
 
 def find_vllm_python(path: str | None) -> str:
@@ -250,6 +270,10 @@ def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str], s
     for name in rows:
         if name == PLAIN:
             req["rows"].append({"name": name})
+            continue
+        if name == SUFFIX:  # vLLM's defaults for the suffix trees (depth, spec factor, probability)
+            req["rows"].append({"name": name + suffix, "head": False, "speculative_config": {
+                "method": "suffix", "num_speculative_tokens": cfg.gamma, **extra}})
             continue
         if name == NGRAM:  # vLLM's own defaults for the lookup's n-gram sizes
             req["rows"].append({"name": name + suffix, "head": False, "speculative_config": {
@@ -411,7 +435,7 @@ def resolve_schedule(cfg: VllmBench, rows: list[dict]) -> dict:
     speedups = {}
     for level, by_name in sorted(speeds.items()):
         plain = by_name.get(PLAIN)
-        best = max((v for n, v in by_name.items() if n not in (PLAIN, NGRAM)), default=None)
+        best = max((v for n, v in by_name.items() if n not in (PLAIN, *DRAFT_FREE)), default=None)
         if plain and best is not None:
             speedups[level] = round(best / plain, 4)
     ranges = pick_schedule(speedups, cfg.gamma, cfg.max_num_seqs)
@@ -482,7 +506,7 @@ def summarize_row(row: dict, ids: int | None) -> dict:
     calls = sum(h.get("calls", 0) for h in heads)
     head_s, selector_s = sum(h.get("head_s", 0.0) for h in heads), sum(h.get("selector_s", 0.0) for h in heads)
     spec = row["name"] != PLAIN
-    head = spec and row["name"] != NGRAM
+    head = spec and row["name"].removesuffix(SCHEDULED) not in DRAFT_FREE
     no_head = [r["wall_s"] - h.get("head_s", 0.0) for r, h in zip(rounds, heads)]  # the oracle's wall per round
     return {
         "name": row["name"],
@@ -586,4 +610,5 @@ NOTE = ("MAL = 1 + accepted / drafts (vLLM's mean acceptance length); accept by 
         "position / drafts; head and selector ms per draft step timed in vLLM's worker around the draft's head; "
         "oracle estimate = vllm-spec with its head's timed calls taken out (not a bound: the full head's cache "
         "misses outside its calls stay in, so a row may beat it); =vllm: prompts whose tokens equal plain vLLM's (at "
-        "the same requests in flight); vllm-spec:ngram: vLLM's own prompt-lookup speculation, no draft")
+        "the same requests in flight); vllm-spec:ngram: vLLM's own prompt-lookup speculation, no draft; "
+        "vllm-spec:suffix: vLLM's suffix decoding (Arctic Inference), no draft")
