@@ -43,6 +43,7 @@ from pathlib import Path
 START_LIMIT_S = 600  # an engine with a 262k-row head on 2 cores starts in ~60-120 s
 SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens")
+WITHOUT_CONTEXT = "dynvocab_rows_without_context"  # the plugin's rows drafted without their request's context
 
 
 def free_port() -> int:
@@ -65,13 +66,14 @@ def settled_metrics(base: str, limit_s: float = 20.0) -> dict[str, float]:
 
 
 def metrics(base: str) -> dict[str, float]:
-    """The server's spec-decode counters now (summed over their label sets; 0 where absent)."""
+    """The server's spec-decode counters and the plugin's rows without context now (summed over their label sets;
+    0 where absent)."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
         text = r.read().decode()
-    out = dict.fromkeys(SPEC_METRICS, 0.0)
+    out = dict.fromkeys((*SPEC_METRICS, WITHOUT_CONTEXT), 0.0)
     for line in text.splitlines():
-        m = re.match(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens))(?:_total)?(\{[^}]*\})? ([0-9.eE+-]+)$",
-                     line)
+        m = re.match(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)|dynvocab_rows_without_context)"
+                     r"(?:_total)?(\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if m:
             out[m.group(1)] += float(m.group(3))
     return out
@@ -301,6 +303,7 @@ def main() -> int:
                                 args.max_tokens, work / f"{name}-{users}.json", logs / f"client-{name}.log")
                 after = settled_metrics(server.base)
                 d = {k.split("num_")[1]: after[k] - before[k] for k in SPEC_METRICS}
+                d["without_context"] = after[WITHOUT_CONTEXT] - before[WITHOUT_CONTEXT]
                 mal = 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else None
                 table.append({"row": name, "users": users, "output_tok_s": result.get("output_throughput"),
                               "tpot_median_ms": result.get("median_tpot_ms"), "mal": mal, **d,
@@ -338,6 +341,11 @@ def main() -> int:
             "json": str(args.json), "keep": str(args.keep)}, "rows": table,
             "llm_plain_token_ids": {str(u): llm[("vllm", u)]["token_ids"] for u in args.users} if llm else None},
             default=str)))
+    missed = [f"{r['row']} at {r['users']} users: {r['without_context']:.0f}" for r in table if r["without_context"]]
+    if missed:
+        print(f"rows drafted without their request's context ({WITHOUT_CONTEXT}_total): {'; '.join(missed)}; their "
+              "figures are not the strategies' (docs/vllm.md)", file=sys.stderr)
+        return 1
     return 0
 
 

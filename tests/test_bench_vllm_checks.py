@@ -102,6 +102,8 @@ def test_a_scheduled_request_names_its_rows_and_carries_the_ranges(tmp_path):
     assert {json.dumps(r["speculative_config"]["num_speculative_tokens_per_batch_size"]) for r in req["rows"]} == {
         "[[1, 3, 3], [4, 8, 0]]"}
     assert [r["strategy"] for r in req["rows"][1:]] == [None, "fr"]
+    # a draft folder as it is runs vLLM's own class, which has no get_top_tokens for the local-argmax reduction
+    assert all("use_local_argmax_reduction" not in r["speculative_config"] for r in req["rows"])
 
 
 def test_export_takes_a_schedule_as_pairs_or_from_a_bench_json(tmp_path):
@@ -237,3 +239,25 @@ def test_the_suffix_row_is_refused_in_one_line_without_arctic_inference_beside_v
     with pytest.raises(DynvocabError) as caught:
         v.check_suffix(sys.executable)  # this environment has no arctic-inference
     assert "arctic-inference" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_serve_scripts_schedule_adds_each_speculative_row_again_with_the_ranges():
+    """scripts/vllm_serve_bench.py's rows (no vLLM, no server): with ``--schedule`` each row with a draft is
+    served again with the schedule's ranges in its speculative_config (vLLM's own ngram row is not)."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "vllm_serve_bench.py"
+    spec = importlib.util.spec_from_file_location("vllm_serve_bench", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = argparse.Namespace(baselines=["vllm", "ngram"], gamma=3, schedule="1:3,2:0", strategies=["fr"],
+                              dtype="float32", max_model_len=256, users=[1, 2], local_argmax=True, draft="d")
+    folder = type("Folder", (), {"method": "draft_model", "path": "/f"})()
+    served = dict(script.rows(args, lambda strategy: folder))
+    assert list(served) == ["vllm", "ngram", "fr", "fr+schedule"]
+    config = json.loads(served["fr+schedule"][served["fr+schedule"].index("--speculative-config") + 1])
+    assert config["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4096, 0]]
+    assert config["model"] == "/f" and config["use_local_argmax_reduction"] is True
+    assert "--speculative-config" not in served["vllm"]

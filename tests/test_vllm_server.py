@@ -140,15 +140,28 @@ def through_llm(models, tmp_path_factory):  # noqa: F811
     return {(row["name"], row["concurrency"]): row for row in result["rows"]}
 
 
+@pytest.fixture(scope="module")
+def served(models, tmp_path_factory) -> dict:  # noqa: F811
+    """Each strategy's server, two at a time (a server spends most of its start importing, on one core): each
+    level's answers and counters. At one user the requests go one after another, so what a server accepts does not
+    depend on what runs beside it."""
+    root = tmp_path_factory.mktemp("served")
+
+    def one(strategy: str) -> dict:
+        (root / strategy).mkdir()
+        folder = write_draft_folder(models["bundle"], str(models["eagle1"]), strategy, root / strategy / "draft",
+                                    budget=BUDGETS.get(strategy))
+        return serve(models["target"], folder, root / strategy / "serve.log")
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(STRATEGIES, pool.map(one, STRATEGIES)))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_served_context_strategy_accepts_as_through_llm_and_always_knows_its_requests(
-        strategy, models, through_llm, tmp_path):  # noqa: F811
-    folder = write_draft_folder(models["bundle"], str(models["eagle1"]), strategy, tmp_path / "draft",
-                                budget=BUDGETS.get(strategy))
-    served = serve(models["target"], folder, tmp_path / "serve.log")
+def test_a_served_context_strategy_accepts_as_through_llm_and_always_knows_its_requests(strategy, served, through_llm):
     for users in (1, USERS):
         llm = through_llm[(strategy, users)]["rounds"][0]
-        got = served[users]
+        got = served[strategy][users]
         assert got["token_ids"] == through_llm[("vllm", users)]["token_ids"], (strategy, users)
         assert all(len(ids) == TOKENS for ids in got["token_ids"])
         assert got["without_context"] == 0 and llm["head"]["without_context"] == 0, (strategy, users)

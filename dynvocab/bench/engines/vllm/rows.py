@@ -280,8 +280,9 @@ def request(cfg: VllmBench, prompts: list[list[int]], folder, rows: list[str], s
                 "method": "ngram", "num_speculative_tokens": cfg.gamma, "prompt_lookup_max": cfg.ngram_sizes[0],
                 "prompt_lookup_min": cfg.ngram_sizes[1], **extra}})
             continue
-        spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": cfg.gamma,
-                "use_local_argmax_reduction": True, **extra}
+        spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": cfg.gamma, **extra}
+        if not isinstance(folder, _PlainFolder):  # vLLM's own draft classes have no get_top_tokens to reduce into
+            spec["use_local_argmax_reduction"] = True
         strategy = name[len(PLUGIN):] if name.startswith(PLUGIN) else None
         budget = dict(cfg.budgets).get(strategy)
         req["rows"].append({"name": name + suffix, "speculative_config": spec, "strategy": strategy,
