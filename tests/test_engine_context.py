@@ -206,3 +206,16 @@ def test_the_runner_announces_its_batch_to_a_draft_that_follows_requests():
     model.dynvocab.follows_requests = False
     proposal.announce(runner, SimpleNamespace(num_spec_tokens_to_schedule=3), torch.tensor([[8, -1], [9, 9]]))
     assert ctx._proposal.k == 2  # a context-free strategy: nothing read, nothing announced
+
+
+def test_greedy_tokens_handed_as_a_call_are_computed_only_where_no_pass_was_seen():
+    ctx = EngineContext(engine_config(torch.device("cpu")))
+    begin(ctx, {"a": [5, 6], "b": [7]}, sampled=[[8], [9]])
+    hidden = torch.empty(2, 16)
+    ctx.step(hidden, WINDOW, window=8, embed=None)
+    calls = []
+    ctx.drafted(lambda: calls.append(1) or torch.tensor([11, 12]))
+    ctx.forward(torch.tensor([21, 22]), torch.zeros(2, 16))  # the pass records the fed ids: the call is not made
+    assert ctx.step(hidden, WINDOW, window=8, embed=None).fed.tolist() == [21, 22] and calls == []
+    ctx.drafted(lambda: calls.append(1) or torch.tensor([13, 14]))
+    assert ctx.step(hidden, WINDOW, window=8, embed=None).fed.tolist() == [13, 14] and calls == [1]

@@ -91,7 +91,7 @@ class EngineContext:
         self._out: torch.Tensor | None = None  # the proposal's first pass's output rows [n, d]
         self._target: torch.Tensor | None = None  # its hidden-state input rows [n, d] (the target's, for EAGLE-1)
         self._starts: torch.Tensor | None = None  # its requests' first rows [R + 1] (query_start_loc)
-        self._top: torch.Tensor | None = None  # the last head call's greedy tokens [B]
+        self._top = None  # the last head call's greedy tokens [B], or what computes them (only where needed)
         self._slot_rows: torch.Tensor | None = None  # [B] each batch row's window slot, set at position 0
         self._width = 1  # the window columns the batch's rows fill (RequestWindows.width), set with them
         self._picked_rows: tuple | None = None  # (this head call's picked rows or None,), once found
@@ -163,8 +163,9 @@ class EngineContext:
             requests = self._proposal.requests
         return StepContext(step, fed, windows, embed, head if "head" in reads else None, requests, target)
 
-    def drafted(self, top: torch.Tensor) -> None:
-        """The head call's greedy tokens [B]: what vLLM feeds the next draft position at temperature 0."""
+    def drafted(self, top) -> None:
+        """The head call's greedy tokens [B] (a tensor, or a call that computes them: read only where no pass
+        records the next position's fed ids): what vLLM feeds the next draft position at temperature 0."""
         self._top, self._ids = top, None
 
     def looked_up(self, hidden: torch.Tensor, at: tuple[int, bool], lookup: NgramLookup,
@@ -211,8 +212,9 @@ class EngineContext:
         seen (zeros where neither is known)."""
         if self._ids is not None and self._ids.shape[0] >= rows:
             return self._ids[:rows].long()
-        if self._top is not None and self._top.shape[0] == rows:
-            return self._top.long()
+        top = self._top() if callable(self._top) else self._top
+        if top is not None and top.shape[0] == rows:
+            return top.long()
         return torch.zeros(rows, dtype=torch.long, device=self.device)
 
     def _picked_once(self, hidden: torch.Tensor) -> torch.Tensor | None:

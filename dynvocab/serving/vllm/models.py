@@ -103,9 +103,9 @@ class SelectedHeadMixin:
             self._drafted(looked.tokens, at)
             return looked.rows(None, self.dynvocab.vocab, hidden_states.dtype)
         logits, ids = self._selected(hidden_states, at)
-        if at is not None:
-            greedy = self.dynvocab.top_tokens(logits, ids)
-            self._drafted(greedy if looked is None else looked.over(greedy), at)
+        if at is not None:  # the greedy tokens are computed only where no pass records the next fed ids
+            greedy = lambda: self.dynvocab.top_tokens(logits, ids)  # noqa: E731
+            self._drafted(greedy if looked is None else (lambda: looked.over(greedy())), at)
         full = self.dynvocab.scatter(logits, ids, self.lm_head, self.logits_processor)
         return full if looked is None or full is None else looked.rows(full, self.dynvocab.vocab, full.dtype)
 
@@ -122,8 +122,9 @@ class SelectedHeadMixin:
         self._drafted(top, at)
         return top
 
-    def _drafted(self, top: torch.Tensor, at: tuple[int, bool] | None) -> None:
-        """Tell the request context the head call's greedy tokens (where it follows requests)."""
+    def _drafted(self, top, at: tuple[int, bool] | None) -> None:
+        """Tell the request context the head call's greedy tokens, or what computes them (where it follows
+        requests)."""
         if at is not None:
             self.dynvocab_context.drafted(top)
 
