@@ -14,7 +14,7 @@ usage: scripts/gpu_check.sh [--device cuda|cpu] [--out FILE] [--quick|--full] [-
   --device cuda|cpu   where to run (default cuda; fails with status 2 when torch sees no CUDA device)
   --out FILE          the JSON report (default gpu_check.json in the current folder)
   --quick | --full    small shapes and few repeats, or real shapes (default: --full on cuda, --quick on cpu)
-  --budget-s SECONDS  the whole run's time (default 570)
+  --budget-s SECONDS  the whole run's time (default 570; more stretches each section's limit alike)
   -h, --help          this text
 
 Environment: PYTHON, the interpreter with dynvocab installed (default: python, else python3).

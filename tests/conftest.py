@@ -33,6 +33,7 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into each test's id
 def pytest_collection_modifyitems(config, items):
     """``--reverse``; and under pytest-xdist (``.ci/run`` runs the first suite with ``-n 2 --dist loadgroup``) each
     file stays on one worker, so its module fixtures are built once, and the tests of the demo pair share one worker,

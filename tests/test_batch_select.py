@@ -15,8 +15,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, asked_budget, batch_strategies, build_selector, refusal
 from dynvocab.models.int8 import INT8_GATHERED
 from dynvocab.runtime.selectors.batch_select import (
-    BATCHED_RANK, CentroidSelector, LowRankSelector, SelectedHead, StaticSelector, scatter_logits,
-    top_ids, top_ids_batched)
+    BATCHED_RANK, CentroidSelector, LowRankSelector, StaticSelector, scatter_logits, top_ids, top_ids_batched)
+from dynvocab.runtime.selectors.selected_head import SelectedHead
 from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
 from dynvocab.runtime.selectors.context_select import StepContext
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
@@ -205,7 +205,7 @@ def test_changing_sets_go_row_by_row_off_a_cpu_until_they_hold_twice_the_heads_r
     """The rule measured on an H200 (docs/measurements/2026-11-27-gpu-batch-heads-h200.md): a CPU scores a batch's
     changing sets over their union; another device row by row (a CUDA graph captures it) up to PER_ROW_LIMIT times
     the head's rows, over the union past it."""
-    from dynvocab.runtime.selectors.batch_select import PER_ROW_LIMIT
+    from dynvocab.runtime.selectors.selected_head import PER_ROW_LIMIT
 
     head, meta = SelectedHead(StaticSelector(torch.arange(3))), torch.empty(1, device="meta")
     assert head._union(torch.empty(1), 10, 100)
@@ -219,7 +219,7 @@ def test_changing_sets_past_the_share_are_scored_by_the_hosts_whole_head(bundle,
     """A batch's changing sets whose distinct ids pass WHOLE_SHARE of the head are scored by the host's own full
     head (vLLM's packed GEMM in the plugin) and gathered; fewer, over their gathered rows. The logits are the full
     head's either way."""
-    from dynvocab.runtime.selectors.batch_select import WHOLE_SHARE
+    from dynvocab.runtime.selectors.selected_head import WHOLE_SHARE
 
     g = torch.Generator().manual_seed(4)
     weight, hidden = torch.randn(V, D, generator=g), torch.randn(3, D, generator=g)

@@ -48,24 +48,35 @@ def whole(tmp_path_factory, tiny_dirs, corpus_jsonl):  # noqa: F811
     return out
 
 
+# The build as `python -m dynvocab` runs it, killed with SIGKILL right after its first stage's checkpoint is written:
+# where a kill lands is not left to a race between the build and a poll.
+KILLED_AFTER_ONE_STAGE = """
+import os, signal
+from dynvocab.builders.checkpoints import StageCheckpoints
+save = StageCheckpoints.save
+def save_then_die(self, stage, config):
+    save(self, stage, config)
+    os.kill(os.getpid(), signal.SIGKILL)
+StageCheckpoints.save = save_then_die
+from dynvocab.cli import main
+main()
+"""
+
+
 def test_killed_build_resumes_to_the_same_bundle(whole, tiny_dirs, corpus_jsonl, tmp_path):  # noqa: F811
     out = tmp_path / "b.safetensors"
     stages_dir = tmp_path / ".b.safetensors.stages"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "dynvocab", *build_args(tiny_dirs, corpus_jsonl, out)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if stages_dir.is_dir() and any(not p.name.startswith(".") for p in stages_dir.iterdir()):
-            break
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the build finished before it could be killed"
+    args = build_args(tiny_dirs, corpus_jsonl, out)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_ONE_STAGE, *args], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not out.exists()  # nothing half-written where a reader would look
     finished = sorted(p.name.split("-")[0] for p in stages_dir.iterdir() if not p.name.startswith("."))
-    assert finished  # it had written part of the work
+    assert len(finished) == 1  # it had written part of the work: the one stage it was killed after
 
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-m", "dynvocab", *args], env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr
     assert "resuming: " in result.stderr and finished[0] in result.stderr
     assert content(out) == content(whole)

@@ -16,7 +16,8 @@ the test files that exercise CUDA (the Triton kernels compiled, not interpreted)
   Gemma-3-270M's shape beside the chain, with the full head and two static sets, and the host reads of each cycle.
 
 Every section runs in a child process under its own time limit, inside an overall budget (10 minutes by default),
-so a hang or a broken CUDA context costs one section, not the run. With ``--device cpu`` the same sections run at
+so a hang or a broken CUDA context costs one section, not the run; a budget past the default stretches every
+section's limit by the same factor (a slower machine, not a hang). With ``--device cpu`` the same sections run at
 small shapes (CI runs it so the script cannot rot) and the JSON's ``would_time_on_cuda`` names the settings and
 the CUDA-only items the GPU run times.
 """
@@ -258,7 +259,8 @@ def _child(name: str, device: str, quick: bool, root: Path, limit_s: float) -> d
 
 def gpu_check(device: str, out: Path, quick: bool, root: Path, budget_s: float = BUDGET_S,
               clock: Callable[[], float] = time.monotonic) -> dict:
-    """Every section in turn within ``budget_s`` seconds of ``clock``; writes the JSON to ``out`` and returns it.
+    """Every section in turn within ``budget_s`` seconds of ``clock``, each within its limit (stretched by ``budget_s
+    / BUDGET_S`` past the default budget) or what is left; writes the JSON to ``out`` and returns it.
     Keys: ``ok``, ``device``, ``quick``, ``started``, ``budget_s``, ``total_s``, ``env``, ``sections`` (per section
     ``status``: ok/failed/timeout/skipped, ``limit_s`` (the seconds it was given, unless skipped), ``seconds``, and
     ``result`` or ``error``/``reason``), ``would_time_on_cuda``."""
@@ -272,7 +274,7 @@ def gpu_check(device: str, out: Path, quick: bool, root: Path, budget_s: float =
             report["sections"][name] = {"status": "skipped", "reason": f"the {budget_s:.0f} s budget is spent"}
             continue
         t0 = clock()
-        limit = min(LIMIT_S[name], left)
+        limit = min(LIMIT_S[name] * max(1.0, budget_s / BUDGET_S), left)
         section = run_tests(device, root, limit) if name == "tests" else _child(name, device, quick, root, limit)
         section["limit_s"] = round(limit, 1)
         section["seconds"] = round(clock() - t0, 1)

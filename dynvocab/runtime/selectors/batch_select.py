@@ -26,6 +26,7 @@ with one copy.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -104,6 +105,28 @@ class BatchSelector(Protocol):
     k: int
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class BatchSets:
+    """A batch's sets as a head scores them: ``shared`` [n] ids every row has (None: none), whose rows the head keeps
+    packed, and ``rows`` [B, k] each row's own ids (None: none), gathered once a step. ``repeats``: a row's own ids
+    may repeat (a window of tokens, padding), so even one row is scored over its distinct ids. ``union``: the rows'
+    distinct ids [U] and where each slot reads them [B, k], where the selector found them cheaper than
+    ``torch.unique`` (a centroid selector, as blocks); None: the head finds them when it needs them."""
+
+    shared: torch.Tensor | None
+    rows: torch.Tensor | None
+    repeats: bool = True
+    union: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def ids(self, batch: int) -> torch.Tensor:
+        """Every row's whole set [B, n + k]."""
+        if self.rows is None:
+            return self.shared.expand(batch, -1)
+        if self.shared is None:
+            return self.rows
+        return torch.cat([self.shared.expand(batch, -1), self.rows], dim=1)
 
 
 class StaticSelector:
@@ -281,154 +304,6 @@ def lowrank_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, d
     eos = eos.to(bias.device)
     bias[eos[eos < n]] = torch.finfo(torch.float32).max / 4
     return LowRankSelector(t["proj"], t["rows"][:n], bias, k)
-
-
-# Off a CPU, a batch's changing sets are scored row by row while they hold at most this many times the head's rows
-# (the gather then moves at most twice the whole head's bytes), over their union past it: the rule that picked the
-# faster of the two in every case measured on an H200 (1–64 rows, 2,048–46,886 ids a row;
-# docs/measurements/2026-11-27-gpu-batch-heads-h200.md).
-PER_ROW_LIMIT = 2
-WHOLE_SHARE = 0.25  # a batch's changing sets over more than this share of the head's rows: a host's whole head
-
-
-class SelectedHead:
-    """A draft head over the rows a :class:`BatchSelector` picks: ``select_and_score(hidden, weight)`` gives each
-    row's logits over its own set and the set's ids. A static set's rows are packed once (on the first call, after
-    the host has loaded the weight); a changing set's rows are gathered once a step, then one batched product: on a
-    CPU over the batch's distinct ids (:func:`_over_union`); elsewhere row by row (:func:`_per_row`, which a CUDA
-    graph can capture) while the batch's sets hold at most :data:`PER_ROW_LIMIT` times the head's rows, and over the
-    union past that.
-
-    A vocab-parallel head (vLLM's ``ParallelLMHead`` at tensor_parallel_size > 1) holds rows ``start … end - 1`` of
-    the vocabulary on each rank: every rank computes the same set from the same hidden state and scores only the ids
-    of its own rows; the others are ``-inf`` in its logits, so a reduction over ranks (a max, vLLM's local-argmax
-    exchange, or a gather of shards) sees each id scored once.
-
-    What it keeps is packed from one weight, known by identity: a call with another weight tensor (a host that loads
-    or swaps its weights hands a new one) packs again. For that weight it keeps a static set's rows (on a shard, with
-    their slots), or a context selector's shared parts, each found by its ids tensor's ``(data_ptr(), numel())``:
-    those tensors are the selector's own (its core, its EOS ids, prefixes of its ranking) and live as long as it
-    does, so a key never comes back for other ids. Changing sets are gathered each step and kept nowhere."""
-
-    def __init__(self, selector: BatchSelector, pack=None, union: bool | None = None, whole=None):
-        """``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a static set's rows are multiplied once packed (a host's
-        own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``). ``union``: score a batch's changing sets
-        over their distinct ids (True) or row by row (False); None: by the rule above. ``whole``: the host's own
-        full head (``x -> x @ weight.T`` over all its rows, packed), which scores a batch's changing sets whose
-        distinct ids pass :data:`WHOLE_SHARE` of the head: gathering that many rows and multiplying them unpacked
-        costs several times the packed head (None: always the gathered rows)."""
-        self.selector = selector
-        self.pack = pack or (lambda rows: lambda x: F.linear(x, rows))
-        self.union = union
-        self.whole = whole
-        self.scored = [0, 0]  # a context selector's rows multiplied, and head calls (shapes only, no read)
-        self._static: tuple | None = None  # (weight packed from, x -> logits over its rows, their slots or None;
-        # for a context selector: (weight, None, {(ids' data_ptr, count): x -> logits over those rows}))
-
-    def select_and_score(self, hidden: torch.Tensor, weight: torch.Tensor, start: int = 0,
-                         end: int | None = None, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight``, in the
-        weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it); ids
-        outside them are ``-inf`` and not multiplied. ``ctx``: the draft step's
-        :class:`~dynvocab.runtime.selectors.context_select.StepContext`, for a selector that reads it."""
-        x = hidden.to(weight.dtype)
-        if getattr(self.selector, "reads_context", False):
-            return self._context(x, hidden, weight, ctx, start, end)
-        if (end is None and hidden.shape[0] > 1 and hasattr(self.selector, "select_union")
-                and self._union(x, hidden.shape[0] * self.selector.k, weight.shape[0])):
-            ids, union, where = self.selector.select_union(hidden)  # the batch's distinct blocks, found as blocks
-            return _over_union(x, weight, union, where), ids
-        ids = self.selector(hidden)  # [B, k]
-        if end is not None:
-            return self._shard(x, weight, ids, start, end), ids
-        if isinstance(self.selector, StaticSelector):
-            if self._static is None or self._static[0] is not weight:
-                self._static = (weight, self.pack(weight.index_select(0, self.selector.ids)), None)
-            return self._static[1](x), ids
-        if ids.shape[0] == 1:
-            return F.linear(x, weight.index_select(0, ids[0])), ids  # [1, k]
-        return self._changing(x, weight, ids)[0], ids
-
-    def _union(self, x: torch.Tensor, rows: int, vocab: int) -> bool:
-        """Whether ``rows`` ids of a batch's changing sets, over a head of ``vocab`` rows, are scored over their
-        union (the rule in the class's docstring)."""
-        if self.union is not None:
-            return self.union
-        return x.device.type == "cpu" or rows > PER_ROW_LIMIT * vocab
-
-    def _changing(self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Logits [B, k] of rows over their own changing ``ids`` [B, k], and the rows multiplied."""
-        if not self._union(x, ids.numel(), weight.shape[0]):
-            return _per_row(x, weight, ids), ids.numel()
-        union, where = torch.unique(ids, return_inverse=True)
-        if self.whole is not None and union.numel() > WHOLE_SHARE * weight.shape[0]:
-            return self.whole(x).gather(1, ids), weight.shape[0]
-        return _over_union(x, weight, union, where), union.numel()
-
-    def _context(self, x: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, ctx, start: int,
-                 end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A context selector's sets: the part every row shares through its rows packed once (per weight and ids
-        tensor: fr-pa's prefixes, hybrid's core), each row's own part gathered once a step (:meth:`_changing`; on a
-        CPU over the batch's distinct ids, so padding and ids shared between rows cost nothing)."""
-        sets = self.selector.select(hidden, ctx)
-        ids = sets.ids(hidden.shape[0])
-        if end is not None:
-            return self._shard(x, weight, ids, start, end), ids
-        logits = []
-        if sets.shared is not None:
-            key = (sets.shared.data_ptr(), sets.shared.numel())
-            if self._static is None or self._static[0] is not weight:
-                self._static = (weight, None, {})
-            packs = self._static[2]
-            if key not in packs:
-                packs[key] = self.pack(weight.index_select(0, sets.shared))
-            logits.append(packs[key](x))
-        scored = 0 if sets.shared is None else sets.shared.numel()
-        if sets.rows is not None:
-            rows, count = self._changing(x, weight, sets.rows)
-            logits.append(rows)
-            scored += count
-        self.scored[0] += scored
-        self.scored[1] += 1
-        return torch.cat(logits, dim=1), ids
-
-    def _shard(self, x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Logits [B, k] of the ids in rows ``start … end - 1`` (this shard's), ``-inf`` at the others: only this
-        shard's rows are gathered and multiplied (a static set's once, at the first call)."""
-        out = torch.full(ids.shape, float("-inf"), dtype=x.dtype, device=x.device)
-        if isinstance(self.selector, StaticSelector):
-            if self._static is None or self._static[0] is not weight:
-                cols = torch.nonzero((self.selector.ids >= start) & (self.selector.ids < end)).flatten()
-                self._static = (weight, self.pack(weight.index_select(0, self.selector.ids[cols] - start)), cols)
-            _, linear, cols = self._static
-            out[:, cols] = linear(x)
-            return out
-        inside = (ids >= start) & (ids < end)
-        if ids.shape[0] == 1:  # one row: one gather of the shard's rows, one GEMV
-            c = torch.nonzero(inside[0]).flatten()
-            out[0, c] = F.linear(x, weight.index_select(0, ids[0, c] - start))[0]
-            return out
-        r, c = torch.nonzero(inside, as_tuple=True)  # this shard's (row, slot) pairs
-        out[r, c] = (weight[ids[r, c] - start] * x[r]).sum(dim=-1)
-        return out
-
-
-def _over_union(x: torch.Tensor, weight: torch.Tensor, union: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """Logits [B, k] of B > 1 rows ``x`` over their own sets ``union[where]``: the batch's distinct ids ``union``
-    [U] gathered once, one GEMM over them, each row then reading its own columns ``where`` [B, k]. Rows whose sets
-    overlap (shared blocks, frequent ids) share their rows' gather, so the cost per row falls as rows are added
-    (gathering each row's set apart for a batched ``bmm`` took ~15 ms a row for 16,386 bfloat16 rows of 640 at four
-    rows, against 4.8 ms for one row alone)."""
-    return F.linear(x, weight.index_select(0, union)).gather(1, where)
-
-
-def _per_row(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Logits [B, k] of rows ``x`` [B, d] over their own sets ``ids`` [B, k]: each row's rows gathered [B, k, d] and
-    one batched product. Fixed shapes and no host read (``torch.unique``'s output size needs one), so a CUDA graph
-    captures it; it gathers B·k rows where the union gathers each distinct id once. On an H200 it is the faster of
-    the two, eagerly, while B·k is at most :data:`PER_ROW_LIMIT` times the head's rows
-    (docs/measurements/2026-11-27-gpu-batch-heads-h200.md)."""
-    return torch.bmm(weight[ids], x[:, :, None])[..., 0]
 
 
 def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:

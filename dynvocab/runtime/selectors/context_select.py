@@ -1,7 +1,7 @@
 """One selector, two hosts, for the strategies that read the request's context: the draft position, the token the
 draft was fed, and the request's own tokens. Each is a batched function ``(hidden [B, d], StepContext) -> sets``
-(:class:`ContextSets`: a part the same for every row, kept packed by the head, and each row's own part, a fixed
-number of ids per row); a batched host (the vLLM plugin, :mod:`dynvocab.serving.vllm.context`) fills the
+(:class:`~.batch_select.BatchSets`: a part the same for every row, kept packed by the head, and each row's own
+part, a fixed number of ids per row); a batched host (the vLLM plugin, :mod:`dynvocab.serving.vllm.context`) fills the
 :class:`StepContext` from its engine, dynvocab's own loop from its cycle.
 
 - :class:`PositionSelector` (``fr-pa``): the first ``pa_budget(k_max, t)`` ids of the frequency ranking at draft
@@ -19,7 +19,7 @@ number of ids per row); a batched host (the vLLM plugin, :mod:`dynvocab.serving.
   change between cycles (its own module).
 
 Padding repeats an id of the row: its logits equal the id's own, so the argmax and the scattered row are the same
-as with one copy (the head multiplies each distinct id once, :func:`~.batch_select.SelectedHead`).
+as with one copy (the head multiplies each distinct id once, :class:`~.selected_head.SelectedHead`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dynvocab.artifacts.router import DEFAULT_K_MAX
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.host import to_host_tensor
-from dynvocab.runtime.selectors.batch_select import bundle_eos
+from dynvocab.runtime.selectors.batch_select import BatchSets, bundle_eos
 
 # HNSW ef of the hybrid's per-step search in a batched host: on the demo pair in vLLM-CPU (bfloat16, one request) ef 32
 # kept 97.2% of the full head's MAL and ef 64 and 128 98.3%
@@ -58,22 +58,8 @@ class StepContext:
     # draft position 0 (None: not known, or not the target's last layer: an EAGLE-3 head gets its mid layers)
 
 
-@dataclass(frozen=True)
-class ContextSets:
-    """A batch's sets: ``shared`` [n] ids every row has (None: none), which the head keeps packed per tensor, and
-    ``rows`` [B, k] each row's own ids (None: none)."""
-
-    shared: torch.Tensor | None
-    rows: torch.Tensor | None
-
-    def ids(self, batch: int) -> torch.Tensor:
-        """Every row's whole set [B, n + k]."""
-        parts = [] if self.shared is None else [self.shared.expand(batch, -1)]
-        return torch.cat(parts + ([] if self.rows is None else [self.rows]), dim=1)
-
-
 class ContextSelector:
-    """``select(hidden [B, d], ctx) -> ContextSets``; ``reads`` names what of the context it needs ("fed",
+    """``select(hidden [B, d], ctx) -> BatchSets``; ``reads`` names what of the context it needs ("fed",
     "window", "head") so a host captures only that; ``window`` is the request window's size in tokens (0: none)."""
 
     reads_context = True  # SelectedHead passes it the step's context
@@ -81,7 +67,7 @@ class ContextSelector:
     window: int = 0
     k: int = 0  # ids per row at draft position 0 (the bench reports it)
 
-    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
         raise NotImplementedError
 
     def prepare(self, head: torch.Tensor) -> None:
@@ -116,8 +102,8 @@ class PositionSelector(ContextSelector):
         """Ids at draft position ``step``."""
         return pa_budget(self.k_max, step)
 
-    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
-        return ContextSets(self.ranking[: self.size(ctx.step)], None)
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
+        return BatchSets(self.ranking[: self.size(ctx.step)], None)
 
 
 class RouterSelector(ContextSelector):
@@ -155,7 +141,7 @@ class RouterSelector(ContextSelector):
         scores = self.router(hidden.float(), embedded.float())  # [B, M]
         return scores.topk(min(self.budget(step), scores.shape[1]), dim=-1).indices
 
-    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
         if ctx.fed is None or ctx.embed is None:
             raise DynvocabError("dynaspec routes on the fed token's embedding; the host gave none")
         picked = self.route(hidden, ctx.embed(ctx.fed), ctx.step)  # [B, k_c]
@@ -167,7 +153,7 @@ class RouterSelector(ContextSelector):
         ids = self.order[(self.starts[picked.gather(1, which)] + offset).clamp(0, self.order.numel() - 1)]
         inside = slots < ends[:, -1:]  # past the row's own ids: padding
         ids = torch.where(inside, ids, ids[:, :1])
-        return ContextSets(self.eos if self.eos.numel() else None, ids)
+        return BatchSets(self.eos if self.eos.numel() else None, ids)
 
 
 class WindowSelector(ContextSelector):
@@ -182,10 +168,10 @@ class WindowSelector(ContextSelector):
         self.window, self.eos = window, eos.long()
         self.k = window + int(self.eos.numel())
 
-    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
         if ctx.windows is None:
             raise DynvocabError("microspec reads the request's window; the host keeps none")
-        return ContextSets(self.eos if self.eos.numel() else None, ctx.windows)
+        return BatchSets(self.eos if self.eos.numel() else None, ctx.windows)
 
 
 class HeadSearch:
@@ -243,7 +229,7 @@ class HybridSelector(ContextSelector):
         if self.search is not None:
             self.search.prepare(head)
 
-    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
         if ctx.windows is None:
             raise DynvocabError("hybrid reads the request's window; the host keeps none")
         parts = [ctx.windows]
@@ -252,7 +238,7 @@ class HybridSelector(ContextSelector):
         found = self.search(hidden, ctx.head) if self.search is not None else None
         if found is not None:
             parts.append(found)
-        return ContextSets(self.core, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        return BatchSets(self.core, torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
 
 
 def position_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,

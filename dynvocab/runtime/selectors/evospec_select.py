@@ -35,8 +35,9 @@ from dynvocab.artifacts.bundle import Bundle
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.selectors.arc import ARCCache
 from dynvocab.runtime.selectors.candidates import assemble_candidates
-from dynvocab.runtime.selectors.context_select import (ContextSelector, ContextSets, HeadSearch, StepContext,
-                                                       eos_first_ranking, head_eos_ids)
+from dynvocab.runtime.selectors.batch_select import BatchSets
+from dynvocab.runtime.selectors.context_select import (ContextSelector, HeadSearch, StepContext, eos_first_ranking,
+                                                       head_eos_ids)
 
 # HNSW ef of the OOV searches in a batched host (the hybrid's per-step search measured ~0.6 ms a query at 64 over the
 # demo pair's 151,936 rows, outside the engine)
@@ -78,11 +79,11 @@ class EvoSpecSelector(ContextSelector):
         if self.search is not None:
             self.search.prepare(head)
 
-    def select(self, hidden: torch.Tensor, ctx: StepContext) -> ContextSets:
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
         rows = int(hidden.shape[0])
         if ctx.step == 0 or self._rows is None or self._rows.shape[0] != rows:
             self._rows = self._cycle(rows, ctx, hidden.device)
-        return ContextSets(self.core, self._rows)
+        return BatchSets(self.core, self._rows)
 
     def _cycle(self, rows: int, ctx: StepContext, device) -> torch.Tensor:
         """A new cycle of every row: tick its request's clock, take its fed token's event, and return the

@@ -17,7 +17,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import head_rows
 from dynvocab.runtime.batched import SelectorSpec, build_selector, refusal
 from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
-from dynvocab.runtime.selectors.batch_select import BatchSelector, SelectedHead, scatter_logits
+from dynvocab.runtime.selectors.batch_select import BatchSelector, scatter_logits
+from dynvocab.runtime.selectors.selected_head import SelectedHead
 from dynvocab.serving.vllm import NO_HOOK, proposal
 from dynvocab.serving.vllm.kinds import kind_of_method
 from dynvocab.serving.vllm.names import CONFIG_KEY, POLICY_FILE

@@ -183,7 +183,7 @@ class HeadSwitch:
         selected = self.strategy is not None
         ids = int(self.model.dynvocab.selector.k) if selected else head_rows(self.model.config)
         scored, calls = self.model.dynvocab.head.scored if self.plugin else (0, 0)
-        if selected and calls:  # a context selector: the distinct ids it multiplied per head call, on average
+        if selected and calls and self.model.dynvocab.reads_context:  # the distinct ids multiplied per head call
             ids = round(scored / calls)
         context = getattr(self.model, "dynvocab_context", None)
         total = 0 if context is None else context.misses.total
