@@ -1,9 +1,9 @@
 """The plugin's context strategies served: `vllm serve`'s OpenAI-compatible server (the engine core and the worker
-in processes of their own, as users start it) with a ``microspec``, ``fr-pa``, ``hybrid`` and ``microspec+ngram``
-folder over a tiny EAGLE-1 head (tests/test_vllm_eagle.py's), float32, 8 requests of 64 tokens at 1 user and at 4. Against the same requests through ``LLM`` (the
-bench's driver): greedy text equal to plain vLLM's; at one user every accepted-token count equal (the same batches),
-at four within a few tokens (the server batches requests as they arrive, so verification shapes, and near-ties with
-them, differ); no row drafted without its request's context (the server's ``/metrics``:
+in processes of their own, as users start it) with a ``hybrid`` and a ``microspec+ngram`` folder over a tiny EAGLE-1
+head (tests/test_vllm_eagle.py's), float32, 8 requests of 64 tokens at 1 user and at 4. Against the same requests
+through ``LLM`` (the bench's driver): greedy text equal to plain vLLM's; at one user every accepted-token count equal
+(the same batches), at four within a few tokens (the server batches requests as they arrive, so verification shapes,
+and near-ties with them, differ); no row drafted without its request's context (the server's ``/metrics``:
 ``dynvocab_rows_without_context_total``). Bounded in time, on the loopback address only."""
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ from vllm_models import ENGINE_ENV, run_rows  # noqa: E402
 from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
 from dynvocab.serving.vllm.schedule import SCHEDULE_KEY  # noqa: E402
 
-STRATEGIES = ("microspec", "fr-pa", "hybrid", "microspec+ngram")
-BUDGETS = {"fr-pa": 40, "hybrid": 40}  # small sets of the tiny vocabulary, so that some drafts are rejected
+# Served: the two that read most of a request's context (the window, hybrid's core, successors and search, the
+# n-gram lookup of its own tokens), one server each, both at once; every context strategy is checked through `LLM`
+# in tests/test_vllm_context.py, and the same hook serves them all.
+STRATEGIES = ("hybrid", "microspec+ngram")
+BUDGETS = {"hybrid": 40}  # a small set of the tiny vocabulary, so that some drafts are rejected
 REQUESTS, TOKENS, USERS, GAMMA = 8, 64, 4, 3
 # Prompts with repeats inside, so that windows and lookups have something to find.
 PROMPTS = [[5 + i, 6 + 2 * i, 7 + 3 * i, 40 + i, 5 + i, 6 + 2 * i] for i in range(REQUESTS)]
@@ -129,7 +132,7 @@ def through_llm(models, tmp_path_factory):  # noqa: F811
     spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": GAMMA,
             "use_local_argmax_reduction": True}
     rows = [{"name": "vllm"}] + [{"name": s, "speculative_config": spec, "strategy": s, "budget": BUDGETS.get(s)}
-                                 for s in STRATEGIES]
+                                 for s in (*STRATEGIES, "microspec")]
     rows.append({"name": "microspec@schedule", "speculative_config": {**spec, SCHEDULE_KEY: SCHEDULE},
                  "strategy": "microspec"})
     req = {"target": str(models["target"]), "dtype": "float32", "max_model_len": 256, "max_tokens": TOKENS,
@@ -142,7 +145,7 @@ def through_llm(models, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory) -> dict:  # noqa: F811
-    """Each strategy's server, two at a time (a server spends most of its start importing, on one core): each
+    """Each strategy's server, both at once (a server spends most of its start importing, on one core): each
     level's answers and counters. At one user the requests go one after another, so what a server accepts does not
     depend on what runs beside it."""
     root = tmp_path_factory.mktemp("served")
