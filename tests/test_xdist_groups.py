@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("tests/test_batch_select.py", "tests/test_cli.py")  # quick, with more tests than workers
+FILES = ("tests/test_batch_select.py", "tests/test_engine_context.py")  # quick, each with many tests
 
 
 def test_each_file_runs_on_one_worker():
