@@ -84,10 +84,10 @@ def test_continuation_positions_are_fed_the_pass_or_else_the_last_greedy_tokens(
     hidden = torch.empty(2, 16)
     ctx.forward(torch.tensor([6, 8, 9]), torch.zeros(3, 16))  # the first pass
     assert ctx.step(hidden, WINDOW, window=8, embed=None).fed.tolist() == [8, 9]
-    ctx.drafted(torch.tensor([11, 12]))
+    ctx.drafted(lambda: torch.tensor([11, 12]))
     ctx.forward(torch.tensor([11, 12]), torch.zeros(2, 16))  # the continuation pass, as vLLM feeds it
     assert ctx.step(hidden, WINDOW, window=8, embed=None).fed.tolist() == [11, 12]
-    ctx.drafted(torch.tensor([13, 14]))  # no pass seen (a drafter captured as a CUDA graph): the greedy tokens
+    ctx.drafted(lambda: torch.tensor([13, 14]))  # no pass seen (a drafter captured as a CUDA graph): the greedy tokens
     assert ctx.step(hidden, WINDOW, window=8, embed=None).fed.tolist() == [13, 14]
 
 

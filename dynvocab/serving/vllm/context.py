@@ -32,6 +32,7 @@ drafted token), and a lookup is the first rank's, handed to every rank (:meth:`E
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,7 +92,7 @@ class EngineContext:
         self._out: torch.Tensor | None = None  # the proposal's first pass's output rows [n, d]
         self._target: torch.Tensor | None = None  # its hidden-state input rows [n, d] (the target's, for EAGLE-1)
         self._starts: torch.Tensor | None = None  # its requests' first rows [R + 1] (query_start_loc)
-        self._top = None  # the last head call's greedy tokens [B], or what computes them (only where needed)
+        self._top = None  # what computes the last head call's greedy tokens [B] (called only where needed)
         self._slot_rows: torch.Tensor | None = None  # [B] each batch row's window slot, set at position 0
         self._width = 1  # the window columns the batch's rows fill (RequestWindows.width), set with them
         self._picked_rows: tuple | None = None  # (this head call's picked rows or None,), once found
@@ -163,9 +164,9 @@ class EngineContext:
             requests = self._proposal.requests
         return StepContext(step, fed, windows, embed, head if "head" in reads else None, requests, target)
 
-    def drafted(self, top) -> None:
-        """The head call's greedy tokens [B] (a tensor, or a call that computes them: read only where no pass
-        records the next position's fed ids): what vLLM feeds the next draft position at temperature 0."""
+    def drafted(self, top: Callable[[], torch.Tensor]) -> None:
+        """What computes the head call's greedy tokens [B] (called only where no pass records the next position's
+        fed ids): what vLLM feeds the next draft position at temperature 0."""
         self._top, self._ids = top, None
 
     def looked_up(self, hidden: torch.Tensor, at: tuple[int, bool], lookup: NgramLookup,
@@ -212,7 +213,7 @@ class EngineContext:
         seen (zeros where neither is known)."""
         if self._ids is not None and self._ids.shape[0] >= rows:
             return self._ids[:rows].long()
-        top = self._top() if callable(self._top) else self._top
+        top = None if self._top is None else self._top()
         if top is not None and top.shape[0] == rows:
             return top.long()
         return torch.zeros(rows, dtype=torch.long, device=self.device)

@@ -100,7 +100,7 @@ class SelectedHeadMixin:
         (every row covered: the head does not run)."""
         at, looked = self._call(hidden_states)
         if looked is not None and looked.every:
-            self._drafted(looked.tokens, at)
+            self._drafted(lambda: looked.tokens, at)
             return looked.rows(None, self.dynvocab.vocab, hidden_states.dtype)
         logits, ids = self._selected(hidden_states, at)
         if at is not None:  # the greedy tokens are computed only where no pass records the next fed ids
@@ -114,17 +114,16 @@ class SelectedHeadMixin:
         (every row covered: the head does not run)."""
         at, looked = self._call(hidden_states)
         if looked is not None and looked.every:
-            self._drafted(looked.tokens, at)
+            self._drafted(lambda: looked.tokens, at)
             return looked.tokens
         logits, ids = self._selected(hidden_states, at)
         top = self.dynvocab.top_tokens(logits, ids, self.lm_head)
         top = top if looked is None else looked.over(top)
-        self._drafted(top, at)
+        self._drafted(lambda: top, at)
         return top
 
     def _drafted(self, top, at: tuple[int, bool] | None) -> None:
-        """Tell the request context the head call's greedy tokens, or what computes them (where it follows
-        requests)."""
+        """Tell the request context what computes the head call's greedy tokens (where it follows requests)."""
         if at is not None:
             self.dynvocab_context.drafted(top)
 
