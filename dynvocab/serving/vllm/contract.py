@@ -14,6 +14,7 @@ be used without being checked.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -246,6 +247,7 @@ def _sets_attribute(owner, name: str) -> bool:
     return False
 
 
+@functools.cache  # a class's source is read once a process (the checks of three groups read some classes twice)
 def _source(obj) -> str:
     """``obj``'s source, or "" where Python cannot read it (a C extension, a built-in)."""
     try:
