@@ -132,8 +132,8 @@ def test_the_per_request_state_follows_vllms_request_lifecycle(vllm_pair, vllm_b
     """One engine setting (prefix caching, prefill chunks of 32 tokens, a KV cache of 10 blocks of 32), plain and
     with hybrid (it reads the fed token and the window): requests sent at different steps, a prompt prefix found
     cached, a prompt longer than a prefill chunk, more requests than the KV cache holds (vLLM preempts one and
-    recomputes it), a request aborted beside one that finishes, and 200 requests one after another; every output
-    equals plain vLLM's, and after each of the 200 the plugin holds a window for at most the one request vLLM ran."""
+    recomputes it), a request aborted beside one that finishes, and 50 requests one after another; every output
+    equals plain vLLM's, and after each of the 50 the plugin holds a window for at most the one request vLLM ran."""
     from vllm_lifecycle import checked_run
 
     checked_run(tmp_path, {"target": str(vllm_pair[0]), "bundle": str(vllm_bundle), "strategy": "hybrid",

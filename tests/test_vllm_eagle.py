@@ -172,8 +172,8 @@ def test_selectors_on_a_d2t_head_are_refused(models, tmp_path, strategy, words):
 def test_evospec_state_follows_vllms_request_lifecycle_on_an_eagle1_head(models, tmp_path):
     """evospec keeps an ARC buffer per request, filled from the target's hidden states the EAGLE-1 head is fed:
     through vLLM's request lifecycle (tests/vllm_lifecycle.py: staggered requests, a cached prefix, a chunked prompt,
-    preemption, an abort, 200 requests one after another) every output equals plain vLLM's, it searched the target's
-    head rows for OOV tokens, and after each of the 200 it holds a buffer for at most the one request vLLM ran."""
+    preemption, an abort, 50 requests one after another) every output equals plain vLLM's, it searched the target's
+    head rows for OOV tokens, and after each of the 50 it holds a buffer for at most the one request vLLM ran."""
     from vllm_lifecycle import checked_run
 
     folder = write_draft_folder(models["bundle"], str(models["eagle1"]), "evospec", tmp_path / "e1")
