@@ -1,8 +1,8 @@
 """What CI's second stage runs is declared by the tests themselves, and no vLLM test can fall out of it.
 
 ``.ci/run`` runs the whole suite once (transformers' upper bound, no vLLM: the vLLM tests skip there), then again
-beside vLLM at transformers' lower bound, only what that environment can change: ``-m vllm`` (the engine tests, one
-worker) and beside them ``-m "transformers_api and not vllm"`` (one worker): together ``vllm or transformers_api``.
+beside vLLM at transformers' lower bound, only what that environment can change: ``-m vllm`` (the engine tests, two
+workers), then ``-m "transformers_api and not vllm"`` (two workers): together ``vllm or transformers_api``.
 A vLLM test module without the ``vllm`` mark would skip in the first stage and never be selected in the second, so
 this test reads every test module (``ast``, nothing imported) and fails on one that needs vLLM and lacks the mark.
 """
@@ -64,7 +64,7 @@ def test_the_check_catches_an_unmarked_module():
 
 def test_the_second_stage_selects_the_declared_marks():
     """The marks are registered with pytest, and ``.ci/run``'s second stage selects exactly them: the engine tests,
-    and beside them the rest of what transformers' version can change."""
+    then the rest of what transformers' version can change."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     for mark in SECOND_STAGE:
         assert re.search(rf'"{mark}: ', pyproject), mark
