@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
     so two real demo pairs in float32 are never in memory at once (a demo test of another model,
     ``pytest.mark.demo(model="gemma")``, keeps its own file's worker: Gemma-3-270M fits beside a demo pair). On a
     worker the groups are ordered as the workers receive them: the demo pair's first, so that the longest group
-    (~4 minutes in CI's README stage) starts at once and the other worker runs the rest beside it, then the others
+    (~6 minutes in CI's README stage) starts at once and the other worker runs the rest beside it, then the others
     by their number of tests (as xdist's own reorder does)."""
     if config.getoption("reverse"):
         items.reverse()
