@@ -1,6 +1,6 @@
 """End to end on the 262k demo (float32): Gemma-3-270M drafted by the shipped EAGLE-1 head (``demo:gemma-eagle1``)
-reproduces the target's greedy output with every strategy that needs no bundle, and drafts more than one token a
-cycle (the head is trained, not random). Skipped when the demo chunk packages are not installed."""
+reproduces the target's greedy output with every strategy that needs no bundle, on English, code and shifted
+(Russian, Korean) prompts, and drafts more than one token a cycle (the head is trained, not random). Skipped when the demo chunk packages are not installed."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ pytestmark = [pytest.mark.demo(model="gemma"), requires_packages("gemma3_270m_q4
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "What are the main differences between TCP and UDP?",
+    "Объясни в двух предложениях, что делает менеджер пакетов.",  # shifted traffic: Cyrillic
+    "패키지 관리자가 무엇을 하는지 두 문장으로 설명해 주세요.",  # and Hangul
 ]
 
 

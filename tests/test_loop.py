@@ -250,3 +250,24 @@ def test_cuda_section_timing_in_a_real_run_waits_once_per_cycle(pair, monkeypatc
     assert len(events) > 4 * m.draft_steps  # marks were events, recorded per step
     assert 0 < m.head_s <= m.draft_s and m.policy_s > 0 and m.verify_s > 0 and m.prefill_s > 0
     assert m.prefill_s + m.draft_s + m.verify_s <= m.wall_s
+
+
+def test_microspec_prefill_reads_only_the_prompt_positions_its_window_can_hold(pair):
+    """The window keeps ``window`` entries, which the top-K_pre of the last window / K_pre prompt positions fill:
+    the loop computes the target's logits there only (not a [L, V] product over a long history), and the output
+    is still the target's own."""
+    target, draft = pair
+    seen = []
+
+    class Recording(MicroSpecPolicy):
+        def prefill(self, prompt_ids, target_logits, target_hidden):
+            seen.append((target_logits, target_hidden))
+            super().prefill(prompt_ids, target_logits, target_hidden)
+
+    policy = Recording(MicroSpecConfig(window=6, k_pre=3), VOCAB, "cpu")
+    prompt, cfg = list(range(1, 11)), DecodeConfig(max_new_tokens=12)
+    spec = speculative_generate(target, prompt, cfg, set(), draft, policy)
+    logits, hidden = seen[0]
+    assert policy.prefill_logit_rows == 2 and hidden.shape[0] == len(prompt) - 1 and logits.shape[0] == 2
+    assert torch.equal(logits, target.logits(hidden[-2:]))
+    assert spec.token_ids == speculative_generate(target, prompt, cfg, set()).token_ids

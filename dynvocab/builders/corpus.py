@@ -5,6 +5,8 @@
   positions ≡ 9 (mod 10) are the evaluation split and never reach a builder.
 - ``python-stubs``: code-completion prompts made from the running Python's standard library (signature and
   docstring of each documented public function; see :mod:`dynvocab.data.python_stubs`), for self-distilled heads.
+- ``debian-faq`` / ``licences``: prompts made from the **training split** of Debian's FAQ in nine languages and of
+  its licence texts (:mod:`dynvocab.data.debian_docs`; the evaluation split is the bench's shifted tasks').
 - paths: ``.txt`` (one document per non-empty line), ``.jsonl``/``.json`` (``text``, ShareGPT
   ``conversations`` or chat ``messages``), ``.parquet``, or a folder written by ``datasets.save_to_disk``.
   JSON lines and parquet go through ``datasets`` streaming, the same path as SlimPajama.
@@ -20,12 +22,13 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
-from dynvocab.data import python_stubs
+from dynvocab.data import debian_docs, python_stubs
 from dynvocab.data.sharegpt import EVAL_EVERY, EVAL_REMAINDER, conversation_text, sharegpt_train, to_messages
 from dynvocab.errors import DynvocabError
 
 SLIMPAJAMA = "cerebras/SlimPajama-627B"
 _STREAMED = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_NAMED = ("sharegpt", "slimpajama", python_stubs.NAME, debian_docs.CORPUS_NAME, debian_docs.LICENCE_CORPUS_NAME)
 
 
 @dataclass(frozen=True)
@@ -45,21 +48,24 @@ class CorpusConfig:
             out["sharegpt_split"] = f"train (positions not ≡ {EVAL_REMAINDER} mod {EVAL_EVERY})"
         if python_stubs.NAME in self.sources:
             out["python_stubs"] = python_stubs.describe()
+        for name in (debian_docs.CORPUS_NAME, debian_docs.LICENCE_CORPUS_NAME):
+            if name in self.sources:
+                out[name.replace("-", "_")] = debian_docs.describe(name)
         return out
 
 
 def check_sources(cfg: CorpusConfig) -> None:
     """Fail early on empty or missing sources, before any model is loaded."""
     if not cfg.sources:
-        raise DynvocabError("no corpus given; pass --corpus sharegpt, slimpajama, python-stubs or file paths")
+        raise DynvocabError(f"no corpus given; pass --corpus {', '.join(_NAMED)} or file paths")
     if cfg.max_docs < 1:
         raise DynvocabError("--max-docs must be at least 1")
     for src in cfg.sources:
-        if src in ("sharegpt", "slimpajama", python_stubs.NAME):
+        if src in _NAMED:
             continue
         path = Path(src).expanduser()
         if not path.exists():
-            raise DynvocabError(f"corpus {src} does not exist; pass sharegpt, slimpajama, python-stubs or existing files")
+            raise DynvocabError(f"corpus {src} does not exist; pass {', '.join(_NAMED)} or existing files")
         if path.is_file() and path.suffix not in (".txt", *_STREAMED):
             raise DynvocabError(f"corpus file {src} has an unknown type; use .txt, .jsonl, .json or .parquet")
         if path.is_dir() and not ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
@@ -68,13 +74,21 @@ def check_sources(cfg: CorpusConfig) -> None:
 
 def iter_documents(cfg: CorpusConfig) -> Iterator[str]:
     """All documents of all sources, in order, at most ``cfg.max_docs`` non-empty ones."""
+    return (text for _, text in iter_labelled_documents(cfg))
+
+
+def iter_labelled_documents(cfg: CorpusConfig) -> Iterator[tuple[str, str]]:
+    """``(group, text)`` of :func:`iter_documents`' documents: the group is the source (a corpus name or file
+    path), with the language after a colon where the source has several (``debian-faq:ru``)."""
     check_sources(cfg)
-    docs = itertools.chain.from_iterable(_source(src, cfg) for src in cfg.sources)
-    return itertools.islice((d for d in docs if d and d.strip()), cfg.max_docs)
+    docs = itertools.chain.from_iterable(_labelled(src, cfg) for src in cfg.sources)
+    return itertools.islice(((g, d) for g, d in docs if d and d.strip()), cfg.max_docs)
 
 
-def _source(src: str, cfg: CorpusConfig) -> Iterator[str]:
-    return (row_text(row) for row in _rows(src, cfg))
+def _labelled(src: str, cfg: CorpusConfig) -> Iterator[tuple[str, str]]:
+    for row in _rows(src, cfg):
+        lang = row.get("lang")
+        yield (f"{src}:{lang}" if isinstance(lang, str) else src), row_text(row)
 
 
 def _rows(src: str, cfg: CorpusConfig) -> Iterator[dict]:
@@ -84,6 +98,8 @@ def _rows(src: str, cfg: CorpusConfig) -> Iterator[dict]:
         return stream_rows(cfg.slimpajama_id)
     if src == python_stubs.NAME:
         return python_stubs.stub_rows()
+    if src in (debian_docs.CORPUS_NAME, debian_docs.LICENCE_CORPUS_NAME):
+        return debian_docs.corpus_rows(src)
     path = Path(src).expanduser()
     if path.is_dir():
         return _saved_dataset_rows(path)

@@ -25,6 +25,11 @@ class CorpusCounts:
     unigrams: np.ndarray  # [V] int64, occurrences of each token id
     bigram_keys: np.ndarray | None  # [P] int64, sorted unique u * V + v (None when not counted)
     bigram_counts: np.ndarray | None  # [P] int64
+    groups: dict[str, np.ndarray] | None = None  # group -> [V] int64 unigrams of its documents (labelled input)
+
+
+MAX_GROUPS = 32  # groups counted apart; documents of later groups are counted under OTHER_GROUP
+OTHER_GROUP = "other"
 
 
 class BigramCounter:
@@ -84,16 +89,25 @@ def _encode(tokenizer, batch: list[str]) -> list[np.ndarray]:
 
 
 def count_corpus(
-    texts: Iterable[str],
+    texts: Iterable[str] | Iterable[tuple[str, str]],
     tokenizer,
     vocab_rows: int,
     bigrams: bool,
     advance: Advance = lambda n: None,
     batch_docs: int = 64,
+    labelled: bool = False,
 ) -> CorpusCounts:
-    """Tokenize ``texts`` and count unigrams (and bigrams when ``bigrams``) over ids ``[0, vocab_rows)``."""
+    """Tokenize ``texts`` and count unigrams (and bigrams when ``bigrams``) over ids ``[0, vocab_rows)``.
+
+    With ``labelled``, ``texts`` are ``(group, text)`` pairs and each group's unigrams are also counted apart
+    (at most :data:`MAX_GROUPS` groups by name; the rest together), so a ranking's share can be told per group.
+    """
     unigrams = np.zeros(vocab_rows, dtype=np.int64)
     counter = BigramCounter(vocab_rows) if bigrams else None
+    groups: dict[str, np.ndarray] | None = {} if labelled else None
+    labels: list[str] = []
+    if labelled:
+        texts = _labels_aside(texts, labels)
     docs = tokens = 0
     for batch in token_batches(texts, tokenizer, batch_docs):
         flat = np.concatenate(batch) if batch else np.zeros(0, dtype=np.int64)
@@ -106,10 +120,22 @@ def count_corpus(
         if counter is not None:
             for ids in batch:
                 counter.add(ids)
+        if groups is not None:
+            for label, ids in zip(labels[docs : docs + len(batch)], batch):
+                name = label if label in groups or len(groups) < MAX_GROUPS else OTHER_GROUP
+                groups.setdefault(name, np.zeros(vocab_rows, dtype=np.int64))
+                groups[name] += np.bincount(ids, minlength=vocab_rows)
         docs += len(batch)
         tokens += int(flat.size)
         advance(len(batch))
     if docs == 0:
         raise DynvocabError("the corpus has no documents; check --corpus and --max-docs")
     keys, counts = counter.result() if counter is not None else (None, None)
-    return CorpusCounts(docs, tokens, unigrams, keys, counts)
+    return CorpusCounts(docs, tokens, unigrams, keys, counts, groups)
+
+
+def _labels_aside(pairs: Iterable[tuple[str, str]], labels: list[str]) -> Iterator[str]:
+    """The texts of ``(group, text)`` pairs, appending each group to ``labels`` as its text is read."""
+    for group, text in pairs:
+        labels.append(group)
+        yield text

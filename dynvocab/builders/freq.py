@@ -44,19 +44,34 @@ def build(cfg: FreqConfig, counts: np.ndarray, eos_ids: list[int]) -> FreqTable:
     )
 
 
-def summary(cfg: FreqConfig, table: FreqTable) -> dict:
+def summary(cfg: FreqConfig, table: FreqTable, groups: dict[str, np.ndarray] | None = None) -> dict:
     """Statistics stored with the stage: total tokens, distinct ids seen, and the corpus share of each top-K
-    (stored under ``coverage``, the bundle's key for it)."""
-    return {
+    (stored under ``coverage``, the bundle's key for it); with several corpus ``groups`` (files, or a corpus's
+    languages), the share of the largest top-K in each group's own tokens, under ``coverage_by_group``."""
+    out = {
         "total_tokens": int(table.counts.sum()),
         "distinct_tokens": int((table.counts > 0).sum()),
         "coverage": {str(k): round(table.top_k_share(k), 6) for k in cfg.share_sizes},
     }
+    if groups and len(groups) > 1:
+        k = max(cfg.share_sizes)
+        out[f"top_{k}_share_by_group"] = group_shares(table.ranking[:k].numpy(), groups)
+    return out
+
+
+def group_shares(kept: np.ndarray, groups: dict[str, np.ndarray]) -> dict[str, float]:
+    """The share of each group's tokens whose id is in ``kept`` [K]: how well one static set serves each part of
+    the corpus it was built from (a language, a file)."""
+    out = {}
+    for name, counts in groups.items():
+        total = int(counts.sum())
+        out[name] = round(float(counts[kept].sum()) / total, 6) if total else 0.0
+    return out
 
 
 def _build_stage(inputs: BuildInputs, cfg: FreqConfig) -> Built:
     table = build(cfg, inputs.counts.unigrams, end_token_ids(inputs.target, inputs.target_tokenizer))
-    return Built(table.to_tensors(), summary(cfg, table), {"corpus": inputs.corpus_info})
+    return Built(table.to_tensors(), summary(cfg, table, inputs.counts.groups), {"corpus": inputs.corpus_info})
 
 
 def _synthetic(spec: Synthetic, made: dict) -> Stage:

@@ -20,7 +20,7 @@ from dynvocab.builders import freq as freq_stage
 from dynvocab.builders import graph as graph_stage
 from dynvocab.builders import hnsw as hnsw_stage
 from dynvocab.builders.checkpoints import StageCheckpoints
-from dynvocab.builders.corpus import CorpusConfig, check_sources, iter_documents
+from dynvocab.builders.corpus import CorpusConfig, check_sources, iter_labelled_documents
 from dynvocab.builders.counting import count_corpus
 from dynvocab.builders.models import fingerprint, resolve_draft_model
 from dynvocab.builders.stages import (
@@ -132,8 +132,8 @@ def _count(inputs: BuildInputs, bigrams: bool) -> None:
     start = time.perf_counter()
     with inputs.reporter.task("tokenize corpus (documents)", total=None) as advance:
         counts = count_corpus(
-            iter_documents(inputs.corpus), inputs.target_tokenizer, inputs.target_fp.head_rows, bigrams=bigrams,
-            advance=advance,
+            iter_labelled_documents(inputs.corpus), inputs.target_tokenizer, inputs.target_fp.head_rows,
+            bigrams=bigrams, advance=advance, labelled=True,
         )
     seconds = time.perf_counter() - start
     inputs.counts = counts

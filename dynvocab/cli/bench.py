@@ -67,10 +67,13 @@ def bench(
     ids: Annotated[Optional[str], typer.Option(help="Comma-separated prompt ids to run (default: all).")] = None,
     tasks: Annotated[
         Optional[str],
-        typer.Option(help="Comma-separated tasks: code, chat, multiturn, topic-switch (or a prompt file's). [default: all]"),
+        typer.Option(help="Comma-separated tasks: code, chat, multiturn, topic-switch; shifted traffic from Debian's "
+            "documentation (apt-get install debian-faq debian-faq-{de,fr,it,pt,ru,ja,zh-cn,ko}): multilingual "
+            "(or multilingual:ru, …), translation (translation:en-ja, translation:ja-en, …), lang-switch, legal, "
+            "code-legal; or a prompt file's tasks. [default: the first four]"),
     ] = None,
     num_prompts: Annotated[
-        Optional[int], typer.Option("--num-prompts", min=1, help="Prompts per task (topic-switch: N code + N chat turns). [default: 5]")
+        Optional[int], typer.Option("--num-prompts", min=1, help="Prompts per task (a shifted task: per language or direction; topic-switch: N code + N chat turns). [default: 5]")
     ] = None,
     quick: Annotated[
         bool, typer.Option("--quick", help="Small run: 1 code + 1 chat prompt, 32 tokens, ar,full,microspec,fr,hybrid and "

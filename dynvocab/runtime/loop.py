@@ -115,7 +115,9 @@ def _prefill(target: CausalLM, prompt_ids: list[int], draft: Proposer | None, po
         draft.observe(0, prefix_hidden, None)
     if policy is not None:
         wants_logits = policy.prefill_logits and prefix_hidden is not None
-        prompt_logits = target.logits(prefix_hidden) if wants_logits else None  # [L-1, V]
+        rows = policy.prefill_logit_rows
+        tail = prefix_hidden[-rows:] if wants_logits and rows else prefix_hidden  # [R, d]: the positions it reads
+        prompt_logits = target.logits(tail) if wants_logits else None  # [R, V]
         policy.prefill(prompt, prompt_logits, prefix_hidden)
     if draft is not None and prompt.numel() > 1:
         draft.step(prompt[:-1])

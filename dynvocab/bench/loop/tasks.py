@@ -6,6 +6,8 @@
   is fed back before the next user turn (rows ``sg-<position>/t1``, ``/t2``, …).
 * ``topic-switch`` — one conversation: N code prompts, then N non-code chat prompts (EvoSpec's Figure 2 stream),
   replayed like ``multiturn``.
+* the shifted tasks (not run by default; they read Debian's documentation packages): ``multilingual``,
+  ``translation``, ``lang-switch``, ``legal`` and ``code-legal`` (:mod:`dynvocab.bench.loop.shifted_tasks`).
 
 Every user turn is cut to :data:`MAX_CHARS` characters (prefill is CPU-bound here), and a replayed history is
 trimmed from its oldest turns to :data:`HISTORY_CHARS` characters. ShareGPT ids are ``sg-<p>`` with ``p`` the
@@ -17,18 +19,17 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from dynvocab.bench.loop import shifted_tasks
+from dynvocab.bench.loop.items import HISTORY_CHARS, MAX_CHARS, BenchItem, clip, trim_history, user_turn
 from dynvocab.bench.loop.prompts import PromptRow, load_prompts
 from dynvocab.data.sharegpt import is_eval_position
 from dynvocab.errors import DynvocabError
 from dynvocab.prompts import CODE_INSTRUCTION
 
 TASKS = ("code", "chat", "multiturn", "topic-switch")
-MAX_CHARS = 1500  # a user turn longer than this is cut (and marked with " …")
-HISTORY_CHARS = 6000  # a replayed conversation keeps its newest turns within this many characters
 MAX_TURNS = 3  # user turns replayed per multiturn conversation
 SWITCH_ID = "switch"
 _CODE_HINT = re.compile(
@@ -36,64 +37,11 @@ _CODE_HINT = re.compile(
 )
 
 
-@dataclass(frozen=True)
-class BenchItem:
-    """A conversation to bench: one generation after ``messages``, then one per follow-up user turn.
-
-    Follow-up turns are replayed with an answer fed back before each (the caller chooses whose answer).
-    ``labels`` names the segment of each turn (topic-switch: ``code`` / ``chat``); empty when not used.
-    """
-
-    id: str
-    task: str
-    messages: tuple[dict, ...]
-    followups: tuple[str, ...] = ()
-    labels: tuple[str, ...] = ()
-
-    @property
-    def turns(self) -> int:
-        """Generations this item produces."""
-        return 1 + len(self.followups)
-
-    def row_id(self, turn: int) -> str:
-        """The generation id of 0-based ``turn``: the item id, or ``<id>/t<turn+1>`` for a replayed conversation."""
-        return self.id if not self.followups else f"{self.id}/t{turn + 1}"
-
-    def context(self, turn: int, answers: list[str], history_chars: int = HISTORY_CHARS) -> list[dict]:
-        """The messages that 0-based ``turn`` is generated after, given the answers to the turns before it."""
-        msgs = list(self.messages)
-        for t in range(turn):
-            msgs += [{"role": "assistant", "content": answers[t]}, {"role": "user", "content": self.followups[t]}]
-        return trim_history(msgs, history_chars) if turn else msgs
-
-
-def trim_history(messages: list[dict], budget: int) -> list[dict]:
-    """Drop the oldest user/assistant pairs until the text fits ``budget`` characters (system turns stay).
-
-    The last user turn always stays, so the result still ends with the turn to answer.
-    """
-    system = [m for m in messages if m["role"] == "system"]
-    rest = [m for m in messages if m["role"] != "system"]
-    while len(rest) > 2 and sum(len(m["content"]) for m in system + rest) > budget:
-        rest = rest[2:]
-    return system + rest
-
-
 def as_item(row: PromptRow | BenchItem) -> BenchItem:
     """A prompt file row as a single-generation item (items pass through)."""
     if isinstance(row, BenchItem):
         return row
     return BenchItem(row.id, row.task, tuple(row.messages))
-
-
-def clip(text: str, limit: int = MAX_CHARS) -> str:
-    """``text`` cut to ``limit`` characters (marked with " …" when cut)."""
-    text = text.strip()
-    return text if len(text) <= limit else text[:limit].rstrip() + " …"
-
-
-def _user(text: str) -> dict:
-    return {"role": "user", "content": clip(text)}
 
 
 # --- embedded tasks ---------------------------------------------------------------------------------------------
@@ -131,13 +79,13 @@ def is_code_like(text: str) -> bool:
 def code_items() -> Iterator[BenchItem]:
     """HumanEval problems as single-turn items."""
     for task_id, text in humaneval_prompts():
-        yield BenchItem(task_id, "code", (_user(text),))
+        yield BenchItem(task_id, "code", (user_turn(text),))
 
 
 def chat_items() -> Iterator[BenchItem]:
     """First user turns of ShareGPT evaluation conversations."""
     for cid, turns in sharegpt_eval_conversations():
-        yield BenchItem(cid, "chat", (_user(turns[0]),))
+        yield BenchItem(cid, "chat", (user_turn(turns[0]),))
 
 
 def multiturn_items(max_turns: int = MAX_TURNS) -> Iterator[BenchItem]:
@@ -145,7 +93,7 @@ def multiturn_items(max_turns: int = MAX_TURNS) -> Iterator[BenchItem]:
     for cid, turns in sharegpt_eval_conversations():
         if len(turns) >= 2:
             turns = turns[:max_turns]
-            yield BenchItem(cid, "multiturn", (_user(turns[0]),), tuple(clip(t) for t in turns[1:]))
+            yield BenchItem(cid, "multiturn", (user_turn(turns[0]),), tuple(clip(t) for t in turns[1:]))
 
 
 def topic_switch_item(n: int) -> BenchItem:
@@ -156,10 +104,12 @@ def topic_switch_item(n: int) -> BenchItem:
     )
     turns = [clip(t) for t in code] + [clip(t) for t in chat]
     labels = ("code",) * len(code) + ("chat",) * (len(turns) - len(code))
-    return BenchItem(SWITCH_ID, "topic-switch", (_user(turns[0]),), tuple(turns[1:]), labels)
+    return BenchItem(SWITCH_ID, "topic-switch", (user_turn(turns[0]),), tuple(turns[1:]), labels)
 
 
 def _task_items(task: str, n: int | None) -> Iterator[BenchItem]:
+    if shifted_tasks.is_shifted(task):
+        return shifted_tasks.items(task, n or 5, humaneval_prompts)
     if task == "code":
         return code_items()
     if task == "chat":
@@ -170,13 +120,17 @@ def _task_items(task: str, n: int | None) -> Iterator[BenchItem]:
 
 
 def embedded_items(tasks: list[str], n: int, ids: list[str] | None = None) -> list[BenchItem]:
-    """The first ``n`` items of each embedded task (topic-switch: one conversation of ``n`` + ``n`` turns).
+    """The first ``n`` items of each embedded task (topic-switch: one conversation of ``n`` + ``n`` turns; a
+    shifted task, ``multilingual`` say, ``n`` per language).
 
     With ``ids`` (item ids, or row ids such as ``sg-19/t2``), the named items of those tasks instead.
     """
-    unknown = [t for t in tasks if t not in TASKS]
+    unknown = [t for t in tasks if t not in TASKS and not shifted_tasks.is_shifted(t)]
     if unknown:
-        raise DynvocabError(f"unknown task '{unknown[0]}'; use one of {', '.join(TASKS)} (or --prompts FILE)")
+        raise DynvocabError(
+            f"unknown task '{unknown[0]}'; use one of {', '.join(TASKS + shifted_tasks.SHIFTED_TASKS)} (or --prompts FILE)"
+        )
+    tasks = [t for task in tasks for t in (shifted_tasks.expand(task) if shifted_tasks.is_shifted(task) else [task])]
     if n < 1:
         raise DynvocabError("--num-prompts must be at least 1")
     if not ids:
@@ -204,6 +158,8 @@ def embedded_items(tasks: list[str], n: int, ids: list[str] | None = None) -> li
 
 def _may_hold(task: str, item_id: str) -> bool:
     """Whether an id of this form can belong to ``task`` (so a search need not scan the others)."""
+    if shifted_tasks.is_shifted(task):
+        return shifted_tasks.may_hold(task, item_id)
     if task == "code":
         return item_id.startswith("HumanEval/")
     if task == "topic-switch":

@@ -40,11 +40,13 @@ class VocabPolicy:
     """
 
     name = "base"
-    prefill_logits = False  # set when prefill needs target logits at every prompt position
+    prefill_logits = False  # set when prefill needs target logits at prompt positions
+    prefill_logit_rows: int | None = None  # with prefill_logits: only the last this many positions' (None: all)
     draft_topk = 0  # >0 asks the loop to report the draft's top-k alternatives per step
 
     def prefill(self, prompt_ids: torch.Tensor, target_logits: torch.Tensor | None, target_hidden) -> None:
-        """See the prompt [L] (and, if asked for, target logits [L-1, V] and hidden states [L-1, d])."""
+        """See the prompt [L] (and, if asked for, target logits [R, V] of the last R = min(L-1,
+        ``prefill_logit_rows``) prompt positions before the last, and hidden states [L-1, d])."""
 
     def active_ids(self, step: int, hidden: torch.Tensor | None = None,
                    token: torch.Tensor | None = None) -> ActiveSet:

@@ -42,6 +42,9 @@ class MicroSpecPolicy(VocabPolicy):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.draft_topk = cfg.draft_alternatives
+        # The window keeps the newest ``window`` entries, which the top-K_pre of the last window / K_pre prompt
+        # positions fill: earlier positions' logits (a [L, V] product on a long replayed history) are not computed.
+        self.prefill_logit_rows = max(1, cfg.window // max(1, cfg.k_pre))
         self.state = WindowState(vocab_size, cfg.window, device=device)
         self.pinned = torch.empty(0, dtype=torch.long, device=device) if pinned is None else pinned.to(device)
         self.is_pinned = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
