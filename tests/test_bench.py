@@ -18,16 +18,8 @@ from dynvocab.bench.engines.hf import accepted_per_cycle
 from dynvocab.runtime.loop import DecodeConfig
 from dynvocab.runtime.metrics import Metrics
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.bench.loop.tasks import (
-    MAX_CHARS,
-    BenchItem,
-    clip,
-    embedded_items,
-    file_items,
-    is_code_like,
-    topic_switch_item,
-    trim_history,
-)
+from dynvocab.bench.loop.items import MAX_CHARS, BenchItem, clip, trim_history
+from dynvocab.bench.loop.tasks import embedded_items, file_items, is_code_like, topic_switch_item
 
 pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]
 

@@ -25,7 +25,7 @@ from dynvocab.prompts import CODE_INSTRUCTION
 NAME = "python-stubs"
 SEED = 0
 MIN_DOC_CHARS = 40  # a docstring shorter than this says too little to write the body from
-MAX_STUB_CHARS = 1500  # the bench cuts user turns at 1500 characters too (tasks.MAX_CHARS)
+MAX_STUB_CHARS = 1500  # the bench cuts user turns at 1500 characters too (items.MAX_CHARS)
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "dist-packages", "ensurepip"}
 
 

@@ -31,7 +31,8 @@ from dynvocab.bench.loop.prompts import PromptRow
 from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.session import Session
 from dynvocab.runtime.strategies import StrategyOptions, lookup, make_policy, parse_strategies
-from dynvocab.bench.loop.tasks import HISTORY_CHARS, BenchItem, as_item
+from dynvocab.bench.loop.items import HISTORY_CHARS, BenchItem
+from dynvocab.bench.loop.tasks import as_item
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,8 @@
 * the shifted tasks (not run by default; they read Debian's documentation packages): ``multilingual``,
   ``translation``, ``lang-switch``, ``legal`` and ``code-legal`` (:mod:`dynvocab.bench.loop.shifted_tasks`).
 
-Every user turn is cut to :data:`MAX_CHARS` characters (prefill is CPU-bound here), and a replayed history is
-trimmed from its oldest turns to :data:`HISTORY_CHARS` characters. ShareGPT ids are ``sg-<p>`` with ``p`` the
-conversation's 0-based position in the embedded file, always ≡ 9 (mod 10): the evaluation split.
+User turns and replayed histories are cut as :mod:`dynvocab.bench.loop.items` says. ShareGPT ids are ``sg-<p>``
+with ``p`` the conversation's 0-based position in the embedded file, always ≡ 9 (mod 10): the evaluation split.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dynvocab.bench.loop import shifted_tasks
-from dynvocab.bench.loop.items import HISTORY_CHARS, MAX_CHARS, BenchItem, clip, trim_history, user_turn
+from dynvocab.bench.loop.items import BenchItem, clip, user_turn
 from dynvocab.bench.loop.prompts import PromptRow, load_prompts
 from dynvocab.data.sharegpt import is_eval_position
 from dynvocab.errors import DynvocabError
