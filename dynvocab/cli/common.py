@@ -35,7 +35,8 @@ Target = Annotated[
 Draft = Annotated[str, typer.Option(
     envvar="DYNVOCAB_DRAFT",
     help="The draft: a draft model (hub id, local folder, .gguf file, demo:draft) or a draft head (folder, hub id, or "
-    "demo:gemma-eagle1, the EAGLE-1 head shipped for demo:gemma); "
+    "demo:gemma-eagle1, the EAGLE-1 head shipped for demo:gemma, or demo:gemma-eagle1-ml, the same trained on nine "
+    "languages too); "
     f"its kind is recognised among the registered ones ({kind_names()}).",
 )]
 DraftModel = Annotated[str, typer.Option(
