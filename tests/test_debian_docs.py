@@ -151,9 +151,11 @@ def test_counts_per_group_and_each_groups_share_of_the_static_set(tiny_dirs):  #
 
     tok = AutoTokenizer.from_pretrained(tiny_dirs[0])
     pairs = [("a.txt", "the cat sat on the mat"), ("b.txt", "zebra quartz jumps"), ("a.txt", "the mat")]
-    counts = count_corpus(pairs, tok, len(tok), bigrams=False, labelled=True)
+    counts = count_corpus(pairs, tok, len(tok), bigrams=False, labelled=True, batch_docs=2)  # batches span groups
     assert set(counts.groups) == {"a.txt", "b.txt"}
     assert np.array_equal(sum(counts.groups.values()), counts.unigrams)
+    only_a = count_corpus([t for g, t in pairs if g == "a.txt"], tok, len(tok), bigrams=False)
+    assert np.array_equal(counts.groups["a.txt"], only_a.unigrams)
     plain = count_corpus([t for _, t in pairs], tok, len(tok), bigrams=False)
     assert np.array_equal(plain.unigrams, counts.unigrams) and plain.groups is None
     table = freq.build(freq.FreqConfig(), counts.unigrams, eos_ids=[])

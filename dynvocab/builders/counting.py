@@ -121,10 +121,11 @@ def count_corpus(
             for ids in batch:
                 counter.add(ids)
         if groups is not None:
-            for label, ids in zip(labels[docs : docs + len(batch)], batch):
+            for label, ids in zip(labels[: len(batch)], batch):  # the batch's texts were read last
                 name = label if label in groups or len(groups) < MAX_GROUPS else OTHER_GROUP
                 groups.setdefault(name, np.zeros(vocab_rows, dtype=np.int64))
                 groups[name] += np.bincount(ids, minlength=vocab_rows)
+            del labels[: len(batch)]
         docs += len(batch)
         tokens += int(flat.size)
         advance(len(batch))

@@ -47,7 +47,7 @@ def build(cfg: FreqConfig, counts: np.ndarray, eos_ids: list[int]) -> FreqTable:
 def summary(cfg: FreqConfig, table: FreqTable, groups: dict[str, np.ndarray] | None = None) -> dict:
     """Statistics stored with the stage: total tokens, distinct ids seen, and the corpus share of each top-K
     (stored under ``coverage``, the bundle's key for it); with several corpus ``groups`` (files, or a corpus's
-    languages), the share of the largest top-K in each group's own tokens, under ``coverage_by_group``."""
+    languages), the share of the largest top-K in each group's own tokens, under ``top_<K>_share_by_group``."""
     out = {
         "total_tokens": int(table.counts.sum()),
         "distinct_tokens": int((table.counts > 0).sum()),
