@@ -23,6 +23,7 @@ at least 8 evaluation sections). The bench's shifted tasks read :func:`faq_secti
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import zlib
@@ -349,11 +350,14 @@ def corpus_rows(name: str) -> Iterator[dict]:
     installed = [code for code in LANGUAGES if is_installed(code)]
     if not installed:
         faq_path("en")  # raises the install hint
-    queues = [[explain_prompt(s) for s in faq_sections(code, "train")] for code in installed]
-    for k in range(max(len(q) for q in queues)):
-        for code, queue in zip(installed, queues):
-            if k < len(queue):
-                yield {"text": queue[k], "lang": code}
+    queues = [[{"text": explain_prompt(s), "lang": code} for s in faq_sections(code, "train")] for code in installed]
+    yield from interleave(queues)
+
+
+def interleave(queues: list[list]) -> Iterator:
+    """One item of each queue in turn, skipping queues that ran out (so any prefix spans every queue)."""
+    for row in itertools.zip_longest(*queues):
+        yield from (item for item in row if item is not None)
 
 
 def describe(name: str) -> dict:

@@ -26,6 +26,12 @@ class BenchItem:
     followups: tuple[str, ...] = ()
     labels: tuple[str, ...] = ()
 
+    @classmethod
+    def conversation(cls, item_id: str, task: str, turns: list[str], labels: tuple[str, ...]) -> BenchItem:
+        """A conversation replayed turn by turn: the first user turn, then ``turns[1:]`` as follow-ups (each cut to
+        :data:`MAX_CHARS`), ``labels`` naming each turn's segment."""
+        return cls(item_id, task, (user_turn(turns[0]),), tuple(clip(t) for t in turns[1:]), tuple(labels))
+
     @property
     def turns(self) -> int:
         """Generations this item produces."""

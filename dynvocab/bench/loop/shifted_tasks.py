@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator
 
-from dynvocab.bench.loop.items import BenchItem, clip, user_turn
+from dynvocab.bench.loop.items import BenchItem, user_turn
 from dynvocab.data import debian_docs as docs
 from dynvocab.errors import DynvocabError
 
@@ -63,7 +63,8 @@ def items(task: str, n: int, code_prompts: Callable[[], Iterator[tuple[str, str]
         return (BenchItem(f"faq-{sub}-{s.number}", task, (user_turn(docs.explain_prompt(s)),))
                 for s in docs.faq_sections(sub, "eval"))
     if base == "translation":
-        src, dst = sub.split("-", 1) if not sub.startswith("zh-cn") else ("zh-cn", sub[len("zh-cn-"):])
+        src = next(code for code in docs.LANGUAGES if sub.startswith(f"{code}-"))  # codes hold "-" (zh-cn)
+        dst = sub[len(src) + 1 :]
         return (BenchItem(f"tr-{src}-{dst}-{s.number}", task, (user_turn(docs.translate_prompt(s, dst)),))
                 for s in docs.faq_sections(src, "eval"))
     if base == "legal":
@@ -81,19 +82,17 @@ def lang_switch_item(n: int) -> BenchItem:
     turns, labels = [], []
     for k in range(max(n, len(SWITCH_ORDER))):
         lang = SWITCH_ORDER[k % len(SWITCH_ORDER)]
-        section = sections[lang][(k // len(SWITCH_ORDER)) % len(sections[lang])]
-        turns.append(clip(docs.explain_prompt(section)))
+        turns.append(docs.explain_prompt(sections[lang][(k // len(SWITCH_ORDER)) % len(sections[lang])]))
         labels.append(lang)
-    return BenchItem(LANG_SWITCH_ID, "lang-switch", (user_turn(turns[0]),), tuple(turns[1:]), tuple(labels))
+    return BenchItem.conversation(LANG_SWITCH_ID, "lang-switch", turns, tuple(labels))
 
 
 def code_legal_item(n: int, code_prompts: Callable[[], Iterator[tuple[str, str]]]) -> BenchItem:
     """One conversation: ``n`` HumanEval prompts (from the end of the set), then ``n`` licence paragraphs."""
-    code = [clip(text) for _, text in itertools.islice(reversed(list(code_prompts())), n)]
-    legal = [clip(docs.clause_prompt(c)) for c in itertools.islice(_interleaved_clauses(), n)]
-    turns = code + legal
+    code = [text for _, text in itertools.islice(reversed(list(code_prompts())), n)]
+    legal = [docs.clause_prompt(c) for c in itertools.islice(_interleaved_clauses(), n)]
     labels = ("code",) * len(code) + ("legal",) * len(legal)
-    return BenchItem(CODE_LEGAL_ID, "code-legal", (user_turn(turns[0]),), tuple(turns[1:]), labels)
+    return BenchItem.conversation(CODE_LEGAL_ID, "code-legal", code + legal, labels)
 
 
 def may_hold(task: str, item_id: str) -> bool:
@@ -108,5 +107,4 @@ def _interleaved_clauses() -> Iterator[docs.Clause]:
     by_licence: dict[str, list[docs.Clause]] = {}
     for clause in docs.licence_paragraphs("eval"):
         by_licence.setdefault(clause.licence, []).append(clause)
-    for row in itertools.zip_longest(*by_licence.values()):
-        yield from (c for c in row if c is not None)
+    return docs.interleave(list(by_licence.values()))

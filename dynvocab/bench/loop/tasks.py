@@ -92,7 +92,7 @@ def multiturn_items(max_turns: int = MAX_TURNS) -> Iterator[BenchItem]:
     for cid, turns in sharegpt_eval_conversations():
         if len(turns) >= 2:
             turns = turns[:max_turns]
-            yield BenchItem(cid, "multiturn", (user_turn(turns[0]),), tuple(clip(t) for t in turns[1:]))
+            yield BenchItem.conversation(cid, "multiturn", turns, ())
 
 
 def topic_switch_item(n: int) -> BenchItem:
@@ -101,9 +101,9 @@ def topic_switch_item(n: int) -> BenchItem:
     chat = itertools.islice(
         (turns[0] for _, turns in sharegpt_eval_conversations() if not is_code_like(turns[0])), n
     )
-    turns = [clip(t) for t in code] + [clip(t) for t in chat]
+    turns = code + list(chat)
     labels = ("code",) * len(code) + ("chat",) * (len(turns) - len(code))
-    return BenchItem(SWITCH_ID, "topic-switch", (user_turn(turns[0]),), tuple(turns[1:]), labels)
+    return BenchItem.conversation(SWITCH_ID, "topic-switch", turns, labels)
 
 
 def _task_items(task: str, n: int | None) -> Iterator[BenchItem]:
