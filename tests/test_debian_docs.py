@@ -108,6 +108,16 @@ def test_corpus_reads_the_training_split_only_in_every_installed_language(faq):
     assert [t for _, t in labelled] == list(iter_documents(CorpusConfig(sources=(docs.CORPUS_NAME,), max_docs=8)))
 
 
+def test_translation_corpus_asks_each_english_training_section_into_every_other_language(faq):
+    rows = list(docs.corpus_rows(docs.TRANSLATION_CORPUS_NAME))
+    others = [lang for lang in docs.LANGUAGES if lang in BODIES and lang != "en"]
+    train = docs.faq_sections("en", "train")
+    assert [r["lang"] for r in rows] == others * len(train)  # interleaved: any prefix spans the languages
+    assert rows[0]["text"] == docs.translate_prompt(train[0], others[0])
+    eval_passages = {s.passage() for s in docs.faq_sections("en", "eval")}
+    assert eval_passages and not any(p in r["text"] for p in eval_passages for r in rows)
+
+
 def test_shifted_tasks_read_the_evaluation_split_only(faq):
     items = embedded_items(["multilingual"], 3)
     assert {i.task for i in items} == {f"multilingual:{lang}" for lang in BODIES}

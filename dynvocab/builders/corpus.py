@@ -5,8 +5,9 @@
   positions ≡ 9 (mod 10) are the evaluation split and never reach a builder.
 - ``python-stubs``: code-completion prompts made from the running Python's standard library (signature and
   docstring of each documented public function; see :mod:`dynvocab.data.python_stubs`), for self-distilled heads.
-- ``debian-faq`` / ``licences``: prompts made from the **training split** of Debian's FAQ in nine languages and of
-  its licence texts (:mod:`dynvocab.data.debian_docs`; the evaluation split is the bench's shifted tasks').
+- ``debian-faq`` / ``debian-faq-translate`` / ``licences``: prompts made from the **training split** of Debian's FAQ
+  in nine languages (explain a section in its language; translate an English section into each other language) and
+  of its licence texts (:mod:`dynvocab.data.debian_docs`; the evaluation split is the bench's shifted tasks').
 - paths: ``.txt`` (one document per non-empty line), ``.jsonl``/``.json`` (``text``, ShareGPT
   ``conversations`` or chat ``messages``), ``.parquet``, or a folder written by ``datasets.save_to_disk``.
   JSON lines and parquet go through ``datasets`` streaming, the same path as SlimPajama.
@@ -28,7 +29,7 @@ from dynvocab.errors import DynvocabError
 
 SLIMPAJAMA = "cerebras/SlimPajama-627B"
 _STREAMED = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_NAMED = ("sharegpt", "slimpajama", python_stubs.NAME, debian_docs.CORPUS_NAME, debian_docs.LICENCE_CORPUS_NAME)
+_NAMED = ("sharegpt", "slimpajama", python_stubs.NAME, *debian_docs.CORPORA)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class CorpusConfig:
             out["sharegpt_split"] = f"train (positions not ≡ {EVAL_REMAINDER} mod {EVAL_EVERY})"
         if python_stubs.NAME in self.sources:
             out["python_stubs"] = python_stubs.describe()
-        for name in (debian_docs.CORPUS_NAME, debian_docs.LICENCE_CORPUS_NAME):
+        for name in debian_docs.CORPORA:
             if name in self.sources:
                 out[name.replace("-", "_")] = debian_docs.describe(name)
         return out
@@ -98,7 +99,7 @@ def _rows(src: str, cfg: CorpusConfig) -> Iterator[dict]:
         return stream_rows(cfg.slimpajama_id)
     if src == python_stubs.NAME:
         return python_stubs.stub_rows()
-    if src in (debian_docs.CORPUS_NAME, debian_docs.LICENCE_CORPUS_NAME):
+    if src in debian_docs.CORPORA:
         return debian_docs.corpus_rows(src)
     path = Path(src).expanduser()
     if path.is_dir():

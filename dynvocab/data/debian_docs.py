@@ -43,7 +43,9 @@ CHAPTERS = ("basic-defs", "getting-debian", "choosing", "compatibility", "softwa
 EVAL_EVERY = 5  # a fifth: ~22 of the FAQ's ~110 sections, so every language has at least 8 evaluation prompts
 EVAL_REMAINDER = 4
 CORPUS_NAME = "debian-faq"  # the build-index / train-draft corpus of the training split, every language
+TRANSLATION_CORPUS_NAME = "debian-faq-translate"  # the training split's English sections, into each other language
 LICENCE_CORPUS_NAME = "licences"
+CORPORA = (CORPUS_NAME, TRANSLATION_CORPUS_NAME, LICENCE_CORPUS_NAME)
 
 
 @dataclass(frozen=True)
@@ -341,15 +343,21 @@ def clause_prompt(clause: Clause) -> str:
 
 def corpus_rows(name: str) -> Iterator[dict]:
     """The training split as corpus rows ``{"text": prompt, "lang": code}``: ``debian-faq`` the FAQ's sections in
-    every installed language, interleaved (one section of each language in turn); ``licences`` the licence
-    paragraphs. Each row is a prompt as the bench's tasks write them, so ``train-draft --self-distill`` has the
-    target answer the same kind of request."""
+    every installed language, interleaved (one section of each language in turn); ``debian-faq-translate`` each
+    English section asked into every other installed language in turn (``lang`` is the language asked for);
+    ``licences`` the licence paragraphs. Each row is a prompt as the bench's tasks write them, so ``train-draft
+    --self-distill`` has the target answer the same kind of request."""
     if name == LICENCE_CORPUS_NAME:
         yield from ({"text": clause_prompt(c), "lang": "en"} for c in licence_paragraphs("train"))
         return
     installed = [code for code in LANGUAGES if is_installed(code)]
     if not installed:
         faq_path("en")  # raises the install hint
+    if name == TRANSLATION_CORPUS_NAME:
+        others = [code for code in installed if code != "en"]
+        yield from ({"text": translate_prompt(s, code), "lang": code}
+                    for s in faq_sections("en", "train") for code in others)
+        return
     queues = [[{"text": explain_prompt(s), "lang": code} for s in faq_sections(code, "train")] for code in installed]
     yield from interleave(queues)
 
