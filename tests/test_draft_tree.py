@@ -1,6 +1,7 @@
-"""EAGLE-2 draft trees (``--tree``): the shape's refusals, growth against a hand-worked example, the draft's tree
-attention against plain chains, greedy = ``ar`` for every strategy and both head layouts, exact recursive
-rejection sampling (a sibling accepted too), and the caches after a cycle holding exactly the accepted path."""
+"""EAGLE-2 draft trees (``--tree``): the shape's refusals, growth against a hand-worked example, an n-gram branch
+through the tree's own nodes, the draft's tree attention against plain chains, greedy = ``ar`` for every strategy
+and both head layouts, exact recursive rejection sampling one and two deep (a sibling accepted at each; ``auto``
+too), ``auto`` going on across generations, and the caches after a cycle holding exactly the accepted path."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from test_eagle_cli import heads  # noqa: F401  (fixture: EAGLE heads saved for the tiny target)
 from test_eagle_loop import eagle1, setup, target_model  # noqa: F401  (fixtures: the target, both head layouts)
-from sampling_checks import first_tokens_follow_the_target
+from sampling_checks import first_pairs_follow_the_target, pooled_chi_square
 from test_loop import VOCAB, greedy_case, make_policy
+from test_tree_budget import Ticks
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.cycle import CycleSetup, TargetVerifier, run_cycle
 from dynvocab.runtime.draft import DraftInfo
@@ -22,7 +25,8 @@ from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
 from dynvocab.runtime.timing import SectionTimer
 from dynvocab.runtime.tree import TokenTree
-from dynvocab.runtime.tree_draft import Candidates, grow_tree, tree_of
+from dynvocab.runtime.tree_budget import TreeMemory
+from dynvocab.runtime.tree_draft import Candidates, Growth, grow_tree, rank_scores, tree_of
 from dynvocab.runtime.tree_shape import TreeShape, parse_tree, split_tree
 from dynvocab.runtime.verify import SamplingConfig, verify_token_tree
 
@@ -151,6 +155,69 @@ def test_recursive_rejection_sampling_is_exact_and_accepts_siblings():
     assert second > draws // 20
 
 
+def test_recursive_rejection_sampling_two_deep_is_exact_and_accepts_a_sibling_there():
+    """A root with two children and each of them with two, every row's drawn without replacement from the draft's q
+    there; the first two tokens emitted follow p (the second after the first: a rejected first cycle's next one is
+    drawn from p after its token, as the next cycle would), and second children are accepted at depth 2."""
+    vocab, draws = 5, 20000
+    gen = torch.Generator().manual_seed(2)
+    p_root = torch.tensor([1.5, 0.5, 1.0, 0.0, -0.5])
+    p_after = torch.tensor([[1.0, 0.0, 1.5, -1.0, 0.5], [0.0, 1.0, 0.0, 1.0, -0.5], [1.5, -0.5, 0.0, 1.0, 0.0],
+                            [0.5, 0.5, 0.5, 0.5, 0.5], [-1.0, 1.0, 0.0, 1.5, 0.0]])
+    q_root = torch.softmax(torch.tensor([0.0, 1.5, 1.0, 0.5, -1.0]), dim=0)
+    q_after = torch.softmax(torch.tensor([[0.0, 1.0, 0.5, 1.5, -1.0], [1.5, 0.0, 0.0, -1.0, 1.0],
+                                          [0.0, 1.0, 1.5, 0.0, 0.5], [1.0, 0.0, -1.0, 0.5, 1.5],
+                                          [0.5, 0.5, 1.5, 0.0, 0.0]]), dim=1)
+    cfg = SamplingConfig(temperature=1.0)
+
+    def two_drawn(q):
+        return (q.log() - (-torch.rand(vocab, generator=gen).log()).log()).topk(2).indices.tolist()
+
+    counts, sibling_two_deep = torch.zeros(vocab, vocab), 0
+    for _ in range(draws):
+        a, b = two_drawn(q_root)
+        below = (*two_drawn(q_after[a]), *two_drawn(q_after[b]))  # rows 3, 4 under a; 5, 6 under b
+        tree = TokenTree((-1, 0, 0, 1, 1, 2, 2), (-1, a, b, *below), main=(1, 3))
+        logits = torch.cat([torch.stack([p_root, p_after[a], p_after[b]]), torch.zeros(4, vocab)])
+        proposals = {0: (q_root, None), 1: (q_after[a], None), 2: (q_after[b], None)}
+        verdict = verify_token_tree(tree, logits, cfg, gen, proposals.__getitem__)
+        first, *rest = verdict.path + [verdict.next_token]
+        second = rest[0] if rest else int(torch.multinomial(torch.softmax(p_after[first], 0), 1, generator=gen))
+        counts[first, second] += 1
+        sibling_two_deep += verdict.rows[2:3] in ([4], [6])
+    expected = torch.softmax(p_root, 0)[:, None] * torch.softmax(p_after, 1)
+    chi2, dof = pooled_chi_square(counts.flatten(), expected.flatten(), draws)
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof, counts)
+    assert sibling_two_deep > draws // 50
+
+
+def test_an_ngram_branch_runs_through_the_tree_s_own_nodes():
+    """A lookup's continuation whose first tokens the tree already holds goes on below those nodes (a second child
+    with the same token would never be reached: the walk takes the first child that matches), and is accepted."""
+    cands = Candidates(2, [1, 2, 3, 4], [-1, -1, 0, 0], [-0.5, -1.2, -0.9, -1.0], [[0, 1]])
+    growth = Growth([], [], [])
+    assert tree_of(growth, cands, 4).tree.tokens == (-1, 1, 2, 3, 4)
+    tree = tree_of(growth, cands, 4, [1, 4, 5]).tree  # 1, then its second child 4, then a new node 5 under it
+    assert tree.tokens == (-1, 1, 2, 3, 4, 5) and tree.parents == (-1, 0, 0, 1, 1, 4) and tree.main == (1, 3)
+    logits = torch.zeros(6, 8)
+    logits[0, 1] = logits[1, 4] = logits[4, 5] = logits[5, 7] = 5.0  # the target takes 1, 4, 5, then 7
+    verdict = verify_token_tree(tree, logits, SamplingConfig(), torch.Generator())
+    assert verdict.path == [1, 4, 5] and verdict.next_token == 7
+    fresh = tree_of(growth, cands, 4, [6, 1]).tree  # no child holds 6: the branch starts under the root
+    assert fresh.tokens == (-1, 1, 2, 3, 4, 6, 1) and fresh.parents == (-1, 0, 0, 1, 1, 0, 5)
+
+
+def test_sampled_growth_scores_its_candidates_by_rank_as_planned():
+    """The scores a sampled growth gives its candidates are the ones ``rank_scores`` knows before any draw (what
+    ``--tree auto`` plans a sampled cycle from)."""
+    proposer = Transitions(torch.randn(6, 6, generator=torch.Generator().manual_seed(0)))
+    shape = TreeShape(3, 2, 10)
+    _, cands = grow_tree(setup_for(proposer, SamplingConfig(temperature=1.0)), [0], shape)
+    grown = [sorted(cands.scores[:2]), sorted(cands.scores[2:6]), sorted(cands.scores[6:])]
+    for mine, planned in zip(grown, rank_scores(shape), strict=True):
+        assert mine == pytest.approx(sorted(planned))
+
+
 @pytest.mark.parametrize("kind", ["full", "fr", "fr-pa", "random", "microspec", "hybrid"])
 @pytest.mark.parametrize("tree", ["3x2x5", "5x4x30"])
 def test_greedy_trees_equal_ar(setup, kind, tree):
@@ -269,32 +336,64 @@ def test_auto_measures_the_curve_once_and_stays_exact(setup, tmp_path, monkeypat
     assert not measured and sorted(curve) == [1, 2, 4, 8, 16, 32, 64] and min(curve.values()) > 0
 
 
-def test_auto_drafts_the_faster_mode_and_retries_the_other():
-    from dynvocab.runtime.tree_budget import EXPLORE, TreeBudget
-
-    budget = TreeBudget({1: 1.0, 16: 1.2})
-    picks = []
-    for cycle in range(3 * EXPLORE):
-        tree = budget.wants_tree()
-        picks.append(tree)
-        budget._marks = [0.0]  # a cycle of ~now seconds: the tree makes 4 tokens, the chain 1
-        budget.finish(tree, 4 if tree else 1, 3 if tree else 0)
-    assert picks[:2] == [True, False]  # each tried once
-    assert picks.count(False) <= 3  # then the chain only to re-check it, less and less often
-    assert budget.explore_every > EXPLORE
-    assert budget.shape.topk == 4  # 16 tokens cost 1.2 passes: flat enough for 4 children a node
-
-
-def test_sampled_trees_follow_the_target_distribution(setup):
-    """First sampled token over many seeds, drafted as a tree over a subset (recursive rejection sampling over the
-    root's children), vs the target's p (chi-square); siblings off the main path are accepted too."""
+@pytest.mark.parametrize("tree", ["3x3x8", "auto"])
+def test_sampled_trees_follow_the_target_distribution(setup, tree, tmp_path, monkeypatch):
+    """The first two sampled tokens over many seeds, drafted as a tree over a subset whose first cycle grows three
+    deep (recursive rejection sampling at the root's children, then at theirs), vs the target's p (chi-square: the
+    first token, and the second after each first); siblings off the main path are accepted too, and paths two deep.
+    ``auto`` goes on over the generations in one memory whose clock moves irregularly, and fixes each sampled
+    cycle's depth and N before its draws: depths, N and modes vary (a head that is seldom right grows shallow)."""
     from dynvocab.runtime.policies import FrequencyPolicy
 
+    monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))  # auto's curve
     target, draft = setup
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:50]
-    cfg = DecodeConfig(max_new_tokens=2, temperature=1.5, tree="3x3x8")
-    runs = first_tokens_follow_the_target(target, [5, 9, 13], cfg, draft, lambda: FrequencyPolicy(ranking))
+    cfg = DecodeConfig(max_new_tokens=4, temperature=0.5, tree=tree)
+    memory = TreeMemory(clock=Ticks(0))
+    # the target's likeliest first token (p .3) is in the set: the draft's depth 2 decides many second tokens
+    runs = first_pairs_follow_the_target(target, [3, 1, 4, 1, 5], cfg, draft, lambda: FrequencyPolicy(ranking), 600,
+                                         memory=memory)
     assert sum(g.metrics.off_main for g in runs) > 0
+    if tree == "auto":
+        autos = [g.metrics.tree_auto for g in runs]
+        assert sum(a["tree_cycles"] for a in autos) > 0 and sum(a["chain_cycles"] for a in autos) > 0
+        assert len({a["median_depth"] for a in autos} - {None}) > 1
+        assert len({a["median_tokens"] for a in autos} - {None}) > 1
+    else:
+        assert sum(g.cycle_lengths[0] >= 3 for g in runs) > 0  # two drafted tokens accepted, or more
+
+
+def test_auto_goes_on_from_a_memory_across_generations_and_stays_exact(setup, tmp_path, monkeypatch):
+    """Greedy ``--tree auto`` over three prompts with one memory (a deterministic clock): each generation = ``ar``,
+    and the later ones draft both modes without trying them afresh."""
+    monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))
+    target, draft = setup
+    memory = TreeMemory(clock=Ticks(1))
+    autos = []
+    for seed in range(3):
+        prompt, cfg = greedy_case(seed, max_new_tokens=60)
+        ar = speculative_generate(target, prompt, cfg, set())
+        spec = speculative_generate(target, prompt, replace(cfg, tree="auto"), set(), draft, FullPolicy(VOCAB),
+                                    memory=memory)
+        assert spec.token_ids == ar.token_ids
+        autos.append(spec.metrics.tree_auto)
+    assert list(memory.states) == [("full", True, False)]
+    assert sum(a["tree_cycles"] for a in autos) > 0 and sum(a["chain_cycles"] for a in autos) > 0
+
+
+def test_a_session_keeps_auto_s_memory_across_its_generations(tiny_dirs, heads, tmp_path, monkeypatch):  # noqa: F811
+    """A :class:`Session` owns ``--tree auto``'s memory: its ``X@auto`` generations go on from one state, which
+    holds both modes' rates (each generation = ``ar``)."""
+    from dynvocab.runtime.session import ModelConfig, Session
+
+    monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))
+    session = Session(ModelConfig(str(tiny_dirs["target"]), str(heads["eagle"]), "cpu", "float32"))
+    cfg = DecodeConfig(max_new_tokens=24)
+    for prompt in ([5, 6, 7, 8, 9], [9, 10, 11]):
+        ar = session.generate(prompt, "ar", cfg)
+        assert session.generate(prompt, "full@auto", cfg).token_ids == ar.token_ids
+    state = session.tree_memory.state(("full", True, False))
+    assert list(session.tree_memory.states) == [("full", True, False)] and set(state.totals) == {"tree", "chain"}
 
 
 @pytest.mark.parametrize("tree", ["3x3x8", "auto"])

@@ -316,12 +316,14 @@ def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[in
     """One cycle drafting an EAGLE-2 tree (:mod:`dynvocab.runtime.tree_draft`): grow it (an n-gram continuation
     ``found`` joins it as a branch under the root), verify its chosen nodes in one pass, keep the accepted path in
     both caches, let the policy observe the path."""
-    timer, sec, n = setup.timer, setup.sections, len(tokens)
+    timer, sec, n, budget = setup.timer, setup.sections, len(tokens), setup.budget
     shape = setup.tree.within(limit - 1)
+    if budget is not None:
+        shape = budget.plan(shape)  # sampling: its depth and N fixed here, before the cycle's first draw
     t_draft = timer.mark()
-    growth, candidates = grow_tree(setup, tokens, shape)
+    growth, candidates = grow_tree(setup, tokens, shape, None if budget is None else budget.keep_growing)
     branch = found[: shape.depth]
-    size = shape.tokens if setup.budget is None else setup.budget.tokens(candidates, len(branch))
+    size = shape.tokens if budget is None else budget.tokens(candidates, len(branch))
     grown = tree_of(growth, candidates, size, branch)
     timer.add(sec.draft, t_draft)
     t_verify = timer.mark()

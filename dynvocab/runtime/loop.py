@@ -37,7 +37,7 @@ from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLo
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.full import FullPolicy
 from dynvocab.runtime.timing import SectionTimer
-from dynvocab.runtime.tree_budget import budget_for
+from dynvocab.runtime.tree_budget import TreeMemory, budget_for
 from dynvocab.runtime.tree_shape import TREE_AUTO, TREE_OFF, TreeShape, chains_only, parse_tree
 from dynvocab.runtime.verify import SamplingConfig
 
@@ -130,7 +130,7 @@ class Decoding:
     :attr:`generation` holds the :class:`Generation` once the iterator is exhausted or closed: the tokens so far,
     their metrics finished either way. ``close()`` stops after the cycle in flight (the one the last ``next`` ran)
     and calls ``on_end`` once, as does the end of the iteration, a failure inside it, or the decoding being dropped
-    unclosed (garbage-collected).
+    unclosed (garbage-collected). ``memory``: ``--tree auto``'s across generations (see :func:`speculative_generate`).
     """
 
     def __init__(
@@ -143,12 +143,13 @@ class Decoding:
         policy: VocabPolicy | None = None,
         timing: bool = False,
         on_end: Callable[[], None] | None = None,
+        memory: TreeMemory | None = None,
     ):
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         self.generation: Generation | None = None
         self._end = None if on_end is None else weakref.finalize(self, on_end)  # calls on_end at most once
-        self._cycles = self._run(target, prompt_ids, cfg, eos_ids, draft, policy, timing)
+        self._cycles = self._run(target, prompt_ids, cfg, eos_ids, draft, policy, timing, memory)
 
     def __iter__(self) -> Decoding:
         return self
@@ -176,13 +177,14 @@ class Decoding:
 
     @torch.inference_mode()  # torch enters the mode on each resumption: the consumer's code runs outside it
     def _run(self, target: CausalLM, prompt_ids: list[int], cfg: DecodeConfig, eos_ids: set[int],
-             draft: Proposer | None, policy: VocabPolicy | None, timing: bool) -> Iterator[list[int]]:
+             draft: Proposer | None, policy: VocabPolicy | None, timing: bool,
+             memory: TreeMemory | None) -> Iterator[list[int]]:
         """The loop: prefill, then one cycle per ``next`` until ``max_new_tokens`` or an EOS."""
         start = time.perf_counter()
         speculative = (draft is not None or cfg.ngram) and cfg.gamma > 0
         draft = draft if speculative else None
         policy = FullPolicy(draft.info.vocab_size) if draft is not None and policy is None else policy
-        setup = _setup(target, cfg, eos_ids, draft, policy, SectionTimer(target.device, timing))
+        setup = _setup(target, cfg, eos_ids, draft, policy, SectionTimer(target.device, timing), memory)
         tally = Tally(cfg.gamma if speculative else 0)
         tokens, out, lengths, stopped = list(prompt_ids), [], [], False  # tokens: the prompt and what followed
         try:
@@ -216,27 +218,32 @@ def speculative_generate(
     draft: Proposer | None = None,
     policy: VocabPolicy | None = None,
     timing: bool = False,
+    memory: TreeMemory | None = None,
 ) -> Generation:
     """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt_ids``; returns exactly the target's output.
 
     With ``draft=None`` (or ``cfg.gamma == 0``) this is autoregressive decoding by the target alone (speculative by
     n-gram lookup alone with ``cfg.ngram``); a draft with no ``policy`` drafts over its full vocabulary. ``timing``
     fills the sections of :class:`Metrics` (prefill, draft, head, policy, verify); wall time and tokens/s are
-    measured either way. :class:`Decoding` runs the same loop a cycle at a time.
+    measured either way. ``memory``: what ``--tree auto`` learned in earlier generations on this draft, and learns
+    in this one (:class:`~dynvocab.runtime.tree_budget.TreeMemory`; None: this generation starts afresh).
+    :class:`Decoding` runs the same loop a cycle at a time.
     """
-    return Decoding(target, prompt_ids, cfg, eos_ids, draft, policy, timing).run()
+    return Decoding(target, prompt_ids, cfg, eos_ids, draft, policy, timing, memory=memory).run()
 
 
 def _setup(target: CausalLM, cfg: DecodeConfig, eos_ids: set[int], draft: Proposer | None, policy: VocabPolicy | None,
-           timer: SectionTimer) -> CycleSetup:
-    """The generation's fixed parts: the draft, the target as verifier, the policy, the sampling state."""
+           timer: SectionTimer, memory: TreeMemory | None = None) -> CycleSetup:
+    """The generation's fixed parts: the draft, the target as verifier, the policy, the sampling state, and with
+    ``--tree auto`` its budget (going on from ``memory``)."""
     generator = torch.Generator(device=target.device).manual_seed(cfg.seed)
     verifier = TargetVerifier(target, cfg.sampling, generator)
     shape, budget = cfg.tree_shape, None
     if shape is not None and draft is not None:
         check_tree_draft(draft)
         if shape == TREE_AUTO:
-            budget = budget_for(target, draft, (getattr(policy, "name", ""), cfg.sampling.greedy, cfg.ngram))
+            key = (getattr(policy, "name", ""), cfg.sampling.greedy, cfg.ngram)
+            budget = budget_for(target, key, memory, cfg.sampling.greedy)
             shape = budget.shape
     return CycleSetup(draft, verifier, policy, cfg.sampling, generator, timer, cfg.stop_below, cfg.branch_below,
                       frozenset(eos_ids), ngram=cfg.lookup, tree=shape if draft is not None else None, budget=budget)

@@ -23,6 +23,7 @@ from dynvocab.runtime.drafts import LoadRequest, find_kind
 from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, Decoding, Generation, check_tree_draft
 from dynvocab.runtime.ngram import split_ngram
+from dynvocab.runtime.tree_budget import TreeMemory
 from dynvocab.runtime.tree_shape import TREE_AUTO, TREE_OFF, TREE_SUFFIX, split_tree
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, lookup, make_policy
@@ -56,7 +57,8 @@ def eos_token_ids(tokenizer, model) -> set[int]:
 
 
 class Session:
-    """Target and draft loaded once; ``generate`` runs any strategy on them."""
+    """Target and draft loaded once; ``generate`` runs any strategy on them. ``tree_memory``: what ``--tree auto``
+    learns over the session's generations (:class:`~dynvocab.runtime.tree_budget.TreeMemory`)."""
 
     def __init__(
         self,
@@ -85,6 +87,7 @@ class Session:
         self.draft_weights = None
         self.draft_bytes: dict | None = None
         self.match = None
+        self.tree_memory = TreeMemory()
         draft_fp = None
         if draft_spec is not None:
             kind, found = find_kind(draft_spec)
@@ -176,7 +179,8 @@ class Session:
             return Decoding(self.target, prompt_ids, decode, self.eos_ids, timing=timing)
         if wrap_policy is not None:
             policy = wrap_policy(policy)
-        return Decoding(self.target, prompt_ids, decode, self.eos_ids, self.draft, policy, timing, on_end=policy.close)
+        return Decoding(self.target, prompt_ids, decode, self.eos_ids, self.draft, policy, timing, on_end=policy.close,
+                        memory=self.tree_memory)
 
     def generate(
         self,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -131,14 +132,34 @@ def _expand(logits: torch.Tensor, cols: torch.Tensor | None, k: int, sampling: S
     return tokens, increments.double(), probs
 
 
-def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[Growth, Candidates]:
+def _log_prior(k: int) -> list[float]:
+    """Sampling's score increment of a child of each rank 0 … ``k`` - 1: ``log(PRIOR_FIRST · PRIOR_DECAY^rank)``."""
+    return [math.log(PRIOR_FIRST) + r * math.log(PRIOR_DECAY) for r in range(k)]
+
+
+def rank_scores(shape: TreeShape) -> list[list[float]]:
+    """The cumulative scores a sampled growth of ``shape`` gives its candidates, per depth (each depth's in no
+    particular order): fixed by rank, so known before any draw (a child drawn with probability 0, past a set
+    smaller than K, scores -inf in the growth instead)."""
+    prior = _log_prior(shape.topk)
+    by_depth, frontier = [prior], prior
+    for _ in range(1, shape.depth):
+        scores = [f + p for f in frontier for p in prior]
+        by_depth.append(scores)
+        frontier = sorted(scores, reverse=True)[: shape.topk]
+    return by_depth
+
+
+def grow_tree(setup, tokens: list[int], shape: TreeShape,
+              keep_growing: Callable[[torch.Tensor], bool] | None = None) -> tuple[Growth, Candidates]:
     """Grow an EAGLE-2 tree of ``shape`` after the committed ``tokens`` (see the module's docstring) with the
-    setup's proposer (one that can :meth:`branch`), policy, sampling and timer. Returns what the growth made and
-    all its candidates; :func:`tree_of` chooses the nodes to verify."""
+    setup's proposer (one that can :meth:`branch`), policy, sampling and timer. ``keep_growing``: asked before
+    each depth after the first, with the frontier's cumulative scores [K] on the device, whether to grow it
+    (``--tree auto``: :meth:`~dynvocab.runtime.tree_budget.TreeBudget.keep_growing`); None grows every depth.
+    Returns what the growth made and all its candidates; :func:`tree_of` chooses the nodes to verify."""
     proposer, policy, sampling, timer, sec = setup.proposer, setup.policy, setup.sampling, setup.timer, setup.sections
     k, device = shape.topk, proposer.info.device
-    log_prior = torch.tensor([math.log(PRIOR_FIRST) + r * math.log(PRIOR_DECAY) for r in range(k)],
-                             dtype=torch.double, device=device)
+    log_prior = torch.tensor(_log_prior(k), dtype=torch.double, device=device)
     feed = torch.tensor(tokens[proposer.length:], dtype=torch.long, device=device)  # once per cycle
     hidden = proposer.step(feed)[-1:]  # [1, d]
     sets, tops, probs_by_depth = [], [], []
@@ -168,7 +189,7 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[Growth, Candi
     ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)
     offset = k
     for depth in range(1, shape.depth):
-        if setup.budget is not None and not setup.budget.keep_growing(frontier_scores):
+        if keep_growing is not None and not keep_growing(frontier_scores):
             break
         frontier_ids.append(frontier)
         out, head_in = proposer.branch(frontier_tokens, feats, depth, ancestors)  # [k, d] each
@@ -198,7 +219,9 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape) -> tuple[Growth, Candi
 def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = ()) -> GrownTree:
     """The tree verifying the ``n`` best ``candidates`` of ``growth`` (and a chain ``extra`` of tokens under the
     root, an n-gram lookup's continuation, greedy only): its :class:`TokenTree` and the draft's distributions at
-    its rows."""
+    its rows. The chain runs through the kept nodes that already hold its first tokens and adds nodes only below
+    them: the walk takes the first child whose token matches, so a second child with the same token would never be
+    reached."""
     kept = candidates.choose(n)
     row_of = {-1: 0}
     parents, toks = [-1], [-1]
@@ -213,11 +236,18 @@ def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = (
     while children.get(node):
         node = max(children[node], key=lambda i: (candidates.scores[i], -i))
         main.append(row_of[node])
-    parent = 0
+    below: dict[int, list[int]] = {}  # row -> its children's rows
+    for row in range(1, len(parents)):
+        below.setdefault(parents[row], []).append(row)
+    row = 0
     for token in extra:
-        parents.append(parent)
-        toks.append(token)
-        parent = len(parents) - 1
+        child = next((c for c in below.get(row, ()) if toks[c] == token), None)
+        if child is None:
+            parents.append(row)
+            toks.append(token)
+            child = len(parents) - 1
+            below.setdefault(row, []).append(child)
+        row = child
     proposals = {}
     depth_probs = growth.depth_probs
     if depth_probs and depth_probs[0][0] is not None:
@@ -231,4 +261,4 @@ def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = (
     return GrownTree(tree, growth.sets, len(candidates.tokens), growth.tops, proposals)
 
 
-__all__ = ["Candidates", "GrownTree", "Growth", "grow_tree", "tree_of", "PRIOR_DECAY", "PRIOR_FIRST"]
+__all__ = ["Candidates", "GrownTree", "Growth", "grow_tree", "rank_scores", "tree_of", "PRIOR_DECAY", "PRIOR_FIRST"]
