@@ -35,7 +35,7 @@ def build_index(
     draft: DraftModel = "demo:draft",
     corpus: Annotated[
         Optional[List[str]],
-        typer.Option(help="sharegpt (training split), slimpajama, python-stubs (code prompts from this Python's standard library), debian-faq (the Debian FAQ's training split in nine languages, from Debian's debian-faq packages), licences (the training split of /usr/share/common-licenses), or a .txt/.jsonl/.json/.parquet file or saved datasets folder; repeatable."),
+        typer.Option(help="sharegpt (training split), slimpajama, python-stubs (code prompts from this Python's standard library), debian-faq (the Debian FAQ's training split in nine languages, from Debian's debian-faq packages), debian-faq-translate (its English training sections asked into each other language), licences (the training split of /usr/share/common-licenses), or a .txt/.jsonl/.json/.parquet file or saved datasets folder; repeatable."),
     ] = None,
     max_docs: Annotated[Optional[int], typer.Option(min=1, help=f"Read at most this many documents (default {CorpusConfig.max_docs:,}).")] = None,
     stages: Annotated[Optional[str], typer.Option(help=f"Comma-separated stages to (re)build, from {','.join(build_stage_names())} (default: all).")] = None,

@@ -32,7 +32,7 @@ def train_draft(
     target: Target = "demo:target",
     corpus: Annotated[
         Optional[List[str]],
-        typer.Option(help="sharegpt (training split, chat-template encoded), slimpajama, python-stubs (code prompts from this Python's standard library), debian-faq (the Debian FAQ's training split in nine languages, from Debian's debian-faq packages), licences (the training split of /usr/share/common-licenses), or .txt/.jsonl/.json/.parquet files; repeatable."),
+        typer.Option(help="sharegpt (training split, chat-template encoded), slimpajama, python-stubs (code prompts from this Python's standard library), debian-faq (the Debian FAQ's training split in nine languages, from Debian's debian-faq packages), debian-faq-translate (its English training sections asked into each other language), licences (the training split of /usr/share/common-licenses), or .txt/.jsonl/.json/.parquet files; repeatable."),
     ] = None,
     arch: Annotated[str, typer.Option(help="eagle3 (own lm_head over a draft vocabulary, three target layers) or eagle1 (the target's head).")] = _DEFAULTS.arch,
     draft_vocab: Annotated[Optional[int], typer.Option(help=f"EAGLE-3: draft vocabulary size K (default {_DEFAULTS.draft_vocab:,}).")] = None,
