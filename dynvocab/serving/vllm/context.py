@@ -49,7 +49,8 @@ from dynvocab.serving.vllm.without_context import Misses
 
 # Why a live row reads less than its strategy asks for (counted as a row drafted without its request's context).
 UNFED = "the ids a continuation pass was fed: no pass seen (a drafter captured whole) and vLLM samples the drafts"
-UNSEEN_TARGET = "the target's hidden states at the sampled positions: the first pass was not seen (a drafter captured whole)"
+UNSEEN_TARGET = ("the target's hidden states at the sampled positions: a first pass not seen (a drafter captured "
+                 "whole) or unlike the batch")
 MATCH_BACK = 2  # rows searched per request at draft position 0: γ + 2 (a first pass's last rows, extra slot included)
 _EMPTY = object()  # the window key of rows without a request: a slot that never holds a token
 
