@@ -43,37 +43,33 @@ def first_tokens_follow_the_target(
     """Decode ``prompt`` with ``cfg`` once for each seed 0 … ``draws`` - 1 (``policy``: makes each run's policy) and
     assert that the first tokens follow the target's distribution at ``cfg``'s sampling settings (chi-square within
     four standard deviations of its degrees of freedom); returns the generations, for checks of their own."""
-    with torch.no_grad():
-        p = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1].float(), cfg.sampling)
-    counts = torch.zeros(p.numel())
-    generations = []
-    for seed in range(draws):
-        g = speculative_generate(target, prompt, replace(cfg, seed=seed), set(), draft, policy and policy())
-        counts[g.token_ids[0]] += 1
-        generations.append(g)
+    p, runs = _seeded_runs(target, prompt, cfg, draft, policy, draws)
+    counts = torch.bincount(torch.tensor([g.token_ids[0] for g in runs]), minlength=p.numel()).float()
     chi2, dof = pooled_chi_square(counts, p, draws)
     assert chi2 < dof + 4 * (2 * dof) ** 0.5, (chi2, dof)
-    return generations
+    return runs
 
 
-def first_pairs_follow_the_target(
-    target: CausalLM,
-    prompt: list[int],
-    cfg: DecodeConfig,
-    draft=None,
-    policy: Callable[[], VocabPolicy] | None = None,
-    draws: int = 400,
-    **generate,
-) -> list[Generation]:
+def _seeded_runs(target: CausalLM, prompt: list[int], cfg: DecodeConfig, draft, policy, draws: int,
+                 **generate) -> tuple[torch.Tensor, list[Generation]]:
+    """The target's next-token distribution after ``prompt`` at ``cfg``'s sampling settings, and one decoding per
+    seed 0 … ``draws`` - 1 (``policy``: makes each run's policy; ``generate``: more keywords of
+    ``speculative_generate``)."""
+    with torch.no_grad():
+        p = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1].float(), cfg.sampling)
+    return p, [speculative_generate(target, prompt, replace(cfg, seed=seed), set(), draft, policy and policy(),
+                                    **generate) for seed in range(draws)]
+
+
+def first_pairs_follow_the_target(target: CausalLM, prompt: list[int], cfg: DecodeConfig, draft=None,
+                                  policy: Callable[[], VocabPolicy] | None = None, draws: int = 400,
+                                  **generate) -> list[Generation]:
     """Decode ``prompt`` with ``cfg`` (at least 2 new tokens) once for each seed 0 … ``draws`` - 1, as
     :func:`first_tokens_follow_the_target` does (``generate``: more keywords of ``speculative_generate``), and assert
     that the first tokens follow the target's distribution and the second ones its distribution after each first
     one (the chi-squares of the runs grouped by their first token, summed with their degrees of freedom, within four
     standard deviations); returns the generations."""
-    with torch.no_grad():
-        p = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1].float(), cfg.sampling)
-    runs = [speculative_generate(target, prompt, replace(cfg, seed=seed), set(), draft, policy and policy(), **generate)
-            for seed in range(draws)]
+    p, runs = _seeded_runs(target, prompt, cfg, draft, policy, draws, **generate)
     firsts = torch.tensor([g.token_ids[0] for g in runs])
     chi2, dof = pooled_chi_square(torch.bincount(firsts, minlength=p.numel()).float(), p, draws)
     for first in firsts.unique().tolist():
