@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -208,13 +209,21 @@ def test_a_schedule_that_changes_k_across_steps_keeps_the_acceptance_of_the_step
     assert 0.8 * first(plain) <= first(scheduled) <= 1.25 * first(plain), (first(plain), first(scheduled))
 
 
-def test_a_server_whose_count_folder_is_removed_keeps_serving_and_says_so_once(models, tmp_path):  # noqa: F811
+@pytest.fixture
+def short_tmp():
+    """A temporary folder for a server's TMPDIR whose path is short: vLLM binds its ZeroMQ sockets under TMPDIR, and a
+    socket path may not pass 107 characters (pytest's own ``tmp_path`` under a worker's folder does)."""
+    folder = Path(tempfile.mkdtemp(prefix="dv-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_server_whose_count_folder_is_removed_keeps_serving_and_says_so_once(models, tmp_path, short_tmp):  # noqa: F811
     """The folder the workers write their counts of rows without context to, removed while the server runs (as a
     cleaner of temporary files might): the same requests get the same answers and acceptance after as before, the
     counter leaves ``/metrics`` (absent, not a false 0), and the log says so once, however often it is read."""
     folder = write_draft_folder(models["bundle"], str(models["eagle1"]), "microspec", tmp_path / "draft")
-    tmp = tmp_path / "tmp"  # the server's temporary folder, where its exporter makes the folder
-    tmp.mkdir()
+    tmp = short_tmp  # the server's temporary folder, where its exporter makes the folder
     log = tmp_path / "serve.log"
     prompts = PROMPTS[:3]
     with server(models["target"], folder, log, {"TMPDIR": str(tmp)}) as base:
