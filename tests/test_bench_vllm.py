@@ -13,6 +13,9 @@ from cli_helpers import assert_one_line_error, run
 from vllm_models import ENGINE_ENV, LOWRANK_K, vllm_bundle, vllm_pair  # noqa: F401
 
 from dynvocab.bench.engines.vllm.rows import engine_env, last_error_line, plugin_strategies, summarize_row
+from dynvocab.bench.loop.items import BenchItem
+from dynvocab.models import load_tokenizer, resolve_model
+from dynvocab.prompts import encode_prompt
 from dynvocab.errors import DynvocabError
 
 pytestmark = pytest.mark.vllm  # CI runs it beside vLLM (.ci/run's second stage)
@@ -119,10 +122,10 @@ def test_row_figures_are_medians_and_vllms_counters():
 
 
 def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
-    """Plain vLLM, vLLM's own n-gram speculation, vLLM's own full head and two plugin strategies on 2 prompts × 8
-    tokens, at 1 and 2 requests in flight (``lowrank`` at the budget its own flag asks), and every speculative row
-    again with a batch-size schedule that stops speculating at 2 in flight: every row, the same tokens as plain
-    vLLM, the JSON whole."""
+    """Plain vLLM, vLLM's own n-gram speculation, vLLM's own full head and two plugin strategies on 2 prompts and a
+    two-turn conversation × 8 tokens, at 1 and 2 requests in flight (``lowrank`` at the budget its own flag asks), and
+    every speculative row again with a batch-size schedule that stops speculating at 2 in flight: every row, the same
+    tokens as plain vLLM, the conversation's second turn after plain vLLM's answer to its first, the JSON whole."""
     pytest.importorskip("vllm")
     pair, bundle = request.getfixturevalue("vllm_pair"), request.getfixturevalue("vllm_bundle")
     for key, value in ENGINE_ENV.items():
@@ -130,7 +133,8 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     tmp = tmp_path_factory.mktemp("bench_vllm")
     prompts = tmp / "prompts.jsonl"
     prompts.write_text('{"id": "a", "task": "code", "prompt": "def add(a, b): return a + b"}\n'
-                       '{"id": "b", "task": "chat", "prompt": "the cat sat on the mat"}\n')
+                       '{"id": "b", "task": "chat", "prompt": "the cat sat on the mat"}\n'
+                       '{"question_id": "c", "category": "talk", "turns": ["the dog ran", "and then the cat"]}\n')
     out = tmp / "bench.json"
     result = run("bench", "--vllm", "--target", pair[0], "--draft", pair[1], "--bundle", bundle, "--strategies",
                  "ngram,lowrank,centroids", "--prompts", prompts, "--max-new-tokens", 8, "--gamma", 3, "--rounds", 1,
@@ -152,8 +156,15 @@ def test_bench_vllm_on_tiny_models(tmp_path_factory, monkeypatch, request):
     assert spec["vllm-spec:lowrank"]["selector_ms_per_step"] > 0
     assert spec["vllm-spec:lowrank"]["active_ids"] == LOWRANK_K // 2  # --candidates reaches the plugin's row
     assert data["config"]["budgets"] == {"lowrank": LOWRANK_K // 2}
-    assert len(data["generations"]) == 2 * len(data["rows"])
-    assert {g["id"] for g in data["generations"]} == {"a", "b"}
+    assert len(data["generations"]) == 4 * len(data["rows"])
+    assert {g["id"] for g in data["generations"]} == {"a", "b", "c/t1", "c/t2"}
+    plain = {g["id"]: g for g in data["generations"] if g["strategy"] == "vllm" and g["concurrency"] == 1}
+    tokenizer = load_tokenizer(resolve_model(str(pair[0])))
+    answered = tokenizer.decode(plain["c/t1"]["token_ids"], skip_special_tokens=True)
+    item = BenchItem.conversation("c", "talk", ["the dog ran", "and then the cat"], ())
+    assert plain["c/t2"]["turn"] == 2 and answered.strip()
+    assert plain["c/t2"]["prompt_tokens"] == len(encode_prompt(tokenizer, item.context(1, [answered])))
+    assert "replaying turn 2 of 1 conversation(s)" in result.output
     assert "vllm-spec:centroids" in result.output and "oracle" in result.output and "in flight" in result.output
     assert data["config"]["concurrency"] == [1, 2]
     assert data["config"]["schedule"]["ranges"] == [[1, 1, 3], [2, 8, 0]] and data["acceptance_mismatches"] == []

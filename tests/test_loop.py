@@ -271,3 +271,25 @@ def test_microspec_prefill_reads_only_the_prompt_positions_its_window_can_hold(p
     assert policy.prefill_logit_rows == 2 and hidden.shape[0] == len(prompt) - 1 and logits.shape[0] == 2
     assert torch.equal(logits, target.logits(hidden[-2:]))
     assert spec.token_ids == speculative_generate(target, prompt, cfg, set()).token_ids
+
+
+@pytest.mark.parametrize("positions", [0, 4])
+def test_microspec_prefill_positions_bound_the_logits_and_zero_computes_none(pair, positions):
+    """``--prefill-positions`` sets how many of the last prompt positions' top-K_pre join the window: that many
+    rows of logits, none at 0 (the window then starts from the prompt's tokens, as the vLLM plugin's does); the
+    output is the target's own either way."""
+    target, draft = pair
+    seen = []
+
+    class Recording(MicroSpecPolicy):
+        def prefill(self, prompt_ids, target_logits, target_hidden):
+            super().prefill(prompt_ids, target_logits, target_hidden)
+            seen.append((target_logits, set(self.ids.tolist())))
+
+    policy = Recording(MicroSpecConfig(window=60, k_pre=3, prefill_positions=positions), VOCAB, "cpu")
+    prompt, cfg = list(range(1, 11)), DecodeConfig(max_new_tokens=12)
+    spec = speculative_generate(target, prompt, cfg, set(), draft, policy)
+    logits, window = seen[0]
+    assert (logits is None and window == set(prompt)) if positions == 0 else logits.shape[0] == positions
+    assert set(prompt) <= window
+    assert spec.token_ids == speculative_generate(target, prompt, cfg, set()).token_ids

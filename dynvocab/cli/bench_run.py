@@ -220,9 +220,13 @@ class VllmRequest:
 
 
 def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest) -> dict:
-    """``bench --vllm``: the same prompt token ids as our own rows (first turn of each item, chat template), run
-    through vLLM in a child process (:mod:`dynvocab.bench.engines.vllm.rows`); print the table, write the JSON."""
+    """``bench --vllm``: the same prompt token ids as our own rows (chat template; a conversation's every turn after
+    plain vLLM's answers to the turns before it, :mod:`dynvocab.bench.engines.vllm.replay`), run through vLLM in a
+    child process (:mod:`dynvocab.bench.engines.vllm.rows`); print the table, write the JSON."""
     from dynvocab.bench.engines.vllm import rows as v
+    from dynvocab.bench.engines.vllm.answers import VllmWriter
+    from dynvocab.bench.engines.vllm.replay import replay_turns
+    from dynvocab.builders.models import end_token_ids
     from dynvocab.models import default_dtype, load_tokenizer, resolve_model
     from dynvocab.prompts import encode_prompt
     from dynvocab.runtime.batched import asked_budget
@@ -238,24 +242,31 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
         v.check_suffix(python)
     items = select_items(req)
     target = v.local_folder(req.models.target, "--target")
-    tokenizer = load_tokenizer(resolve_model(req.models.target))
-    prompts = [encode_prompt(tokenizer, item.context(0, [], 0), req.chat_template) for item in items]
+    spec = resolve_model(req.models.target)
+    tokenizer = load_tokenizer(spec)
+    max_new_tokens = req.max_new_tokens or (Quick().max_new_tokens if req.quick else DEFAULT_MAX_NEW)
+    dtype = req.models.dtype or default_dtype("cpu")
+    console = Console(stderr=True)
+    writer = VllmWriter(target, python)
+    turns = replay_turns(
+        items, lambda messages: encode_prompt(tokenizer, messages, req.chat_template),
+        lambda prompts: writer.answers(prompts, max_new_tokens, 0.0, end_token_ids(spec, tokenizer), len(prompts),
+                                       flags.seed, dtype),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        log=lambda text: console.print(f"[dim]{text}[/]", highlight=False))
+    prompts = [turn.prompt for turn in turns]
     cfg = v.VllmBench(
         target=target, draft=req.models.draft, bundle=flags.bundle, strategies=strategies, python=python,
         rounds=vllm.rounds or v.DEFAULT_ROUNDS, gamma=flags.gamma,
-        max_new_tokens=req.max_new_tokens or (Quick().max_new_tokens if req.quick else DEFAULT_MAX_NEW),
-        dtype=req.models.dtype or default_dtype("cpu"), tensor_parallel_size=vllm.tensor_parallel_size,
+        max_new_tokens=max_new_tokens, dtype=dtype, tensor_parallel_size=vllm.tensor_parallel_size,
         chat_template=req.chat_template, seed=flags.seed, concurrency=levels, budgets=budgets,
         ngram=req.strategies is None or v.NGRAM_NAME in asked, suffix=v.SUFFIX_NAME in asked,
         schedule=vllm.schedule, ngram_sizes=(flags.ngram_max, flags.ngram_min),
     )
     v.check_schedule(cfg)  # refused in one line before any engine starts
-    console = Console(stderr=True)
-    if any(item.turns > 1 for item in items):
-        console.print("[yellow]note:[/] the vLLM rows run each conversation's first turn only", highlight=False)
     with make_reporter(console) as reporter:
         rows, schedule = v.run_vllm_rows(cfg, prompts, log=reporter.log)
-    results = v.results(cfg, items, prompts, rows, tokenizer, schedule)
+    results = v.results(cfg, turns, rows, tokenizer, schedule)
     Console(width=None if stdout_is_terminal() else 200).print(v.render_table(results))
     print_warnings(results, console)
     console.print(f"[dim]{v.NOTE}[/]", highlight=False, soft_wrap=True)

@@ -203,6 +203,8 @@ def _draft_head_index(ctx: PolicyContext, target_index):
 
 K_PRE = Flag("k_pre", "target top-K_pre per prompt position joining the stream.", min=1)
 K_VER = Flag("k_ver", "target top-K_ver per verified position joining the stream.", min=1)
+PREFILL_POSITIONS = Flag("prefill_positions", "the last prompt positions whose target top-K_pre join the stream (0: "
+                         "the prompt's tokens only; default: as many as the window holds, W_max / K_pre).", min=0)
 
 register(Strategy("ar", None, _ar, dynamic=False, drafts=False, why_not_batched="it drafts nothing"))
 register(Strategy("full", None, _full, dynamic=False,
@@ -232,7 +234,8 @@ register(Strategy(
 ))
 register(Strategy(
     "microspec", MicroSpecConfig, _microspec,
-    flags=(K_PRE, K_VER, Flag("window", "W_max, the stream entries the active set is drawn from.", min=1)),
+    flags=(K_PRE, K_VER, PREFILL_POSITIONS,
+           Flag("window", "W_max, the stream entries the active set is drawn from.", min=1)),
     batched=Batched((), window_from_bundle, fixed_budget(MicroSpecConfig().window), optional=("freq",),
                     budget_flags=("window",)),
 ))
@@ -249,6 +252,7 @@ register(Strategy(
         Flag("hybrid_window", "stream entries of its context window.", attr="window", min=1),
         K_PRE,
         K_VER,
+        PREFILL_POSITIONS,
         Flag(
             "step_neighbours",
             "per draft step, HNSW neighbours of the draft hidden state among the draft's head rows (bundle stage "

@@ -50,6 +50,7 @@ class HybridConfig:
     k_pre: int = 3
     k_ver: int = 3
     draft_alternatives: int = 3
+    prefill_positions: int | None = None  # as MicroSpecConfig's
     miss_topk: int = 10
     successors: int = 8
     max_insert: int = 32
@@ -91,7 +92,7 @@ class HybridPolicy(MicroSpecPolicy):
         hnsw=None,
         draft_hnsw=None,
     ):
-        window_cfg = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives)
+        window_cfg = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives, cfg.prefill_positions)
         super().__init__(window_cfg, vocab_size, device)
         self.hcfg = cfg = cfg.for_draft(searches_per_step=True)  # no-op when the caller decided for its draft
         pinned = torch.empty(0, dtype=torch.long) if pinned is None else pinned

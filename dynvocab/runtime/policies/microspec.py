@@ -30,6 +30,14 @@ class MicroSpecConfig:
     k_ver: int = 3
     window: int = 3072
     draft_alternatives: int = 3  # chain drafting: the draft's top-k at each step join the stream
+    prefill_positions: int | None = None  # the last prompt positions whose top-K_pre join (None: window / K_pre)
+
+    def prefill_rows(self) -> int:
+        """The prompt positions (the last) whose target top-K_pre join the stream: ``prefill_positions``, else as
+        many as the window holds (``window / k_pre``); 0 seeds the window with the prompt's own tokens only."""
+        if self.prefill_positions is not None:
+            return self.prefill_positions
+        return max(1, self.window // max(1, self.k_pre))
 
 
 class MicroSpecPolicy(VocabPolicy):
@@ -44,7 +52,8 @@ class MicroSpecPolicy(VocabPolicy):
         self.draft_topk = cfg.draft_alternatives
         # The window keeps the newest ``window`` entries, which the top-K_pre of the last window / K_pre prompt
         # positions fill: earlier positions' logits (a [L, V] product on a long replayed history) are not computed.
-        self.prefill_logit_rows = max(1, cfg.window // max(1, cfg.k_pre))
+        self.prefill_logit_rows = cfg.prefill_rows()
+        self.prefill_logits = self.prefill_logit_rows > 0
         self.state = WindowState(vocab_size, cfg.window, device=device)
         self.pinned = torch.empty(0, dtype=torch.long, device=device) if pinned is None else pinned.to(device)
         self.is_pinned = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]

@@ -528,10 +528,11 @@ def summarize_row(row: dict, ids: int | None) -> dict:
     }
 
 
-def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[dict], tokenizer,
-            schedule: dict | None = None) -> dict:
+def results(cfg: VllmBench, turns: list, rows: list[dict], tokenizer, schedule: dict | None = None) -> dict:
     """The run as data: ``rows`` (figures per row, ``= vllm`` and speed-ups), ``generations`` (id, task, strategy,
-    token_ids, text) and ``config``."""
+    token_ids, text; ``turn`` and ``segment`` for a replayed conversation's) and ``config``. ``turns`` are the
+    requests (:class:`~dynvocab.bench.engines.vllm.replay.Turn`), in the order of the rows' prompts."""
+    prompts = [turn.prompt for turn in turns]
     summary = [summarize_row(r, row_ids(r)) for r in rows]
     plain = {r.get("concurrency", 1): r["token_ids"] for r in rows if r["name"] == PLAIN}
     base = {(s["name"], s["concurrency"]): s["tokens_per_s"] for s in summary}
@@ -542,10 +543,12 @@ def results(cfg: VllmBench, items: list, prompts: list[list[int]], rows: list[di
             b = base.get((ref, s["concurrency"]))
             s[f"speedup_vs_{ref}"] = round(s["tokens_per_s"] / b, 4) if b else None
     generations = [
-        {"id": item.row_id(0), "task": item.task, "strategy": row["name"], "concurrency": row.get("concurrency", 1),
+        {"id": turn.id, "task": turn.task, "strategy": row["name"], "concurrency": row.get("concurrency", 1),
          "token_ids": row["token_ids"][i],
-         "text": tokenizer.decode(row["token_ids"][i], skip_special_tokens=True), "prompt_tokens": len(prompts[i])}
-        for row in rows for i, item in enumerate(items)
+         "text": tokenizer.decode(row["token_ids"][i], skip_special_tokens=True), "prompt_tokens": len(turn.prompt),
+         **({"turn": turn.turn + 1} if turn.item.turns > 1 else {}),
+         **({"segment": turn.segment} if turn.segment is not None else {})}
+        for row in rows for i, turn in enumerate(turns)
     ]
     config = {
         "engine": "vllm", "target": cfg.target, "draft": cfg.draft, "bundle": cfg.bundle, "rows": cfg.rows,
