@@ -293,3 +293,12 @@ def test_microspec_prefill_positions_bound_the_logits_and_zero_computes_none(pai
     assert (logits is None and window == set(prompt)) if positions == 0 else logits.shape[0] == positions
     assert set(prompt) <= window
     assert spec.token_ids == speculative_generate(target, prompt, cfg, set()).token_ids
+
+
+def test_hybrid_seeds_its_window_from_the_prompts_tokens_by_default_and_computes_no_prompt_logits(pair):
+    """Hybrid's default ``prefill_positions`` is 0 (as the plugin's window): no [positions, V] product at prefill;
+    ``--prefill-positions`` turns MicroSpec's seeding back on."""
+    ranking = torch.arange(VOCAB)
+    default = HybridPolicy(HybridConfig(core_size=12, window=16), VOCAB, "cpu", ranking)
+    asked = HybridPolicy(HybridConfig(core_size=12, window=16, prefill_positions=3), VOCAB, "cpu", ranking)
+    assert (default.prefill_logits, asked.prefill_logits, asked.prefill_logit_rows) == (False, True, 3)

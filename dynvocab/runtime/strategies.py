@@ -204,7 +204,8 @@ def _draft_head_index(ctx: PolicyContext, target_index):
 K_PRE = Flag("k_pre", "target top-K_pre per prompt position joining the stream.", min=1)
 K_VER = Flag("k_ver", "target top-K_ver per verified position joining the stream.", min=1)
 PREFILL_POSITIONS = Flag("prefill_positions", "the last prompt positions whose target top-K_pre join the stream (0: "
-                         "the prompt's tokens only; default: as many as the window holds, W_max / K_pre).", min=0)
+                         "the prompt's tokens only). Default: microspec as many as its window holds (W_max / K_pre, "
+                         "the paper's); hybrid 0.", min=0)
 
 register(Strategy("ar", None, _ar, dynamic=False, drafts=False, why_not_batched="it drafts nothing"))
 register(Strategy("full", None, _full, dynamic=False,
