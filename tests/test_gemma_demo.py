@@ -1,6 +1,6 @@
 """End to end on the 262k demo (float32): Gemma-3-270M drafted by the shipped EAGLE-1 head (``demo:gemma-eagle1``)
 reproduces the target's greedy output with every strategy that needs no bundle, on English, code and shifted
-(Russian, Korean) prompts, and drafts more than one token a cycle (the head is trained, not random). Skipped when the demo chunk packages are not installed."""
+(Russian, Korean, Japanese) prompts, and drafts more than one token a cycle (the head is trained, not random). Skipped when the demo chunk packages are not installed."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ PROMPTS = [
     "What are the main differences between TCP and UDP?",
     "Объясни в двух предложениях, что делает менеджер пакетов.",  # shifted traffic: Cyrillic
     "패키지 관리자가 무엇을 하는지 두 문장으로 설명해 주세요.",  # and Hangul
+    "パッケージマネージャーが何をするのか、二文で説明してください。",  # and Japanese, where the English table holds least
 ]
 
 
