@@ -52,7 +52,8 @@ class HybridConfig:
     draft_alternatives: int = 3
     # As MicroSpecConfig's, but None means 0: the prompt's own tokens seed the window, as in the vLLM plugin (the
     # target's top-K_pre over the prompt's positions cost more than they gained: 1.13-1.18x full against
-    # 1.09-1.13x at MicroSpec's default, 1.14x against 0.95x on replayed conversations; see docs/shifted.md).
+    # 1.09-1.13x at MicroSpec's default, 1.14x against 0.95x on replayed conversations; docs/measurements/
+    # 2026-12-07-prefill-positions-and-vllm-switching.md).
     prefill_positions: int | None = None
     miss_topk: int = 10
     successors: int = 8
