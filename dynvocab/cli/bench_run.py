@@ -247,11 +247,10 @@ def run_vllm_command(req: BenchRequest, flags: StrategyFlags, vllm: VllmRequest)
     max_new_tokens = req.max_new_tokens or (Quick().max_new_tokens if req.quick else DEFAULT_MAX_NEW)
     dtype = req.models.dtype or default_dtype("cpu")
     console = Console(stderr=True)
-    writer = VllmWriter(target, python)
+    writer, end_ids = VllmWriter(target, python), end_token_ids(spec, tokenizer)
     turns = replay_turns(
         items, lambda messages: encode_prompt(tokenizer, messages, req.chat_template),
-        lambda prompts: writer.answers(prompts, max_new_tokens, 0.0, end_token_ids(spec, tokenizer), len(prompts),
-                                       flags.seed, dtype),
+        lambda prompts: writer.answers(prompts, max_new_tokens, 0.0, end_ids, len(prompts), flags.seed, dtype),
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         log=lambda text: console.print(f"[dim]{text}[/]", highlight=False))
     prompts = [turn.prompt for turn in turns]

@@ -41,6 +41,10 @@ class BenchItem:
         """The generation id of 0-based ``turn``: the item id, or ``<id>/t<turn+1>`` for a replayed conversation."""
         return self.id if not self.followups else f"{self.id}/t{turn + 1}"
 
+    def segment(self, turn: int) -> str | None:
+        """The label of 0-based ``turn``'s segment (``lang-switch``: its language), or None where none are named."""
+        return self.labels[turn] if self.labels else None
+
     def context(self, turn: int, answers: list[str], history_chars: int = HISTORY_CHARS) -> list[dict]:
         """The messages that 0-based ``turn`` is generated after, given the answers to the turns before it."""
         msgs = list(self.messages)

@@ -249,8 +249,8 @@ def run_bench(
                         "prompt_tokens": len(prompt_ids),
                         "load": row_load,
                     }
-                    if item.labels:
-                        record["segment"] = item.labels[turn]
+                    if item.segment(turn) is not None:
+                        record["segment"] = item.segment(turn)
                     if strategy in LLAMA_ROWS:
                         record["compare"] = "text"  # llama.cpp prints text; = ar compares it with ar's
                     generations.append(record)

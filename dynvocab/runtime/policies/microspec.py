@@ -44,7 +44,6 @@ class MicroSpecPolicy(VocabPolicy):
     """The unique tokens of the last ``window`` stream entries, plus the EOS ids (so drafts can end)."""
 
     name = "microspec"
-    prefill_logits = True
 
     def __init__(self, cfg: MicroSpecConfig, vocab_size: int, device, pinned: torch.Tensor | None = None):
         self.cfg = cfg

@@ -36,8 +36,8 @@ class Turn:
 
     @property
     def segment(self) -> str | None:
-        """The label of this turn's segment (``lang-switch``: its language), where the item names them."""
-        return self.item.labels[self.turn] if self.item.labels else None
+        """The label of this turn's segment (:meth:`~dynvocab.bench.loop.items.BenchItem.segment`)."""
+        return self.item.segment(self.turn)
 
 
 def replay_turns(
