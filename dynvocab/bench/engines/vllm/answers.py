@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynvocab.bench.engines.vllm.rows import drive, find_vllm_python, local_folder, work_folder
+from dynvocab.bench.engines.vllm import rows  # read at call time: one binding, wherever it is first imported
 
 SHARDS_PER_ENGINE = 8  # shards whose prompts one engine answers before the shards are written
 
@@ -35,7 +35,7 @@ class VllmWriter:
     def for_target(cls, target: str, python: str | None = None) -> VllmWriter:
         """The writer for ``target`` (a local folder or ``demo:NAME``) and ``--vllm-python``; refused in one line
         where vLLM cannot load the target or ``python`` cannot import vLLM."""
-        return cls(local_folder(target, "--target"), find_vllm_python(python))
+        return cls(rows.local_folder(target, "--target"), rows.find_vllm_python(python))
 
     def answers(self, prompts: list[list[int]], new_tokens: int, temperature: float, end_ids: list[int],
                 in_flight: int, seed: int, dtype: str) -> list[list[int]]:
@@ -48,5 +48,5 @@ class VllmWriter:
             "temperature": temperature, "seed": seed, "rows": [{"name": "vllm"}], "concurrency": [in_flight],
             "stop_token_ids": list(end_ids), "max_model_len": -(-(longest + new_tokens + 16) // 128) * 128,
         }
-        with work_folder("dynvocab-distill-") as work:
-            return drive(self.python, req, work)[0]["token_ids"]
+        with rows.work_folder("dynvocab-distill-") as work:
+            return rows.drive(self.python, req, work)[0]["token_ids"]
