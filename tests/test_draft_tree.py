@@ -24,11 +24,11 @@ from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
 from dynvocab.runtime.timing import SectionTimer
-from dynvocab.runtime.tree import TokenTree
+from dynvocab.runtime.tree import DraftTree
 from dynvocab.runtime.tree_budget import TreeMemory
 from dynvocab.runtime.tree_draft import Candidates, Growth, grow_tree, rank_scores, tree_of
 from dynvocab.runtime.tree_shape import TreeShape, parse_tree, split_tree
-from dynvocab.runtime.verify import SamplingConfig, verify_token_tree
+from dynvocab.runtime.verify import SamplingConfig, verify
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.transformers_api]  # CI: again at the lower bound
 
@@ -108,13 +108,13 @@ def test_growth_against_a_hand_worked_example():
         assert seen == ([1, 0] if ids == 3 else [0, 1])
     # the 4 best of all: 1 (.6), 1->3 (.30), 2 (.3), 2->5 (.27); 1->3->4 is .21
     tree = tree_of(grown, cands, 4).tree
-    assert tree.tokens == (-1, 1, 2, 3, 5) and tree.parents == (-1, 0, 0, 1, 2)
+    assert tree.tokens.tolist() == [1, 2, 3, 5] and tree.parents == (-1, 0, 0, 1, 2)
     assert tree.depths == (0, 1, 1, 2, 2) and tree.main == (1, 3)
     assert tree.positions(7, "cpu").tolist() == [[7, 8, 8, 9, 9]]
     seen = tree.attention_mask(0, torch.float32, "cpu")[0, 0] == 0
     assert seen.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]
     five = tree_of(grown, cands, 5).tree  # then 1->4 (.24), before 1->3->4 (.21); the pass keeps growth order
-    assert five.tokens == (-1, 1, 2, 3, 4, 5) and five.parents == (-1, 0, 0, 1, 1, 2)
+    assert five.tokens.tolist() == [1, 2, 3, 4, 5] and five.parents == (-1, 0, 0, 1, 1, 2)
 
 
 def test_choose_keeps_parents_and_earlier_siblings():
@@ -124,12 +124,12 @@ def test_choose_keeps_parents_and_earlier_siblings():
 
 
 def test_greedy_walk_accepts_a_sibling():
-    tree = TokenTree((-1, 0, 0, 1, 2), (-1, 5, 6, 7, 8), main=(1, 3))
+    tree = DraftTree.of((-1, 0, 0, 1, 2), (5, 6, 7, 8), main=(1, 3))
     logits = torch.zeros(5, 10)
     logits[0, 6] = logits[2, 8] = logits[4, 9] = 5.0  # the target takes 6 (the second child), then 8, then 9
-    verdict = verify_token_tree(tree, logits, SamplingConfig(), torch.Generator())
+    verdict = verify(tree, logits, SamplingConfig(), torch.Generator())
     assert verdict.path == [6, 8] and verdict.next_token == 9 and verdict.rows == [0, 2, 4]
-    assert verdict.chain == [5, 7]  # the main path, read back with the verdict
+    assert verdict.tokens == (-1, 5, 6, 7, 8) and verdict.on_main == 0  # read back with the verdict
 
 
 def test_recursive_rejection_sampling_is_exact_and_accepts_siblings():
@@ -144,8 +144,8 @@ def test_recursive_rejection_sampling_is_exact_and_accepts_siblings():
     for _ in range(draws):
         keys = q.log() - (-torch.rand(vocab, generator=gen).log()).log()
         a, b = keys.topk(2).indices.tolist()
-        tree = TokenTree((-1, 0, 0), (-1, a, b), main=(1,))
-        verdict = verify_token_tree(tree, torch.stack([p_logits] * 3), cfg, gen, lambda row: (q, None))
+        tree = DraftTree.of((-1, 0, 0), (a, b), main=(1,))
+        verdict = verify(tree, torch.stack([p_logits] * 3), cfg, gen, lambda row: (q, None))
         first = verdict.path[0] if verdict.path else verdict.next_token
         counts[first] += 1
         second += verdict.rows[1:2] == [2]
@@ -177,10 +177,10 @@ def test_recursive_rejection_sampling_two_deep_is_exact_and_accepts_a_sibling_th
     for _ in range(draws):
         a, b = two_drawn(q_root)
         below = (*two_drawn(q_after[a]), *two_drawn(q_after[b]))  # rows 3, 4 under a; 5, 6 under b
-        tree = TokenTree((-1, 0, 0, 1, 1, 2, 2), (-1, a, b, *below), main=(1, 3))
+        tree = DraftTree.of((-1, 0, 0, 1, 1, 2, 2), (a, b, *below), main=(1, 3))
         logits = torch.cat([torch.stack([p_root, p_after[a], p_after[b]]), torch.zeros(4, vocab)])
         proposals = {0: (q_root, None), 1: (q_after[a], None), 2: (q_after[b], None)}
-        verdict = verify_token_tree(tree, logits, cfg, gen, proposals.__getitem__)
+        verdict = verify(tree, logits, cfg, gen, proposals.__getitem__)
         first, *rest = verdict.path + [verdict.next_token]
         second = rest[0] if rest else int(torch.multinomial(torch.softmax(p_after[first], 0), 1, generator=gen))
         counts[first, second] += 1
@@ -196,15 +196,15 @@ def test_an_ngram_branch_runs_through_the_tree_s_own_nodes():
     with the same token would never be reached: the walk takes the first child that matches), and is accepted."""
     cands = Candidates(2, [1, 2, 3, 4], [-1, -1, 0, 0], [-0.5, -1.2, -0.9, -1.0], [[0, 1]])
     growth = Growth([], [], [])
-    assert tree_of(growth, cands, 4).tree.tokens == (-1, 1, 2, 3, 4)
+    assert tree_of(growth, cands, 4).tree.tokens.tolist() == [1, 2, 3, 4]
     tree = tree_of(growth, cands, 4, [1, 4, 5]).tree  # 1, then its second child 4, then a new node 5 under it
-    assert tree.tokens == (-1, 1, 2, 3, 4, 5) and tree.parents == (-1, 0, 0, 1, 1, 4) and tree.main == (1, 3)
+    assert tree.tokens.tolist() == [1, 2, 3, 4, 5] and tree.parents == (-1, 0, 0, 1, 1, 4) and tree.main == (1, 3)
     logits = torch.zeros(6, 8)
     logits[0, 1] = logits[1, 4] = logits[4, 5] = logits[5, 7] = 5.0  # the target takes 1, 4, 5, then 7
-    verdict = verify_token_tree(tree, logits, SamplingConfig(), torch.Generator())
+    verdict = verify(tree, logits, SamplingConfig(), torch.Generator())
     assert verdict.path == [1, 4, 5] and verdict.next_token == 7
     fresh = tree_of(growth, cands, 4, [6, 1]).tree  # no child holds 6: the branch starts under the root
-    assert fresh.tokens == (-1, 1, 2, 3, 4, 6, 1) and fresh.parents == (-1, 0, 0, 1, 1, 0, 5)
+    assert fresh.tokens.tolist() == [1, 2, 3, 4, 6, 1] and fresh.parents == (-1, 0, 0, 1, 1, 0, 5)
 
 
 def test_sampled_growth_scores_its_candidates_by_rank_as_planned():

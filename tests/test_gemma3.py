@@ -84,7 +84,8 @@ def test_a_tree_pass_past_the_window_scores_each_row_as_its_own_sequence(target_
     lm = CausalLM(target_model)
     prefix = list(range(3, 3 + 2 * WINDOW))
     chain, leaves = [20, 21, 22], {1: 30, 2: 31}
-    tree = DraftTree.of(chain, leaves)
+    tree = DraftTree.of_chain(chain, leaves)
+    leaf_row = {1: 4, 2: 5}  # after the root and the chain, in depth order
     lm.reset()
     lm.step(torch.tensor(prefix[:-1]))
     hidden = lm.step(tree.inputs(torch.tensor(prefix[-1:])), tree)
@@ -94,10 +95,10 @@ def test_a_tree_pass_past_the_window_scores_each_row_as_its_own_sequence(target_
             return target_model(torch.tensor([seq])).logits[0, -1]
 
         torch.testing.assert_close(logits[2], last(prefix + chain[:2]), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(logits[tree.leaf_row(1)], last(prefix + chain[:1] + [30]), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(logits[tree.leaf_row(2)], last(prefix + chain[:2] + [31]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[leaf_row[1]], last(prefix + chain[:1] + [30]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[leaf_row[2]], last(prefix + chain[:2] + [31]), atol=1e-4, rtol=1e-4)
     n = len(prefix)
-    lm.rollback(n + 1, keep=[n - 1 + tree.leaf_row(1)])  # accepted: d_1, then the leaf at depth 1 (as the loop does)
+    lm.rollback(n + 1, keep=[n - 1 + leaf_row[1]])  # accepted: d_1, then the leaf at depth 1 (as the loop does)
     nxt = lm.logits(lm.step(torch.tensor([50])))[0]
     with torch.no_grad():
         torch.testing.assert_close(nxt, last(prefix + chain[:1] + [30, 50]), atol=1e-4, rtol=1e-4)

@@ -36,7 +36,7 @@ CONFIGS = {
     "sampling-ranked": DecodeConfig(max_new_tokens=16, temperature=0.9, seed=3),
     "sampling": DecodeConfig(max_new_tokens=16, temperature=0.9, seed=3, stop_below=0.0),
 }
-LOOP = {"read_confidence", "verify_tree_greedy", "verify_sampling", "finish"}  # finish: the tally's hits, once
+LOOP = {"read_confidence", "verify_greedy", "verify_sampled", "finish"}  # finish: the tally's hits, once
 HEAD = {"_counts"}  # the packed head's slot counts, where a changed segment replaces some of its rows
 MAPPED = {"build", "mapped_order"}  # EAGLE-3's head mapping an order, prefix or ranges it has not kept
 POLICY_READS = {  # where a strategy reads the device itself, through to_host, and why
@@ -119,7 +119,7 @@ def test_every_strategy_reads_through_to_host_and_drafts_on_the_device(pair, ctx
     assert not reads.elsewhere, dict(reads.elsewhere)
     ranked = cfg.stop_below > 0 or (cfg.temperature == 0 and cfg.branch_below > 0)
     assert reads.helper["read_confidence"] == (m.draft_steps if ranked else 0)  # the step's one read, if any
-    assert reads.helper["verify_tree_greedy"] + reads.helper["verify_sampling"] == m.cycles  # with the tokens
+    assert reads.helper["verify_greedy"] + reads.helper["verify_sampled"] == m.cycles  # with the tokens
     assert reads.helper["finish"] <= 1
     assert set(reads.helper) - LOOP - HEAD <= POLICY_READS.get(name, set()), dict(reads.helper)
     if name != "ar":
@@ -131,7 +131,7 @@ def test_autoregressive_decoding_reads_once_per_token(pair):
     with HostReads() as reads:
         g = speculative_generate(target, [3, 1, 4], DecodeConfig(max_new_tokens=12), set())
     assert not reads.elsewhere, dict(reads.elsewhere)
-    assert reads.helper == {"verify_tree_greedy": 12} and len(g.token_ids) == 12
+    assert reads.helper == {"verify_greedy": 12} and len(g.token_ids) == 12
 
 
 def eagle_pair(kind: str):
@@ -162,7 +162,7 @@ def test_eagle_heads_draft_on_the_device(kind):
             tap.remove()
     assert g.token_ids == speculative_generate(target, PROMPT, cfg, set()).token_ids
     assert not reads.elsewhere, dict(reads.elsewhere)
-    assert reads.helper == {"verify_tree_greedy": g.metrics.cycles}  # none per draft step
+    assert reads.helper == {"verify_greedy": g.metrics.cycles}  # none per draft step
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
@@ -186,7 +186,7 @@ def test_eagle_trees_read_nothing_while_they_grow(kind, policy):
     trees = g.metrics.tree_cycles
     assert reads.helper["finish"] <= 1  # the tally's hit count, once a generation
     loop = {helper: n for helper, n in reads.helper.items() if helper not in HEAD | MAPPED | {"finish"}}
-    expected = {"grow_tree": trees, "verify_token_tree": trees, "verify_tree_greedy": g.metrics.cycles - trees}
+    expected = {"grow_tree": trees, "verify_greedy": g.metrics.cycles}
     assert loop == {helper: n for helper, n in expected.items() if n}
 
 

@@ -9,7 +9,7 @@ import torch
 from test_eagle_loop import LAYERS, eagle1, eagle3
 from sampling_checks import first_tokens_follow_the_target
 from test_loop import VOCAB, greedy_case, make_policy, pair  # noqa: F401  (pair is a fixture)
-from test_verify import step_of
+from test_verify import step_of, verify_chain
 from conftest import tiny_qwen2
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle import LayerTap
@@ -18,7 +18,7 @@ from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.ngram import NgramLookup, split_ngram
 from dynvocab.runtime.strategies import check_strategy, lookup
-from dynvocab.runtime.verify import SamplingConfig, verify_sampling
+from dynvocab.runtime.verify import SamplingConfig
 
 
 def test_the_longest_suffix_wins_and_the_latest_occurrence_of_it():
@@ -123,8 +123,8 @@ def test_a_looked_up_token_is_accepted_with_the_target_probability():
     p_logits = torch.randn(2, vocab, generator=gen) * 1.5
     counts = torch.zeros(vocab)
     for _ in range(draws):
-        verdict = verify_sampling([step_of(x, torch.tensor([x]), torch.ones(1))], p_logits,
-                                  SamplingConfig(temperature=1.0), gen)
+        verdict = verify_chain([step_of(x, torch.tensor([x]), torch.ones(1))], p_logits,
+                               SamplingConfig(temperature=1.0), gen)
         counts[x if verdict.accepted else verdict.next_token] += 1
     p = torch.softmax(p_logits[0], dim=0)
     freq = counts / draws

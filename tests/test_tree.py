@@ -10,7 +10,7 @@ from dynvocab.runtime.lm import CausalLM
 from dynvocab.runtime.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
 from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.verify import verify_tree_greedy
+from dynvocab.runtime.verify import verify_greedy
 from dynvocab.runtime.draft_model import DraftModel
 
 VOCAB = 96
@@ -23,24 +23,26 @@ def onehot(choices: list[int], vocab: int = 8) -> torch.Tensor:
 
 
 def test_leaf_at_the_stopping_depth_is_accepted_with_its_own_next_token():
-    tree = DraftTree.of([1, 2, 3], {1: 5, 2: 6})  # inputs: root, 1, 2, 3, leaf 5 (depth 1), leaf 6 (depth 2)
+    tree = DraftTree.of_chain([1, 2, 3], {1: 5, 2: 6})  # inputs: root, 1, 2, 3, leaf 5 (depth 1), leaf 6 (depth 2)
+    assert tree.parents == (-1, 0, 1, 2, 1, 2) and tree.main == (1, 2, 3) and not tree.is_path
     # The target takes 1, then 5 (not 2): the leaf at depth 1 is accepted; its row (index 4) says 7 comes next.
-    verdict = verify_tree_greedy(tree, onehot([1, 5, 0, 0, 7, 0]))
+    verdict = verify_greedy(tree, onehot([1, 5, 0, 0, 7, 0]))
     assert verdict.path == [1, 5] and verdict.next_token == 7
-    assert verdict.accepted_chain == 1 and verdict.leaf_row == 4 and verdict.rows == [0, 1, 4]
+    assert verdict.on_main == 1 and verdict.path_rows == (1, 4) and verdict.rows == [0, 1, 4]
 
 
 def test_leaf_elsewhere_or_wrong_is_not_accepted():
-    tree = DraftTree.of([1, 2, 3], {2: 6})
-    assert verify_tree_greedy(tree, onehot([1, 4, 0, 0, 6])).path == [1]  # stopped at depth 1: no leaf there
-    verdict = verify_tree_greedy(tree, onehot([1, 2, 4, 0, 6]))  # stopped at depth 2, target wants 4, leaf is 6
-    assert verdict.path == [1, 2] and verdict.next_token == 4 and verdict.leaf_row is None
-    full = verify_tree_greedy(tree, onehot([1, 2, 3, 0, 6]))  # the whole chain: bonus from row 3
+    tree = DraftTree.of_chain([1, 2, 3], {2: 6})
+    assert verify_greedy(tree, onehot([1, 4, 0, 0, 6])).path == [1]  # stopped at depth 1: no leaf there
+    verdict = verify_greedy(tree, onehot([1, 2, 4, 0, 6]))  # stopped at depth 2, target wants 4, leaf is 6
+    assert verdict.path == [1, 2] and verdict.next_token == 4 and verdict.on_main == 2
+    full = verify_greedy(tree, onehot([1, 2, 3, 0, 6]))  # the whole chain: bonus from row 3
     assert full.path == [1, 2, 3] and full.next_token == 0
 
 
 def test_tree_mask_and_positions():
-    tree = DraftTree.of([10, 11, 12], {0: 20, 2: 22})
+    tree = DraftTree.of_chain([10, 11, 12], {0: 20, 2: 22})
+    assert DraftTree.of_chain([10, 11, 12]).is_path
     assert tree.inputs(torch.tensor([9])).tolist() == [9, 10, 11, 12, 20, 22]
     assert tree.positions(5, "cpu").tolist() == [[5, 6, 7, 8, 6, 8]]
     allowed = tree.attention_mask(2, torch.float32, "cpu")[0, 0] == 0
@@ -69,7 +71,7 @@ def test_tree_pass_equals_chain_passes_and_rollback_keeps_the_leaf(pair):
     target, _ = pair
     prompt = torch.tensor([3, 14, 15, 92, 65])
     chain, leaf = [35, 89, 79], 32  # leaf at depth 1: an alternative to 89 after 35
-    tree = DraftTree.of(chain, {1: leaf})
+    tree = DraftTree.of_chain(chain, {1: leaf})
 
     target.reset()
     target.step(prompt[:-1])
@@ -87,7 +89,7 @@ def test_tree_pass_equals_chain_passes_and_rollback_keeps_the_leaf(pair):
     target.step(prompt[:-1])
     target.step(tree.inputs(prompt[-1:]), tree)
     start = prompt.numel() - 1
-    target.rollback(prompt.numel() + 1, keep=[start + tree.leaf_row(1)])
+    target.rollback(prompt.numel() + 1, keep=[start + 4])  # the leaf's row: after the root and the chain
     assert target.length == prompt.numel() + 2
     after = target.step(torch.tensor([7]))
     target.reset()

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.verify import verify_tree_greedy
-from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_sampling
+from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_greedy, verify_sampled
 
 
 def onehot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:
@@ -28,10 +27,10 @@ def onehot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:
     ],
 )
 def test_verify_greedy(draft, target, expected):
-    verdict = verify_tree_greedy(DraftTree.of(draft, {}), onehot_logits(target))
+    verdict = verify_greedy(DraftTree.of_chain(draft), onehot_logits(target))
     assert (len(verdict.path), verdict.next_token) == expected
-    assert verdict.path == draft[: expected[0]] and verdict.leaf_row is None
-    assert verdict.chain == draft  # the drafted tokens come back with the verdict
+    assert verdict.path == draft[: expected[0]] and verdict.on_main == expected[0]
+    assert verdict.tokens == (-1, *draft)  # the drafted tokens come back with the verdict
 
 
 def test_top_p_keeps_the_nucleus():
@@ -46,6 +45,12 @@ def step_of(token: int, support, q) -> DraftStep:
     return DraftStep(torch.tensor([token]), support, q)
 
 
+def verify_chain(steps: list[DraftStep], target_logits, cfg: SamplingConfig, gen: torch.Generator):
+    """The sampled verdict over a chain of drafted ``steps``, as the loop verifies one (a tree of one path)."""
+    tree = DraftTree.chain([step.token for step in steps])
+    return verify_sampled(tree, target_logits, cfg, gen, lambda row: (steps[row].q, steps[row].support))
+
+
 def _sample_first_token(p_logits, q_support, q_probs, draws, seed):
     """Draw the first emitted token many times: draft samples from q on its support, target verifies."""
     gen = torch.Generator().manual_seed(seed)
@@ -53,7 +58,7 @@ def _sample_first_token(p_logits, q_support, q_probs, draws, seed):
     counts = torch.zeros(p_logits.shape[-1])
     for _ in range(draws):
         x = int(q_support[torch.multinomial(q_probs, 1, generator=gen)])
-        verdict = verify_sampling([step_of(x, q_support, q_probs)], p_logits, cfg, gen)
+        verdict = verify_chain([step_of(x, q_support, q_probs)], p_logits, cfg, gen)
         k, nxt = verdict.accepted, verdict.next_token
         counts[x if k == 1 else nxt] += 1
     return counts / draws
@@ -87,7 +92,7 @@ def test_rejection_sampling_with_top_p_matches_filtered_target():
     counts = torch.zeros(vocab)
     for _ in range(draws):
         x = int(torch.multinomial(q, 1, generator=gen))
-        verdict = verify_sampling([step_of(x, support, q)], p_logits, cfg, gen)
+        verdict = verify_chain([step_of(x, support, q)], p_logits, cfg, gen)
         k, nxt = verdict.accepted, verdict.next_token
         counts[x if k == 1 else nxt] += 1
     p = probs_from_logits(p_logits[0], cfg)
@@ -102,8 +107,8 @@ def test_all_accepted_takes_bonus_from_last_position():
     p_logits[0, 1] = 10.0
     p_logits[1, 3] = 10.0
     step = step_of(1, torch.tensor([1, 2]), torch.tensor([1.0, 0.0]))
-    verdict = verify_sampling([step], p_logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
-    assert (verdict.path, verdict.next_token, verdict.chain) == ([1], 3, [1])
+    verdict = verify_chain([step], p_logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    assert (verdict.path, verdict.next_token, verdict.tokens) == ([1], 3, (-1, 1))
 
 
 # Chains of γ = 4 drafted tokens on an 8-token vocabulary: the emitted sequence must follow the target exactly.
@@ -149,7 +154,7 @@ def sample_chain(target, rows, n_tokens: int, gen: torch.Generator, rng: random.
             steps.append(step_of(token, support, q))
             contexts.append(token)
         target_logits = target[contexts].log()  # [γ+1, V]: row j conditions on the token before position j
-        verdict = verify_sampling(steps, target_logits, cfg, gen)
+        verdict = verify_chain(steps, target_logits, cfg, gen)
         k, nxt = verdict.accepted, verdict.next_token
         if bonus is not None and k == GAMMA:
             bonus[contexts[-1], nxt] += 1

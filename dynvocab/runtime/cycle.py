@@ -29,9 +29,7 @@ from dynvocab.runtime.tree import DraftTree
 from dynvocab.runtime.tree_budget import TreeBudget
 from dynvocab.runtime.tree_draft import GrownTree, grow_tree, tree_of
 from dynvocab.runtime.tree_shape import TreeShape
-from dynvocab.runtime.verify import (
-    DraftStep, SamplingConfig, Verdict, probs_from_logits, verify, verify_token_tree,
-)
+from dynvocab.runtime.verify import DraftStep, Proposals, SamplingConfig, Verdict, probs_from_logits, verify
 
 
 @dataclass(frozen=True)
@@ -43,9 +41,9 @@ class Checked:
     hidden: torch.Tensor
 
 
-# (tree, draft steps, committed tokens) -> Checked; leaves the target's cache holding the committed tokens but the
-# last one, the accepted path included.
-Verifier = Callable[[DraftTree, list[DraftStep], list[int]], Checked]
+# (tree, the draft's proposals by row, committed tokens) -> Checked; leaves the target's cache holding the committed
+# tokens but the last one, the accepted path included.
+Verifier = Callable[[DraftTree, Proposals, list[int]], Checked]
 
 
 class TargetVerifier:
@@ -54,24 +52,15 @@ class TargetVerifier:
     def __init__(self, target: CausalLM, sampling: SamplingConfig, generator: torch.Generator):
         self.target, self.sampling, self.generator = target, sampling, generator
 
-    def __call__(self, tree: DraftTree, steps: list[DraftStep], tokens: list[int]) -> Checked:
-        """Score root, chain and leaves in one pass; verify; keep the accepted path in the target's cache. The pass
-        ids are concatenated on the device: only the root, a committed token, is uploaded."""
+    def __call__(self, tree: DraftTree, proposals: Proposals, tokens: list[int]) -> Checked:
+        """Score the tree in one pass (causal where it is one path, else its mask and depth positions), verify it
+        walking from the root, and keep only the accepted path in the target's cache. The pass ids are
+        concatenated on the device: only the root, a committed token, is uploaded."""
         n, target = len(tokens), self.target
-        pass_ids = tree.inputs(torch.tensor(tokens[-1:], dtype=torch.long, device=target.device))  # [1 + chain + leaves]
-        hidden = target.step(pass_ids, tree if tree.leaves else None)  # [1 + chain + leaves, d]
-        logits = target.logits(hidden)  # [1 + chain + leaves, V]
-        verdict = verify(tree, steps, logits, self.sampling, self.generator)
-        target.rollback(n, keep=[n - 1 + row for row in verdict.rows[1:]])
-        return Checked(verdict, logits, hidden)
-
-    def verify_tree(self, grown: GrownTree, tokens: list[int]) -> Checked:
-        """Score an EAGLE-2 tree in one pass (its mask and depth positions), verify it walking from the root, and
-        keep only the accepted path in the target's cache (the rejected nodes' rows are dropped)."""
-        n, target, tree = len(tokens), self.target, grown.tree
-        hidden = target.step(tree.inputs(torch.tensor(tokens[-1:], dtype=torch.long, device=target.device)), tree)
+        hidden = target.step(tree.inputs(torch.tensor(tokens[-1:], dtype=torch.long, device=target.device)),
+                             None if tree.is_path else tree)  # [n, d]
         logits = target.logits(hidden)  # [n, V]
-        verdict = verify_token_tree(tree, logits, self.sampling, self.generator, grown.proposals)
+        verdict = verify(tree, logits, self.sampling, self.generator, proposals)
         target.rollback(n, keep=[n - 1 + row for row in verdict.path_rows])
         return Checked(verdict, logits, hidden)
 
@@ -172,10 +161,14 @@ class Drafted:
     leaves: dict[int, torch.Tensor] = field(default_factory=dict)
     looked_up: bool = False  # the chain is an n-gram lookup's continuation: no draft step ran
 
-    @property
-    def tree(self) -> DraftTree:
-        """The chain and its leaves as one draft tree."""
-        return DraftTree([s.token for s in self.steps], self.leaves)
+    def tree(self, device) -> DraftTree:
+        """The chain and its leaves as one draft tree, its tokens on ``device``."""
+        return DraftTree.chain([s.token for s in self.steps], self.leaves, device)
+
+    def proposals(self, row: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's distribution at chain row ``row`` (the step that drafted row ``row + 1``)."""
+        step = self.steps[row]
+        return step.q, step.support
 
 
 def draft_chain(setup: CycleSetup, tokens: list[int], gamma: int) -> Drafted:
@@ -251,17 +244,6 @@ def _emitted(verdict: Verdict, limit: int, eos_ids: frozenset[int]) -> tuple[lis
     return emitted, False
 
 
-def _report(n: int, draft: Drafted, checked: Checked, emitted: list[int]) -> CycleReport:
-    """The policy's view of the cycle: the chain's rows of the pass (an accepted leaf's row replaces its sibling's)."""
-    verdict, chain = checked.verdict, checked.verdict.chain
-    k = verdict.accepted
-    rows = slice(0, len(chain) + 1)
-    if verdict.leaf_row is not None:
-        rows = verdict.rows + list(range(k + 1, len(chain) + 1))
-    return CycleReport(n, verdict.path + chain[k:], draft.tops, k, emitted, checked.logits[rows], checked.hidden[rows],
-                       draft.sets, leaf=verdict.leaf_row is not None)
-
-
 def run_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> CycleResult:
     """One draft-verify cycle after the committed ``tokens``: draft up to ``gamma`` tokens (a chain, or with
     :attr:`CycleSetup.tree` an EAGLE-2 tree), verify them, roll the proposer back to what was kept, and let the
@@ -283,63 +265,61 @@ def run_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> C
 
 def _chain_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -> CycleResult:
     """One cycle drafting a chain (with its runner-up leaves), or an n-gram continuation."""
-    timer, sec, n = setup.timer, setup.sections, len(tokens)
-    t_draft = timer.mark()
+    t_draft = setup.timer.mark()
     draft = draft_chain(setup, tokens, gamma)
-    timer.add(sec.draft, t_draft)
+    setup.timer.add(setup.sections.draft, t_draft)
+    device = setup.proposer.info.device if setup.proposer is not None else "cpu"
+    verdict, emitted, eos = _check(setup, tokens, draft.tree(device), draft.proposals, limit, draft.sets, draft.tops)
+    return CycleResult(emitted, eos, verdict, draft)
+
+
+def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[int]) -> CycleResult:
+    """One cycle drafting an EAGLE-2 tree (:mod:`dynvocab.runtime.tree_draft`; an n-gram continuation ``found``
+    joins it as a branch under the root)."""
+    budget = setup.budget
+    shape = setup.tree.within(limit - 1)
+    if budget is not None:
+        shape = budget.plan(shape)  # sampling: its depth and N fixed here, before the cycle's first draw
+    t_draft = setup.timer.mark()
+    growth, candidates = grow_tree(setup, tokens, shape, None if budget is None else budget.keep_growing)
+    branch = found[: shape.depth]
+    size = shape.tokens if budget is None else budget.tokens(candidates, len(branch))
+    grown = tree_of(growth, candidates, size, branch)
+    setup.timer.add(setup.sections.draft, t_draft)
+    verdict, emitted, eos = _check(setup, tokens, grown.tree, grown.proposals, limit, grown.sets, grown.tops)
+    return CycleResult(emitted, eos, verdict, Drafted(sets=grown.sets), grown)
+
+
+def _check(setup: CycleSetup, tokens: list[int], tree: DraftTree, proposals: Proposals, limit: int,
+           sets: list[ActiveSet], tops: list[torch.Tensor]) -> tuple[Verdict, list[int], bool]:
+    """Verify ``tree`` (drafted after the committed ``tokens`` with the draft's ``proposals``) in one pass, roll the
+    proposer back to the committed tokens and the accepted ones it holds (those on the tree's main path), hand it
+    the committed rows of the pass, and let the policy observe the cycle. Returns the verdict, the emitted tokens
+    and whether an EOS ended the generation."""
+    timer, sec, proposer, n = setup.timer, setup.sections, setup.proposer, len(tokens)
     t_verify = timer.mark()
-    checked = setup.verifier(draft.tree, draft.steps, tokens)
-    emitted, eos = _settle(setup, n, checked, checked.verdict.accepted_chain, limit, t_verify,
-                           lambda emitted: _report(n, draft, checked, emitted))
-    return CycleResult(emitted, eos, checked.verdict, draft)
-
-
-def _settle(setup: CycleSetup, n: int, checked: Checked, kept: int, limit: int, t_verify,
-            report: Callable[[list[int]], CycleReport]) -> tuple[list[int], bool]:
-    """After a verification pass over the draft of ``n`` committed tokens: roll the proposer back to them and the
-    ``kept`` accepted ones it may hold, hand it the committed rows of the pass, and let the policy observe
-    ``report(emitted)``. Returns the emitted tokens and whether an EOS ended the generation."""
-    timer, sec, proposer, verdict = setup.timer, setup.sections, setup.proposer, checked.verdict
+    checked = setup.verifier(tree, proposals, tokens)
+    verdict = checked.verdict
     if proposer is not None:
-        proposer.rollback(min(proposer.length, n + kept))
+        proposer.rollback(min(proposer.length, n + verdict.on_main))
         proposer.observe(n - 1, checked.hidden, verdict.rows)  # the committed rows: root, accepted path
     timer.add(sec.verify, t_verify)
     emitted, eos = _emitted(verdict, limit, setup.eos_ids)
     if setup.policy is not None:
         t_observe = timer.mark()
-        setup.policy.observe(report(emitted))
+        setup.policy.observe(_report(n, tree, checked, emitted, sets, tops))
         timer.add(sec.observe, t_observe)
-    return emitted, eos
+    return verdict, emitted, eos
 
 
-def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[int]) -> CycleResult:
-    """One cycle drafting an EAGLE-2 tree (:mod:`dynvocab.runtime.tree_draft`): grow it (an n-gram continuation
-    ``found`` joins it as a branch under the root), verify its chosen nodes in one pass, keep the accepted path in
-    both caches, let the policy observe the path."""
-    timer, sec, n, budget = setup.timer, setup.sections, len(tokens), setup.budget
-    shape = setup.tree.within(limit - 1)
-    if budget is not None:
-        shape = budget.plan(shape)  # sampling: its depth and N fixed here, before the cycle's first draw
-    t_draft = timer.mark()
-    growth, candidates = grow_tree(setup, tokens, shape, None if budget is None else budget.keep_growing)
-    branch = found[: shape.depth]
-    size = shape.tokens if budget is None else budget.tokens(candidates, len(branch))
-    grown = tree_of(growth, candidates, size, branch)
-    timer.add(sec.draft, t_draft)
-    t_verify = timer.mark()
-    checked = setup.verifier.verify_tree(grown, tokens)
-    emitted, eos = _settle(setup, n, checked, checked.verdict.accepted, limit, t_verify,
-                           lambda emitted: _tree_report(n, grown, checked, emitted))
-    return CycleResult(emitted, eos, checked.verdict, Drafted(sets=grown.sets), grown)
-
-
-def _tree_report(n: int, grown: GrownTree, checked: Checked, emitted: list[int]) -> CycleReport:
-    """The policy's view of a tree cycle: the accepted path, then the draft's best continuation below it, with
-    their rows of the pass; the active set of each depth."""
-    tree, verdict = grown.tree, checked.verdict
+def _report(n: int, tree: DraftTree, checked: Checked, emitted: list[int], sets: list[ActiveSet],
+            tops: list[torch.Tensor]) -> CycleReport:
+    """The policy's view of a cycle: the accepted path, then the draft's best continuation below it (each row's
+    first child: greedy, the draft's best), with their rows of the pass; the active set of each draft step or
+    depth."""
+    verdict = checked.verdict
     rows = verdict.rows
     while tree.children[rows[-1]]:
-        rows.append(tree.children[rows[-1]][0])  # the draft's first (greedy: best) child
-    drafted = [tree.tokens[r] for r in rows[1:]]
-    return CycleReport(n, drafted, grown.tops, verdict.accepted, emitted, checked.logits[rows], checked.hidden[rows],
-                       grown.sets)
+        rows.append(tree.children[rows[-1]][0])
+    drafted = [verdict.tokens[r] for r in rows[1:]]
+    return CycleReport(n, drafted, tops, verdict.accepted, emitted, checked.logits[rows], checked.hidden[rows], sets)

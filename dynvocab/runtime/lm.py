@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dynvocab.runtime import one_token
 from dynvocab.runtime.head import soft_cap
-from dynvocab.runtime.tree import DraftTree, TokenTree
+from dynvocab.runtime.tree import DraftTree
 
 
 class CausalLM:
@@ -57,7 +57,7 @@ class CausalLM:
         self.length = 0
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, tree: DraftTree | TokenTree | None = None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
         """Append ``ids`` [n] to the sequence; returns the final hidden states [n, d].
 
         With ``tree``, ``ids`` are its :meth:`~DraftTree.inputs` and the pass uses its positions and tree mask.
@@ -76,7 +76,7 @@ class CausalLM:
         self.length += ids.numel()
         return out.last_hidden_state[0]
 
-    def _tree_mask(self, tree: DraftTree | TokenTree, device) -> torch.Tensor | dict[str, torch.Tensor]:
+    def _tree_mask(self, tree: DraftTree, device) -> torch.Tensor | dict[str, torch.Tensor]:
         """The tree pass's attention mask: one 4-D mask, or — for a model with sliding-window layers (Gemma-3,
         Mistral) — one per layer type, each sized to what that type's cache layer holds (transformers' models take
         such a mapping in place of their own ``create_causal_mask`` / ``create_sliding_window_causal_mask``)."""

@@ -262,10 +262,9 @@ def check_tree_draft(draft: Proposer) -> None:
 
 def _count(tally: Tally, result: CycleResult) -> None:
     """Feed one cycle's host values to the tally."""
-    verdict, drafted = result.verdict, result.draft
-    depths = len(drafted.steps)
-    if result.grown is not None:  # a tree: its depths are the draft's steps, accepted by depth
-        tally.tree(result.grown, verdict.path_rows)
-        depths = len(drafted.sets)
-    tally.cycle(depths, verdict.accepted_chain, verdict.accepted, result.emitted, drafted.sets,
-                len(drafted.leaves), verdict.leaf_row is not None, drafted.looked_up)
+    verdict, drafted, tree = result.verdict, result.draft, result.grown is not None
+    if tree:  # its depths are the draft's steps, accepted by depth
+        tally.tree(result.grown, verdict)
+    by_depth = verdict.accepted if tree else verdict.on_main  # a chain's accepted leaf counts apart
+    tally.cycle(len(drafted.sets) if tree else len(drafted.steps), by_depth, verdict.accepted, result.emitted,
+                drafted.sets, len(drafted.leaves), verdict.accepted > by_depth, drafted.looked_up)

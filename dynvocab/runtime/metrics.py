@@ -112,19 +112,15 @@ class Tally:
         if accepted < in_steps:
             self._count_hit(sets[accepted], emitted[accepted])
 
-    def tree(self, grown, path_rows) -> None:
-        """One tree cycle: the tree verified (a :class:`~dynvocab.runtime.tree_draft.GrownTree`) and the pass rows
-        of its accepted path."""
-        m, tree = self.m, grown.tree
+    def tree(self, grown, verdict) -> None:
+        """One tree cycle: the tree verified (a :class:`~dynvocab.runtime.tree_draft.GrownTree`) and its
+        :class:`~dynvocab.runtime.verify.Verdict`."""
+        m = self.m
         m.tree_cycles += 1
-        m.tree_tokens += tree.size - 1
+        m.tree_tokens += grown.tree.size - 1
         m.tree_candidates += grown.candidates
         m.head_calls += grown.head_calls
-        main = tree.main
-        on_main = 0
-        while on_main < len(path_rows) and on_main < len(main) and path_rows[on_main] == main[on_main]:
-            on_main += 1
-        m.off_main += len(path_rows) - on_main
+        m.off_main += verdict.accepted - verdict.on_main
 
     def _count_hit(self, active, token: int) -> None:
         """Count ``token`` as a hit when it is in ``active`` (an :class:`~dynvocab.runtime.active_set.ActiveSet`):

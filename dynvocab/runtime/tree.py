@@ -1,17 +1,14 @@
-"""Draft trees verified in one target pass: :class:`DraftTree`, a chain with the draft's runner-up as a leaf where
-it was unsure, and :class:`TokenTree`, an EAGLE-2 tree of any shape (grown by :mod:`dynvocab.runtime.tree_draft`).
+"""A cycle's draft as one verification pass: :class:`DraftTree`, the one tree type. A chain is a tree of one path
+(:meth:`DraftTree.chain`), with the draft's runner-up as a leaf where it was unsure; an EAGLE-2 tree of any shape is
+grown by :mod:`dynvocab.runtime.tree_draft`.
 
-The draft proposes a chain ``d_1..d_γ``. At a step where its chosen token had probability below a threshold, its
-runner-up ``s_j`` joins as a leaf: a sibling of ``d_j`` with the same parent ``d_1..d_{j-1}``. The target scores
-the root (the last committed token), the chain and the leaves in one pass; tree attention (a 4-D mask) lets each
-leaf see only the prefix, the root and its own ancestors, at the position of the chain token it replaces.
+Row 0 is the root (the last committed token); every drafted row comes after its parent. The target scores all rows
+in one pass; tree attention (a 4-D mask) lets each row see only the prefix, the root and its own ancestors, at the
+position ``start + depth``; a pass that is one path needs no mask (a causal pass). A runner-up leaf at chain depth
+j is a sibling of the chain's token there: same parent, same position (SpecInfer, Miao et al. 2024).
 
-Greedy verification (:func:`dynvocab.runtime.verify.verify_tree_greedy`) walks the chain as usual; where it stops at
-depth j and the target's token there is the leaf ``s_j``, the leaf is accepted and the target's token after it (from
-the leaf's own row) is emitted too. So the output is still exactly the target's greedy output, one token longer
-whenever a runner-up was right (SpecInfer, Miao et al. 2024; EAGLE-2 and MicroSpec verify wider trees in the same
-way). A :class:`TokenTree` is walked the same way from the root, child by child
-(:func:`dynvocab.runtime.verify.verify_token_tree`).
+Verification (:mod:`dynvocab.runtime.verify`) walks from the root child by child, so the output is exactly the
+target's, one token longer whenever a runner-up or a side branch was right.
 """
 
 from __future__ import annotations
@@ -22,69 +19,106 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DraftTree:
-    """The chain and its leaves, on the device: ``chain`` holds the drafted tokens (γ × [1]), ``leaves`` maps a
-    chain depth j (0-based) to the runner-up token there ([1]). Only the tree's shape (the chain's length, the
-    leaves' depths) is known on the host; the tokens come back with the verdict."""
+    """A draft tree, its shape on the host and its drafted tokens where the draft left them (the device).
 
-    chain: list[torch.Tensor]
-    leaves: dict[int, torch.Tensor]
+    ``parents[i]`` is the row of row i's parent (``parents[0]`` is -1, the root); ``tokens`` [n - 1] are the drafted
+    rows' ids, row 1 first. Siblings keep the order they were drafted in (greedy: the draft's ranking; sampling: the
+    order they were drawn without replacement, which exact multi-draft sampling relies on). ``main`` holds the rows
+    of the draft's best path (its chosen token at each depth), the rows a chain draft's own cache holds."""
+
+    parents: tuple[int, ...]
+    tokens: torch.Tensor
+    main: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for row, parent in enumerate(self.parents[1:], start=1):
+            if not 0 <= parent < row:
+                raise ValueError(f"row {row}'s parent {parent} does not come before it")
+        if self.tokens.numel() != self.size - 1:
+            raise ValueError(f"{self.tokens.numel()} drafted tokens for {self.size - 1} drafted rows")
 
     @classmethod
-    def of(cls, chain: list[int], leaves: dict[int, int], device="cpu") -> "DraftTree":
-        """A tree from host token ids (tests, scripted drafts)."""
+    def chain(cls, chain: list[torch.Tensor], leaves: dict[int, torch.Tensor] | None = None,
+              device=None) -> "DraftTree":
+        """A chain ``d_1..d_γ`` (γ × [1] on the device) with runner-up ``leaves`` by chain depth j (0-based: a sibling
+        of ``chain[j]``): rows 1..γ the chain, then the leaves in depth order. The tokens are concatenated on
+        ``device`` (default: the first token's), not read."""
+        leaves = leaves or {}
+        depths = sorted(leaves)
+        parents = (-1, *range(len(chain)), *depths)
+        drafted = [*chain, *(leaves[j] for j in depths)]
+        device = device if device is not None else (drafted[0].device if drafted else "cpu")
+        tokens = torch.cat([t.to(device) for t in drafted]) if drafted else torch.zeros(0, dtype=torch.long,
+                                                                                          device=device)
+        return cls(parents, tokens, tuple(range(1, len(chain) + 1)))
+
+    @classmethod
+    def of(cls, parents, tokens: list[int], main=(), device="cpu") -> "DraftTree":
+        """A tree from host values: ``tokens`` the drafted rows' ids (tests, a grown tree's chosen nodes)."""
+        return cls(tuple(parents), torch.tensor(list(tokens), dtype=torch.long, device=device), tuple(main))
+
+    @classmethod
+    def of_chain(cls, chain: list[int], leaves: dict[int, int] | None = None, device="cpu") -> "DraftTree":
+        """:meth:`chain` from host ids (tests, scripted drafts)."""
         token = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        return cls([token([t]) for t in chain], {j: token([t]) for j, t in leaves.items()})
-
-    @functools.cached_property
-    def depths(self) -> list[int]:
-        """The leaves' depths in the order the pass feeds them."""
-        return sorted(self.leaves)
-
-    def drafted(self) -> list[torch.Tensor]:
-        """The drafted tokens in pass order, chain then leaves (each [1])."""
-        return [*self.chain, *(self.leaves[j] for j in self.depths)]
-
-    def inputs(self, root: torch.Tensor) -> torch.Tensor:
-        """The token ids [1 + chain + leaves] of one verification pass, concatenated on the device: ``root`` [1]
-        (the last committed token), the chain, then the leaves in depth order."""
-        drafted = self.drafted()
-        return torch.cat([root, *(t.to(root.device) for t in drafted)]) if drafted else root
-
-    def leaf_row(self, depth: int) -> int:
-        """Index in :meth:`inputs` (and in the pass's logits) of the leaf at ``depth``."""
-        return 1 + len(self.chain) + self.depths.index(depth)
-
-    def positions(self, start: int, device) -> torch.Tensor:
-        """Position ids [1, n] of the pass: the root at ``start``; a leaf shares its chain sibling's position."""
-        pos = [start + i for i in range(len(self.chain) + 1)]
-        pos += [start + 1 + j for j in self.depths]
-        return torch.tensor([pos], dtype=torch.long, device=device)
+        return cls.chain([token([t]) for t in chain], {j: token([t]) for j, t in (leaves or {}).items()}, device)
 
     @property
     def size(self) -> int:
-        """Rows of the pass: the root, the chain and the leaves."""
-        return 1 + len(self.chain) + len(self.leaves)
+        """Rows of the pass, the root included."""
+        return len(self.parents)
+
+    @functools.cached_property
+    def is_path(self) -> bool:
+        """Whether the tree is one path in row order (a chain without leaves): its pass needs no tree mask."""
+        return all(parent == row - 1 for row, parent in enumerate(self.parents[1:], start=1))
+
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Each row's depth (the root: 0)."""
+        depth = [0] * self.size
+        for row in range(1, self.size):
+            depth[row] = depth[self.parents[row]] + 1
+        return tuple(depth)
+
+    @functools.cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Each row's children rows, in drafting order."""
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for row in range(1, self.size):
+            kids[self.parents[row]].append(row)
+        return tuple(tuple(k) for k in kids)
+
+    def inputs(self, root: torch.Tensor) -> torch.Tensor:
+        """The token ids [n] of the pass, concatenated on ``root``'s device: ``root`` [1] (the last committed token),
+        then the drafted rows."""
+        return torch.cat([root, self.tokens.to(root.device)])
+
+    def positions(self, start: int, device) -> torch.Tensor:
+        """Position ids [1, n]: a row at depth d sits at ``start + d``."""
+        return torch.tensor([[start + d for d in self.depths]], dtype=torch.long, device=device)
 
     def allowed(self, device) -> torch.Tensor:
-        """[n, n] bool: which rows of the pass each row sees (its ancestors and itself)."""
-        n_chain = len(self.chain) + 1
-        allowed = torch.zeros(self.size, self.size, dtype=torch.bool, device=device)
-        allowed[:n_chain, :n_chain] = torch.ones(n_chain, n_chain, dtype=torch.bool, device=device).tril()
-        for i, j in enumerate(self.depths):
-            row = n_chain + i
-            allowed[row, : j + 1] = True  # the root and the chain tokens before depth j
-            allowed[row, row] = True
-        return allowed
+        """[n, n] bool: each row sees its ancestors and itself."""
+        allowed = torch.eye(self.size, dtype=torch.bool)
+        for row in range(1, self.size):
+            allowed[row] |= allowed[self.parents[row]]
+        return allowed.to(device)
 
     def attention_mask(
         self, past: int, dtype: torch.dtype, device, window: int | None = None, kv_offset: int = 0
     ) -> torch.Tensor:
-        """Additive mask [1, 1, n, past - kv_offset + n]: every row sees the cached positions ``kv_offset..past-1``;
-        the root and the chain are causal; the leaf at depth j sees the root, its ancestors ``d_1..d_j`` (0-based:
-        ``chain[:j]``) and itself (see :func:`tree_attention_mask`)."""
+        """Additive mask [1, 1, n, past - kv_offset + n] (see :func:`tree_attention_mask`)."""
         return tree_attention_mask(self.allowed(device), self.positions(past, device)[0], past, dtype, window, kv_offset)
+
+    def on_main(self, path_rows) -> int:
+        """How many of ``path_rows`` (an accepted path, from the root's child down) lie on :attr:`main`."""
+        n = 0
+        while n < len(path_rows) and n < len(self.main) and path_rows[n] == self.main[n]:
+            n += 1
+        return n
 
 
 def tree_attention_mask(allowed: torch.Tensor, positions: torch.Tensor, past: int, dtype: torch.dtype,
@@ -104,72 +138,3 @@ def tree_attention_mask(allowed: torch.Tensor, positions: torch.Tensor, past: in
     mask = torch.zeros(1, 1, n, visible.shape[1], dtype=dtype, device=device)
     mask[0, 0].masked_fill_(~visible, torch.finfo(dtype).min)
     return mask
-
-
-@dataclass(frozen=True, eq=False)
-class TokenTree:
-    """An EAGLE-2 draft tree as one verification pass, shape on the host (:mod:`dynvocab.runtime.tree_draft` grows
-    it). Row 0 is the root (the last committed token); rows 1.. are the drafted nodes ordered by depth, each after
-    its parent; ``parents[i]`` is the row of row i's parent (``parents[0]`` is -1), ``tokens[i]`` its token (the
-    root's is not known here: -1). Siblings keep the order they were drafted in (greedy: the draft's ranking;
-    sampling: the order they were drawn without replacement), which exact multi-draft sampling relies on.
-    ``main`` holds the rows of the draft's best path (the highest-scored child at each depth)."""
-
-    parents: tuple[int, ...]
-    tokens: tuple[int, ...]
-    main: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        for row, parent in enumerate(self.parents[1:], start=1):
-            if not 0 <= parent < row:
-                raise ValueError(f"row {row}'s parent {parent} does not come before it")
-
-    @property
-    def size(self) -> int:
-        """Rows of the pass, the root included."""
-        return len(self.parents)
-
-    @functools.cached_property
-    def depths(self) -> tuple[int, ...]:
-        """Each row's depth (the root: 0)."""
-        depth = [0] * self.size
-        for row in range(1, self.size):
-            depth[row] = depth[self.parents[row]] + 1
-        return tuple(depth)
-
-    @functools.cached_property
-    def children(self) -> tuple[tuple[int, ...], ...]:
-        """Each row's children rows, in drafting order."""
-        kids: list[list[int]] = [[] for _ in range(self.size)]
-        for row in range(1, self.size):
-            kids[self.parents[row]].append(row)
-        return tuple(tuple(k) for k in kids)
-
-    def inputs(self, root: torch.Tensor) -> torch.Tensor:
-        """The token ids [n] of the pass: ``root`` [1] then the drafted nodes (one upload of their ids)."""
-        return torch.cat([root, torch.tensor(self.tokens[1:], dtype=torch.long, device=root.device)])
-
-    def positions(self, start: int, device) -> torch.Tensor:
-        """Position ids [1, n]: a row at depth d sits at ``start + d``."""
-        return torch.tensor([[start + d for d in self.depths]], dtype=torch.long, device=device)
-
-    def allowed(self, device) -> torch.Tensor:
-        """[n, n] bool: each row sees its ancestors and itself."""
-        allowed = torch.eye(self.size, dtype=torch.bool)
-        for row in range(1, self.size):
-            allowed[row] |= allowed[self.parents[row]]
-        return allowed.to(device)
-
-    def attention_mask(
-        self, past: int, dtype: torch.dtype, device, window: int | None = None, kv_offset: int = 0
-    ) -> torch.Tensor:
-        """Additive mask [1, 1, n, past - kv_offset + n] (see :func:`tree_attention_mask`)."""
-        return tree_attention_mask(self.allowed(device), self.positions(past, device)[0], past, dtype, window, kv_offset)
-
-    def path_to(self, row: int) -> list[int]:
-        """The rows from the root's first child down to ``row``."""
-        rows = []
-        while row > 0:
-            rows.append(row)
-            row = self.parents[row]
-        return rows[::-1]

@@ -7,7 +7,7 @@ each sees the committed tokens, its own ancestors and itself, :meth:`~dynvocab.r
 the policy names the depth's active set, one head call scores all K rows over it, and each row's K best children
 join the candidates with their cumulative log-probability; the K best of those K² become the next frontier. Of
 all ``K + (D - 1) K²`` candidates the N best (by cumulative score; ties to the earlier node, so every kept node's
-parent is kept) are verified (:func:`~dynvocab.runtime.verify.verify_token_tree`).
+parent is kept) are verified (:mod:`dynvocab.runtime.verify`).
 
 The set of a depth: the policy is asked once per depth, with the depth's best frontier node (its head input and its
 token), as the chain asks once per step; static sets (``fr``, ``fr-pa``) and per-cycle sets (``microspec``) are
@@ -36,7 +36,7 @@ import torch
 
 from dynvocab.runtime.active_set import ActiveSet
 from dynvocab.runtime.host import to_host
-from dynvocab.runtime.tree import TokenTree
+from dynvocab.runtime.tree import DraftTree
 from dynvocab.runtime.tree_shape import TreeShape
 from dynvocab.runtime.verify import SamplingConfig, probs_from_logits
 
@@ -83,10 +83,10 @@ class Growth:
 
 @dataclass
 class GrownTree:
-    """A grown draft tree, ready to verify: the pass's :class:`TokenTree`, the active set of each depth, the
+    """A grown draft tree, ready to verify: the pass's :class:`~dynvocab.runtime.tree.DraftTree`, the active set of each depth, the
     candidates grown, the drafted tokens by depth and the draft's distribution at each expanded row (sampling)."""
 
-    tree: TokenTree
+    tree: DraftTree
     sets: list[ActiveSet]
     candidates: int
     tops: list[torch.Tensor] = field(default_factory=list)
@@ -218,7 +218,7 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape,
 
 def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = ()) -> GrownTree:
     """The tree verifying the ``n`` best ``candidates`` of ``growth`` (and a chain ``extra`` of tokens under the
-    root, an n-gram lookup's continuation, greedy only): its :class:`TokenTree` and the draft's distributions at
+    root, an n-gram lookup's continuation, greedy only): its :class:`~dynvocab.runtime.tree.DraftTree` and the draft's distributions at
     its rows. The chain runs through the kept nodes that already hold its first tokens and adds nodes only below
     them: the walk takes the first child whose token matches, so a second child with the same token would never be
     reached."""
@@ -257,7 +257,7 @@ def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = (
             for r, i in enumerate(ids):
                 if i in row_of:
                     proposals[row_of[i]] = (probs[r], cols)
-    tree = TokenTree(tuple(parents), tuple(toks), tuple(main))
+    tree = DraftTree.of(parents, toks[1:], main)
     return GrownTree(tree, growth.sets, len(candidates.tokens), growth.tops, proposals)
 
 

@@ -1,7 +1,7 @@
-"""Verification of a draft against the target: :func:`verify` for greedy decoding (a draft tree, :mod:`.tree`)
-and exact rejection sampling (a chain), one :class:`Verdict` either way. The drafted tokens stay on the device until
-here: each verifier reads them back together with its decision, in the cycle's one read
-(:func:`~dynvocab.runtime.host.to_host`).
+"""Verification of a draft tree (:class:`~dynvocab.runtime.tree.DraftTree`, a chain being a tree of one path)
+against the target: :func:`verify_greedy` at temperature 0, :func:`verify_sampled` (exact rejection sampling)
+otherwise, one :class:`Verdict` either way. The drafted tokens stay on the device until here: each verifier reads
+them back together with its decision, in the cycle's one read (:func:`~dynvocab.runtime.host.to_host`).
 
 Glossary (vLLM's rejection sampler): **accepted** tokens are the draft tokens the target kept; at the first
 rejection the target's own token there is the **recovered** token; after a fully accepted draft the target's token
@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from dynvocab.runtime.host import to_host
-from dynvocab.runtime.tree import DraftTree, TokenTree
+from dynvocab.runtime.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -48,35 +48,30 @@ def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor
     return probs
 
 
+Proposals = Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]  # row -> the draft's q [n] over ids [n]
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """What verification kept: the accepted draft tokens and the target's token after them (greedy or sampling)."""
+    """What verification kept of a :class:`~dynvocab.runtime.tree.DraftTree`: the accepted path and the target's
+    token after it (recovered after a rejection, or bonus), with the drafted tokens read back in the same read."""
 
-    path: list[int]  # the accepted draft tokens: a chain prefix, possibly ending in a leaf
+    path: list[int]  # the accepted draft tokens, from the root's child down
     next_token: int  # the target's token after the path: recovered (after a rejection) or bonus
-    chain: list[int]  # the drafted chain, read back with the verdict
-    leaf_row: int | None = None  # the accepted leaf's row in the pass, or None
-    path_rows: tuple[int, ...] | None = None  # a TokenTree's verdict: the pass row of each accepted token
+    path_rows: tuple[int, ...]  # the pass row of each accepted token
+    tokens: tuple[int, ...]  # every row's token, read back with the verdict (the root's: -1)
+    on_main: int  # how many accepted tokens lie on the tree's main path (a chain draft's own tokens)
 
     @property
     def accepted(self) -> int:
-        """How many draft tokens the target kept (an accepted leaf included)."""
+        """How many draft tokens the target kept."""
         return len(self.path)
-
-    @property
-    def accepted_chain(self) -> int:
-        """How many of the accepted tokens are chain tokens (``accepted`` less an accepted leaf; a
-        :class:`~dynvocab.runtime.tree.TokenTree`'s whole path)."""
-        return self.accepted - (self.leaf_row is not None)
 
     @property
     def rows(self) -> list[int]:
         """Logit rows along the path, the root's first: row i predicts ``path[i]``; the last one predicts
         ``next_token``."""
-        if self.path_rows is not None:
-            return [0, *self.path_rows]
-        rows = list(range(self.accepted_chain + 1))
-        return rows if self.leaf_row is None else rows + [self.leaf_row]
+        return [0, *self.path_rows]
 
 
 @dataclass
@@ -89,136 +84,112 @@ class DraftStep:
     q: torch.Tensor | None  # [n] (or [V]) draft probabilities; None when greedy
 
 
-def verify_sampling(
-    steps: list[DraftStep], target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
+    """Walk ``tree`` from the root: the child whose token is the target's argmax at its parent's row is accepted
+    (siblings in drafting order); ``target_logits`` [n, V] are the rows of one pass over its inputs. One host read
+    brings back the target's argmax rows and the drafted tokens together."""
+    n = tree.size
+    values = to_host(torch.cat([target_logits.argmax(dim=-1), tree.tokens.to(target_logits.device)]))
+    choice, tokens = values[:n], (-1, *values[n:])
+    row, rows = 0, []
+    while (child := next((c for c in tree.children[row] if tokens[c] == choice[row]), None)) is not None:
+        rows.append(child)
+        row = child
+    return _verdict(tree, rows, choice[row], tokens)
+
+
+def verify_sampled(
+    tree: DraftTree, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator,
+    proposals: Proposals,
 ) -> Verdict:
-    """Exact rejection sampling: accept x_j with prob min(1, p(x_j)/q(x_j)); at the first rejection draw the
-    recovered token from the residual ``norm(max(0, p - q))``, after full acceptance the bonus token from p.
+    """Exact sampling from the target over ``tree`` (Leviathan et al. 2023 for a chain; recursive rejection
+    sampling, Jeon et al. 2024, for siblings): at each row its children are tried in the order they were drawn,
+    without replacement, from the draft's ``q`` there (``proposals(row)``: probabilities [n] over ids [n], None: all
+    ids). Child x is accepted with probability min(1, p(x)/q(x)); on rejection ``p <- norm(max(0, p - q))`` and x
+    leaves ``q`` (``q <- norm(q with q(x) = 0)``); with no child left, the token is drawn from ``p``. Exact for the
+    target's distribution as long as which children a row keeps does not depend on the drawn tokens (a sampled
+    tree's shape is fixed by rank, :mod:`dynvocab.runtime.tree_draft`).
 
-    Computed on the device for every step at once and read to the host in one conversion, with the drafted
-    tokens.
-
-    Args:
-        steps: the γ drafted tokens with their draft distributions.
-        target_logits: [γ+1, V] target logits.
-    Returns:
-        the verdict: the accepted prefix of the chain and the recovered or bonus token after it.
-    """
-    p = probs_from_logits(target_logits, cfg)  # [γ+1, V]
-    gamma, device = len(steps), p.device
-    if gamma:
-        q = torch.stack([_dense_q(step, p.shape[-1], device) for step in steps])  # [γ, V]
-        rows = torch.arange(gamma, device=device)
-        x = torch.cat([step.token for step in steps]).to(device)  # [γ]
-        px, qx = p[rows, x], q[rows, x]  # [γ] each
-        uniforms = torch.rand(gamma, generator=generator, device=device)
-        kept = (qx > 0) & (uniforms * qx < px)  # [γ]
-        accepted = kept.long().cumprod(0).sum().view(1)  # [1] the first rejection, or γ
-        residual = (p[:gamma] - q).clamp_(min=0.0)  # [γ, V]
+    Every row's first child is decided at once on the device, with a draw from each row's residual (or from p, at
+    a row without children): a chain reads the host once, with its tokens. A row whose first child was rejected
+    tries its other children one read each."""
+    p = probs_from_logits(target_logits, cfg)  # [n, V]
+    n, vocab, device = tree.size, p.shape[-1], p.device
+    inner = [row for row in range(n) if tree.children[row]]  # rows with children
+    tokens = tree.tokens.to(device)
+    draw_from, first_kept, q = p, torch.zeros(0, dtype=torch.long, device=device), None
+    if inner:
+        at = torch.tensor(inner, device=device)
+        q = torch.stack([_dense_q(*proposals(row), vocab, device) for row in inner])  # [m, V]
+        x = tokens[torch.tensor([tree.children[row][0] - 1 for row in inner], device=device)]  # [m] first children
+        px, qx = p[at, x], q[torch.arange(len(inner), device=device), x]
+        u = torch.rand(len(inner), generator=generator, device=device)
+        first_kept = ((qx > 0) & (u * qx < px)).long()
+        residual = (p[at] - q).clamp_(min=0.0)
         total = residual.sum(dim=-1, keepdim=True)
-        p = torch.cat([torch.where(total > 0, residual / total, p[:gamma]), p[gamma:]])  # [γ+1, V]: where to draw
-    else:
-        accepted = torch.zeros(1, dtype=torch.long, device=device)
-    token = torch.multinomial(p.index_select(0, accepted), 1, generator=generator)[0]  # [1], no host index
-    n, token, *chain = to_host(torch.cat([accepted, token, *(step.token.to(device) for step in steps)]))
-    return Verdict(chain[:n], token, chain)
+        draw_from = p.index_copy(0, at, torch.where(total > 0, residual / total, p[at]))
+    draws = torch.multinomial(draw_from, 1, generator=generator)[:, 0]  # [n] each row's token if the walk ends there
+    values = to_host(torch.cat([first_kept, draws, tokens]))
+    m = len(inner)
+    kept, draw, tokens_host = dict(zip(inner, values[:m])), values[m : m + n], (-1, *values[m + n :])
+    row, rows = 0, []
+    while True:
+        kids = tree.children[row]
+        if kids and kept[row]:
+            child = kids[0]
+        elif len(kids) > 1:
+            i = inner.index(row)
+            child, token = _later_siblings(kids[1:], tokens_host, draw_from[row], q[i], x[i], generator)
+            if child is None:
+                return _verdict(tree, rows, token, tokens_host)
+        else:
+            return _verdict(tree, rows, draw[row], tokens_host)
+        rows.append(child)
+        row = child
 
 
-def _dense_q(step: DraftStep, vocab: int, device) -> torch.Tensor:
-    """The draft distribution over the target's ``vocab`` ids [V]; support ids at or past ``vocab`` (a padded draft
-    head) land in a spare slot that is dropped, so nothing waits on the device."""
+def _later_siblings(kids, tokens: tuple[int, ...], p: torch.Tensor, q: torch.Tensor, first: torch.Tensor,
+                    generator: torch.Generator) -> tuple[int | None, int | None]:
+    """Recursive rejection sampling past a rejected first child ``first`` [], from the residual ``p`` [V] it left:
+    (the accepted child's row, None), or (None, the token drawn once every child was rejected). One read a child."""
+    q = q.index_fill(0, first.view(1), 0.0)
+    q = q / q.sum().clamp(min=1e-30)
+    for child in kids:
+        x = tokens[child]
+        u = torch.rand(1, generator=generator, device=p.device)
+        px, qx, ux = to_host(torch.cat([p[x : x + 1].double(), q[x : x + 1].double(), u.double()]))
+        if qx > 0 and ux * qx < px:
+            return child, None
+        residual = (p - q).clamp_(min=0.0)
+        total = residual.sum()
+        p = torch.where(total > 0, residual / total.clamp(min=1e-30), p)
+        q[x] = 0.0
+        q = q / q.sum().clamp(min=1e-30)
+    return None, to_host(torch.multinomial(p, 1, generator=generator))[0]
+
+
+def _verdict(tree: DraftTree, rows: list[int], token: int, tokens: tuple[int, ...]) -> Verdict:
+    """The verdict of a walk that accepted ``rows`` and ended with ``token``."""
+    return Verdict([tokens[r] for r in rows], token, tuple(rows), tokens, tree.on_main(rows))
+
+
+def _dense_q(probs: torch.Tensor, support: torch.Tensor | None, vocab: int, device) -> torch.Tensor:
+    """The draft distribution ``probs`` over ``support`` ids (None: ids 0..) as a dense [V] over the target's
+    ``vocab`` ids; support ids at or past ``vocab`` (a padded draft head) land in a spare slot that is dropped, so
+    nothing waits on the device."""
     q = torch.zeros(vocab + 1, device=device)
-    if step.support is None:
-        n = min(step.q.numel(), vocab)
-        q[:n] = step.q[:n]
+    if support is None:
+        n = min(probs.numel(), vocab)
+        q[:n] = probs[:n]
     else:
-        q[step.support.clamp(max=vocab)] = step.q.to(q.dtype)
+        q[support.to(device).clamp(max=vocab)] = probs.to(device, q.dtype)
     return q[:vocab]
 
 
-def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
-    """Accept the longest chain prefix matching the target's argmax, then the leaf at the stopping depth if it
-    matches; ``target_logits`` [n, V] are the rows of one pass over :meth:`DraftTree.inputs`. One host read
-    brings back the target's argmax rows [n] and the drafted tokens (chain, leaves) together."""
-    argmax, drafted = target_logits.argmax(dim=-1), tree.drafted()  # [n], chain + leaves × [1]
-    values = to_host(torch.cat([argmax, *(t.to(argmax.device) for t in drafted)]) if drafted else argmax)
-    n, gamma = target_logits.shape[0], len(tree.chain)
-    choice, chain = values[:n], values[n : n + gamma]
-    leaves = dict(zip(tree.depths, values[n + gamma :]))
-    k = 0
-    while k < gamma and chain[k] == choice[k]:
-        k += 1
-    leaf = leaves.get(k) if k < gamma else None
-    if leaf is not None and leaf == choice[k]:
-        row = tree.leaf_row(k)
-        return Verdict(chain[:k] + [leaf], choice[row], chain, row)
-    return Verdict(chain[:k], choice[k], chain)
-
-
-def verify_token_tree(
-    tree: TokenTree, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator,
-    proposals: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
-) -> Verdict:
-    """Verify an EAGLE-2 tree against ``target_logits`` [n, V], the rows of one pass over its inputs, walking from
-    the root child by child.
-
-    Greedy: the child whose token is the target's argmax at its parent's row is accepted (one host read: the
-    argmax of every row). Sampling: at each row, its children are tried in the order they were drawn, without
-    replacement, from the draft's distribution ``q`` there (``proposals(row)``: probabilities [n] over ids [n],
-    None: all ids), by recursive rejection sampling (Jeon et al. 2024, "Recursive Speculative Decoding"): child x
-    is accepted with probability min(1, p(x)/q(x)); on rejection ``p <- norm(max(0, p - q))`` and x leaves ``q``
-    (``q <- norm(q with q(x) = 0)``); with no child left, the token is drawn from ``p``. Exact for the target's
-    distribution as long as which children a row keeps does not depend on the drawn tokens (the tree's shape under
-    sampling is fixed by rank, :mod:`dynvocab.runtime.tree_draft`). One host read per child tried.
-    """
+def verify(tree: DraftTree, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator,
+           proposals: Proposals | None = None) -> Verdict:
+    """Verify one cycle's draft against ``target_logits`` [n, V], the rows of one target pass over its inputs:
+    :func:`verify_greedy` at temperature 0, else :func:`verify_sampled` with the draft's ``proposals``."""
     if cfg.greedy:
-        choice = to_host(target_logits.argmax(dim=-1))
-        row, rows = 0, []
-        while True:
-            child = next((c for c in tree.children[row] if tree.tokens[c] == choice[row]), None)
-            if child is None:
-                break
-            rows.append(child)
-            row = child
-        return Verdict([tree.tokens[r] for r in rows], choice[row], _main_tokens(tree), path_rows=tuple(rows))
-    row, rows = 0, []
-    while True:
-        p = probs_from_logits(target_logits[row], cfg)  # [V]
-        accepted = None
-        if tree.children[row]:
-            probs, ids = proposals(row)
-            q = _dense_q(DraftStep(None, ids, probs), p.shape[-1], p.device)  # [V]
-            for child in tree.children[row]:
-                x = tree.tokens[child]
-                u = torch.rand(1, generator=generator, device=p.device)
-                px, qx, ux = to_host(torch.cat([p[x : x + 1].double(), q[x : x + 1].double(), u.double()]))
-                if qx > 0 and ux * qx < px:
-                    accepted = child
-                    break
-                residual = (p - q).clamp_(min=0.0)
-                total = residual.sum()
-                p = torch.where(total > 0, residual / total.clamp(min=1e-30), p)
-                q[x] = 0.0
-                q = q / q.sum().clamp(min=1e-30)
-        if accepted is None:
-            token = to_host(torch.multinomial(p, 1, generator=generator))[0]
-            return Verdict([tree.tokens[r] for r in rows], token, _main_tokens(tree), path_rows=tuple(rows))
-        rows.append(accepted)
-        row = accepted
-
-
-def _main_tokens(tree: TokenTree) -> list[int]:
-    """The tokens of the tree's main path (the draft's best child at each depth)."""
-    return [tree.tokens[r] for r in tree.main]
-
-
-def verify(
-    tree: DraftTree, steps: list[DraftStep], target_logits: torch.Tensor, cfg: SamplingConfig,
-    generator: torch.Generator,
-) -> Verdict:
-    """Verify one cycle's draft against ``target_logits`` [1 + chain + leaves, V] of one target pass: greedy walks
-    the tree (:func:`verify_tree_greedy`), sampling runs exact rejection sampling over the chain's ``steps``. An
-    EAGLE-2 :class:`~dynvocab.runtime.tree.TokenTree` is verified by :func:`verify_token_tree`."""
-    if cfg.greedy:
-        return verify_tree_greedy(tree, target_logits)
-    return verify_sampling(steps, target_logits, cfg, generator)
+        return verify_greedy(tree, target_logits)
+    return verify_sampled(tree, target_logits, cfg, generator, proposals)

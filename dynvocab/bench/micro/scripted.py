@@ -17,7 +17,7 @@ from dynvocab.runtime.cycle import Checked, CycleResult, CycleSetup, Sections, r
 from dynvocab.runtime.draft import DraftInfo
 from dynvocab.runtime.timing import SectionTimer
 from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.verify import DraftStep, SamplingConfig, Verdict
+from dynvocab.runtime.verify import SamplingConfig, Verdict
 
 
 @dataclass
@@ -96,10 +96,11 @@ class ScriptedDraft:
     def observe(self, start: int, hidden: torch.Tensor | None, rows) -> None:
         """Nothing is kept of the target's pass."""
 
-    def verify(self, tree: DraftTree, steps: list[DraftStep], tokens: list[int]) -> Checked:
+    def verify(self, tree: DraftTree, proposals, tokens: list[int]) -> Checked:
         """The script's verdict over the drafted chain, with its target pass."""
         c = self._cycle
-        verdict = Verdict(c.draft_tokens[: c.accepted], c.next_token, c.draft_tokens)
+        verdict = Verdict(c.draft_tokens[: c.accepted], c.next_token, tuple(range(1, c.accepted + 1)),
+                          (-1, *c.draft_tokens), c.accepted)
         return Checked(verdict, c.target_logits, c.target_hidden)
 
 

@@ -13,19 +13,20 @@ from dynvocab.runtime.active_set import ActiveSet
 class CycleReport:
     """What one draft-verify cycle did, reported to the policy after verification.
 
-    ``target_logits`` and ``target_hidden`` cover the γ+1 verified positions (position j predicts the
-    token after ``draft_tokens[:j]``); only the first ``accepted + 1`` of them lie on the accepted path.
+    ``draft_tokens`` are the accepted path, then the draft's best continuation below it (a chain's remaining
+    tokens; a tree's first child at each row); ``target_logits`` and ``target_hidden`` hold their rows of the pass,
+    the root's first (row j predicts the token after ``draft_tokens[:j]``); only the first ``accepted + 1`` of them
+    lie on the accepted path.
     """
 
     position: int  # sequence length before the cycle (prompt + tokens emitted so far)
-    draft_tokens: list[int]  # [γ] drafted ids
+    draft_tokens: list[int]  # [γ] drafted ids along the path
     draft_top: list[torch.Tensor]  # γ × [k] the draft's top alternatives per step (empty when not asked)
-    accepted: int  # tokens accepted on the path, an accepted tree leaf included (then ``leaf`` is set)
+    accepted: int  # tokens accepted on the path (a runner-up leaf or a side branch included)
     emitted: list[int]  # tokens appended this cycle (accepted + correction/bonus, after EOS/length cuts)
     target_logits: torch.Tensor  # [γ+1, V] float32
     target_hidden: torch.Tensor  # [γ+1, d_target]
     active_sets: tuple[ActiveSet, ...] | list[ActiveSet] = ()  # the active set of each draft step
-    leaf: bool = False  # the last of the ``accepted`` tokens is a tree leaf, not a chain token (see runtime.tree)
 
 
 class VocabPolicy:
