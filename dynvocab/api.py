@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 from dynvocab.errors import DynvocabError
 from dynvocab.reply import GenerationResult, Reply, TextStream
-from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.registry import StrategyOptions
 
 Prompt = "str | Sequence[dict]"  # a user message, or chat messages ({"role": …, "content": …})

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.loop import Decoding
-from dynvocab.runtime.metrics import Metrics
+from dynvocab.runtime.decoding.loop import Decoding
+from dynvocab.runtime.decoding.metrics import Metrics
 
 
 @dataclass(frozen=True)

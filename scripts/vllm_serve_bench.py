@@ -241,7 +241,7 @@ def native_draft(draft: str) -> tuple[str, str] | None:
     """(folder, method) of ``draft`` where vLLM runs it with its own classes (a draft model, an EAGLE-3 head), for
     the ``full`` row; None for a head only the plugin's classes run (dynvocab's EAGLE-1 heads: a message says so)."""
     from dynvocab.models.loading import resolve_model
-    from dynvocab.runtime.drafts import find_kind
+    from dynvocab.runtime.drafts.kinds import find_kind
     from dynvocab.serving.vllm.kinds import KINDS
 
     spec = resolve_model(draft)

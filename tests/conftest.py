@@ -190,7 +190,7 @@ def random_eagle3(cfg, seed: int = 0):
 @pytest.fixture
 def cycles_run(monkeypatch):
     """A counter of the cycles the loop runs (``loop.run_cycle`` wrapped for the test)."""
-    from dynvocab.runtime import loop
+    from dynvocab.runtime.decoding import loop
 
     count = [0]
     real = loop.run_cycle

@@ -12,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.loop import DecodeConfig, Generation, speculative_generate
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.decoding.loop import DecodeConfig, Generation, speculative_generate
 from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.verify import probs_from_logits
+from dynvocab.runtime.trees.verify import probs_from_logits
 
 
 def pooled_chi_square(counts: torch.Tensor, p: torch.Tensor, draws: int) -> tuple[float, int]:

@@ -7,7 +7,7 @@ import pytest
 from cli_helpers import run
 
 from dynvocab.bench.engines import hf as hf_rows
-from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.strategies import StrategyOptions
 
 ROOT = Path(__file__).resolve().parents[1]

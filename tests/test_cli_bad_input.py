@@ -157,7 +157,7 @@ def test_build_and_bundle_commands_bad_input(files, args, words):
     ],
 )
 def test_runtime_failures_are_one_line(tiny_dirs, monkeypatch, error, words):
-    from dynvocab.runtime import loop
+    from dynvocab.runtime.decoding import loop
 
     def fail(*args, **kwargs):
         raise error
@@ -167,7 +167,7 @@ def test_runtime_failures_are_one_line(tiny_dirs, monkeypatch, error, words):
 
 
 def test_ctrl_c_in_generate_prints_the_tokens_so_far(tiny_dirs, monkeypatch):
-    from dynvocab.runtime import loop
+    from dynvocab.runtime.decoding import loop
 
     real, emitted = loop.run_cycle, []
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from conftest import DEMO_PAIR, requires_packages
 
-from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
 from dynvocab.runtime.policies.evospec import EvoSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig

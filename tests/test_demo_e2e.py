@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DEMO_PAIR, requires_packages
 
-from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 

@@ -20,13 +20,14 @@ from dynvocab.errors import DynvocabError
 from dynvocab.models import resolve_model
 from dynvocab.models.rows import FloatRows
 from dynvocab.registry import forget_plugins, load_plugins
-from dynvocab.runtime import drafts, strategies
-from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.draft import DraftInfo, OwnsHead, Proposer, protocol_gaps
-from dynvocab.runtime.draft_model import DraftModel
-from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
-from dynvocab.runtime.head import DraftHead
-from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime import strategies
+from dynvocab.runtime.drafts import kinds as drafts
+from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.runtime.drafts.draft import DraftInfo, OwnsHead, Proposer, protocol_gaps
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
+from dynvocab.runtime.heads.head import DraftHead
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.strategies import Strategy, strategy_names
 from dynvocab.runtime.strategies import register as register_strategy
 from dynvocab.runtime.strategies import unregister as unregister_strategy

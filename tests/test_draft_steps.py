@@ -9,7 +9,7 @@ from torch import nn
 
 from conftest import requires_packages, tiny_qwen2
 from dynvocab.models.prepack import PrepackedLinear, prepack_linears, prepack_supported
-from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.session import ModelConfig, Session
 
 pytestmark = pytest.mark.skipif(not prepack_supported("cpu", "float32"), reason="this torch has no oneDNN")

@@ -16,19 +16,19 @@ from sampling_checks import first_pairs_follow_the_target, pooled_chi_square
 from test_loop import VOCAB, greedy_case, make_policy
 from test_tree_budget import Ticks
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.cycle import CycleSetup, TargetVerifier, run_cycle
-from dynvocab.runtime.draft import DraftInfo
-from dynvocab.runtime.draft_model import DraftModel
-from dynvocab.runtime.eagle_draft import Eagle1Draft
-from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.decoding.cycle import CycleSetup, TargetVerifier, run_cycle
+from dynvocab.runtime.drafts.draft import DraftInfo
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
-from dynvocab.runtime.timing import SectionTimer
-from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.tree_budget import TreeMemory
-from dynvocab.runtime.tree_draft import Candidates, Growth, grow_tree, rank_scores, tree_of
-from dynvocab.runtime.tree_shape import TreeShape, parse_tree, split_tree
-from dynvocab.runtime.verify import SamplingConfig, verify
+from dynvocab.runtime.decoding.timing import SectionTimer
+from dynvocab.runtime.trees.tree import DraftTree
+from dynvocab.runtime.trees.mode import TreeMemory
+from dynvocab.runtime.trees.growth import Candidates, Growth, grow_tree, rank_scores, tree_of
+from dynvocab.runtime.trees.shape import TreeShape, parse_tree, split_tree
+from dynvocab.runtime.trees.verify import SamplingConfig, verify
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.transformers_api]  # CI: again at the lower bound
 
@@ -319,7 +319,7 @@ def test_a_draft_model_refuses_trees(tiny_pair):
 
 
 def test_auto_measures_the_curve_once_and_stays_exact(setup, tmp_path, monkeypatch):
-    from dynvocab.runtime.tree_budget import curve_key, curve_path, load_curve
+    from dynvocab.runtime.trees.curve import curve_key, curve_path, load_curve
 
     monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))
     target, draft = setup

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynvocab.runtime.ngram import NgramLookup
+from dynvocab.runtime.decoding.ngram import NgramLookup
 from dynvocab.runtime.selectors.context_select import WindowSelector
 from dynvocab.serving.vllm import proposal
 from dynvocab.serving.vllm.context import EngineContext

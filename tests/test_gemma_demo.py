@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import requires_packages
 
-from dynvocab.runtime.loop import DecodeConfig
+from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.strategies import StrategyOptions
 

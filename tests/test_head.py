@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynvocab.runtime.head import DraftHead, PackedHead
+from dynvocab.runtime.heads.head import DraftHead, PackedHead
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def check(head, weight, hidden, ids):
 
 
 def test_full_head_over_the_full_set(weight):
-    from dynvocab.runtime.active_set import ActiveSet
+    from dynvocab.runtime.heads.active_set import ActiveSet
 
     head = DraftHead(weight)
     h = torch.randn(3, 16)
@@ -51,7 +51,7 @@ def test_incremental_updates_copy_only_changed_rows(weight):
 
 
 def test_prefix_views_of_a_ranking_do_not_copy(weight):
-    from dynvocab.runtime.active_set import Prefix
+    from dynvocab.runtime.heads.active_set import Prefix
 
     head = PackedHead(weight)
     ranking = torch.randperm(200)[:90]
@@ -80,7 +80,7 @@ def test_softcap_applies(weight):
 
 
 def test_draft_head_segments_concatenate_and_keep_their_own_buffers(weight):
-    from dynvocab.runtime.active_set import ActiveSet
+    from dynvocab.runtime.heads.active_set import ActiveSet
 
     head = DraftHead(weight)
     h = torch.randn(1, 16)
@@ -103,7 +103,7 @@ def test_draft_head_segments_concatenate_and_keep_their_own_buffers(weight):
 
 
 def test_row_ranges_match_the_full_head_on_their_ids():
-    from dynvocab.runtime.active_set import ActiveSet, RowRanges, merge_ranges
+    from dynvocab.runtime.heads.active_set import ActiveSet, RowRanges, merge_ranges
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(40, 8, generator=gen), torch.randn(40, generator=gen)
@@ -125,7 +125,7 @@ def test_row_ranges_match_the_full_head_on_their_ids():
 
 
 def test_row_ranges_positions_cover_each_range_in_order():
-    from dynvocab.runtime.active_set import RowRanges
+    from dynvocab.runtime.heads.active_set import RowRanges
 
     order = torch.arange(100).flip(0)
     ranges = RowRanges(order, (3, 10, 50), (5, 11, 54))

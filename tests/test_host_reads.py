@@ -19,9 +19,9 @@ import torch
 
 from dynvocab.artifacts import ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.runtime.host import PACKAGE, HostReads, host_reads
-from dynvocab.runtime.draft_model import DraftModel
-from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig
@@ -139,7 +139,7 @@ def eagle_pair(kind: str):
     from conftest import tiny_qwen2
     from test_eagle_loop import LAYERS, eagle1, eagle3
     from dynvocab.models.eagle import LayerTap
-    from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
+    from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
 
     model = tiny_qwen2(layers=LAYERS, seed=0)
     target = CausalLM(model)

@@ -264,11 +264,11 @@ def test_circles_are_found_and_named_by_their_shortest_loop():
 
 
 def test_the_checker_catches_each_kind_of_broken_arrow():
-    modules = {"dynvocab.cli", "dynvocab.runtime", "dynvocab.runtime.loop", "dynvocab.runtime.policies",
+    modules = {"dynvocab.cli", "dynvocab.runtime", "dynvocab.runtime.decoding.loop", "dynvocab.runtime.policies",
                "dynvocab.artifacts", "dynvocab.artifacts.bundle", "dynvocab.serving.vllm.head"}
     up = "import torch\nfrom dynvocab.cli import main\n"
-    assert violations(up, "dynvocab.runtime.loop", "runtime/loop.py", modules=modules) == [
-        "runtime/loop.py:2 -> dynvocab.cli: an upward arrow (floor 5 imports floor 9)"
+    assert violations(up, "dynvocab.runtime.decoding.loop", "runtime/decoding/loop.py", modules=modules) == [
+        "runtime/decoding/loop.py:2 -> dynvocab.cli: an upward arrow (floor 5 imports floor 9)"
     ]
     relative = "def f():\n    from ... import cli\n    from ...artifacts import bundle\n"
     assert violations(relative, "dynvocab.runtime.policies.x", "runtime/policies/x.py", modules=modules) == [

@@ -86,8 +86,8 @@ def test_auto_matches_truth_on_every_device(device):
 @needs_triton
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_range_head_fused_matches_one_matmul_per_range(device):
-    from dynvocab.runtime.active_set import RowRanges, merge_ranges
-    from dynvocab.runtime.head import RangeHead
+    from dynvocab.runtime.heads.active_set import RowRanges, merge_ranges
+    from dynvocab.runtime.heads.head import RangeHead
 
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(VOCAB, 32, generator=g).to(device)  # [V, d]

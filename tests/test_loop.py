@@ -9,13 +9,13 @@ import torch
 
 from conftest import tiny_qwen2
 from sampling_checks import first_tokens_follow_the_target
-from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
-from dynvocab.runtime.draft_model import DraftModel
+from dynvocab.runtime.drafts.draft_model import DraftModel
 
 pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
 
@@ -191,8 +191,8 @@ def test_padded_vocabularies_are_matched_on_shared_ids():
 
 def test_without_timing_the_loop_reads_no_clock_per_step(pair, monkeypatch):
     """Timing off: the loop reads the clock twice per generation (wall time), never per draft step or cycle."""
-    import dynvocab.runtime.loop as loop
-    import dynvocab.runtime.timing as timing
+    import dynvocab.runtime.decoding.loop as loop
+    import dynvocab.runtime.decoding.timing as timing
 
     target, draft = pair
     reads = []
@@ -216,8 +216,8 @@ def test_cuda_section_timing_in_a_real_run_waits_once_per_cycle(pair, monkeypatc
     """The loop times its sections as on a GPU (events that stand in for CUDA's, stamped with the CPU clock): it
     waits on an event once per cycle, never per step, calls no ``torch.cuda.synchronize``, and its sections fit in
     the wall time (head inside draft; prefill, draft and verify apart)."""
-    import dynvocab.runtime.loop as loop
-    from dynvocab.runtime.timing import SectionTimer
+    import dynvocab.runtime.decoding.loop as loop
+    from dynvocab.runtime.decoding.timing import SectionTimer
 
     target, draft = pair
     waits, syncs, events = [], [], []

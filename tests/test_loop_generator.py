@@ -1,4 +1,4 @@
-"""The loop as an iterator (:class:`~dynvocab.runtime.loop.Decoding`) on tiny random models: its cycles are
+"""The loop as an iterator (:class:`~dynvocab.runtime.decoding.loop.Decoding`) on tiny random models: its cycles are
 ``speculative_generate``'s, closing it runs no further cycle and still finishes the metrics, ``on_end`` runs once
 however it ends (dropped unclosed included), and inference mode does not leak into the consumer's code between
 cycles."""
@@ -10,10 +10,10 @@ import gc
 import pytest
 import torch
 
-from dynvocab.runtime import loop
-from dynvocab.runtime.draft_model import DraftModel
-from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.loop import DecodeConfig, Decoding, speculative_generate
+from dynvocab.runtime.decoding import loop
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.decoding.loop import DecodeConfig, Decoding, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,12 +13,12 @@ from test_verify import step_of, verify_chain
 from conftest import tiny_qwen2
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle import LayerTap
-from dynvocab.runtime.eagle_draft import Eagle1Draft, Eagle3Draft
-from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.loop import DecodeConfig, speculative_generate
-from dynvocab.runtime.ngram import NgramLookup, split_ngram
+from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.decoding.ngram import NgramLookup, split_ngram
 from dynvocab.runtime.strategies import check_strategy, lookup
-from dynvocab.runtime.verify import SamplingConfig
+from dynvocab.runtime.trees.verify import SamplingConfig
 
 
 def test_the_longest_suffix_wins_and_the_latest_occurrence_of_it():

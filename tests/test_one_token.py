@@ -1,4 +1,4 @@
-"""A draft model's one-token step (runtime/one_token.py) computes what transformers' forward computes, on the same
+"""A draft model's one-token step (runtime/drafts/one_token.py) computes what transformers' forward computes, on the same
 cache, for the layer kinds it accepts, and refuses the ones it does not reproduce."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from conftest import tiny_llama, tiny_qwen2
 from dynvocab.models.int8 import int8_supported
 from dynvocab.models.prepack import quantize_linears
-from dynvocab.runtime import one_token
-from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.drafts import one_token
+from dynvocab.runtime.drafts.lm import CausalLM
 
 pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
 

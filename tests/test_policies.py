@@ -201,7 +201,7 @@ def test_hybrid_searches_per_step_on_cpu_only_by_default():
 
 @pytest.mark.parametrize("name", ["fr", "fr-pa"])
 def test_ranking_policies_put_their_ids_on_the_context_device(name, tmp_path):
-    from dynvocab.runtime.head import DraftHead
+    from dynvocab.runtime.heads.head import DraftHead
     from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
     token_map = tmp_path / "map.pt"
@@ -216,8 +216,8 @@ def test_ranking_policies_put_their_ids_on_the_context_device(name, tmp_path):
 
 
 def test_the_draft_head_refuses_ids_on_another_device():
-    from dynvocab.runtime.active_set import ActiveSet, RowRanges
-    from dynvocab.runtime.head import DraftHead
+    from dynvocab.runtime.heads.active_set import ActiveSet, RowRanges
+    from dynvocab.runtime.heads.head import DraftHead
 
     head = DraftHead(torch.empty(96, 8, device="meta"))
     hidden = torch.empty(1, 8, device="meta")

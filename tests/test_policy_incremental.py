@@ -7,8 +7,8 @@ import torch
 
 from dynvocab.artifacts import GraphTable
 from dynvocab.bench.micro.scripted import ScriptedCycle, ScriptedDraft, run_script
-from dynvocab.runtime.draft import DraftInfo
-from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.drafts.draft import DraftInfo
+from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
@@ -109,7 +109,7 @@ def test_an_unchanged_window_returns_the_same_tensor():
 def test_dynaspec_ranges_match_the_host_merge():
     from dynvocab.artifacts import ClusterTable
     from dynvocab.artifacts.router import RouterMLP, RouterTable
-    from dynvocab.runtime.active_set import merge_ranges
+    from dynvocab.runtime.heads.active_set import merge_ranges
     from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 
     g = torch.Generator().manual_seed(5)

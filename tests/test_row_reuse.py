@@ -8,9 +8,9 @@ import torch
 
 from dynvocab.models.int8 import int8_supported
 from dynvocab.models.rows import FloatRows, Int8Rows, RowSource, row_source
-from dynvocab.runtime.active_set import CHANGED, ActiveSet, Gathered, Prefix, RowRanges, SegmentKey, segment_key
-from dynvocab.runtime.head import DraftHead
-from dynvocab.runtime.mapped_head import MappedHead
+from dynvocab.runtime.heads.active_set import CHANGED, ActiveSet, Gathered, Prefix, RowRanges, SegmentKey, segment_key
+from dynvocab.runtime.heads.head import DraftHead
+from dynvocab.runtime.heads.mapped_head import MappedHead
 
 VOCAB, DRAFT_VOCAB, DIM = 300, 120, 16
 MEMBERS = ("shape", "device", "dtype", "row_dtype", "bias", "packs_prefixes", "ordered", "linear", "gather",

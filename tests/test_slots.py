@@ -2,7 +2,7 @@
 
 import torch
 
-from dynvocab.runtime.slots import SlotTable
+from dynvocab.runtime.heads.slots import SlotTable
 
 VOCAB = 500
 

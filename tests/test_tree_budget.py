@@ -12,11 +12,10 @@ import time
 import pytest
 import torch
 
-from dynvocab.runtime.tree_budget import (
-    EXPLORE, EXPLORE_MAX, HALF_LIFE, SWITCH, AutoState, TreeBudget, TreeMemory, clock_for,
-)
-from dynvocab.runtime.tree_draft import Candidates
-from dynvocab.runtime.tree_shape import TreeShape
+from dynvocab.runtime.trees.budget import TreeBudget
+from dynvocab.runtime.trees.mode import EXPLORE, EXPLORE_MAX, HALF_LIFE, SWITCH, AutoState, TreeMemory, clock_for
+from dynvocab.runtime.trees.growth import Candidates
+from dynvocab.runtime.trees.shape import TreeShape
 
 CURVE = {1: 1.0, 16: 1.2}  # 16 drafted tokens cost 1.2 one-token passes
 KEY = ("full", True, False)

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.verify import DraftStep, SamplingConfig, probs_from_logits, verify_greedy, verify_sampled
+from dynvocab.runtime.trees.tree import DraftTree
+from dynvocab.runtime.trees.verify import DraftStep, SamplingConfig, probs_from_logits, verify_greedy, verify_sampled
 
 
 def onehot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:

@@ -108,9 +108,9 @@ def test_the_head_vllm_runs_is_the_head_dynvocab_runs(models, one_rank):
     emits the first token without drafting; dynvocab's first cycle drafts) and cap the last one differently, so the
     chains shift against each other and the counts are not equal; a head without its bias or the target's scale
     drafts other tokens altogether. A set of every id drafts exactly as the full head."""
-    from dynvocab.runtime.eagle_draft import Eagle1Draft
-    from dynvocab.runtime.lm import CausalLM
-    from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+    from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft
+    from dynvocab.runtime.drafts.lm import CausalLM
+    from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 
     target = CausalLM(models["target_model"])
     draft = Eagle1Draft(models["head_model"].pair_with(models["target_model"]), target)

@@ -110,9 +110,9 @@ def run_command(req: BenchRequest, flags: StrategyFlags) -> dict:
     from dynvocab import api
     from dynvocab.bench.loop.runner import needs_draft, parse_rows, with_llama_rows
     from dynvocab.models.loading import resolve_model
-    from dynvocab.runtime.draft_registry import check_tree_kind
+    from dynvocab.runtime.drafts.registry import check_tree_kind
     from dynvocab.runtime.strategies import check_bundle_stages
-    from dynvocab.runtime.tree_shape import asks_for_trees
+    from dynvocab.runtime.trees.shape import asks_for_trees
 
     quick = Quick() if req.quick else None
     names = with_llama_rows(parse_rows(req.strategies or (quick.strategies if quick else DEFAULT_ROWS)), req.llamacpp)

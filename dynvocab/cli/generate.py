@@ -22,7 +22,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError, Interrupted
 from dynvocab.runtime.strategies import check_bundle_stages, check_strategy, lookup, strategy_names
-from dynvocab.runtime.tree_shape import asks_for_trees
+from dynvocab.runtime.trees.shape import asks_for_trees
 
 
 @one_line_errors
@@ -56,7 +56,7 @@ def generate(
     check_bundle_stages([strategy], flags.bundle)
     if lookup(strategy).drafts and asks_for_trees(flags.tree, [strategy]):
         from dynvocab.models.loading import resolve_model
-        from dynvocab.runtime.draft_registry import check_tree_kind
+        from dynvocab.runtime.drafts.registry import check_tree_kind
 
         check_tree_kind(resolve_model(draft))  # before anything loads
     pair = api.load(

@@ -29,7 +29,7 @@ from dynvocab.cli.common import (
 )
 from dynvocab.errors import DynvocabError
 from dynvocab.files import write_atomic
-from dynvocab.runtime.drafts import kind_names
+from dynvocab.runtime.drafts.kinds import kind_names
 
 app = typer.Typer(
     name="microbench",

@@ -5,7 +5,7 @@ Importing this package never imports Triton: the ``*_triton.py`` kernel modules 
 CPU. Their timings live in :mod:`dynvocab.bench.micro.microbench`. Public entry points, and who calls them:
 
 - ``gathered_logits(h, weight, idx)``: float32 logits [M, n] over rows ``idx`` of an LM head, fused, reading the
-  rows in place. On the decode path on CUDA: :class:`~dynvocab.runtime.head.RangeHead` (the head over a
+  rows in place. On the decode path on CUDA: :class:`~dynvocab.runtime.heads.head.RangeHead` (the head over a
   policy's row ranges, e.g. DynaSpec's clusters) computes all of a step's ranges in one launch of it. The bench
   times it too (``gathered_logits_auto``: the kernel on CUDA, the reference elsewhere).
 - ``WindowState``: MicroSpec's sliding window (ring + token counts) on the device; the microspec and hybrid

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup, split_ngram
+from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup, split_ngram
 from dynvocab.runtime.selectors.batch_select import BatchSelector
 from dynvocab.runtime.registry import SHARED_BUDGET_FLAG, Batched, Strategy, StrategyOptions
 from dynvocab.runtime.strategies import lookup, strategies
@@ -51,7 +51,7 @@ def _entry(strategy: str) -> Strategy | None:
         return None
 
 
-DRAFT_MODEL = "draft-model"  # the draft kind (runtime/drafts.py) to which vLLM hands no target hidden states
+DRAFT_MODEL = "draft-model"  # the draft kind (runtime/drafts/kinds.py) to which vLLM hands no target hidden states
 NO_HEAD = ("ar",)  # rows that draft nothing themselves: '+ngram' on them is lookup alone
 
 

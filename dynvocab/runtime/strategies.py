@@ -62,7 +62,7 @@ from dynvocab.runtime.selectors.context_select import (
     window_from_bundle,
 )
 from dynvocab.runtime.selectors.evospec_select import evospec_from_bundle
-from dynvocab.runtime.token_map import load_token_map
+from dynvocab.runtime.heads.token_map import load_token_map
 
 ENTRY_POINTS = "dynvocab.strategies"  # the entry-point group of strategies that installed packages bring
 

@@ -20,8 +20,8 @@ import time
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.loop import DecodeConfig
-from dynvocab.runtime.metrics import Metrics
+from dynvocab.runtime.decoding.loop import DecodeConfig
+from dynvocab.runtime.decoding.metrics import Metrics
 
 HF_ROWS = ("hf-assisted", "hf-lookup")
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens

@@ -219,7 +219,7 @@ def speculative_text(stdout: str, prompt: str) -> str:
 
 # -- running a row ---------------------------------------------------------------------------------------------
 def _metrics(new_tokens: int, cycles: int, wall_s: float, prefill_s: float, verify_s: float | None) -> dict:
-    from dynvocab.runtime.metrics import Metrics
+    from dynvocab.runtime.decoding.metrics import Metrics
 
     m = Metrics().as_dict()
     m.update(

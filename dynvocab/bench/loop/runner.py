@@ -23,8 +23,8 @@ from dynvocab.bench import stability
 from dynvocab.bench.engines.hf import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.bench.engines.llamacpp import LLAMA_ROWS, LlamaCpp, prompt_text
 from dynvocab.bench.engines.llamacpp import generate as llama_generate
-from dynvocab.runtime.loop import DecodeConfig, drafts_trees
-from dynvocab.runtime.tree_shape import TREE_OFF, asks_for_trees, chains_only, split_tree
+from dynvocab.runtime.decoding.loop import DecodeConfig, drafts_trees
+from dynvocab.runtime.trees.shape import TREE_OFF, asks_for_trees, chains_only, split_tree
 from dynvocab.bench.loop.recorder import PolicyRecorder
 from dynvocab.bench.loop.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summarize_bench
 from dynvocab.bench.loop.prompts import PromptRow

@@ -1,6 +1,6 @@
 """Bench summaries: every aggregation of bench results lives here.
 
-:func:`summarize` aggregates per-generation metrics dicts (:class:`dynvocab.runtime.metrics.Metrics`);
+:func:`summarize` aggregates per-generation metrics dicts (:class:`dynvocab.runtime.decoding.metrics.Metrics`);
 :func:`summarize_bench` and :func:`oracle_summary` aggregate a run's generation records per strategy and task.
 """
 
@@ -95,7 +95,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def tree_figures(rows: list[dict], cycles: int, head_s: float | None) -> dict:
-    """What a row's draft trees did (``--tree``, :mod:`dynvocab.runtime.tree_draft`): its tree cycles, drafted
+    """What a row's draft trees did (``--tree``, :mod:`dynvocab.runtime.trees.growth`): its tree cycles, drafted
     tokens verified per tree cycle, head calls and head ms per cycle (chain and tree cycles alike: a call per
     step or depth), the share of accepted tokens that lay off the draft's main path, and ``--tree auto``'s choices."""
     trees = sum(r.get("tree_cycles") or 0 for r in rows)

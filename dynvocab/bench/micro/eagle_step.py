@@ -162,9 +162,9 @@ def _heads(model, weight: torch.Tensor, active: tuple[int, ...], int8: bool, dev
 def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts: int = 8) -> dict:
     """``lowrank`` (rank 256, 4,096 ids) and ``centroids`` (32 blocks of 128) steps as the runtime runs them: the
     policy selects from one of ``contexts`` random hidden states in turn (a set that changes every step, as in a
-    run), the draft head (:class:`~dynvocab.runtime.head.DraftHead` over the step's rows) multiplies the set."""
+    run), the draft head (:class:`~dynvocab.runtime.heads.head.DraftHead` over the step's rows) multiplies the set."""
     from dynvocab.artifacts.selectors import random_selectors
-    from dynvocab.runtime.head import DraftHead
+    from dynvocab.runtime.heads.head import DraftHead
     from dynvocab.runtime.policies.centroids import CentroidPolicy
     from dynvocab.runtime.policies.lowrank import LowRankPolicy
 

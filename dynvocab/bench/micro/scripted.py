@@ -1,4 +1,4 @@
-"""A scripted draft and verifier that drive :func:`~dynvocab.runtime.cycle.run_cycle` without models.
+"""A scripted draft and verifier that drive :func:`~dynvocab.runtime.decoding.cycle.run_cycle` without models.
 
 ``microbench policy-steps`` and the policy tests replay scripted cycles — the draft's hidden states and tokens per
 step, the verdict, the target's logits and hidden states — through the same ``run_cycle`` the loop runs, so a
@@ -12,12 +12,12 @@ from typing import Sequence
 
 import torch
 
-from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.cycle import Checked, CycleResult, CycleSetup, Sections, run_cycle
-from dynvocab.runtime.draft import DraftInfo
-from dynvocab.runtime.timing import SectionTimer
-from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.verify import SamplingConfig, Verdict
+from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.runtime.decoding.cycle import Checked, CycleResult, CycleSetup, Sections, run_cycle
+from dynvocab.runtime.drafts.draft import DraftInfo
+from dynvocab.runtime.decoding.timing import SectionTimer
+from dynvocab.runtime.trees.tree import DraftTree
+from dynvocab.runtime.trees.verify import SamplingConfig, Verdict
 
 
 @dataclass
@@ -41,10 +41,10 @@ class ScriptedCycle:
 
 
 class ScriptedDraft:
-    """A :class:`~dynvocab.runtime.draft.Proposer` replaying :class:`ScriptedCycle` s, and their verifier.
+    """A :class:`~dynvocab.runtime.drafts.draft.Proposer` replaying :class:`ScriptedCycle` s, and their verifier.
 
     ``info``: what the policies read of the draft (bench's stand-in of a draft kind). Each step returns the
-    script's hidden state; the head, when given (a :class:`~dynvocab.runtime.head.DraftHead`), runs over the
+    script's hidden state; the head, when given (a :class:`~dynvocab.runtime.heads.head.DraftHead`), runs over the
     policy's active set (its columns are kept in ``columns``), and the logits returned make the script's token the
     draft's choice, its ``draft_top`` the next ones."""
 
@@ -106,7 +106,7 @@ class ScriptedDraft:
 
 def run_script(policy, cycles: Sequence[ScriptedCycle], tokens: list[int], draft: ScriptedDraft,
                timer: SectionTimer | None = None, sections: Sections = Sections(), times=None) -> list[CycleResult]:
-    """Drive ``policy`` through ``cycles`` with :func:`~dynvocab.runtime.cycle.run_cycle` (greedy, no early stop,
+    """Drive ``policy`` through ``cycles`` with :func:`~dynvocab.runtime.decoding.cycle.run_cycle` (greedy, no early stop,
     no leaves) after the committed ``tokens``, which grow in place. With ``timer``, the ``sections`` are flushed
     into ``times`` (an object with those attributes) after each cycle."""
     timer = timer or SectionTimer(torch.device("cpu"), False)

@@ -2,7 +2,7 @@
 tree shape and active set beside the chain, and the host reads each cycle makes (``gpu_check``'s ``tree_step``).
 
 A random target (from a transformers config: nothing is downloaded) and a random EAGLE-1 head for it decode
-``cycles`` tokens after ``context`` random ones through the one loop (:func:`~dynvocab.runtime.loop.speculative_generate`,
+``cycles`` tokens after ``context`` random ones through the one loop (:func:`~dynvocab.runtime.decoding.loop.speculative_generate`,
 section times on: CUDA events on a GPU), once per shape and set. Random weights accept nearly nothing, so each
 cycle grows the whole tree and verifies all of it: the figures are the cost of a cycle, not its yield. The reads
 are counted by :class:`~dynvocab.runtime.host.HostReads`: a tree cycle reads once after its growth (``grow_tree``)
@@ -26,8 +26,8 @@ def _random_pair(target_cfg: dict, device: torch.device, dtype: torch.dtype, see
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from dynvocab.models.eagle import EAGLE1, EagleModel, config_like
-    from dynvocab.runtime.eagle_draft import Eagle1Draft
-    from dynvocab.runtime.lm import CausalLM
+    from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft
+    from dynvocab.runtime.drafts.lm import CausalLM
 
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(Gemma3TextConfig(**target_cfg)).to(device, dtype).eval()
@@ -43,7 +43,7 @@ def tree_step_bench(target_cfg: dict, device: str = "cpu", dtype: str = "float32
     """Per set (None: the full head; K: a static K-id prefix, ``fr``'s kind) and per tree shape (and ``off``,
     the chain), ms per cycle of growth, head and verification, tokens verified per cycle, and the host reads by
     helper and elsewhere. Returns a JSON-ready dict."""
-    from dynvocab.runtime.loop import DecodeConfig, speculative_generate
+    from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
     from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
 
     dev, dt = torch.device(device), resolve_dtype(dtype)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.heads.active_set import ActiveSet
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ class VocabPolicy:
 
     The loop calls ``prefill`` once, then per cycle ``active_ids(j, hidden, token)`` for each draft step and
     ``observe`` after verification. The head decides what it may reuse from each segment's key alone
-    (:class:`~dynvocab.runtime.active_set.SegmentKey`): a :class:`~dynvocab.runtime.active_set.Prefix` of a ranking
-    the policy keeps, or :class:`~dynvocab.runtime.active_set.RowRanges` of a fixed order, copies no rows once
-    packed; a bare id tensor (or a :class:`~dynvocab.runtime.active_set.Gathered` one) is always a change, even the
+    (:class:`~dynvocab.runtime.heads.active_set.SegmentKey`): a :class:`~dynvocab.runtime.heads.active_set.Prefix` of a ranking
+    the policy keeps, or :class:`~dynvocab.runtime.heads.active_set.RowRanges` of a fixed order, copies no rows once
+    packed; a bare id tensor (or a :class:`~dynvocab.runtime.heads.active_set.Gathered` one) is always a change, even the
     same tensor object, and its rows are brought up to date incrementally.
     """
 
@@ -58,7 +58,7 @@ class VocabPolicy:
         to the host: a policy that needs its value reads it with :func:`~dynvocab.runtime.host.to_host`, one
         device wait per step); context-routed policies (DynaSpec, the hybrid's successors) use them, others
         ignore them.
-        Returns an :class:`~dynvocab.runtime.active_set.ActiveSet`: the full vocabulary or disjoint segments.
+        Returns an :class:`~dynvocab.runtime.heads.active_set.ActiveSet`: the full vocabulary or disjoint segments.
         """
         raise NotImplementedError
 

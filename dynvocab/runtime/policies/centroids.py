@@ -1,5 +1,5 @@
 """``centroids`` (Gemma-4's MTP drafter): a learned score per block of a balanced reordering of the vocabulary from
-the hidden state the draft's head reads; the top-c blocks are :class:`~dynvocab.runtime.active_set.RowRanges` of
+the hidden state the draft's head reads; the top-c blocks are :class:`~dynvocab.runtime.heads.active_set.RowRanges` of
 that order (contiguous rows of one reordered copy of the head) plus the EOS ids outside them: c blocks at every
 step. The selector is trained on the draft's own predictions (:mod:`dynvocab.artifacts.selectors`)."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from dynvocab.artifacts.selectors import CENTROIDS, SelectorTable
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.groups import Groups
 from dynvocab.runtime.policies.selector_stage import prepared

@@ -17,7 +17,7 @@ from dynvocab.artifacts import ClusterTable
 from dynvocab.artifacts.router import DEFAULT_K_MAX, RouterTable, clusters_checksum
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.active_set import ActiveSet, RowRanges
+from dynvocab.runtime.heads.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.selectors.context_select import RouterSelector
 from dynvocab.runtime.policies.groups import Groups
@@ -116,7 +116,7 @@ class DynaSpecPolicy(VocabPolicy):
     def active_ids(self, step: int, hidden: torch.Tensor | None = None,
                    token: torch.Tensor | None = None) -> ActiveSet:
         """The active set at draft step ``step`` for the draft's ``hidden`` [1, d] and last fed ``token`` [1]:
-        two segments, the routed clusters (:class:`~dynvocab.runtime.active_set.RowRanges`) and the EOS ids
+        two segments, the routed clusters (:class:`~dynvocab.runtime.heads.active_set.RowRanges`) and the EOS ids
         outside them."""
         if hidden is None or token is None:
             raise ValueError("dynaspec routes on the draft hidden state and token; the loop must pass both")

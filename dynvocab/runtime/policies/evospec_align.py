@@ -82,7 +82,7 @@ class Aligner:
     def __init__(self, lm, cfg: AlignConfig = AlignConfig(), trainable: str = "lora"):
         if trainable not in ("lora", "full-qv", "full"):
             raise ValueError(f"unknown trainable mode {trainable!r}")
-        self.lm = lm  # dynvocab.runtime.lm.CausalLM
+        self.lm = lm  # dynvocab.runtime.drafts.lm.CausalLM
         self.cfg = cfg
         self.trainable = trainable
         self.model: torch.nn.Module = lm.model

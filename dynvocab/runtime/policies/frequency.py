@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.budget import pa_budget
-from dynvocab.runtime.active_set import ActiveSet, RowRanges
+from dynvocab.runtime.heads.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
 
 

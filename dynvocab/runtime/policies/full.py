@@ -1,6 +1,6 @@
 """The full draft head: speculative decoding without vocabulary pruning."""
 
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.policies.base import VocabPolicy
 
 

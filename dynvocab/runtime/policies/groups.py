@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dynvocab.runtime.active_set import RowRanges
+from dynvocab.runtime.heads.active_set import RowRanges
 from dynvocab.runtime.host import to_host
 
 

@@ -33,7 +33,7 @@ import torch
 
 from dynvocab.artifacts import mips_search
 from dynvocab.budget import pa_budget
-from dynvocab.runtime.active_set import ActiveSet, Prefix
+from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.selectors.candidates import assemble_candidates

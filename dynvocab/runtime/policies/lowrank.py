@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.artifacts.selectors import LOWRANK, SelectorTable
-from dynvocab.runtime.active_set import ActiveSet, Gathered
+from dynvocab.runtime.heads.active_set import ActiveSet, Gathered
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.selectors.batch_select import lowrank_selector
 from dynvocab.runtime.policies.selector_stage import prepared

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dynvocab.kernels.window_state import WindowState
-from dynvocab.runtime.active_set import ActiveSet, Prefix
+from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 
 
@@ -80,7 +80,7 @@ class MicroSpecPolicy(VocabPolicy):
         return self._active
 
     def window_segment(self) -> Prefix:
-        """``ids`` as a set kept until it changes (:meth:`~dynvocab.runtime.active_set.Prefix.whole`): the same
+        """``ids`` as a set kept until it changes (:meth:`~dynvocab.runtime.heads.active_set.Prefix.whole`): the same
         segment, so the same key, while ``ids`` is the same tensor; a refresh that changes the set makes a new one."""
         if self._window is None or self._window.ranking is not self.ids:
             self._window = Prefix.whole(self.ids)

@@ -14,7 +14,7 @@ import time
 import torch
 
 from dynvocab.artifacts import mips_search
-from dynvocab.runtime.draft import DraftInfo
+from dynvocab.runtime.drafts.draft import DraftInfo
 
 SEARCH_SHARE = 0.25  # the per-step search may cost at most this share of the draft's full head
 _MEASURED: dict = {}  # (id(draft), id(index), k) -> (draft, index, search ms, head ms)

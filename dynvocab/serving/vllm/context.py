@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dynvocab.runtime.ngram import NgramLookup
+from dynvocab.runtime.decoding.ngram import NgramLookup
 from dynvocab.runtime.selectors.context_select import StepContext
 from dynvocab.runtime.selectors.request_window import RequestWindows
 from dynvocab.serving.vllm.proposal import HostSampled, Proposal, RequestTokens, RunnerRecord

@@ -198,7 +198,7 @@ def write_draft_folder(bundle: str | Path, draft: str, strategy: str, out: str |
     from dynvocab.artifacts import load_bundle, write_bundle
     from dynvocab.files import publish_dir, temp_dir_for
     from dynvocab.runtime.batched import SelectorSpec, build_selector, bundle_stages, exported_stages, refusal
-    from dynvocab.runtime.drafts import find_kind
+    from dynvocab.runtime.drafts.kinds import find_kind
 
     why = refusal(strategy)
     if why:

@@ -16,7 +16,7 @@ from dynvocab.artifacts.bundle import load_bundle
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import head_rows
 from dynvocab.runtime.batched import SelectorSpec, build_selector, refusal
-from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
+from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
 from dynvocab.runtime.selectors.batch_select import BatchSelector, scatter_logits
 from dynvocab.runtime.selectors.selected_head import SelectedHead
 from dynvocab.serving.vllm import NO_HOOK, ON_RUNNER_V2, proposal

@@ -1,7 +1,7 @@
 """The draft kinds the vLLM plugin exports, one row each (no vLLM import): vLLM's speculative method for the kind,
 how the draft folder's ``config.json`` is rewritten for vLLM's class, and what the head's vocabulary is (whose ids
 its rows are, and whether it may keep its own draft vocabulary). :mod:`dynvocab.serving.vllm.folder` reads the row
-of the kind ``--draft`` is (``runtime/drafts.py``'s ``find_kind``) and never asks which one it has.
+of the kind ``--draft`` is (``runtime/drafts/kinds.py``'s ``find_kind``) and never asks which one it has.
 
 A new kind is one :class:`VllmKind` row here and its architectures in ``names.ARCHITECTURES``.
 """
@@ -22,7 +22,7 @@ from dynvocab.serving.vllm.names import EAGLE1_ACTIVATIONS
 class VllmKind:
     """How a draft of kind ``name`` becomes a folder vLLM loads."""
 
-    name: str  # dynvocab's draft kind (runtime/drafts.py)
+    name: str  # dynvocab's draft kind (runtime/drafts/kinds.py)
     method: str  # vLLM's speculative_config["method"]
     rewrite: Callable[[dict, Path], dict]  # (config.json, the draft folder) -> config.json as vLLM's class reads it
     fits: Callable[..., tuple[str, list[str]]]  # (bundle, spec, text config, draft) -> (role compared, differences)

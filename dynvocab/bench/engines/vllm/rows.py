@@ -30,7 +30,7 @@ from rich.table import Table
 
 from dynvocab.bench import stability
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 
 PLAIN, SPEC, PLUGIN = "vllm", "vllm-spec", "vllm-spec:"
 NGRAM = "vllm-spec:ngram"  # vLLM's own prompt-lookup speculation (no draft model, no head)
@@ -127,9 +127,9 @@ def plugin_strategies(text: str | None, bundle: str | None, draft: str | None = 
 
 
 def _draft_kind(draft: str) -> str | None:
-    """dynvocab's kind of ``draft`` (``runtime/drafts.py``), None where it cannot be told without loading more."""
+    """dynvocab's kind of ``draft`` (``runtime/drafts/kinds.py``), None where it cannot be told without loading more."""
     from dynvocab.models import resolve_model
-    from dynvocab.runtime.drafts import find_kind
+    from dynvocab.runtime.drafts.kinds import find_kind
 
     try:
         return find_kind(resolve_model(draft))[0].name
@@ -479,7 +479,7 @@ class _PlainFolder:
 def _plain_draft_folder(cfg: VllmBench) -> _PlainFolder:
     """Without plugin rows the speculative row runs the draft folder as it is (vLLM's own classes, no plugin)."""
     from dynvocab.models import resolve_model
-    from dynvocab.runtime.drafts import find_kind
+    from dynvocab.runtime.drafts.kinds import find_kind
     from dynvocab.serving.vllm.kinds import KINDS
 
     spec = resolve_model(cfg.draft)

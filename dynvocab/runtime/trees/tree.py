@@ -1,13 +1,13 @@
 """A cycle's draft as one verification pass: :class:`DraftTree`, the one tree type. A chain is a tree of one path
 (:meth:`DraftTree.chain`), with the draft's runner-up as a leaf where it was unsure; an EAGLE-2 tree of any shape is
-grown by :mod:`dynvocab.runtime.tree_draft`.
+grown by :mod:`dynvocab.runtime.trees.growth`.
 
 Row 0 is the root (the last committed token); every drafted row comes after its parent. The target scores all rows
 in one pass; tree attention (a 4-D mask) lets each row see only the prefix, the root and its own ancestors, at the
 position ``start + depth``; a pass that is one path needs no mask (a causal pass). A runner-up leaf at chain depth
 j is a sibling of the chain's token there: same parent, same position (SpecInfer, Miao et al. 2024).
 
-Verification (:mod:`dynvocab.runtime.verify`) walks from the root child by child, so the output is exactly the
+Verification (:mod:`dynvocab.runtime.trees.verify`) walks from the root child by child, so the output is exactly the
 target's, one token longer whenever a runner-up or a side branch was right.
 """
 

@@ -2,7 +2,7 @@
 (:class:`DraftInfo`), whichever kind of draft runs behind it.
 
 Each kind (a draft model, an EAGLE-1/2 head, an EAGLE-3 head, or one a plugin brings) is one entry in the draft
-registry (:mod:`dynvocab.runtime.drafts`) whose loader returns a :class:`Proposer`. The loop never asks which kind
+registry (:mod:`dynvocab.runtime.drafts.kinds`) whose loader returns a :class:`Proposer`. The loop never asks which kind
 it drives (as vLLM's engine never asks which proposer it runs), and policies read only the proposer's frozen
 :class:`DraftInfo`.
 """
@@ -16,7 +16,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from dynvocab.models.rows import prepare_order, row_source
-from dynvocab.runtime.active_set import ActiveSet
+from dynvocab.runtime.heads.active_set import ActiveSet
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,7 +114,7 @@ class OwnsHead:
     _rows = None
 
     def _new_head(self):
-        """A fresh head over this draft's rows (:class:`~dynvocab.runtime.head.DraftHead` or alike)."""
+        """A fresh head over this draft's rows (:class:`~dynvocab.runtime.heads.head.DraftHead` or alike)."""
         raise NotImplementedError
 
     def _forget_head(self) -> None:

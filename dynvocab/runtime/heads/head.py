@@ -1,11 +1,11 @@
 """The draft's LM head restricted to an active set of rows, kept in packed, contiguous buffers.
 
-Each segment of an :class:`~dynvocab.runtime.active_set.ActiveSet` says what it is by its
-:class:`~dynvocab.runtime.active_set.SegmentKey`, and the heads here decide what they reuse from that key alone. A
-:class:`~dynvocab.runtime.active_set.Prefix` is packed in ranking order once, and each shorter prefix of the same
+Each segment of an :class:`~dynvocab.runtime.heads.active_set.ActiveSet` says what it is by its
+:class:`~dynvocab.runtime.heads.active_set.SegmentKey`, and the heads here decide what they reuse from that key alone. A
+:class:`~dynvocab.runtime.heads.active_set.Prefix` is packed in ranking order once, and each shorter prefix of the same
 ranking is a slice of the buffer; a set the policy replaces (a new key) is brought up to date incrementally: rows of
 tokens that left are overwritten by rows of tokens that entered, so a sliding-window policy that changes a few dozen
-ids per cycle copies a few dozen rows, not thousands. :class:`~dynvocab.runtime.active_set.RowRanges` (DynaSpec's
+ids per cycle copies a few dozen rows, not thousands. :class:`~dynvocab.runtime.heads.active_set.RowRanges` (DynaSpec's
 clusters, the centroid blocks, FR-Spec's prefixes) are rows of a fixed order gathered once and kept on the row source,
 and each step multiplies only the chosen ranges, so a set that changes completely between steps copies nothing.
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from dynvocab.kernels._triton import triton_available
 from dynvocab.kernels.gathered_head import gathered_logits
 from dynvocab.models.rows import ordered_rows, row_source
-from dynvocab.runtime.active_set import (
+from dynvocab.runtime.heads.active_set import (
     CHANGED,
     PREFIX,
     ActiveSet,
@@ -33,7 +33,7 @@ from dynvocab.runtime.active_set import (
     segment_key,
     segment_size,
 )
-from dynvocab.runtime.slots import SlotTable, grown
+from dynvocab.runtime.heads.slots import SlotTable, grown
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -46,7 +46,7 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 class PackedHead:
     """Computes draft logits over ``ids`` only, reusing a packed copy of ``W[ids]`` across calls.
 
-    Which token sits in which row is a :class:`~dynvocab.runtime.slots.SlotTable`, so an update copies only the
+    Which token sits in which row is a :class:`~dynvocab.runtime.heads.slots.SlotTable`, so an update copies only the
     rows of tokens that entered.
     """
 
@@ -105,7 +105,7 @@ class PackedHead:
         self._copy(*self.slots.update(ids))
 
     def logits(self, hidden: torch.Tensor, segment: torch.Tensor | Prefix) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [m, n] over the segment's ids (a :class:`~dynvocab.runtime.active_set.Prefix` or a bare id tensor
+        """Logits [m, n] over the segment's ids (a :class:`~dynvocab.runtime.heads.active_set.Prefix` or a bare id tensor
         [n], a changed set) for hidden states [m, d], and the token id of each column [n]."""
         n = self._bring(segment)
         if self._in_order is not None and self.source.packs_prefixes:  # a ranking's prefix: a kept int8 pack
@@ -209,7 +209,7 @@ class RangeHead:
 
 
 class GatherHead:
-    """Logits over a :class:`~dynvocab.runtime.active_set.Gathered` segment: its rows gathered from the row source at
+    """Logits over a :class:`~dynvocab.runtime.heads.active_set.Gathered` segment: its rows gathered from the row source at
     each step (int8 rows with their scales where the source keeps them so) and multiplied once."""
 
     def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
@@ -225,11 +225,11 @@ class GatherHead:
 
 
 class DraftHead:
-    """The draft head over an :class:`~dynvocab.runtime.active_set.ActiveSet`: the full vocabulary, or its
+    """The draft head over an :class:`~dynvocab.runtime.heads.active_set.ActiveSet`: the full vocabulary, or its
     disjoint segments.
 
     Each segment position has its own head: :class:`PackedHead` for a
-    :class:`~dynvocab.runtime.active_set.Prefix` or a bare id tensor, :class:`RangeHead` for :class:`RowRanges`,
+    :class:`~dynvocab.runtime.heads.active_set.Prefix` or a bare id tensor, :class:`RangeHead` for :class:`RowRanges`,
     :class:`GatherHead` for :class:`Gathered`. So a policy can combine a set that changes every cycle (a context
     window) with nested prefixes of a fixed ranking (a static core that shrinks with the draft position) and
     neither segment copies rows the other one changed; each decides its reuse from its segment's key.

@@ -1,4 +1,4 @@
-"""Which token sits in which row of a packed draft head (:class:`~dynvocab.runtime.head.PackedHead`).
+"""Which token sits in which row of a packed draft head (:class:`~dynvocab.runtime.heads.head.PackedHead`).
 
 Slots freed by tokens that left are reused by tokens that entered, new slots are appended when more enter than
 leave, and when the set shrinks live rows past the new end move into the holes below it, so the active rows are

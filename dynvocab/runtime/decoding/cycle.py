@@ -8,7 +8,7 @@ The host reads the device (:func:`~dynvocab.runtime.host.to_host`) only where a 
 draft step for the step's confidence where early stops or runner-up leaves need it (:attr:`CycleSetup.ranked`),
 and once per cycle for the verdict, which brings back the drafted tokens with it. Then the proposer rolls back and
 observes the committed rows, and the policy observes a :class:`~dynvocab.runtime.policies.base.CycleReport`. Terms
-follow vLLM's rejection sampler: accepted, recovered, bonus (:mod:`dynvocab.runtime.verify`).
+follow vLLM's rejection sampler: accepted, recovered, bonus (:mod:`dynvocab.runtime.trees.verify`).
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from typing import Callable
 
 import torch
 
-from dynvocab.runtime.active_set import ActiveSet
-from dynvocab.runtime.draft import Proposer
+from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.runtime.drafts.draft import Proposer
 from dynvocab.runtime.host import to_host
-from dynvocab.runtime.lm import CausalLM
-from dynvocab.runtime.ngram import NgramLookup
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.decoding.ngram import NgramLookup
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.runtime.timing import SectionTimer
-from dynvocab.runtime.tree import DraftTree
-from dynvocab.runtime.tree_budget import TreeBudget
-from dynvocab.runtime.tree_draft import GrownTree, grow_tree, tree_of
-from dynvocab.runtime.tree_shape import TreeShape
-from dynvocab.runtime.verify import DraftStep, Proposals, SamplingConfig, Verdict, probs_from_logits, verify
+from dynvocab.runtime.decoding.timing import SectionTimer
+from dynvocab.runtime.trees.tree import DraftTree
+from dynvocab.runtime.trees.budget import TreeBudget
+from dynvocab.runtime.trees.growth import GrownTree, grow_tree, tree_of
+from dynvocab.runtime.trees.shape import TreeShape
+from dynvocab.runtime.trees.verify import DraftStep, Proposals, SamplingConfig, Verdict, probs_from_logits, verify
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ Verifier = Callable[[DraftTree, Proposals, list[int]], Checked]
 
 
 class TargetVerifier:
-    """The real verifier: one target pass over the tree, :func:`~dynvocab.runtime.verify.verify`, cache rollback."""
+    """The real verifier: one target pass over the tree, :func:`~dynvocab.runtime.trees.verify.verify`, cache rollback."""
 
     def __init__(self, target: CausalLM, sampling: SamplingConfig, generator: torch.Generator):
         self.target, self.sampling, self.generator = target, sampling, generator
@@ -67,7 +67,7 @@ class TargetVerifier:
 
 @dataclass(frozen=True)
 class Sections:
-    """The :class:`~dynvocab.runtime.timing.SectionTimer` fields a cycle charges (defaults: :class:`Metrics`')."""
+    """The :class:`~dynvocab.runtime.decoding.timing.SectionTimer` fields a cycle charges (defaults: :class:`Metrics`')."""
 
     draft: str = "draft_s"  # the whole draft chain
     head: str = "head_s"  # the proposer's head over the active set
@@ -80,8 +80,8 @@ class Sections:
 class CycleSetup:
     """What stays fixed across a generation's cycles. ``proposer`` None: no draft (autoregressive cycles);
     ``policy`` None: nobody observes. ``stop_below``/``branch_below``: see
-    :class:`~dynvocab.runtime.loop.DecodeConfig`. ``ngram``: draft by lookup in the request's tokens first
-    (:mod:`dynvocab.runtime.ngram`), the proposer only where nothing is found; None: the proposer alone."""
+    :class:`~dynvocab.runtime.decoding.loop.DecodeConfig`. ``ngram``: draft by lookup in the request's tokens first
+    (:mod:`dynvocab.runtime.decoding.ngram`), the proposer only where nothing is found; None: the proposer alone."""
 
     proposer: Proposer | None
     verifier: Verifier
@@ -94,7 +94,7 @@ class CycleSetup:
     eos_ids: frozenset[int] = frozenset()
     sections: Sections = field(default_factory=Sections)
     ngram: NgramLookup | None = None
-    tree: TreeShape | None = None  # EAGLE-2 trees of this shape (None: chains); see dynvocab.runtime.tree_draft
+    tree: TreeShape | None = None  # EAGLE-2 trees of this shape (None: chains); see dynvocab.runtime.trees.growth
     budget: TreeBudget | None = None  # ``--tree auto``: per cycle tree or chain, the growth's depth and its tokens
 
     @property
@@ -274,7 +274,7 @@ def _chain_cycle(setup: CycleSetup, tokens: list[int], gamma: int, limit: int) -
 
 
 def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[int]) -> CycleResult:
-    """One cycle drafting an EAGLE-2 tree (:mod:`dynvocab.runtime.tree_draft`; an n-gram continuation ``found``
+    """One cycle drafting an EAGLE-2 tree (:mod:`dynvocab.runtime.trees.growth`; an n-gram continuation ``found``
     joins it as a branch under the root)."""
     budget = setup.budget
     shape = setup.tree.within(limit - 1)

@@ -1,5 +1,5 @@
 """A causal LM split into its body (with a KV cache we can roll back) and its output head: the target, and the body
-of a draft model (:class:`~dynvocab.runtime.draft_model.DraftModel` adds the head over active sets)."""
+of a draft model (:class:`~dynvocab.runtime.drafts.draft_model.DraftModel` adds the head over active sets)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from dynvocab.runtime import one_token
-from dynvocab.runtime.head import soft_cap
-from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.drafts import one_token
+from dynvocab.runtime.heads.head import soft_cap
+from dynvocab.runtime.trees.tree import DraftTree
 
 
 class CausalLM:
@@ -21,7 +21,7 @@ class CausalLM:
     """
 
     def __init__(self, model, vocab_rows: int | None = None, one_token_steps: bool = False):
-        """``one_token_steps``: run one-token passes through :func:`~dynvocab.runtime.one_token.one_token_step`
+        """``one_token_steps``: run one-token passes through :func:`~dynvocab.runtime.drafts.one_token.one_token_step`
         (a draft model's steps, where the model is one it supports) instead of transformers' forward."""
         self.model = model
         self.one_token_steps = one_token_steps and one_token.supports(model)

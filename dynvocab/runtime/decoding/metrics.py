@@ -32,14 +32,14 @@ class Metrics:
     accept_by_position: list[float] = field(default_factory=list)
     draft_steps: int = 0
     head_rows_copied: int = 0
-    leaves: int = 0  # runner-up leaves verified beside the drafted chains (see dynvocab.runtime.tree)
+    leaves: int = 0  # runner-up leaves verified beside the drafted chains (see dynvocab.runtime.trees.tree)
     leaf_hits: int = 0  # cycles that accepted a leaf (one more token than the chain gave)
-    # Cycles whose draft was an n-gram lookup's continuation (``ngram``, see dynvocab.runtime.ngram), the tokens
+    # Cycles whose draft was an n-gram lookup's continuation (``ngram``, see dynvocab.runtime.decoding.ngram), the tokens
     # they drafted and how many of those the target accepted; their tokens count in ``accept_by_position`` too.
     lookup_cycles: int = 0
     lookup_drafted: int = 0
     lookup_accepted: int = 0
-    # EAGLE-2 tree cycles (see dynvocab.runtime.tree_draft): how many, the drafted tokens their passes verified, the
+    # EAGLE-2 tree cycles (see dynvocab.runtime.trees.growth): how many, the drafted tokens their passes verified, the
     # candidates grown, the head calls (one per depth), and the accepted tokens that lay off the draft's main path
     # (the best child at each depth): what the tree's width bought.
     tree_cycles: int = 0
@@ -113,8 +113,8 @@ class Tally:
             self._count_hit(sets[accepted], emitted[accepted])
 
     def tree(self, grown, verdict) -> None:
-        """One tree cycle: the tree verified (a :class:`~dynvocab.runtime.tree_draft.GrownTree`) and its
-        :class:`~dynvocab.runtime.verify.Verdict`."""
+        """One tree cycle: the tree verified (a :class:`~dynvocab.runtime.trees.growth.GrownTree`) and its
+        :class:`~dynvocab.runtime.trees.verify.Verdict`."""
         m = self.m
         m.tree_cycles += 1
         m.tree_tokens += grown.tree.size - 1
@@ -123,7 +123,7 @@ class Tally:
         m.off_main += verdict.accepted - verdict.on_main
 
     def _count_hit(self, active, token: int) -> None:
-        """Count ``token`` as a hit when it is in ``active`` (an :class:`~dynvocab.runtime.active_set.ActiveSet`):
+        """Count ``token`` as a hit when it is in ``active`` (an :class:`~dynvocab.runtime.heads.active_set.ActiveSet`):
         decided on the host for the full vocabulary, else kept as a device boolean."""
         if active.is_full:
             self.covered += 0 <= token < active.vocab

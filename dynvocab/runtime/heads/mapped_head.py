@@ -6,8 +6,8 @@ from collections import OrderedDict
 
 import torch
 
-from dynvocab.runtime.active_set import ActiveSet, Gathered, Prefix, RowRanges, Segment, SegmentKey, merge_ranges
-from dynvocab.runtime.head import DraftHead
+from dynvocab.runtime.heads.active_set import ActiveSet, Gathered, Prefix, RowRanges, Segment, SegmentKey, merge_ranges
+from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.host import to_host, to_host_tensor
 
 
@@ -18,13 +18,13 @@ class MappedHead:
     (an active set with none inside falls back to the whole draft vocabulary). ``None`` is the whole draft
     vocabulary. Columns come back as target ids.
 
-    Segments are mapped by what their key says they are, so the inner :class:`~dynvocab.runtime.head.DraftHead`
+    Segments are mapped by what their key says they are, so the inner :class:`~dynvocab.runtime.heads.head.DraftHead`
     sees the same structure in draft rows: a ranking (or order) is mapped once to the draft rows of its ids that the
     draft vocabulary has, in order, with the count of kept ids before each position; a
-    :class:`~dynvocab.runtime.active_set.Prefix` of ``k`` target ids is then the prefix of ``k'`` ids of the mapped
+    :class:`~dynvocab.runtime.heads.active_set.Prefix` of ``k`` target ids is then the prefix of ``k'`` ids of the mapped
     ranking (one object per ranking: the inner head slices its packed rows), and
-    :class:`~dynvocab.runtime.active_set.RowRanges` of an order are ranges of the mapped order (whose rows are
-    gathered once). Changed segments (bare id tensors, :class:`~dynvocab.runtime.active_set.Gathered`) are mapped
+    :class:`~dynvocab.runtime.heads.active_set.RowRanges` of an order are ranges of the mapped order (whose rows are
+    gathered once). Changed segments (bare id tensors, :class:`~dynvocab.runtime.heads.active_set.Gathered`) are mapped
     at every step.
     """
 

@@ -1,8 +1,8 @@
 """An independent draft model (any causal LM sharing the target's tokenizer) as a proposer, and its registry entry.
 
-The body runs as the target's does (:class:`~dynvocab.runtime.lm.CausalLM`; one-token steps through
-:mod:`~dynvocab.runtime.one_token` where the model is one it reproduces); the head is its own
-:class:`~dynvocab.runtime.head.DraftHead` over the head's step rows: the one-row copy in the step dtype when the
+The body runs as the target's does (:class:`~dynvocab.runtime.drafts.lm.CausalLM`; one-token steps through
+:mod:`~dynvocab.runtime.drafts.one_token` where the model is one it reproduces); the head is its own
+:class:`~dynvocab.runtime.heads.head.DraftHead` over the head's step rows: the one-row copy in the step dtype when the
 head was prepared with one, or its int8 rows with per-row scales when the draft's weights are int8.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from dynvocab.runtime.draft import DraftInfo, OwnsHead
-from dynvocab.runtime.draft_registry import DraftKind, LoadedDraft, LoadRequest
-from dynvocab.runtime.draft_weights import draft_bytes, module_rows, prepare_draft_weights
-from dynvocab.runtime.head import DraftHead
-from dynvocab.runtime.lm import CausalLM
+from dynvocab.runtime.drafts.draft import DraftInfo, OwnsHead
+from dynvocab.runtime.drafts.registry import DraftKind, LoadedDraft, LoadRequest
+from dynvocab.runtime.drafts.weights import draft_bytes, module_rows, prepare_draft_weights
+from dynvocab.runtime.heads.head import DraftHead
+from dynvocab.runtime.drafts.lm import CausalLM
 
 LABEL = "draft model"
 
@@ -38,7 +38,7 @@ class DraftModel(CausalLM, OwnsHead):
         self._forget_head()
 
     def observe(self, start: int, hidden, rows) -> None:
-        """A draft model reads no target features (see :class:`~dynvocab.runtime.draft.Proposer`)."""
+        """A draft model reads no target features (see :class:`~dynvocab.runtime.drafts.draft.Proposer`)."""
 
     def _new_head(self) -> DraftHead:
         return DraftHead(self.head_rows, None, self.softcap)

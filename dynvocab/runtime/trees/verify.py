@@ -1,4 +1,4 @@
-"""Verification of a draft tree (:class:`~dynvocab.runtime.tree.DraftTree`, a chain being a tree of one path)
+"""Verification of a draft tree (:class:`~dynvocab.runtime.trees.tree.DraftTree`, a chain being a tree of one path)
 against the target: :func:`verify_greedy` at temperature 0, :func:`verify_sampled` (exact rejection sampling)
 otherwise, one :class:`Verdict` either way. The drafted tokens stay on the device until here: each verifier reads
 them back together with its decision, in the cycle's one read (:func:`~dynvocab.runtime.host.to_host`).
@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from dynvocab.runtime.host import to_host
-from dynvocab.runtime.tree import DraftTree
+from dynvocab.runtime.trees.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ Proposals = Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]  # row -> 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What verification kept of a :class:`~dynvocab.runtime.tree.DraftTree`: the accepted path and the target's
+    """What verification kept of a :class:`~dynvocab.runtime.trees.tree.DraftTree`: the accepted path and the target's
     token after it (recovered after a rejection, or bonus), with the drafted tokens read back in the same read."""
 
     path: list[int]  # the accepted draft tokens, from the root's child down
@@ -108,7 +108,7 @@ def verify_sampled(
     ids). Child x is accepted with probability min(1, p(x)/q(x)); on rejection ``p <- norm(max(0, p - q))`` and x
     leaves ``q`` (``q <- norm(q with q(x) = 0)``); with no child left, the token is drawn from ``p``. Exact for the
     target's distribution as long as which children a row keeps does not depend on the drawn tokens (a sampled
-    tree's shape is fixed by rank, :mod:`dynvocab.runtime.tree_draft`).
+    tree's shape is fixed by rank, :mod:`dynvocab.runtime.trees.growth`).
 
     Every row's first child is decided at once on the device, with a draw from each row's residual (or from p, at
     a row without children): a chain reads the host once, with its tokens. A row whose first child was rejected

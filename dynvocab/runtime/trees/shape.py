@@ -1,10 +1,10 @@
 """The shape of an EAGLE-2 draft tree (``--tree DEPTHxTOPKxTOKENS``) and the ``@tree`` suffix of strategy names.
 
-A tree of depth D, top-k K and N tokens grows as EAGLE-2 does (:mod:`dynvocab.runtime.tree_draft`): the root's K
+A tree of depth D, top-k K and N tokens grows as EAGLE-2 does (:mod:`dynvocab.runtime.trees.growth`): the root's K
 best children, then D - 1 more depths, each expanding the K best frontier nodes by cumulative draft log-probability
 into K children each; of the ``K + (D - 1) K²`` candidates the N best are verified in one target pass. ``off`` is
 today's chain (with its runner-up leaves); ``auto`` picks N per cycle from the target's measured verification cost
-(:mod:`dynvocab.runtime.tree_budget`).
+(:mod:`dynvocab.runtime.trees.budget`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dynvocab.runtime.metrics import Metrics
+from dynvocab.runtime.decoding.metrics import Metrics
 
 
 class SectionTimer:

@@ -2,13 +2,13 @@
 
 A :class:`DraftKind` entry holds a recogniser (does this model argument name a draft of this kind? it reads config
 and weight names, never loads weights), a loader that turns a :class:`LoadRequest` into a :class:`LoadedDraft` (the
-:class:`~dynvocab.runtime.draft.Proposer` and what the session reports of it), and an optional stand-in that
+:class:`~dynvocab.runtime.drafts.draft.Proposer` and what the session reports of it), and an optional stand-in that
 ``microbench policy-steps`` times policies against (random weights shaped as the kind's drafts are). ``Session`` asks
 the registry which kind a ``--draft`` names and never asks a kind anything else; adding a draft kind is one module
 (its proposer and loader) and one :func:`register` call, or an entry point in the ``dynvocab.drafts`` group of an
 installed package (:mod:`dynvocab.runtime.plugins`).
 
-The built-in kinds are registered by :mod:`dynvocab.runtime.drafts`; import the API from there.
+The built-in kinds are registered by :mod:`dynvocab.runtime.drafts.kinds`; import the API from there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.registry import Registry
-from dynvocab.runtime.draft import DraftInfo, Proposer
+from dynvocab.runtime.drafts.draft import DraftInfo, Proposer
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def find_kind(spec) -> tuple[DraftKind, object]:
 def check_tree_kind(spec) -> None:
     """Refuse ``--tree`` for the draft ``spec`` (a ModelSpec) in one line, before it loads, when its kind drafts
     chains only."""
-    from dynvocab.runtime.tree_shape import chains_only
+    from dynvocab.runtime.trees.shape import chains_only
 
     kind, _ = find_kind(spec)
     if not kind.trees:
