@@ -110,42 +110,59 @@ def verify_sampled(
     target's distribution as long as which children a row keeps does not depend on the drawn tokens (a sampled
     tree's shape is fixed by rank, :mod:`dynvocab.runtime.trees.growth`).
 
-    Every row's first child is decided at once on the device, with a draw from each row's residual (or from p, at
-    a row without children): a chain reads the host once, with its tokens. A row whose first child was rejected
-    tries its other children one read each."""
+    Every row's first child is decided at once on the device, with the draw where the walk down first children
+    would end: a chain reads the host once, with its tokens. A row whose first child was rejected tries its other
+    children one read each; a walk that left the first children draws its last token with one more read."""
     p = probs_from_logits(target_logits, cfg)  # [n, V]
-    n, vocab, device = tree.size, p.shape[-1], p.device
+    n, device = tree.size, p.device
     inner = [row for row in range(n) if tree.children[row]]  # rows with children
+    slot = {row: i for i, row in enumerate(inner)}
+    firsts = [0]  # the walk down first children
+    while tree.children[firsts[-1]]:
+        firsts.append(tree.children[firsts[-1]][0])
     tokens = tree.tokens.to(device)
-    draw_from, first_kept, q = p, torch.zeros(0, dtype=torch.long, device=device), None
+    kept = torch.zeros(0, dtype=torch.long, device=device)
+    end = p[firsts[-1]].unsqueeze(0)  # [1, V]: no child rejected down first children
     if inner:
-        at = torch.tensor(inner, device=device)
-        q = torch.stack([_dense_q(*proposals(row), vocab, device) for row in inner])  # [m, V]
+        q = torch.stack([_dense_q(*proposals(row), p.shape[-1], device) for row in inner])  # [m, V]
         x = tokens[torch.tensor([tree.children[row][0] - 1 for row in inner], device=device)]  # [m] first children
-        px, qx = p[at, x], q[torch.arange(len(inner), device=device), x]
+        px, qx = p[torch.tensor(inner, device=device), x], q[torch.arange(len(inner), device=device), x]
         u = torch.rand(len(inner), generator=generator, device=device)
-        first_kept = ((qx > 0) & (u * qx < px)).long()
-        residual = (p[at] - q).clamp_(min=0.0)
-        total = residual.sum(dim=-1, keepdim=True)
-        draw_from = p.index_copy(0, at, torch.where(total > 0, residual / total, p[at]))
-    draws = torch.multinomial(draw_from, 1, generator=generator)[:, 0]  # [n] each row's token if the walk ends there
-    values = to_host(torch.cat([first_kept, draws, tokens]))
+        kept = ((qx > 0) & (u * qx < px)).long()  # [m]
+        down = torch.tensor([slot[row] for row in firsts[:-1]] + [0], device=device)  # slots down first children
+        stop = kept.index_select(0, down[:-1]).cumprod(0).sum().view(1)  # [1] the first rejection there
+        p_stop = p.index_select(0, torch.tensor(firsts, device=device).index_select(0, stop))  # [1, V]
+        q_stop = q.index_select(0, down.index_select(0, stop)) * (stop < len(firsts) - 1)  # [1, V]; 0 at the end
+        end = _residual(p_stop, q_stop)
+    draw = torch.multinomial(end, 1, generator=generator)[0]  # [1]
+    values = to_host(torch.cat([kept, draw, tokens]))
     m = len(inner)
-    kept, draw, tokens_host = dict(zip(inner, values[:m])), values[m : m + n], (-1, *values[m + n :])
-    row, rows = 0, []
+    first_kept, drawn, tokens_host = values[:m], values[m], (-1, *values[m + 1 :])
+    row, rows, down_firsts = 0, [], True
     while True:
         kids = tree.children[row]
-        if kids and kept[row]:
+        if kids and first_kept[slot[row]]:
             child = kids[0]
         elif len(kids) > 1:
-            i = inner.index(row)
-            child, token = _later_siblings(kids[1:], tokens_host, draw_from[row], q[i], x[i], generator)
+            i = slot[row]
+            child, token = _later_siblings(kids[1:], tokens_host, _residual(p[row], q[i]), q[i], x[i], generator)
             if child is None:
                 return _verdict(tree, rows, token, tokens_host)
+            down_firsts = False
         else:
-            return _verdict(tree, rows, draw[row], tokens_host)
+            if not down_firsts:
+                last = _residual(p[row], q[slot[row]]) if kids else p[row]
+                drawn = to_host(torch.multinomial(last, 1, generator=generator))[0]
+            return _verdict(tree, rows, drawn, tokens_host)
         rows.append(child)
         row = child
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` over the last dim, or ``p`` where nothing is left."""
+    residual = (p - q).clamp_(min=0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp(min=1e-30), p)
 
 
 def _later_siblings(kids, tokens: tuple[int, ...], p: torch.Tensor, q: torch.Tensor, first: torch.Tensor,
@@ -160,9 +177,7 @@ def _later_siblings(kids, tokens: tuple[int, ...], p: torch.Tensor, q: torch.Ten
         px, qx, ux = to_host(torch.cat([p[x : x + 1].double(), q[x : x + 1].double(), u.double()]))
         if qx > 0 and ux * qx < px:
             return child, None
-        residual = (p - q).clamp_(min=0.0)
-        total = residual.sum()
-        p = torch.where(total > 0, residual / total.clamp(min=1e-30), p)
+        p = _residual(p, q)
         q[x] = 0.0
         q = q / q.sum().clamp(min=1e-30)
     return None, to_host(torch.multinomial(p, 1, generator=generator))[0]
