@@ -1,6 +1,6 @@
 """One draft step of the demo draft (its real weights): int8 as the runtime now steps it (int8 weights, its own
-one-token step, runtime/drafts/one_token.py), int8 through transformers' forward (``int8-hf``), the previous default on
-an AVX2 CPU (float32 model, bfloat16 one-row copy, transformers' forward: ``bfloat16``), the default on a CPU with
+one-token step, runtime/drafts/one_token.py), int8 through transformers' forward (``int8-hf``), the previous default
+on an AVX2 CPU (float32 model, bfloat16 one-row copy, transformers' forward: ``bfloat16``), the default on a CPU with
 native bf16 (a bfloat16 model: ``bf16-model`` through transformers' forward, ``bf16-model-1t`` through the
 one-token step) and float32: body (one token after ``--context`` cached tokens) and head over all rows / a 32k
 ranking prefix / a 3k set, through the draft's own head type (``DraftModel._new_head``, one per set so each keeps
@@ -27,8 +27,8 @@ from dynvocab.files import write_atomic
 from dynvocab.models import load_model, resolve_model
 from dynvocab.models.prepack import prepack_linears, quantize_linears, step_weight_bytes
 from dynvocab.models.rows import Int8Rows
-from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 
 
 def main() -> None:

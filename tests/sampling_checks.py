@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.loop import DecodeConfig, Generation, speculative_generate
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.trees.verify import probs_from_logits
 

@@ -8,18 +8,18 @@ import json
 import pytest
 import torch
 
-from dynvocab.errors import DynvocabError
-from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.bench.engines.hf import accepted_per_cycle
 from dynvocab.bench.loop import runner as bench
+from dynvocab.bench.loop.items import MAX_CHARS, BenchItem, clip, trim_history
 from dynvocab.bench.loop.recorder import PolicyRecorder
 from dynvocab.bench.loop.runner import BenchConfig, run_bench
 from dynvocab.bench.loop.summary import EXTRA_KEYS, oracle_summary, summarize_bench
-from dynvocab.bench.engines.hf import accepted_per_cycle
+from dynvocab.bench.loop.tasks import embedded_items, file_items, is_code_like, topic_switch_item
+from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.decoding.metrics import Metrics
+from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
-from dynvocab.bench.loop.items import MAX_CHARS, BenchItem, clip, trim_history
-from dynvocab.bench.loop.tasks import embedded_items, file_items, is_code_like, topic_switch_item
 
 pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import DEMO_PAIR, requires_packages
 
-from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.prompts import encode_prompt
+from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.strategies import StrategyOptions
 
 pytestmark = [pytest.mark.demo, requires_packages(*DEMO_PAIR)]

@@ -22,12 +22,12 @@ from dynvocab.models.rows import FloatRows
 from dynvocab.registry import forget_plugins, load_plugins
 from dynvocab.runtime import strategies
 from dynvocab.runtime.drafts import kinds as drafts
-from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.drafts.draft import DraftInfo, OwnsHead, Proposer, protocol_gaps
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
-from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.strategies import Strategy, strategy_names
 from dynvocab.runtime.strategies import register as register_strategy
 from dynvocab.runtime.strategies import unregister as unregister_strategy

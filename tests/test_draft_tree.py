@@ -17,17 +17,17 @@ from test_loop import VOCAB, greedy_case, make_policy
 from test_tree_budget import Ticks
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.cycle import CycleSetup, TargetVerifier, run_cycle
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.decoding.timing import SectionTimer
 from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
-from dynvocab.runtime.decoding.timing import SectionTimer
-from dynvocab.runtime.trees.tree import DraftTree
-from dynvocab.runtime.trees.mode import TreeMemory
 from dynvocab.runtime.trees.growth import Candidates, Growth, grow_tree, rank_scores, tree_of
+from dynvocab.runtime.trees.mode import TreeMemory
 from dynvocab.runtime.trees.shape import TreeShape, parse_tree, split_tree
+from dynvocab.runtime.trees.tree import DraftTree
 from dynvocab.runtime.trees.verify import SamplingConfig, verify
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.transformers_api]  # CI: again at the lower bound

@@ -8,12 +8,12 @@ import torch
 from dynvocab.artifacts import ClusterTable
 from dynvocab.artifacts.router import RouterMLP, RouterTable
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.heads.active_set import RowRanges
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.heads.active_set import RowRanges
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
-from dynvocab.runtime.drafts.draft_model import DraftModel
 
 VOCAB = 96
 

@@ -11,11 +11,11 @@ from sampling_checks import first_tokens_follow_the_target
 from test_loop import VOCAB, greedy_case, make_policy
 from dynvocab.builders.draft.init import init_eagle1_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
-from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
-from dynvocab.runtime.heads.mapped_head import MappedHead
-from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.runtime.heads.mapped_head import MappedHead
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
 
 LAYERS = 6  # EAGLE-3's default taps (2, L//2, L-3) need a few layers

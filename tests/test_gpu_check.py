@@ -160,5 +160,6 @@ def test_tree_cycles_read_the_host_once_after_growth(report):
     for (_, shape), row in rows.items():
         assert row["reads_elsewhere"] == {}
         if shape != "off":
-            assert 0 < row["reads"]["grow_tree"] <= row["reads"]["verify_greedy"] == row["cycles"]  # none inside the growth
+            reads = row["reads"]
+            assert 0 < reads["grow_tree"] <= reads["verify_greedy"] == row["cycles"]  # none inside the growth
             assert row["tokens_verified"] > 1 and row["draft_ms"] > 0 and row["verify_ms"] > 0

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from dynvocab.artifacts import ModelFingerprint, Stage, load_bundle, write_bundle
-from dynvocab.runtime.host import PACKAGE, HostReads, host_reads
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.host import PACKAGE, HostReads, host_reads
 from dynvocab.runtime.policies import FullPolicy
 from dynvocab.runtime.policies.evospec import EvoSpecConfig
 from dynvocab.runtime.policies.hybrid import HybridConfig

@@ -17,12 +17,12 @@ from dynvocab.models.int8 import (
     INT8, INT8_GATHERED, REDUCE_RANGE, batched_int8_rows, int8_supported, quantize_rows)
 from dynvocab.models.prepack import Int8Linear, quantize_linears
 from dynvocab.models.rows import Int8Rows
-from dynvocab.runtime.heads.active_set import ActiveSet, Gathered, RowRanges
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
-from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.heads.active_set import ActiveSet, Gathered, RowRanges
+from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.policies import VocabPolicy
 from dynvocab.runtime.session import ModelConfig, Session
 

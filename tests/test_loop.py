@@ -9,13 +9,13 @@ import torch
 
 from conftest import tiny_qwen2
 from sampling_checks import first_tokens_follow_the_target
-from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
 from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
-from dynvocab.runtime.drafts.draft_model import DraftModel
 
 pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dynvocab.runtime.decoding import loop
+from dynvocab.runtime.decoding.loop import DecodeConfig, Decoding, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.decoding.loop import DecodeConfig, Decoding, speculative_generate
 from dynvocab.runtime.policies import FullPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

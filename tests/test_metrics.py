@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.decoding.metrics import Tally
+from dynvocab.runtime.heads.active_set import ActiveSet
 
 
 def scripted_tally() -> Tally:

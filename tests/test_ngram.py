@@ -13,10 +13,10 @@ from test_verify import step_of, verify_chain
 from conftest import tiny_qwen2
 from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle import LayerTap
-from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.decoding.ngram import NgramLookup, split_ngram
+from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.strategies import check_strategy, lookup
 from dynvocab.runtime.trees.verify import SamplingConfig
 

@@ -1,5 +1,5 @@
-"""A draft model's one-token step (runtime/drafts/one_token.py) computes what transformers' forward computes, on the same
-cache, for the layer kinds it accepts, and refuses the ones it does not reproduce."""
+"""A draft model's one-token step (runtime/drafts/one_token.py) computes what transformers' forward computes, on the
+same cache, for the layer kinds it accepts, and refuses the ones it does not reproduce."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ from torch import nn
 from conftest import tiny_qwen2
 from dynvocab.errors import DynvocabError
 from dynvocab.models.prepack import MAX_PACKED_ROWS, PrepackedLinear, prepack_linears, prepack_supported
+from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.session import ModelConfig, Session

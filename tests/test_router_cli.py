@@ -11,11 +11,11 @@ from dynvocab.artifacts import load_bundle
 from dynvocab.artifacts.router import RouterTable
 from dynvocab.errors import DynvocabError
 from dynvocab.models import load_model, load_tokenizer, resolve_model
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
-from dynvocab.runtime.drafts.draft_model import DraftModel
 
 
 def build(dirs, corpus, out, stages, clusters=8):

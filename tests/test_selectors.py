@@ -14,14 +14,14 @@ from dynvocab.artifacts.selectors import SelectorTable
 from dynvocab.builders.router.selectors import balanced_blocks, block_of, default_budget, svd_init
 from dynvocab.errors import DynvocabError
 from dynvocab.models import load_model, load_tokenizer, resolve_model
-from dynvocab.runtime.heads.active_set import RowRanges
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
-from dynvocab.runtime.selectors.batch_select import top_ids
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.heads.active_set import RowRanges
 from dynvocab.runtime.policies.centroids import CentroidConfig
 from dynvocab.runtime.policies.lowrank import LowRankConfig
+from dynvocab.runtime.selectors.batch_select import top_ids
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
-from dynvocab.runtime.drafts.draft_model import DraftModel
 
 
 def test_svd_init_is_the_best_rank_r_approximation():

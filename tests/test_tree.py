@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
+from dynvocab.runtime.drafts.draft_model import DraftModel
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.policies import FullPolicy
 from dynvocab.runtime.trees.tree import DraftTree
 from dynvocab.runtime.trees.verify import verify_greedy
-from dynvocab.runtime.drafts.draft_model import DraftModel
 
 VOCAB = 96
 

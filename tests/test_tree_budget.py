@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dynvocab.runtime.trees.budget import TreeBudget
-from dynvocab.runtime.trees.mode import EXPLORE, EXPLORE_MAX, HALF_LIFE, SWITCH, AutoState, TreeMemory, clock_for
 from dynvocab.runtime.trees.growth import Candidates
+from dynvocab.runtime.trees.mode import EXPLORE, EXPLORE_MAX, HALF_LIFE, SWITCH, AutoState, TreeMemory, clock_for
 from dynvocab.runtime.trees.shape import TreeShape
 
 CURVE = {1: 1.0, 16: 1.2}  # 16 drafted tokens cost 1.2 one-token passes

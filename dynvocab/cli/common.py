@@ -19,9 +19,9 @@ from rich.markup import escape
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.loop import DecodeConfig
-from dynvocab.runtime.trees.shape import parse_tree
 from dynvocab.runtime.drafts.kinds import kind_names
 from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, strategy_flags
+from dynvocab.runtime.trees.shape import parse_tree
 
 err_console = Console(stderr=True)
 
@@ -232,8 +232,8 @@ class StrategyFlags:
     the strategies' configs that their own flags describe (each registered strategy contributes its flags).
 
     Defined once: :func:`with_strategy_flags` adds them to a command, which receives them as ``flags``. The decoding
-    flags are :class:`~dynvocab.runtime.decoding.loop.DecodeConfig`'s fields of the same names, with its defaults, held as
-    given until :meth:`check` (a DecodeConfig would refuse some of them before the command's own checks ran).
+    flags are :class:`~dynvocab.runtime.decoding.loop.DecodeConfig`'s fields of the same names, with its defaults,
+    held as given until :meth:`check` (a DecodeConfig would refuse some of them before the command's own checks ran).
     """
 
     gamma: int = _DECODING.gamma
@@ -264,7 +264,8 @@ class StrategyFlags:
         parse_tree(self.tree)
 
     def decode(self, max_new_tokens: int, seed: int | None = None) -> DecodeConfig:
-        """The :class:`~dynvocab.runtime.decoding.loop.DecodeConfig` these flags describe (``seed``: in place of theirs)."""
+        """The :class:`~dynvocab.runtime.decoding.loop.DecodeConfig` these flags describe (``seed``: in place of
+        theirs)."""
         values = {name: getattr(self, name) for name in _DECODING_FLAGS}
         if seed is not None:
             values["seed"] = seed

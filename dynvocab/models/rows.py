@@ -3,12 +3,12 @@
 Two sources satisfy it: :class:`FloatRows` (the head's float weight, or a one-row copy in a step dtype) and
 :class:`Int8Rows` (int8 rows with per-row scales; also what :class:`~dynvocab.models.prepack.Int8Linear` multiplies,
 which is why the sources live here, below the runtime's heads and beside the linears). The heads of
-:mod:`dynvocab.runtime.heads.head` read only the members below and never ask which source they read: ``linear`` (the full
-head), ``gather`` (rows of given ids as the packed buffers hold them: float rows, or int8 rows with their scales),
-``matmul`` (hidden states times gathered rows), ``ordered`` (:class:`OrderedRows`: the rows of a policy's fixed
-orders, kept across sequences) and, where ``packs_prefixes``, ``prefix_linear`` (a kept fast path for a ranking's
-prefix). So an int8 draft's dynamic sets are multiplied as int8 rows where the CPU has a fast kernel for them
-(:data:`~dynvocab.models.int8.INT8_GATHERED`; the kernels are in :mod:`dynvocab.models.int8`).
+:mod:`dynvocab.runtime.heads.head` read only the members below and never ask which source they read: ``linear`` (the
+full head), ``gather`` (rows of given ids as the packed buffers hold them: float rows, or int8 rows with their
+scales), ``matmul`` (hidden states times gathered rows), ``ordered`` (:class:`OrderedRows`: the rows of a policy's
+fixed orders, kept across sequences) and, where ``packs_prefixes``, ``prefix_linear`` (a kept fast path for a
+ranking's prefix). So an int8 draft's dynamic sets are multiplied as int8 rows where the CPU has a fast kernel for
+them (:data:`~dynvocab.models.int8.INT8_GATHERED`; the kernels are in :mod:`dynvocab.models.int8`).
 """
 from __future__ import annotations
 

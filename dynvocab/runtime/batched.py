@@ -15,8 +15,8 @@ import torch
 
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup, split_ngram
-from dynvocab.runtime.selectors.batch_select import BatchSelector
 from dynvocab.runtime.registry import SHARED_BUDGET_FLAG, Batched, Strategy, StrategyOptions
+from dynvocab.runtime.selectors.batch_select import BatchSelector
 from dynvocab.runtime.strategies import lookup, strategies
 
 

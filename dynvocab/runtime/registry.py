@@ -24,10 +24,10 @@ import torch
 from dynvocab.artifacts.stages import adding_commands
 from dynvocab.errors import DynvocabError
 from dynvocab.registry import Registry
-from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.decoding.ngram import split_ngram
-from dynvocab.runtime.trees.shape import split_tree
+from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.trees.shape import split_tree
 
 C = TypeVar("C")
 
@@ -150,8 +150,8 @@ unregister = _REGISTRY.pop  # remove strategy ``name`` from the registry; return
 
 def lookup(name: str) -> Strategy:
     """The entry of strategy ``name`` (``X+ngram`` is ``X``'s: the suffix adds n-gram lookup to the loop, see
-    :mod:`dynvocab.runtime.decoding.ngram`; ``X@tree`` too: X drafted as a tree, :mod:`dynvocab.runtime.trees.shape`); an
-    unknown name is refused in one line."""
+    :mod:`dynvocab.runtime.decoding.ngram`; ``X@tree`` too: X drafted as a tree, :mod:`dynvocab.runtime.trees.shape`);
+    an unknown name is refused in one line."""
     return _REGISTRY.lookup(split_ngram(split_tree(name)[0])[0])
 
 

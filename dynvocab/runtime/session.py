@@ -18,15 +18,15 @@ from dynvocab.models import (
 from dynvocab.models.demo import check_demo_pair
 from dynvocab.models.prepack import prepack_linears, prepack_supported
 from dynvocab.models.vocab import end_token_ids
+from dynvocab.runtime.decoding.loop import DecodeConfig, Decoding, Generation, check_tree_draft
+from dynvocab.runtime.decoding.ngram import split_ngram
 from dynvocab.runtime.drafts.draft import Proposer
 from dynvocab.runtime.drafts.kinds import LoadRequest, find_kind
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.decoding.loop import DecodeConfig, Decoding, Generation, check_tree_draft
-from dynvocab.runtime.decoding.ngram import split_ngram
-from dynvocab.runtime.trees.mode import TreeMemory
-from dynvocab.runtime.trees.shape import TREE_AUTO, TREE_OFF, TREE_SUFFIX, split_tree
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, lookup, make_policy
+from dynvocab.runtime.trees.mode import TreeMemory
+from dynvocab.runtime.trees.shape import TREE_AUTO, TREE_OFF, TREE_SUFFIX, split_tree
 
 
 @dataclass(frozen=True)
@@ -152,11 +152,11 @@ class Session:
         wrap_policy: Callable[[VocabPolicy], VocabPolicy] | None = None,
         timing: bool = False,
     ) -> Decoding:
-        """``strategy`` on ``prompt_ids`` as a :class:`~dynvocab.runtime.decoding.loop.Decoding`: each ``next`` runs one
-        cycle and returns the token ids it committed; the output is the target's own (greedy: token for token).
-        ``X+ngram`` runs strategy ``X`` with n-gram lookup first in each cycle (:mod:`dynvocab.runtime.decoding.ngram`);
-        ``X@tree`` runs it drafting a tree of ``decode.tree`` (``auto`` where that is ``off``); ``X@auto``, ``X@DxKxN``
-        that tree.
+        """``strategy`` on ``prompt_ids`` as a :class:`~dynvocab.runtime.decoding.loop.Decoding`: each ``next`` runs
+        one cycle and returns the token ids it committed; the output is the target's own (greedy: token for token).
+        ``X+ngram`` runs strategy ``X`` with n-gram lookup first in each cycle
+        (:mod:`dynvocab.runtime.decoding.ngram`); ``X@tree`` runs it drafting a tree of ``decode.tree`` (``auto``
+        where that is ``off``); ``X@auto``, ``X@DxKxN`` that tree.
 
         ``wrap_policy`` may wrap the strategy's policy (bench records active sets this way); the wrapper's
         ``close()``, if any, runs when the decoding ends or is closed, as the policy's own does. ``timing``: measure

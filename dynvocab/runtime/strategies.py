@@ -61,8 +61,8 @@ from dynvocab.runtime.selectors.context_select import (
     router_from_bundle,
     window_from_bundle,
 )
-from dynvocab.runtime.selectors.evospec_select import evospec_from_bundle
 from dynvocab.runtime.heads.token_map import load_token_map
+from dynvocab.runtime.selectors.evospec_select import evospec_from_bundle
 
 ENTRY_POINTS = "dynvocab.strategies"  # the entry-point group of strategies that installed packages bring
 

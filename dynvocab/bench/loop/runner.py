@@ -18,21 +18,21 @@ from typing import Callable
 
 import torch
 
-from dynvocab.errors import DynvocabError
 from dynvocab.bench import stability
 from dynvocab.bench.engines.hf import HF_ROWS, LOOKUP_TOKENS, hf_generate
 from dynvocab.bench.engines.llamacpp import LLAMA_ROWS, LlamaCpp, prompt_text
 from dynvocab.bench.engines.llamacpp import generate as llama_generate
-from dynvocab.runtime.decoding.loop import DecodeConfig, drafts_trees
-from dynvocab.runtime.trees.shape import TREE_OFF, asks_for_trees, chains_only, split_tree
+from dynvocab.bench.loop.items import HISTORY_CHARS, BenchItem
+from dynvocab.bench.loop.prompts import PromptRow
 from dynvocab.bench.loop.recorder import PolicyRecorder
 from dynvocab.bench.loop.summary import EXTRA_KEYS, RECALL_KS, oracle_summary, summarize_bench
-from dynvocab.bench.loop.prompts import PromptRow
+from dynvocab.bench.loop.tasks import as_item
+from dynvocab.errors import DynvocabError
 from dynvocab.prompts import encode_prompt
+from dynvocab.runtime.decoding.loop import DecodeConfig, drafts_trees
 from dynvocab.runtime.session import Session
 from dynvocab.runtime.strategies import StrategyOptions, lookup, make_policy, parse_strategies
-from dynvocab.bench.loop.items import HISTORY_CHARS, BenchItem
-from dynvocab.bench.loop.tasks import as_item
+from dynvocab.runtime.trees.shape import TREE_OFF, asks_for_trees, chains_only, split_tree
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,12 @@ from dynvocab.errors import DynvocabError
 from dynvocab.models.int8 import INT8
 from dynvocab.models.rows import FloatRows, Int8Rows
 from dynvocab.runtime.decoding.cycle import Sections
+from dynvocab.runtime.decoding.timing import SectionTimer
 from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.drafts.kinds import lookup_kind
 from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.policies.hybrid import HybridConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategies
-from dynvocab.runtime.decoding.timing import SectionTimer
 
 DEMO_TARGET = {  # Qwen2.5-Coder-1.5B: the demo target, whose head an EAGLE-1 draft shares
     "hidden_size": 1536,
@@ -109,7 +109,8 @@ class _Target:
 def bench_context(bundle, vocab: int, dim: int, seed: int, kind: str = SYNTHETIC_KIND) -> Iterator[PolicyContext]:
     """A :class:`PolicyContext` over ``bundle``'s tables, else over synthetic tables of demo sizes written as a
     bundle (kept while the context is open), with stand-in models of random weights shaped as the tables expect:
-    for synthetic tables, the stand-in of draft ``kind`` (a registered :class:`~dynvocab.runtime.drafts.kinds.DraftKind`)."""
+    for synthetic tables, the stand-in of draft ``kind`` (a registered
+    :class:`~dynvocab.runtime.drafts.kinds.DraftKind`)."""
     g = torch.Generator().manual_seed(seed)
     eos = {vocab - 1}
     if bundle is not None:

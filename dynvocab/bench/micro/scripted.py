@@ -12,10 +12,10 @@ from typing import Sequence
 
 import torch
 
-from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.decoding.cycle import Checked, CycleResult, CycleSetup, Sections, run_cycle
-from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.decoding.timing import SectionTimer
+from dynvocab.runtime.drafts.draft import DraftInfo
+from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.trees.tree import DraftTree
 from dynvocab.runtime.trees.verify import SamplingConfig, Verdict
 
@@ -106,8 +106,8 @@ class ScriptedDraft:
 
 def run_script(policy, cycles: Sequence[ScriptedCycle], tokens: list[int], draft: ScriptedDraft,
                timer: SectionTimer | None = None, sections: Sections = Sections(), times=None) -> list[CycleResult]:
-    """Drive ``policy`` through ``cycles`` with :func:`~dynvocab.runtime.decoding.cycle.run_cycle` (greedy, no early stop,
-    no leaves) after the committed ``tokens``, which grow in place. With ``timer``, the ``sections`` are flushed
+    """Drive ``policy`` through ``cycles`` with :func:`~dynvocab.runtime.decoding.cycle.run_cycle` (greedy, no early
+    stop, no leaves) after the committed ``tokens``, which grow in place. With ``timer``, the ``sections`` are flushed
     into ``times`` (an object with those attributes) after each cycle."""
     timer = timer or SectionTimer(torch.device("cpu"), False)
     setup = CycleSetup(draft, draft.verify, policy, SamplingConfig(), torch.Generator().manual_seed(0), timer,

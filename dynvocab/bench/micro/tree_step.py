@@ -2,11 +2,11 @@
 tree shape and active set beside the chain, and the host reads each cycle makes (``gpu_check``'s ``tree_step``).
 
 A random target (from a transformers config: nothing is downloaded) and a random EAGLE-1 head for it decode
-``cycles`` tokens after ``context`` random ones through the one loop (:func:`~dynvocab.runtime.decoding.loop.speculative_generate`,
-section times on: CUDA events on a GPU), once per shape and set. Random weights accept nearly nothing, so each
-cycle grows the whole tree and verifies all of it: the figures are the cost of a cycle, not its yield. The reads
-are counted by :class:`~dynvocab.runtime.host.HostReads`: a tree cycle reads once after its growth (``grow_tree``)
-and once for its verdict, nothing inside the draft loop.
+``cycles`` tokens after ``context`` random ones through the one loop
+(:func:`~dynvocab.runtime.decoding.loop.speculative_generate`, section times on: CUDA events on a GPU), once per shape
+and set. Random weights accept nearly nothing, so each cycle grows the whole tree and verifies all of it: the figures
+are the cost of a cycle, not its yield. The reads are counted by :class:`~dynvocab.runtime.host.HostReads`: a tree
+cycle reads once after its growth (``grow_tree``) and once for its verdict, nothing inside the draft loop.
 """
 
 from __future__ import annotations

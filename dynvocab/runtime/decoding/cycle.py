@@ -18,17 +18,17 @@ from typing import Callable
 
 import torch
 
-from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.drafts.draft import Proposer
-from dynvocab.runtime.host import to_host
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.ngram import NgramLookup
-from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.runtime.decoding.timing import SectionTimer
-from dynvocab.runtime.trees.tree import DraftTree
+from dynvocab.runtime.drafts.draft import Proposer
+from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.runtime.host import to_host
+from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
 from dynvocab.runtime.trees.budget import TreeBudget
 from dynvocab.runtime.trees.growth import GrownTree, grow_tree, tree_of
 from dynvocab.runtime.trees.shape import TreeShape
+from dynvocab.runtime.trees.tree import DraftTree
 from dynvocab.runtime.trees.verify import DraftStep, Proposals, SamplingConfig, Verdict, probs_from_logits, verify
 
 
@@ -47,7 +47,8 @@ Verifier = Callable[[DraftTree, Proposals, list[int]], Checked]
 
 
 class TargetVerifier:
-    """The real verifier: one target pass over the tree, :func:`~dynvocab.runtime.trees.verify.verify`, cache rollback."""
+    """The real verifier: one target pass over the tree, :func:`~dynvocab.runtime.trees.verify.verify`, cache
+    rollback."""
 
     def __init__(self, target: CausalLM, sampling: SamplingConfig, generator: torch.Generator):
         self.target, self.sampling, self.generator = target, sampling, generator
@@ -67,7 +68,8 @@ class TargetVerifier:
 
 @dataclass(frozen=True)
 class Sections:
-    """The :class:`~dynvocab.runtime.decoding.timing.SectionTimer` fields a cycle charges (defaults: :class:`Metrics`')."""
+    """The :class:`~dynvocab.runtime.decoding.timing.SectionTimer` fields a cycle charges (defaults:
+    :class:`Metrics`')."""
 
     draft: str = "draft_s"  # the whole draft chain
     head: str = "head_s"  # the proposer's head over the active set
@@ -322,4 +324,5 @@ def _report(n: int, tree: DraftTree, checked: Checked, emitted: list[int], sets:
     while tree.children[rows[-1]]:
         rows.append(tree.children[rows[-1]][0])
     drafted = [verdict.tokens[r] for r in rows[1:]]
-    return CycleReport(n, drafted, tops, verdict.accepted, emitted, checked.logits[rows], checked.hidden[rows], sets)
+    take = slice(0, len(rows)) if rows == list(range(len(rows))) else rows  # a chain's rows: a view, not a copy
+    return CycleReport(n, drafted, tops, verdict.accepted, emitted, checked.logits[take], checked.hidden[take], sets)

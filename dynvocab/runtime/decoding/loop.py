@@ -1,8 +1,9 @@
 """The speculative decoding loop: the one loop every strategy, `generate` and `bench` run.
 
-Each cycle (:func:`~dynvocab.runtime.decoding.cycle.run_cycle`): for each of up to γ draft steps the draft runs its body
-over the new token, the policy names the active ids (an :class:`~dynvocab.runtime.heads.active_set.ActiveSet`), and the
-draft's own head computes logits only over them; the target scores the draft in one pass over its full vocabulary,
+Each cycle (:func:`~dynvocab.runtime.decoding.cycle.run_cycle`): for each of up to γ draft steps the draft runs its
+body over the new token, the policy names the active ids (an :class:`~dynvocab.runtime.heads.active_set.ActiveSet`),
+and the draft's own head computes logits only over them; the target scores the draft in one pass over its full
+vocabulary,
 :func:`~dynvocab.runtime.trees.verify.verify` accepts tokens (greedy or exact rejection sampling), both KV caches roll
 back to the accepted prefix, and the policy observes the cycle. The host reads the device once per draft step and
 once per cycle (:func:`~dynvocab.runtime.host.to_host`). The loop only decodes: counters go to a
@@ -16,8 +17,8 @@ one cycle and returns the tokens it committed, so streaming needs no thread; clo
 
 Cache invariant: before a cycle the target's cache holds every committed token but the last one; the draft's
 cache holds some prefix of the committed tokens and catches up at its first draft step. The draft is either kind
-behind :class:`~dynvocab.runtime.drafts.draft.Proposer` (a draft model, an EAGLE head): after each target pass the loop
-hands it the committed rows (``observe``), which an EAGLE head reads its features from and a draft model ignores.
+behind :class:`~dynvocab.runtime.drafts.draft.Proposer` (a draft model, an EAGLE head): after each target pass the
+loop hands it the committed rows (``observe``), which an EAGLE head reads its features from and a draft model ignores.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from typing import Callable, Iterator
 import torch
 
 from dynvocab.runtime.decoding.cycle import CycleResult, CycleSetup, TargetVerifier, run_cycle
-from dynvocab.runtime.drafts.draft import Proposer
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.decoding.metrics import Metrics, Tally
 from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
+from dynvocab.runtime.decoding.timing import SectionTimer
+from dynvocab.runtime.drafts.draft import Proposer
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.policies.base import VocabPolicy
 from dynvocab.runtime.policies.full import FullPolicy
-from dynvocab.runtime.decoding.timing import SectionTimer
 from dynvocab.runtime.trees.budget import budget_for
 from dynvocab.runtime.trees.mode import TreeMemory
 from dynvocab.runtime.trees.shape import TREE_AUTO, TREE_OFF, TreeShape, chains_only, parse_tree
@@ -56,10 +57,11 @@ class DecodeConfig:
     ``gamma`` is the longest draft. The draft stops early after a token it gave a probability below
     ``stop_below`` (0 never stops early). Greedy decoding also verifies the draft's runner-up at every step where
     its chosen token's probability is below ``branch_below`` (a leaf of a small draft tree, see
-    :mod:`dynvocab.runtime.trees.tree`; 0 verifies the chain alone). ``ngram``: each cycle first looks up the committed
-    tokens' longest suffix of ``ngram_min`` to ``ngram_max`` tokens earlier in the request and drafts what followed
-    it (:mod:`dynvocab.runtime.decoding.ngram`); the draft runs only where nothing is found, and with no draft at all the
-    lookup alone speculates. ``tree``: ``off`` (chains), ``DEPTHxTOPKxTOKENS`` (an EAGLE-2 tree each cycle,
+    :mod:`dynvocab.runtime.trees.tree`; 0 verifies the chain alone). ``ngram``: each cycle first looks up the
+    committed tokens' longest suffix of ``ngram_min`` to ``ngram_max`` tokens earlier in the request and drafts what
+    followed it (:mod:`dynvocab.runtime.decoding.ngram`); the draft runs only where nothing is found, and with no
+    draft at all the lookup alone speculates. ``tree``: ``off`` (chains), ``DEPTHxTOPKxTOKENS`` (an EAGLE-2 tree each
+    cycle,
     :mod:`dynvocab.runtime.trees.growth`; EAGLE heads only) or ``auto`` (a tree fitted to the target's measured
     verification cost, :mod:`dynvocab.runtime.trees.budget`). None of these changes the output, only its speed.
     """

@@ -34,8 +34,8 @@ class Metrics:
     head_rows_copied: int = 0
     leaves: int = 0  # runner-up leaves verified beside the drafted chains (see dynvocab.runtime.trees.tree)
     leaf_hits: int = 0  # cycles that accepted a leaf (one more token than the chain gave)
-    # Cycles whose draft was an n-gram lookup's continuation (``ngram``, see dynvocab.runtime.decoding.ngram), the tokens
-    # they drafted and how many of those the target accepted; their tokens count in ``accept_by_position`` too.
+    # Cycles whose draft was an n-gram lookup's continuation (``ngram``, see dynvocab.runtime.decoding.ngram), the
+    # tokens they drafted and how many of those the target accepted; their tokens count in ``accept_by_position`` too.
     lookup_cycles: int = 0
     lookup_drafted: int = 0
     lookup_accepted: int = 0
@@ -123,8 +123,9 @@ class Tally:
         m.off_main += verdict.accepted - verdict.on_main
 
     def _count_hit(self, active, token: int) -> None:
-        """Count ``token`` as a hit when it is in ``active`` (an :class:`~dynvocab.runtime.heads.active_set.ActiveSet`):
-        decided on the host for the full vocabulary, else kept as a device boolean."""
+        """Count ``token`` as a hit when it is in ``active`` (an
+        :class:`~dynvocab.runtime.heads.active_set.ActiveSet`): decided on the host for the full vocabulary, else kept
+        as a device boolean."""
         if active.is_full:
             self.covered += 0 <= token < active.vocab
             return

@@ -2,8 +2,8 @@
 (:class:`DraftInfo`), whichever kind of draft runs behind it.
 
 Each kind (a draft model, an EAGLE-1/2 head, an EAGLE-3 head, or one a plugin brings) is one entry in the draft
-registry (:mod:`dynvocab.runtime.drafts.kinds`) whose loader returns a :class:`Proposer`. The loop never asks which kind
-it drives (as vLLM's engine never asks which proposer it runs), and policies read only the proposer's frozen
+registry (:mod:`dynvocab.runtime.drafts.kinds`) whose loader returns a :class:`Proposer`. The loop never asks which
+kind it drives (as vLLM's engine never asks which proposer it runs), and policies read only the proposer's frozen
 :class:`DraftInfo`.
 """
 

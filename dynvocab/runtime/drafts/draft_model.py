@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from dynvocab.runtime.drafts.draft import DraftInfo, OwnsHead
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.drafts.registry import DraftKind, LoadedDraft, LoadRequest
 from dynvocab.runtime.drafts.weights import draft_bytes, module_rows, prepare_draft_weights
 from dynvocab.runtime.heads.head import DraftHead
-from dynvocab.runtime.drafts.lm import CausalLM
 
 LABEL = "draft model"
 

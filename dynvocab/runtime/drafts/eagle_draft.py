@@ -19,10 +19,10 @@ import torch
 
 from dynvocab.models.eagle import EAGLE1, EAGLE3, Eagle1Model, Eagle3Model, EagleModel, LayerTap, checkpoint_of_kind
 from dynvocab.runtime.drafts.draft import DraftInfo, OwnsHead
+from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.drafts.registry import DraftKind, LoadedDraft, LoadRequest
 from dynvocab.runtime.drafts.weights import draft_bytes, module_rows, prepare_draft_weights, tensor_rows
 from dynvocab.runtime.heads.head import DraftHead
-from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.mapped_head import MappedHead
 from dynvocab.runtime.heads.slots import grown
 
@@ -184,8 +184,8 @@ class Eagle1Draft(EagleDraft):
 
 class Eagle3Draft(EagleDraft):
     """An EAGLE-3 head: its features are the target's hidden states entering three layers (``tap``) and its
-    ``lm_head`` covers its own draft vocabulary (:class:`~dynvocab.runtime.heads.mapped_head.MappedHead` answers in target
-    ids); policies see no rows of target ids (``info.rows`` is None)."""
+    ``lm_head`` covers its own draft vocabulary (:class:`~dynvocab.runtime.heads.mapped_head.MappedHead` answers in
+    target ids); policies see no rows of target ids (``info.rows`` is None)."""
 
     def __init__(self, model: Eagle3Model, target: CausalLM, tap: LayerTap):
         super().__init__(model, target)

@@ -1,9 +1,9 @@
 """The built-in draft kinds, each one entry in the draft registry (:mod:`dynvocab.runtime.drafts.registry`), and
 those installed packages bring (entry points in the :data:`ENTRY_POINTS` group, :func:`dynvocab.registry.load_plugins`).
 
-Adding a kind: its proposer (:class:`~dynvocab.runtime.drafts.draft.Proposer`), a loader and a recogniser in one module,
-and one ``register(DraftKind(…))`` call (below, or in the module or package that brings it). Import the registry's
-API from here, so that the built-in kinds are in it.
+Adding a kind: its proposer (:class:`~dynvocab.runtime.drafts.draft.Proposer`), a loader and a recogniser in one
+module, and one ``register(DraftKind(…))`` call (below, or in the module or package that brings it). Import the
+registry's API from here, so that the built-in kinds are in it.
 """
 
 from __future__ import annotations

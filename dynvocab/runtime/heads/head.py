@@ -1,13 +1,15 @@
 """The draft's LM head restricted to an active set of rows, kept in packed, contiguous buffers.
 
 Each segment of an :class:`~dynvocab.runtime.heads.active_set.ActiveSet` says what it is by its
-:class:`~dynvocab.runtime.heads.active_set.SegmentKey`, and the heads here decide what they reuse from that key alone. A
-:class:`~dynvocab.runtime.heads.active_set.Prefix` is packed in ranking order once, and each shorter prefix of the same
-ranking is a slice of the buffer; a set the policy replaces (a new key) is brought up to date incrementally: rows of
-tokens that left are overwritten by rows of tokens that entered, so a sliding-window policy that changes a few dozen
-ids per cycle copies a few dozen rows, not thousands. :class:`~dynvocab.runtime.heads.active_set.RowRanges` (DynaSpec's
-clusters, the centroid blocks, FR-Spec's prefixes) are rows of a fixed order gathered once and kept on the row source,
-and each step multiplies only the chosen ranges, so a set that changes completely between steps copies nothing.
+:class:`~dynvocab.runtime.heads.active_set.SegmentKey`, and the heads here decide what they reuse from that key alone.
+A
+:class:`~dynvocab.runtime.heads.active_set.Prefix` is packed in ranking order once, and each shorter prefix of the
+same ranking is a slice of the buffer; a set the policy replaces (a new key) is brought up to date incrementally: rows
+of tokens that left are overwritten by rows of tokens that entered, so a sliding-window policy that changes a few
+dozen ids per cycle copies a few dozen rows, not thousands. :class:`~dynvocab.runtime.heads.active_set.RowRanges`
+(DynaSpec's clusters, the centroid blocks, FR-Spec's prefixes) are rows of a fixed order gathered once and kept on the
+row source, and each step multiplies only the chosen ranges, so a set that changes completely between steps copies
+nothing.
 
 The rows come from a :class:`~dynvocab.models.rows.RowSource` (float rows, a one-row dtype copy, or int8 rows with
 per-row scales), chosen once at load; the heads never ask which one they read.
@@ -105,8 +107,8 @@ class PackedHead:
         self._copy(*self.slots.update(ids))
 
     def logits(self, hidden: torch.Tensor, segment: torch.Tensor | Prefix) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [m, n] over the segment's ids (a :class:`~dynvocab.runtime.heads.active_set.Prefix` or a bare id tensor
-        [n], a changed set) for hidden states [m, d], and the token id of each column [n]."""
+        """Logits [m, n] over the segment's ids (a :class:`~dynvocab.runtime.heads.active_set.Prefix` or a bare id
+        tensor [n], a changed set) for hidden states [m, d], and the token id of each column [n]."""
         n = self._bring(segment)
         if self._in_order is not None and self.source.packs_prefixes:  # a ranking's prefix: a kept int8 pack
             out = self.source.prefix_linear(hidden, self._in_order.of, n)
@@ -209,8 +211,8 @@ class RangeHead:
 
 
 class GatherHead:
-    """Logits over a :class:`~dynvocab.runtime.heads.active_set.Gathered` segment: its rows gathered from the row source at
-    each step (int8 rows with their scales where the source keeps them so) and multiplied once."""
+    """Logits over a :class:`~dynvocab.runtime.heads.active_set.Gathered` segment: its rows gathered from the row
+    source at each step (int8 rows with their scales where the source keeps them so) and multiplied once."""
 
     def __init__(self, weight, bias: torch.Tensor | None = None, softcap: float | None = None):
         self.source = row_source(weight, bias)

@@ -6,7 +6,9 @@ from collections import OrderedDict
 
 import torch
 
-from dynvocab.runtime.heads.active_set import ActiveSet, Gathered, Prefix, RowRanges, Segment, SegmentKey, merge_ranges
+from dynvocab.runtime.heads.active_set import (
+    ActiveSet, Gathered, Prefix, RowRanges, Segment, SegmentKey, merge_ranges,
+)
 from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.host import to_host, to_host_tensor
 
@@ -21,11 +23,11 @@ class MappedHead:
     Segments are mapped by what their key says they are, so the inner :class:`~dynvocab.runtime.heads.head.DraftHead`
     sees the same structure in draft rows: a ranking (or order) is mapped once to the draft rows of its ids that the
     draft vocabulary has, in order, with the count of kept ids before each position; a
-    :class:`~dynvocab.runtime.heads.active_set.Prefix` of ``k`` target ids is then the prefix of ``k'`` ids of the mapped
-    ranking (one object per ranking: the inner head slices its packed rows), and
+    :class:`~dynvocab.runtime.heads.active_set.Prefix` of ``k`` target ids is then the prefix of ``k'`` ids of the
+    mapped ranking (one object per ranking: the inner head slices its packed rows), and
     :class:`~dynvocab.runtime.heads.active_set.RowRanges` of an order are ranges of the mapped order (whose rows are
-    gathered once). Changed segments (bare id tensors, :class:`~dynvocab.runtime.heads.active_set.Gathered`) are mapped
-    at every step.
+    gathered once). Changed segments (bare id tensors, :class:`~dynvocab.runtime.heads.active_set.Gathered`) are
+    mapped at every step.
     """
 
     KEEP_ORDERS = 8  # mapped rankings and orders kept (least recently used dropped)

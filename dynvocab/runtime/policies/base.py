@@ -34,10 +34,10 @@ class VocabPolicy:
 
     The loop calls ``prefill`` once, then per cycle ``active_ids(j, hidden, token)`` for each draft step and
     ``observe`` after verification. The head decides what it may reuse from each segment's key alone
-    (:class:`~dynvocab.runtime.heads.active_set.SegmentKey`): a :class:`~dynvocab.runtime.heads.active_set.Prefix` of a ranking
-    the policy keeps, or :class:`~dynvocab.runtime.heads.active_set.RowRanges` of a fixed order, copies no rows once
-    packed; a bare id tensor (or a :class:`~dynvocab.runtime.heads.active_set.Gathered` one) is always a change, even the
-    same tensor object, and its rows are brought up to date incrementally.
+    (:class:`~dynvocab.runtime.heads.active_set.SegmentKey`): a :class:`~dynvocab.runtime.heads.active_set.Prefix` of
+    a ranking the policy keeps, or :class:`~dynvocab.runtime.heads.active_set.RowRanges` of a fixed order, copies no
+    rows once packed; a bare id tensor (or a :class:`~dynvocab.runtime.heads.active_set.Gathered` one) is always a
+    change, even the same tensor object, and its rows are brought up to date incrementally.
     """
 
     name = "base"

@@ -19,8 +19,8 @@ from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet, RowRanges
 from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.selectors.context_select import RouterSelector
 from dynvocab.runtime.policies.groups import Groups
+from dynvocab.runtime.selectors.context_select import RouterSelector
 
 
 @dataclass(frozen=True)

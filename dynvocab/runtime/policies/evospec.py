@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
-from dynvocab.runtime.selectors.arc import ARCCache
 from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+from dynvocab.runtime.policies.evospec_align import AlignConfig, Aligner
+from dynvocab.runtime.selectors.arc import ARCCache
 from dynvocab.runtime.selectors.candidates import assemble_candidates
 
 @dataclass(frozen=True)

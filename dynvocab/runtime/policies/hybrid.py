@@ -36,8 +36,8 @@ from dynvocab.budget import pa_budget
 from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.policies.base import CycleReport
-from dynvocab.runtime.selectors.candidates import assemble_candidates
 from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
+from dynvocab.runtime.selectors.candidates import assemble_candidates
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch
 from dynvocab.artifacts.selectors import LOWRANK, SelectorTable
 from dynvocab.runtime.heads.active_set import ActiveSet, Gathered
 from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.selectors.batch_select import lowrank_selector
 from dynvocab.runtime.policies.selector_stage import prepared
+from dynvocab.runtime.selectors.batch_select import lowrank_selector
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ class TreeBudget:
         return best, predicted
 
     def wants_tree(self) -> bool:
-        """Whether this cycle drafts a tree or the chain (:meth:`~dynvocab.runtime.trees.mode.AutoState.wants_tree`)."""
+        """Whether this cycle drafts a tree or the chain
+        (:meth:`~dynvocab.runtime.trees.mode.AutoState.wants_tree`)."""
         return self.state.wants_tree()
 
     def finish(self, tree: bool, emitted: int, accepted: int) -> None:
@@ -184,7 +185,8 @@ class TreeBudget:
         state.record(tree, emitted, cycle_s)
 
     def rate(self, mode: str) -> float | None:
-        """Tokens per second of ``"tree"`` or ``"chain"`` cycles (:meth:`~dynvocab.runtime.trees.mode.AutoState.rate`)."""
+        """Tokens per second of ``"tree"`` or ``"chain"`` cycles
+        (:meth:`~dynvocab.runtime.trees.mode.AutoState.rate`)."""
         return self.state.rate(mode)
 
     def summary(self) -> dict:

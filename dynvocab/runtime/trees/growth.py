@@ -3,11 +3,12 @@ small set, and reduced to the N best nodes verified in one target pass.
 
 Growth (:func:`grow_tree`): the draft consumes the committed tokens it has not seen; the root's K best children
 form depth 1. At each later depth the K frontier nodes are fed to the draft in one batched pass (tree attention:
-each sees the committed tokens, its own ancestors and itself, :meth:`~dynvocab.runtime.drafts.eagle_draft.EagleDraft.branch`),
-the policy names the depth's active set, one head call scores all K rows over it, and each row's K best children
-join the candidates with their cumulative log-probability; the K best of those K² become the next frontier. Of
-all ``K + (D - 1) K²`` candidates the N best (by cumulative score; ties to the earlier node, so every kept node's
-parent is kept) are verified (:mod:`dynvocab.runtime.trees.verify`).
+each sees the committed tokens, its own ancestors and itself,
+:meth:`~dynvocab.runtime.drafts.eagle_draft.EagleDraft.branch`), the policy names the depth's active set, one head
+call scores all K rows over it, and each row's K best children join the candidates with their cumulative
+log-probability; the K best of those K² become the next frontier. Of all ``K + (D - 1) K²`` candidates the N best (by
+cumulative score; ties to the earlier node, so every kept node's parent is kept) are verified
+(:mod:`dynvocab.runtime.trees.verify`).
 
 The set of a depth: the policy is asked once per depth, with the depth's best frontier node (its head input and its
 token), as the chain asks once per step; static sets (``fr``, ``fr-pa``) and per-cycle sets (``microspec``) are
@@ -36,8 +37,8 @@ import torch
 
 from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.host import to_host
-from dynvocab.runtime.trees.tree import DraftTree
 from dynvocab.runtime.trees.shape import TreeShape
+from dynvocab.runtime.trees.tree import DraftTree
 from dynvocab.runtime.trees.verify import SamplingConfig, probs_from_logits
 
 PRIOR_FIRST = 0.6  # sampling's rank-fixed shape: a rank-0 child's assumed acceptance
@@ -83,8 +84,9 @@ class Growth:
 
 @dataclass
 class GrownTree:
-    """A grown draft tree, ready to verify: the pass's :class:`~dynvocab.runtime.trees.tree.DraftTree`, the active set of each depth, the
-    candidates grown, the drafted tokens by depth and the draft's distribution at each expanded row (sampling)."""
+    """A grown draft tree, ready to verify: the pass's :class:`~dynvocab.runtime.trees.tree.DraftTree`, the active set
+    of each depth, the candidates grown, the drafted tokens by depth and the draft's distribution at each expanded row
+    (sampling)."""
 
     tree: DraftTree
     sets: list[ActiveSet]
@@ -218,10 +220,10 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape,
 
 def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = ()) -> GrownTree:
     """The tree verifying the ``n`` best ``candidates`` of ``growth`` (and a chain ``extra`` of tokens under the
-    root, an n-gram lookup's continuation, greedy only): its :class:`~dynvocab.runtime.trees.tree.DraftTree` and the draft's distributions at
-    its rows. The chain runs through the kept nodes that already hold its first tokens and adds nodes only below
-    them: the walk takes the first child whose token matches, so a second child with the same token would never be
-    reached."""
+    root, an n-gram lookup's continuation, greedy only): its :class:`~dynvocab.runtime.trees.tree.DraftTree` and the
+    draft's distributions at its rows. The chain runs through the kept nodes that already hold its first tokens and
+    adds nodes only below them: the walk takes the first child whose token matches, so a second child with the same
+    token would never be reached."""
     kept = candidates.choose(n)
     row_of = {-1: 0}
     parents, toks = [-1], [-1]

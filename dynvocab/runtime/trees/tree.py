@@ -42,9 +42,9 @@ class DraftTree:
     @classmethod
     def chain(cls, chain: list[torch.Tensor], leaves: dict[int, torch.Tensor] | None = None,
               device=None) -> "DraftTree":
-        """A chain ``d_1..d_γ`` (γ × [1] on the device) with runner-up ``leaves`` by chain depth j (0-based: a sibling
-        of ``chain[j]``): rows 1..γ the chain, then the leaves in depth order. The tokens are concatenated on
-        ``device`` (default: the first token's), not read."""
+        """A chain ``d_1..d_γ`` (γ × [1] on the device) with runner-up ``leaves`` by chain depth j (0-based: a
+        sibling of ``chain[j]``): rows 1..γ the chain, then the leaves in depth order. The tokens are concatenated
+        on ``device`` (default: the first token's), not read."""
         leaves = leaves or {}
         depths = sorted(leaves)
         parents = (-1, *range(len(chain)), *depths)
@@ -111,7 +111,8 @@ class DraftTree:
         self, past: int, dtype: torch.dtype, device, window: int | None = None, kv_offset: int = 0
     ) -> torch.Tensor:
         """Additive mask [1, 1, n, past - kv_offset + n] (see :func:`tree_attention_mask`)."""
-        return tree_attention_mask(self.allowed(device), self.positions(past, device)[0], past, dtype, window, kv_offset)
+        positions = self.positions(past, device)[0]
+        return tree_attention_mask(self.allowed(device), positions, past, dtype, window, kv_offset)
 
     def on_main(self, path_rows) -> int:
         """How many of ``path_rows`` (an accepted path, from the root's child down) lie on :attr:`main`."""

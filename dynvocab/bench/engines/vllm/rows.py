@@ -127,7 +127,8 @@ def plugin_strategies(text: str | None, bundle: str | None, draft: str | None = 
 
 
 def _draft_kind(draft: str) -> str | None:
-    """dynvocab's kind of ``draft`` (``runtime/drafts/kinds.py``), None where it cannot be told without loading more."""
+    """dynvocab's kind of ``draft`` (``runtime/drafts/kinds.py``), None where it cannot be told without loading
+    more."""
     from dynvocab.models import resolve_model
     from dynvocab.runtime.drafts.kinds import find_kind
 
