@@ -286,7 +286,7 @@ def _tree_cycle(setup: CycleSetup, tokens: list[int], limit: int, found: list[in
     growth, candidates = grow_tree(setup, tokens, shape, None if budget is None else budget.keep_growing)
     branch = found[: shape.depth]
     size = shape.tokens if budget is None else budget.tokens(candidates, len(branch))
-    grown = tree_of(growth, candidates, size, branch)
+    grown = tree_of(growth, candidates, size, branch, setup.proposer.info.device)
     setup.timer.add(setup.sections.draft, t_draft)
     verdict, emitted, eos = _check(setup, tokens, grown.tree, grown.proposals, limit, grown.sets, grown.tops)
     return CycleResult(emitted, eos, verdict, Drafted(sets=grown.sets), grown)

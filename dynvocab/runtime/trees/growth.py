@@ -218,10 +218,11 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape,
     return Growth(sets, tops, probs_by_depth), candidates
 
 
-def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = ()) -> GrownTree:
+def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = (), device="cpu") -> GrownTree:
     """The tree verifying the ``n`` best ``candidates`` of ``growth`` (and a chain ``extra`` of tokens under the
-    root, an n-gram lookup's continuation, greedy only): its :class:`~dynvocab.runtime.trees.tree.DraftTree` and the
-    draft's distributions at its rows. The chain runs through the kept nodes that already hold its first tokens and
+    root, an n-gram lookup's continuation, greedy only): its :class:`~dynvocab.runtime.trees.tree.DraftTree`, its
+    tokens uploaded once to ``device`` (the pass and the verdict read them there), and the draft's distributions at
+    its rows. The chain runs through the kept nodes that already hold its first tokens and
     adds nodes only below them: the walk takes the first child whose token matches, so a second child with the same
     token would never be reached."""
     kept = candidates.choose(n)
@@ -259,7 +260,7 @@ def tree_of(growth: Growth, candidates: Candidates, n: int, extra: list[int] = (
             for r, i in enumerate(ids):
                 if i in row_of:
                     proposals[row_of[i]] = (probs[r], cols)
-    tree = DraftTree.of(parents, toks[1:], main)
+    tree = DraftTree.of(parents, toks[1:], main, device)
     return GrownTree(tree, growth.sets, len(candidates.tokens), growth.tops, proposals)
 
 
