@@ -14,7 +14,7 @@ import torch
 
 from dynvocab.runtime.decoding.loop import DecodeConfig, Generation, speculative_generate
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.selection.base import VocabPolicy
 from dynvocab.runtime.trees.verify import probs_from_logits
 
 

@@ -1,4 +1,4 @@
-"""One selector, two hosts: the batched selectors (``runtime/selectors/batch_select.py``) give, at one row, the sets
+"""One selector, two hosts: the batched selectors (``runtime/selection/batch_select.py``) give, at one row, the sets
 dynvocab's own loop policies give; each row of a batch gets its own set; a selected head computes the full head's
 logits over the set; a vocab-parallel head's shards score each id once; the refusals are one line."""
 
@@ -14,16 +14,16 @@ from dynvocab.builders.hnsw import head_stage
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, asked_budget, batch_strategies, build_selector, refusal
 from dynvocab.models.int8 import INT8_GATHERED
-from dynvocab.runtime.selectors.batch_select import (
+from dynvocab.runtime.selection.batch_select import (
     BATCHED_RANK, CentroidSelector, LowRankSelector, StaticSelector, scatter_logits, top_ids, top_ids_batched)
-from dynvocab.runtime.selectors.selected_head import SelectedHead
-from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
-from dynvocab.runtime.selectors.context_select import StepContext
-from dynvocab.runtime.policies.dynaspec import DynaSpecConfig
-from dynvocab.runtime.policies.frequency import FrequencyPolicy, PositionAwareConfig
-from dynvocab.runtime.policies.hybrid import HybridConfig
-from dynvocab.runtime.policies.lowrank import LowRankConfig, LowRankPolicy
-from dynvocab.runtime.policies.microspec import MicroSpecConfig
+from dynvocab.runtime.selection.selected_head import SelectedHead
+from dynvocab.runtime.selection.centroids import CentroidConfig, CentroidPolicy
+from dynvocab.runtime.selection.context_select import StepContext
+from dynvocab.runtime.selection.dynaspec import DynaSpecConfig
+from dynvocab.runtime.selection.frequency import FrequencyPolicy, PositionAwareConfig
+from dynvocab.runtime.selection.hybrid import HybridConfig
+from dynvocab.runtime.selection.lowrank import LowRankConfig, LowRankPolicy
+from dynvocab.runtime.selection.microspec import MicroSpecConfig
 from dynvocab.runtime.registry import StrategyOptions
 
 V, D = 1000, 32
@@ -205,7 +205,7 @@ def test_changing_sets_go_row_by_row_off_a_cpu_until_they_hold_twice_the_heads_r
     """The rule measured on an H200 (docs/measurements/2026-11-27-gpu-batch-heads-h200.md): a CPU scores a batch's
     changing sets over their union; another device row by row (a CUDA graph captures it) up to PER_ROW_LIMIT times
     the head's rows, over the union past it."""
-    from dynvocab.runtime.selectors.selected_head import PER_ROW_LIMIT
+    from dynvocab.runtime.selection.selected_head import PER_ROW_LIMIT
 
     head, meta = SelectedHead(StaticSelector(torch.arange(3))), torch.empty(1, device="meta")
     assert head._union(torch.empty(1), 10, 100)
@@ -219,7 +219,7 @@ def test_changing_sets_past_the_share_are_scored_by_the_hosts_whole_head(bundle,
     """A batch's changing sets whose distinct ids pass WHOLE_SHARE of the head are scored by the host's own full
     head (vLLM's packed GEMM in the plugin) and gathered; fewer, over their gathered rows. The logits are the full
     head's either way."""
-    from dynvocab.runtime.selectors.selected_head import WHOLE_SHARE
+    from dynvocab.runtime.selection.selected_head import WHOLE_SHARE
 
     g = torch.Generator().manual_seed(4)
     weight, hidden = torch.randn(V, D, generator=g), torch.randn(3, D, generator=g)
@@ -308,7 +308,7 @@ def test_context_selectors_follow_their_context(bundle):
     from dynvocab.artifacts import ClusterTable, GraphTable
     from dynvocab.artifacts.router import RouterTable
     from dynvocab.budget import pa_budget
-    from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+    from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
 
     hidden = torch.randn(3, D, generator=torch.Generator().manual_seed(6))
     pa = build_selector(bundle, SelectorSpec("fr-pa", 300), V, D)
@@ -343,7 +343,7 @@ def test_hybrids_per_step_search_adds_each_rows_nearest_head_rows(bundle, tmp_pa
     of another shape (a rank's shard) or none gets no search."""
     from dynvocab.artifacts import StoredIndex, mips_search
     from dynvocab.builders.hnsw import HnswConfig, head_stage
-    from dynvocab.runtime.selectors.context_select import ENGINE_EF, HeadSearch, HybridSelector
+    from dynvocab.runtime.selection.context_select import ENGINE_EF, HeadSearch, HybridSelector
 
     g = torch.Generator().manual_seed(8)
     weight = torch.randn(V, D, generator=g) * (torch.rand(V, 1, generator=g) * 4 + 0.5)  # varied row norms

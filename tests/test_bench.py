@@ -19,7 +19,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.decoding.metrics import Metrics
 from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+from dynvocab.runtime.selection.base import CycleReport, VocabPolicy
 
 pytestmark = [pytest.mark.transformers_api, pytest.mark.usefixtures("one_thread")]
 

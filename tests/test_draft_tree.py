@@ -23,7 +23,7 @@ from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.policies import FullPolicy
+from dynvocab.runtime.selection import FullPolicy
 from dynvocab.runtime.trees.growth import Candidates, Growth, grow_tree, rank_scores, tree_of
 from dynvocab.runtime.trees.mode import TreeMemory
 from dynvocab.runtime.trees.shape import TreeShape, parse_tree, split_tree
@@ -343,7 +343,7 @@ def test_sampled_trees_follow_the_target_distribution(setup, tree, tmp_path, mon
     first token, and the second after each first); siblings off the main path are accepted too, and paths two deep.
     ``auto`` goes on over the generations in one memory whose clock moves irregularly, and fixes each sampled
     cycle's depth and N before its draws: depths, N and modes vary (a head that is seldom right grows shallow)."""
-    from dynvocab.runtime.policies import FrequencyPolicy
+    from dynvocab.runtime.selection import FrequencyPolicy
 
     monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))  # auto's curve
     target, draft = setup

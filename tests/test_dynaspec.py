@@ -12,7 +12,7 @@ from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import RowRanges
-from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 VOCAB = 96

@@ -16,7 +16,7 @@ from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.heads.mapped_head import MappedHead
-from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
+from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy
 
 LAYERS = 6  # EAGLE-3's default taps (2, L//2, L-3) need a few layers
 DRAFT_VOCAB = 60

@@ -15,9 +15,9 @@ from dynvocab.runtime import strategies
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.policies.base import CycleReport
-from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever
-from dynvocab.runtime.selectors.candidates import assemble_candidates
+from dynvocab.runtime.selection.base import CycleReport
+from dynvocab.runtime.selection.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever
+from dynvocab.runtime.selection.candidates import assemble_candidates
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions
 
 VOCAB = 96
@@ -220,7 +220,7 @@ def test_greedy_is_lossless(pair, tables, synchronous, seed):
 
 def test_the_dynamic_buffer_raises_coverage_over_the_core_alone(pair, tables):
     """With retrieval the draft proposes from more of the right tokens than the bare static core."""
-    from dynvocab.runtime.policies import FrequencyPolicy
+    from dynvocab.runtime.selection import FrequencyPolicy
 
     target, draft = pair
     cfg = DecodeConfig(gamma=3, max_new_tokens=60)

@@ -264,15 +264,15 @@ def test_circles_are_found_and_named_by_their_shortest_loop():
 
 
 def test_the_checker_catches_each_kind_of_broken_arrow():
-    modules = {"dynvocab.cli", "dynvocab.runtime", "dynvocab.runtime.decoding.loop", "dynvocab.runtime.policies",
+    modules = {"dynvocab.cli", "dynvocab.runtime", "dynvocab.runtime.decoding.loop", "dynvocab.runtime.selection",
                "dynvocab.artifacts", "dynvocab.artifacts.bundle", "dynvocab.serving.vllm.head"}
     up = "import torch\nfrom dynvocab.cli import main\n"
     assert violations(up, "dynvocab.runtime.decoding.loop", "runtime/decoding/loop.py", modules=modules) == [
         "runtime/decoding/loop.py:2 -> dynvocab.cli: an upward arrow (floor 5 imports floor 9)"
     ]
     relative = "def f():\n    from ... import cli\n    from ...artifacts import bundle\n"
-    assert violations(relative, "dynvocab.runtime.policies.x", "runtime/policies/x.py", modules=modules) == [
-        "runtime/policies/x.py:2 -> dynvocab.cli: an upward arrow (floor 5 imports floor 9)"
+    assert violations(relative, "dynvocab.runtime.selection.x", "runtime/selection/x.py", modules=modules) == [
+        "runtime/selection/x.py:2 -> dynvocab.cli: an upward arrow (floor 5 imports floor 9)"
     ]
     assert violations("from .. import runtime\n", "dynvocab.builders", "builders/__init__.py", True, modules) == [
         "builders/__init__.py:1 -> dynvocab.runtime: dynvocab.builders and dynvocab.runtime never import each other; "

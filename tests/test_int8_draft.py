@@ -23,7 +23,7 @@ from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import ActiveSet, Gathered, RowRanges
 from dynvocab.runtime.heads.head import DraftHead
-from dynvocab.runtime.policies import VocabPolicy
+from dynvocab.runtime.selection import VocabPolicy
 from dynvocab.runtime.session import ModelConfig, Session
 
 pytestmark = [

@@ -13,9 +13,9 @@ from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
-from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
+from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
+from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
 
 pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
 

@@ -14,7 +14,7 @@ from dynvocab.runtime.decoding import loop
 from dynvocab.runtime.decoding.loop import DecodeConfig, Decoding, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.policies import FullPolicy
+from dynvocab.runtime.selection import FullPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,9 +9,9 @@ from dynvocab.artifacts import GraphTable
 from dynvocab.bench.micro.scripted import ScriptedCycle, ScriptedDraft, run_script
 from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.heads.head import DraftHead
-from dynvocab.runtime.policies.base import CycleReport
-from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection.base import CycleReport
+from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
+from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
 
 VOCAB, DIM, GAMMA = 600, 8, 4
 
@@ -110,7 +110,7 @@ def test_dynaspec_ranges_match_the_host_merge():
     from dynvocab.artifacts import ClusterTable
     from dynvocab.artifacts.router import RouterMLP, RouterTable
     from dynvocab.runtime.heads.active_set import merge_ranges
-    from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
+    from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
 
     g = torch.Generator().manual_seed(5)
     m = 24

@@ -13,7 +13,7 @@ from dynvocab.bench.micro import policy_step
 from dynvocab.bench.micro.policy_step import policy_rows, policy_step_bench, render_policy_table
 from dynvocab.runtime.decoding.timing import SectionTimer
 from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.selection.base import VocabPolicy
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 3000, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 512}

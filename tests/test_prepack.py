@@ -15,8 +15,8 @@ from dynvocab.models.prepack import MAX_PACKED_ROWS, PrepackedLinear, prepack_li
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
-from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy
+from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.session import ModelConfig, Session
 
 pytestmark = pytest.mark.skipif(not prepack_supported("cpu", "float32"), reason="this torch has no oneDNN")

@@ -14,7 +14,7 @@ from cli_helpers import assert_one_line_error, run
 from dynvocab.bench.micro.policy_step import policy_rows, policy_step_bench
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.policies import VocabPolicy
+from dynvocab.runtime.selection import VocabPolicy
 from dynvocab.runtime.strategies import (
     Batched,
     Flag,

@@ -152,7 +152,7 @@ def test_eagle3_changed_and_gathered_segments_and_the_empty_fallback(mapped):
 
 
 def test_eagle3_position_aware_frequency_copies_its_rows_once(mapped):
-    from dynvocab.runtime.policies.frequency import PositionAwareFrequencyPolicy
+    from dynvocab.runtime.selection.frequency import PositionAwareFrequencyPolicy
 
     weight, row_token, row_by_hand = mapped
     head = MappedHead(weight, row_token, VOCAB)
@@ -171,7 +171,7 @@ def test_eagle3_position_aware_frequency_copies_its_rows_once(mapped):
 
 
 def test_eagle3_hybrid_core_prefixes_are_slices(mapped):
-    from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
+    from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
 
     weight, row_token, row_by_hand = mapped
     head = MappedHead(weight, row_token, VOCAB)

@@ -18,9 +18,9 @@ from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import RowRanges
-from dynvocab.runtime.policies.centroids import CentroidConfig
-from dynvocab.runtime.policies.lowrank import LowRankConfig
-from dynvocab.runtime.selectors.batch_select import top_ids
+from dynvocab.runtime.selection.centroids import CentroidConfig
+from dynvocab.runtime.selection.lowrank import LowRankConfig
+from dynvocab.runtime.selection.batch_select import top_ids
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 

@@ -9,7 +9,7 @@ import torch
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.policies import FullPolicy
+from dynvocab.runtime.selection import FullPolicy
 from dynvocab.runtime.trees.tree import DraftTree
 from dynvocab.runtime.trees.verify import verify_greedy
 

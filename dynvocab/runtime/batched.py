@@ -4,7 +4,7 @@ A strategy that runs batched says so on its :class:`~dynvocab.runtime.registry.S
 bundle stages its selector reads, its default budget and the function that builds it from a bundle), and one that
 cannot says why (``why_not_batched``). This module only looks them up, so a new strategy is one module and one entry
 in both hosts: dynvocab's loop and the vLLM plugin. The selection maths is
-:mod:`dynvocab.runtime.selectors.batch_select`.
+:mod:`dynvocab.runtime.selection.batch_select`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup, split_ngram
 from dynvocab.runtime.registry import SHARED_BUDGET_FLAG, Batched, Strategy, StrategyOptions
-from dynvocab.runtime.selectors.batch_select import BatchSelector
+from dynvocab.runtime.selection.batch_select import BatchSelector
 from dynvocab.runtime.strategies import lookup, strategies
 
 

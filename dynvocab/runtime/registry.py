@@ -26,7 +26,7 @@ from dynvocab.errors import DynvocabError
 from dynvocab.registry import Registry
 from dynvocab.runtime.decoding.ngram import split_ngram
 from dynvocab.runtime.drafts.draft import DraftInfo
-from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.selection.base import VocabPolicy
 from dynvocab.runtime.trees.shape import split_tree
 
 C = TypeVar("C")
@@ -104,8 +104,8 @@ SHARED_BUDGET_FLAG = "fr_size"  # the one shared option a strategy's batched bud
 class Batched:
     """How a strategy runs in a batched host (the vLLM plugin): one selector of a fixed ``k`` per draft position,
     built from bundle stages, each row its own set: ``hidden [B, d] -> ids [B, k]``
-    (:mod:`dynvocab.runtime.selectors.batch_select`), or, for a strategy that reads the request's context,
-    ``(hidden, StepContext) -> BatchSets`` (:mod:`dynvocab.runtime.selectors.context_select`)."""
+    (:mod:`dynvocab.runtime.selection.batch_select`), or, for a strategy that reads the request's context,
+    ``(hidden, StepContext) -> BatchSets`` (:mod:`dynvocab.runtime.selection.context_select`)."""
 
     stages: tuple[str, ...]  # the bundle stages its selector reads
     build: Callable[..., object]  # (bundle, budget, vocab_size, hidden_size, device) -> a selector

@@ -23,7 +23,7 @@ from dynvocab.runtime.decoding.ngram import split_ngram
 from dynvocab.runtime.drafts.draft import Proposer
 from dynvocab.runtime.drafts.kinds import LoadRequest, find_kind
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.selection.base import VocabPolicy
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, lookup, make_policy
 from dynvocab.runtime.trees.mode import TreeMemory
 from dynvocab.runtime.trees.shape import TREE_AUTO, TREE_OFF, TREE_SUFFIX, split_tree

@@ -1,11 +1,11 @@
 """The built-in strategies, each a factory and one entry in the registry (:mod:`dynvocab.runtime.registry`).
 
 The loop never knows which policy it runs. Adding a strategy: its policy and frozen config in a module under
-``runtime/policies/``, a factory ``(options, ctx) -> VocabPolicy``, and one ``register(Strategy(…))`` call (below, or
+``runtime/selection/``, a factory ``(options, ctx) -> VocabPolicy``, and one ``register(Strategy(…))`` call (below, or
 in the module that brings it, or through an entry point in the :data:`ENTRY_POINTS` group). A strategy runs
 inside vLLM too when its entry says how (``batched=Batched(stages, build, default_budget)``,
 :mod:`dynvocab.runtime.batched`: a selector over the draft's hidden state, or one that also reads the request's
-context, :mod:`dynvocab.runtime.selectors.context_select`); one that cannot says why (``why_not_batched``). Import
+context, :mod:`dynvocab.runtime.selection.context_select`); one that cannot says why (``why_not_batched``). Import
 the registry's API from here, so that the built-in strategies are in it.
 """
 
@@ -19,15 +19,15 @@ import torch
 from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
 from dynvocab.registry import load_plugins
-from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy
-from dynvocab.runtime.policies.centroids import CentroidConfig, CentroidPolicy
-from dynvocab.runtime.policies.dynaspec import DynaSpecConfig, DynaSpecPolicy
-from dynvocab.runtime.policies.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.policies.frequency import PositionAwareConfig
-from dynvocab.runtime.policies.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.policies.lowrank import LowRankConfig, LowRankPolicy
-from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy
-from dynvocab.runtime.policies.step_search import search_pays
+from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy
+from dynvocab.runtime.selection.centroids import CentroidConfig, CentroidPolicy
+from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.selection.evospec import EvoSpecConfig, EvoSpecPolicy
+from dynvocab.runtime.selection.frequency import PositionAwareConfig
+from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
+from dynvocab.runtime.selection.lowrank import LowRankConfig, LowRankPolicy
+from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection.step_search import search_pays
 from dynvocab.runtime.registry import (
     Batched,
     Flag,
@@ -46,14 +46,14 @@ from dynvocab.runtime.registry import (
     strategy_names,
     unregister,
 )
-from dynvocab.runtime.selectors.batch_select import (
+from dynvocab.runtime.selection.batch_select import (
     centroids_from_bundle,
     frequency_budget,
     frequency_selector,
     lowrank_from_bundle,
     stage_budget,
 )
-from dynvocab.runtime.selectors.context_select import (
+from dynvocab.runtime.selection.context_select import (
     fixed_budget,
     hybrid_from_bundle,
     position_from_bundle,
@@ -62,7 +62,7 @@ from dynvocab.runtime.selectors.context_select import (
     window_from_bundle,
 )
 from dynvocab.runtime.heads.token_map import load_token_map
-from dynvocab.runtime.selectors.evospec_select import evospec_from_bundle
+from dynvocab.runtime.selection.evospec_select import evospec_from_bundle
 
 ENTRY_POINTS = "dynvocab.strategies"  # the entry-point group of strategies that installed packages bring
 
@@ -161,7 +161,7 @@ def _evospec(options: StrategyOptions, ctx: PolicyContext) -> EvoSpecPolicy:
 def _hybrid(options: StrategyOptions, ctx: PolicyContext) -> HybridPolicy:
     """The hybrid with the bundle's graph and HNSW indexes (target head, draft head) when it has them, its
     per-step candidates left unset decided by measurement: on where the draft-head search costs less than a
-    quarter of the draft's full head (:mod:`~dynvocab.runtime.policies.step_search`), else off."""
+    quarter of the draft's full head (:mod:`~dynvocab.runtime.selection.step_search`), else off."""
     ranking = frequency_ranking(options, ctx, "hybrid")
     asked = options.config(HybridConfig)
     graph = hnsw = draft_hnsw = None

@@ -13,7 +13,7 @@ import time
 import torch
 
 from dynvocab.bench.loop.summary import EXTRA_KEYS, RECALL_KS
-from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+from dynvocab.runtime.selection.base import CycleReport, VocabPolicy
 
 
 class PolicyRecorder:

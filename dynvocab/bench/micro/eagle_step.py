@@ -165,8 +165,8 @@ def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts:
     run), the draft head (:class:`~dynvocab.runtime.heads.head.DraftHead` over the step's rows) multiplies the set."""
     from dynvocab.artifacts.selectors import random_selectors
     from dynvocab.runtime.heads.head import DraftHead
-    from dynvocab.runtime.policies.centroids import CentroidPolicy
-    from dynvocab.runtime.policies.lowrank import LowRankPolicy
+    from dynvocab.runtime.selection.centroids import CentroidPolicy
+    from dynvocab.runtime.selection.lowrank import LowRankPolicy
 
     dim = source.shape[1]
     gen = torch.Generator().manual_seed(seed + 7)

@@ -44,7 +44,7 @@ def tree_step_bench(target_cfg: dict, device: str = "cpu", dtype: str = "float32
     the chain), ms per cycle of growth, head and verification, tokens verified per cycle, and the host reads by
     helper and elsewhere. Returns a JSON-ready dict."""
     from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
-    from dynvocab.runtime.policies import FrequencyPolicy, FullPolicy
+    from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy
 
     dev, dt = torch.device(device), resolve_dtype(dtype)
     target, draft = _random_pair(target_cfg, dev, dt, seed)

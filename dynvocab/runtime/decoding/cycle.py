@@ -7,7 +7,7 @@ feeds the next step and the policy as a [1] tensor, and the verifier concatenate
 The host reads the device (:func:`~dynvocab.runtime.host.to_host`) only where a decision needs a value: once per
 draft step for the step's confidence where early stops or runner-up leaves need it (:attr:`CycleSetup.ranked`),
 and once per cycle for the verdict, which brings back the drafted tokens with it. Then the proposer rolls back and
-observes the committed rows, and the policy observes a :class:`~dynvocab.runtime.policies.base.CycleReport`. Terms
+observes the committed rows, and the policy observes a :class:`~dynvocab.runtime.selection.base.CycleReport`. Terms
 follow vLLM's rejection sampler: accepted, recovered, bonus (:mod:`dynvocab.runtime.trees.verify`).
 """
 
@@ -24,7 +24,7 @@ from dynvocab.runtime.drafts.draft import Proposer
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.host import to_host
-from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+from dynvocab.runtime.selection.base import CycleReport, VocabPolicy
 from dynvocab.runtime.trees.budget import TreeBudget
 from dynvocab.runtime.trees.growth import GrownTree, grow_tree, tree_of
 from dynvocab.runtime.trees.shape import TreeShape

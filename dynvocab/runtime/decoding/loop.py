@@ -36,8 +36,8 @@ from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from dynvocab.runtime.decoding.timing import SectionTimer
 from dynvocab.runtime.drafts.draft import Proposer
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.policies.full import FullPolicy
+from dynvocab.runtime.selection.base import VocabPolicy
+from dynvocab.runtime.selection.full import FullPolicy
 from dynvocab.runtime.trees.budget import budget_for
 from dynvocab.runtime.trees.mode import TreeMemory
 from dynvocab.runtime.trees.shape import TREE_AUTO, TREE_OFF, TreeShape, chains_only, parse_tree

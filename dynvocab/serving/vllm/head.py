@@ -1,6 +1,6 @@
 """The plugin's head: the draft folder's selector applied to vLLM's own head rows, per row of vLLM's batch.
 
-The selection maths is dynvocab's (:mod:`dynvocab.runtime.selectors.batch_select`); this module only maps vLLM's
+The selection maths is dynvocab's (:mod:`dynvocab.runtime.selection.batch_select`); this module only maps vLLM's
 objects onto it: the draft folder (``speculative_config.draft_model_config.model``) and its ``config.json`` section,
 the head's weight (``lm_head.weight``, rows padded past the vocabulary), the logits processor's scale and soft cap,
 and EAGLE-3's draft-to-target id map (``draft_id_to_target_id``).
@@ -17,8 +17,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import head_rows
 from dynvocab.runtime.batched import SelectorSpec, build_selector, refusal
 from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
-from dynvocab.runtime.selectors.batch_select import BatchSelector, scatter_logits
-from dynvocab.runtime.selectors.selected_head import SelectedHead
+from dynvocab.runtime.selection.batch_select import BatchSelector, scatter_logits
+from dynvocab.runtime.selection.selected_head import SelectedHead
 from dynvocab.serving.vllm import NO_HOOK, ON_RUNNER_V2, proposal
 from dynvocab.serving.vllm.contract import runs_model_runner_v2
 from dynvocab.serving.vllm.kinds import kind_of_method

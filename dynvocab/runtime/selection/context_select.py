@@ -8,14 +8,14 @@ part, a fixed number of ids per row); a batched host (the vLLM plugin, :mod:`dyn
   position t, the same for every row (FR-Spec's position-aware budget, DynaSpec appendix A.1).
 - :class:`RouterSelector` (``dynaspec``): the router scores the clusters from the hidden state and the fed token's
   embedding; each row's top ``k_c(t)`` clusters, as ids padded to the largest such union, and the EOS ids.
-  :class:`~dynvocab.runtime.policies.dynaspec.DynaSpecPolicy` routes through the same :meth:`RouterSelector.route`.
+  :class:`~dynvocab.runtime.selection.dynaspec.DynaSpecPolicy` routes through the same :meth:`RouterSelector.route`.
 - :class:`WindowSelector` (``microspec``): each row's request window (:class:`RequestWindows`: the distinct ids of
   the request's last W tokens) and the EOS ids.
 - :class:`HybridSelector` (``hybrid``): a static core of the most frequent ids, the request window, the graph
   successors of the fed token, and on a CPU the draft head's rows nearest each hidden state (:class:`HeadSearch`,
-  bundle stage ``draft_hnsw``: the retrieval :class:`~dynvocab.runtime.policies.hybrid.HybridPolicy` runs at every
+  bundle stage ``draft_hnsw``: the retrieval :class:`~dynvocab.runtime.selection.hybrid.HybridPolicy` runs at every
   draft step).
-- ``evospec``: :class:`~dynvocab.runtime.selectors.evospec_select.EvoSpecSelector`, whose per-request ARC caches
+- ``evospec``: :class:`~dynvocab.runtime.selection.evospec_select.EvoSpecSelector`, whose per-request ARC caches
   change between cycles (its own module).
 
 Padding repeats an id of the row: its logits equal the id's own, so the argmax and the scattered row are the same
@@ -35,7 +35,7 @@ from dynvocab.artifacts.router import DEFAULT_K_MAX
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.host import to_host_tensor
-from dynvocab.runtime.selectors.batch_select import BatchSets, bundle_eos
+from dynvocab.runtime.selection.batch_select import BatchSets, bundle_eos
 
 # HNSW ef of the hybrid's per-step search in a batched host: on the demo pair in vLLM-CPU (bfloat16, one request) ef 32
 # kept 97.2% of the full head's MAL and ef 64 and 128 98.3%
@@ -275,7 +275,7 @@ def window_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
 def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                        device: torch.device, cfg, window: int | None = None) -> HybridSelector:
     """``hybrid``: a core of the ``budget`` most frequent ids (EOS first), the window of ``cfg`` (a
-    :class:`~dynvocab.runtime.policies.hybrid.HybridConfig` with its per-step candidates decided; the strategy
+    :class:`~dynvocab.runtime.selection.hybrid.HybridConfig` with its per-step candidates decided; the strategy
     registers the hybrid's defaults as a draft model's), the bundle's graph successors where it has a ``graph``
     stage, and on a CPU its ``draft_hnsw`` search for a head of this hidden size (:data:`ENGINE_EF`)."""
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex

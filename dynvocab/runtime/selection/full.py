@@ -1,7 +1,7 @@
 """The full draft head: speculative decoding without vocabulary pruning."""
 
 from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.selection.base import VocabPolicy
 
 
 class FullPolicy(VocabPolicy):

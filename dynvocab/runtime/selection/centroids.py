@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from dynvocab.artifacts.selectors import CENTROIDS, SelectorTable
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.policies.groups import Groups
-from dynvocab.runtime.policies.selector_stage import prepared
+from dynvocab.runtime.selection.base import VocabPolicy
+from dynvocab.runtime.selection.groups import Groups
+from dynvocab.runtime.selection.selector_stage import prepared
 
 
 @dataclass(frozen=True)

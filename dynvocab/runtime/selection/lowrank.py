@@ -10,9 +10,9 @@ import torch
 
 from dynvocab.artifacts.selectors import LOWRANK, SelectorTable
 from dynvocab.runtime.heads.active_set import ActiveSet, Gathered
-from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.policies.selector_stage import prepared
-from dynvocab.runtime.selectors.batch_select import lowrank_selector
+from dynvocab.runtime.selection.base import VocabPolicy
+from dynvocab.runtime.selection.selector_stage import prepared
+from dynvocab.runtime.selection.batch_select import lowrank_selector
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class LowRankConfig:
 
 class LowRankPolicy(VocabPolicy):
     """Per draft step: score every id at rank r from the head's input, keep the top-k (EOS pinned): the batched
-    :class:`~dynvocab.runtime.selectors.batch_select.LowRankSelector` at one row, the one the vLLM plugin runs."""
+    :class:`~dynvocab.runtime.selection.batch_select.LowRankSelector` at one row, the one the vLLM plugin runs."""
 
     name = LOWRANK
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynvocab.runtime.selectors.batch_select import BatchSelector, BatchSets, StaticSelector
+from dynvocab.runtime.selection.batch_select import BatchSelector, BatchSets, StaticSelector
 
 # Off a CPU, a batch's own sets are scored row by row while they hold at most this many times the head's rows (the
 # gather then moves at most twice the whole head's bytes), over their union past it: the rule that picked the faster
@@ -61,7 +61,7 @@ class SelectedHead:
         """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight``, in the
         weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it); ids
         outside them are ``-inf`` and not multiplied. ``ctx``: the draft step's
-        :class:`~dynvocab.runtime.selectors.context_select.StepContext`, for a selector that reads it."""
+        :class:`~dynvocab.runtime.selection.context_select.StepContext`, for a selector that reads it."""
         x = hidden.to(weight.dtype)
         sets = self._sets(hidden, ctx, weight.shape[0] if end is None else None)
         logits, scored = [], 0

@@ -8,7 +8,7 @@ import torch
 
 from dynvocab.budget import pa_budget
 from dynvocab.runtime.heads.active_set import ActiveSet, RowRanges
-from dynvocab.runtime.policies.base import VocabPolicy
+from dynvocab.runtime.selection.base import VocabPolicy
 
 
 class FrequencyPolicy(VocabPolicy):

@@ -35,9 +35,9 @@ from dynvocab.artifacts import mips_search
 from dynvocab.budget import pa_budget
 from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
-from dynvocab.runtime.policies.base import CycleReport
-from dynvocab.runtime.policies.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
-from dynvocab.runtime.selectors.candidates import assemble_candidates
+from dynvocab.runtime.selection.base import CycleReport
+from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
+from dynvocab.runtime.selection.candidates import assemble_candidates
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class HybridConfig:
     def for_draft(self, searches_per_step: bool) -> HybridConfig:
         """This config with the per-step candidates left unset (None) decided: 16 HNSW neighbours and 8 graph
         successors where the per-step search pays for the draft (measured against its full head,
-        :func:`~dynvocab.runtime.policies.step_search.search_pays`), none where it does not."""
+        :func:`~dynvocab.runtime.selection.step_search.search_pays`), none where it does not."""
         neighbours, successors = (16, 8) if searches_per_step else (0, 0)
         return replace(
             self,
@@ -162,7 +162,7 @@ class HybridPolicy(MicroSpecPolicy):
 
     def _neighbours(self, token: int, cycle: CycleReport, k: int) -> torch.Tensor:
         """Candidates for a missed ``token`` at verified position ``k`` (at most ``max_insert``): EvoSpec's
-        retrieval (:func:`~dynvocab.runtime.selectors.candidates.assemble_candidates`) over the target's top ids
+        retrieval (:func:`~dynvocab.runtime.selection.candidates.assemble_candidates`) over the target's top ids
         there and the HNSW neighbours of its hidden state, run in the loop's thread."""
         cfg = self.hcfg
         top = to_host(cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices)

@@ -18,9 +18,9 @@ from dynvocab.artifacts.router import DEFAULT_K_MAX, RouterTable, clusters_check
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet, RowRanges
-from dynvocab.runtime.policies.base import VocabPolicy
-from dynvocab.runtime.policies.groups import Groups
-from dynvocab.runtime.selectors.context_select import RouterSelector
+from dynvocab.runtime.selection.base import VocabPolicy
+from dynvocab.runtime.selection.groups import Groups
+from dynvocab.runtime.selection.context_select import RouterSelector
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """One selector, two hosts: the vocabulary policies whose set depends only on the draft's own hidden state, as
 batched, device-side functions ``hidden [B, d] -> ids [B, k]`` of a fixed ``k``.
 
-dynvocab's own loop calls them with ``B = 1`` (:class:`~dynvocab.runtime.policies.lowrank.LowRankPolicy` is a
+dynvocab's own loop calls them with ``B = 1`` (:class:`~dynvocab.runtime.selection.lowrank.LowRankPolicy` is a
 :class:`LowRankSelector`; the centroid policy keeps its row ranges for the loop's packed head and is checked
 against :class:`CentroidSelector` in tests/test_batch_select.py); the vLLM plugin (:mod:`dynvocab.serving.vllm`)
 calls them with the engine's batch, each row its own set. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,

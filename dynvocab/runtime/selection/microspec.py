@@ -19,7 +19,7 @@ import torch
 
 from dynvocab.kernels.window_state import WindowState
 from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
-from dynvocab.runtime.policies.base import CycleReport, VocabPolicy
+from dynvocab.runtime.selection.base import CycleReport, VocabPolicy
 
 
 @dataclass(frozen=True)
