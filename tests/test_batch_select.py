@@ -1,5 +1,5 @@
-"""One selector, two hosts: the batched selectors (``runtime/selection/batch_select.py``) give, at one row, the sets
-dynvocab's own loop policies give; each row of a batch gets its own set; a selected head computes the full head's
+"""One selector per strategy for every host: a selector's one-row set for dynvocab's loop (``row_set``) is the set its
+batched form gives that row; a tree depth's nodes each get the set they get alone; each row of a batch gets its own set; a selected head computes the full head's
 logits over the set; a vocab-parallel head's shards score each id once; the refusals are one line."""
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ from dynvocab.builders.hnsw import head_stage
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, asked_budget, batch_strategies, build_selector, refusal
 from dynvocab.models.int8 import INT8_GATHERED
-from dynvocab.runtime.selection.batch_select import (
-    BATCHED_RANK, CentroidSelector, LowRankSelector, StaticSelector, scatter_logits, top_ids, top_ids_batched)
-from dynvocab.runtime.selection.selected_head import SelectedHead
-from dynvocab.runtime.selection.centroids import CentroidConfig, CentroidPolicy
-from dynvocab.runtime.selection.context_select import StepContext
+from dynvocab.runtime.selection import SelectorPolicy
+from dynvocab.runtime.selection.batch_select import StepContext, scatter_logits, top_ids, top_ids_batched
+from dynvocab.runtime.selection.centroids import CentroidConfig, CentroidSelector, centroid_selector
 from dynvocab.runtime.selection.dynaspec import DynaSpecConfig
-from dynvocab.runtime.selection.frequency import FrequencyPolicy, PositionAwareConfig
+from dynvocab.runtime.selection.frequency import PositionAwareConfig, StaticSelector
 from dynvocab.runtime.selection.hybrid import HybridConfig
-from dynvocab.runtime.selection.lowrank import LowRankConfig, LowRankPolicy
+from dynvocab.runtime.selection.lowrank import BATCHED_RANK, LowRankConfig, LowRankSelector, lowrank_selector
+from dynvocab.runtime.selection.selected_head import SelectedHead
 from dynvocab.runtime.selection.microspec import MicroSpecConfig
 from dynvocab.runtime.registry import StrategyOptions
 
@@ -63,7 +62,7 @@ def ids_of(active) -> set[int]:
 def test_lowrank_at_one_row_is_the_loop_policys_set(bundle):
     """Both score with the same rows (fbgemm int8 where the CPU runs it, else float32)."""
     table = SelectorTable.from_bundle(bundle, "lowrank")
-    policy = LowRankPolicy(LowRankPolicy.prepare(table, V, EOS, "cpu"), 64)
+    policy = SelectorPolicy(lowrank_selector(table, V, EOS, "cpu", 64))
     selector = build_selector(bundle, SelectorSpec("lowrank"), V, D)
     hidden = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
     batch = selector(hidden)  # [5, 64]
@@ -141,7 +140,7 @@ def test_lowrank_from_the_batched_top_k_rows_gives_each_row_its_set_alone():
 
 def test_centroids_at_one_row_is_the_loop_policys_set(bundle):
     table = SelectorTable.from_bundle(bundle, "centroids")
-    policy = CentroidPolicy(CentroidPolicy.prepare(table, V, EOS, "cpu"), 3)
+    policy = SelectorPolicy(centroid_selector(table, V, EOS, "cpu", 3))
     selector = build_selector(bundle, SelectorSpec("centroids"), V, D)
     assert isinstance(selector, CentroidSelector) and selector.k == 3 * 50 + 1
     hidden = torch.randn(4, D, generator=torch.Generator().manual_seed(2))
@@ -165,9 +164,9 @@ def test_fr_is_the_rankings_prefix_for_every_row(bundle):
     selector = build_selector(bundle, SelectorSpec("fr", 100), V, D)
     assert isinstance(selector, StaticSelector)
     ranking = FreqTable.from_bundle(bundle).ranking
-    policy = FrequencyPolicy(ranking, 100)
     rows = selector(torch.randn(3, D))
-    assert all(set(r.tolist()) == set(policy.ids.tolist()) for r in rows)
+    assert all(set(r.tolist()) == set(ranking[:100].tolist()) for r in rows)
+    assert SelectorPolicy(selector).active_ids(0).ids().tolist() == ranking[:100].tolist()
     assert build_selector(bundle, SelectorSpec("fr"), V, D).k == V  # default: FR-Spec's 32k, at most the vocabulary
 
 
@@ -307,8 +306,8 @@ def test_context_selectors_follow_their_context(bundle):
     DynaSpec policy routes one row exactly as the batched selector routes it."""
     from dynvocab.artifacts import ClusterTable, GraphTable
     from dynvocab.artifacts.router import RouterTable
+    from dynvocab.runtime.selection.dynaspec import router_selector
     from dynvocab.budget import pa_budget
-    from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
 
     hidden = torch.randn(3, D, generator=torch.Generator().manual_seed(6))
     pa = build_selector(bundle, SelectorSpec("fr-pa", 300), V, D)
@@ -329,8 +328,8 @@ def test_context_selectors_follow_their_context(bundle):
     other = router.select(hidden, StepContext(0, (ctx.fed + 1) % V, ctx.windows, ctx.embed)).ids(3)
     assert any(set(a.tolist()) != set(b.tolist()) for a, b in zip(sets, other))  # the fed token routes
     table = torch.randn(V, D, generator=torch.Generator().manual_seed(5))
-    loop = DynaSpecPolicy(DynaSpecConfig(k_max=2), ClusterTable.from_bundle(bundle), RouterTable.from_bundle(bundle),
-                          table, V, EOS)
+    loop = SelectorPolicy(router_selector(ClusterTable.from_bundle(bundle), RouterTable.from_bundle(bundle),
+                                          DynaSpecConfig(k_max=2), V, EOS), table)
     for r in range(3):
         for t in (0, 2):
             one = router.select(hidden[r : r + 1], StepContext(t, ctx.fed[r : r + 1], None, ctx.embed)).ids(1)[0]
@@ -368,3 +367,36 @@ def test_hybrids_per_step_search_adds_each_rows_nearest_head_rows(bundle, tmp_pa
     plain = HybridSelector(selector.core, selector.window, selector.graph, 8)
     assert plain.reads == {"fed", "window"} and selector.k == plain.k + 16
     assert torch.equal(plain.select(hidden, ctx).rows, sets.rows[:, :-16])
+
+
+@pytest.mark.parametrize("strategy,budget", [("lowrank", 64), ("centroids", 2), ("dynaspec", 3)])
+def test_each_node_of_a_tree_depth_gets_the_set_it_gets_alone(bundle, strategy, budget):
+    """A tree depth is a batch of its frontier nodes: each node's own set (the columns ``own`` marks in the union the
+    head multiplies once) is the set the selector gives that node alone, as a chain's step; its masked logits are the
+    head's over that set, ``-inf`` elsewhere (so each node is normalised over its own set)."""
+    from dynvocab.runtime.heads.head import DraftHead
+
+    embedding = torch.randn(V, D, generator=torch.Generator().manual_seed(5))
+    policy = SelectorPolicy(build_selector(bundle, SelectorSpec(strategy, budget), V, D), embedding)
+    g = torch.Generator().manual_seed(8)
+    hidden, fed = torch.randn(4, D, generator=g), torch.randint(0, V, (4,), generator=g)
+    nodes = policy.node_sets(2, hidden, fed)
+    logits, cols = DraftHead(HEAD).logits(hidden, nodes.active)
+    masked = nodes.mask(logits)
+    assert cols.unique().numel() == cols.numel()  # the union: each id multiplied once
+    for r in range(4):
+        alone = policy.active_ids(2, hidden[r : r + 1], fed[r : r + 1])
+        own = nodes.own[r]
+        assert sorted(cols[own].tolist()) == sorted(alone.ids().tolist())
+        ref_logits, ref_cols = DraftHead(HEAD).logits(hidden[r : r + 1], alone)
+        ref = dict(zip(ref_cols.tolist(), ref_logits[0].tolist()))
+        torch.testing.assert_close(masked[r, own], torch.tensor([ref[i] for i in cols[own].tolist()]))
+        assert torch.isinf(masked[r, ~own]).all()
+    assert nodes.active.size < 4 * alone.size or strategy == "lowrank"  # shared blocks and clusters: gathered once
+
+
+def test_a_set_the_same_for_every_node_is_asked_once_per_depth(bundle):
+    """``fr``'s and ``fr-pa``'s rows share one set: a tree depth asks it once, for its best node."""
+    for strategy in ("fr", "fr-pa"):
+        policy = SelectorPolicy(build_selector(bundle, SelectorSpec(strategy, 100), V, D))
+        assert policy.node_sets(1, torch.randn(4, D), torch.arange(4)) is None

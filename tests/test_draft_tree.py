@@ -343,7 +343,8 @@ def test_sampled_trees_follow_the_target_distribution(setup, tree, tmp_path, mon
     first token, and the second after each first); siblings off the main path are accepted too, and paths two deep.
     ``auto`` goes on over the generations in one memory whose clock moves irregularly, and fixes each sampled
     cycle's depth and N before its draws: depths, N and modes vary (a head that is seldom right grows shallow)."""
-    from dynvocab.runtime.selection import FrequencyPolicy
+    from dynvocab.runtime.selection import SelectorPolicy
+    from dynvocab.runtime.selection.frequency import StaticSelector
 
     monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))  # auto's curve
     target, draft = setup
@@ -351,7 +352,7 @@ def test_sampled_trees_follow_the_target_distribution(setup, tree, tmp_path, mon
     cfg = DecodeConfig(max_new_tokens=4, temperature=0.5, tree=tree)
     memory = TreeMemory(clock=Ticks(0))
     # the target's likeliest first token (p .3) is in the set: the draft's depth 2 decides many second tokens
-    runs = first_pairs_follow_the_target(target, [3, 1, 4, 1, 5], cfg, draft, lambda: FrequencyPolicy(ranking), 600,
+    runs = first_pairs_follow_the_target(target, [3, 1, 4, 1, 5], cfg, draft, lambda: SelectorPolicy(StaticSelector(ranking)), 600,
                                          memory=memory)
     assert sum(g.metrics.off_main for g in runs) > 0
     if tree == "auto":

@@ -1,4 +1,4 @@
-"""DynaSpec's policy: the position-aware cluster budget, the union of routed clusters, losslessness in the loop."""
+"""DynaSpec's selector in the loop: the position-aware cluster budget, the union of routed clusters, losslessness in the loop."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import RowRanges
-from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.selection import SelectorPolicy
+from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, router_selector
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 VOCAB = 96
+
+
+def dynaspec(cfg: DynaSpecConfig, clusters: ClusterTable, router: RouterTable, embedding: torch.Tensor, vocab: int,
+             eos: torch.Tensor | None = None) -> SelectorPolicy:
+    """DynaSpec in the loop: its one selector over ``clusters``, the draft's ``embedding`` read for the fed token."""
+    eos = torch.empty(0, dtype=torch.long) if eos is None else eos
+    return SelectorPolicy(router_selector(clusters, router, cfg, vocab, eos), embedding)
 
 
 def flat(active) -> torch.Tensor:
@@ -50,7 +58,7 @@ def test_union_of_top_clusters_plus_eos():
     table = ClusterTable(assign, torch.eye(5, 4))
     scores = [0.5, 3.0, -1.0, 2.0, 1.0]  # cluster order by score: 1, 3, 4, 0, 2
     eos = torch.tensor([2, 11, 19])  # id 2 in cluster 2, id 11 in cluster 0, id 19 not draftable
-    policy = DynaSpecPolicy(DynaSpecConfig(k_max=3), table, fixed_router(scores), torch.randn(20, 4), 18, eos)
+    policy = dynaspec(DynaSpecConfig(k_max=3), table, fixed_router(scores), torch.randn(20, 4), 18, eos)
     h = torch.randn(1, 4)
 
     def expected(clusters):
@@ -60,38 +68,38 @@ def test_union_of_top_clusters_plus_eos():
     for step, clusters in ((0, [1, 3, 4]), (1, [1, 3, 4]), (2, [1]), (5, [1])):
         active = policy.active_ids(step, h, token=torch.tensor([7]))
         ranges = active.segments[0]
-        assert isinstance(ranges, RowRanges) and ranges.order is policy.order  # packed once, sliced after
+        assert isinstance(ranges, RowRanges) and ranges.order is policy.selector.order  # packed once, sliced after
         assert len(ranges.starts) <= len(clusters)
         ids = flat(active)
         assert ids.dtype == torch.long
         assert ids.numel() == len(set(ids.tolist())), "ids must be distinct for the packed head"
         assert sorted(ids.tolist()) == expected(clusters)
     # EOS inside a chosen cluster is not repeated.
-    wide = DynaSpecPolicy(DynaSpecConfig(k_max=5), table, fixed_router(scores), torch.randn(20, 4), 18, eos)
+    wide = dynaspec(DynaSpecConfig(k_max=5), table, fixed_router(scores), torch.randn(20, 4), 18, eos)
     active = wide.active_ids(0, h, torch.tensor([3]))
     assert sorted(flat(active).tolist()) == list(range(18))
     assert len(active.segments[0].starts) == 1  # all five clusters: adjacent ranges merge into one matmul
-    assert wide.calls == 1
+    assert wide.selector.calls == 1
 
 
 def test_routing_depends_on_hidden_state_and_token():
     table = ClusterTable(torch.arange(8) % 4, torch.eye(4, 2))
     router = random_router(2, 4, seed=1)
     embedding = torch.randn(8, 2)
-    policy = DynaSpecPolicy(DynaSpecConfig(k_max=1), table, router, embedding, 8)
+    policy = dynaspec(DynaSpecConfig(k_max=1), table, router, embedding, 8)
     mlp = router.module()
     for token in range(8):
         h = torch.randn(1, 2)
         want = int(mlp(h, embedding[token : token + 1]).argmax())
         assert sorted(flat(policy.active_ids(0, h, torch.tensor([token]))).tolist()) == [want, want + 4]
-    with pytest.raises(ValueError):
+    with pytest.raises(DynvocabError, match="routes on the draft hidden state"):
         policy.active_ids(0)
 
 
 def test_mismatched_router_is_refused():
     table = ClusterTable(torch.arange(8) % 4, torch.eye(4, 2))
     with pytest.raises(DynvocabError, match="retrain"):
-        DynaSpecPolicy(DynaSpecConfig(), table, random_router(2, 5, seed=0), torch.randn(8, 2), 8)
+        dynaspec(DynaSpecConfig(), table, random_router(2, 5, seed=0), torch.randn(8, 2), 8)
 
 
 NEEDS_BUNDLE = (
@@ -121,11 +129,11 @@ def test_greedy_is_lossless(pair, seed, position_aware):
     embedding = draft.model.get_input_embeddings().weight.detach()
     eos = {int(torch.randint(0, VOCAB, (1,), generator=gen))} if seed % 2 else set()
     cfg = DynaSpecConfig(k_max=4, position_aware=position_aware)
-    policy = DynaSpecPolicy(cfg, table, random_router(32, 12, seed), embedding, VOCAB, torch.tensor(sorted(eos)))
+    policy = dynaspec(cfg, table, random_router(32, 12, seed), embedding, VOCAB, torch.tensor(sorted(eos)))
     prompt = torch.randint(0, VOCAB, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
     decode = DecodeConfig(gamma=1 + seed % 5, max_new_tokens=24)
     ar = speculative_generate(target, prompt, decode, eos)
     spec = speculative_generate(target, prompt, decode, eos, draft, policy)
     assert spec.token_ids == ar.token_ids
     assert spec.metrics.mean_active_vocab < VOCAB  # the head really was restricted
-    assert policy.calls == spec.metrics.draft_steps
+    assert policy.selector.calls == spec.metrics.draft_steps

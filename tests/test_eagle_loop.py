@@ -16,7 +16,8 @@ from dynvocab.runtime.drafts.eagle_draft import Eagle1Draft, Eagle3Draft
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.heads.mapped_head import MappedHead
-from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy
+from dynvocab.runtime.selection import FullPolicy, SelectorPolicy
+from dynvocab.runtime.selection.frequency import StaticSelector
 
 LAYERS = 6  # EAGLE-3's default taps (2, L//2, L-3) need a few layers
 DRAFT_VOCAB = 60
@@ -126,4 +127,4 @@ def test_sampling_follows_the_target_distribution(target_model, kind):
         draft = Eagle3Draft(model, target, LayerTap(target_model, model.config.target_layers(LAYERS)))
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:50]
     cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5)
-    first_tokens_follow_the_target(target, [5, 9, 13], cfg, draft, lambda: FrequencyPolicy(ranking))
+    first_tokens_follow_the_target(target, [5, 9, 13], cfg, draft, lambda: SelectorPolicy(StaticSelector(ranking)))

@@ -220,13 +220,14 @@ def test_greedy_is_lossless(pair, tables, synchronous, seed):
 
 def test_the_dynamic_buffer_raises_coverage_over_the_core_alone(pair, tables):
     """With retrieval the draft proposes from more of the right tokens than the bare static core."""
-    from dynvocab.runtime.selection import FrequencyPolicy
+    from dynvocab.runtime.selection import SelectorPolicy
+    from dynvocab.runtime.selection.frequency import StaticSelector
 
     target, draft = pair
     cfg = DecodeConfig(gamma=3, max_new_tokens=60)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     core = tables[0][:30]
-    fr = speculative_generate(target, prompt, cfg, set(), draft, FrequencyPolicy(core))
+    fr = speculative_generate(target, prompt, cfg, set(), draft, SelectorPolicy(StaticSelector(core)))
     with make_policy(tables, core_size=30, synchronous=True, dynamic_size=32) as policy:
         evo = speculative_generate(target, prompt, cfg, set(), draft, policy)
     assert evo.token_ids == fr.token_ids

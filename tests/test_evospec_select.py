@@ -10,7 +10,7 @@ from test_evospec import VOCAB, pair, random_graph, report, tables  # noqa: F401
 
 from dynvocab.artifacts.hnsw import mips_search
 from dynvocab.runtime.batched import refusal
-from dynvocab.runtime.selection.context_select import StepContext
+from dynvocab.runtime.selection.batch_select import StepContext
 from dynvocab.runtime.selection.evospec import EvoSpecConfig, EvoSpecPolicy
 from dynvocab.runtime.selection.evospec_select import EvoSpecSelector
 

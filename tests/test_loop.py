@@ -13,7 +13,8 @@ from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import ActiveSet
-from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy, VocabPolicy
+from dynvocab.runtime.selection import FullPolicy, SelectorPolicy, VocabPolicy
+from dynvocab.runtime.selection.frequency import PositionSelector, StaticSelector
 from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
 from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
 
@@ -65,8 +66,8 @@ def make_policy(kind: str, seed: int) -> VocabPolicy:
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
     return {
         "full": lambda: FullPolicy(VOCAB),
-        "fr": lambda: FrequencyPolicy(ranking[:50]),
-        "fr-pa": lambda: PositionAwareFrequencyPolicy(ranking, k_max=70),
+        "fr": lambda: SelectorPolicy(StaticSelector(ranking[:50])),
+        "fr-pa": lambda: SelectorPolicy(PositionSelector(ranking, 70)),
         "random": lambda: ChangingPolicy(seed),
         "microspec": lambda: MicroSpecPolicy(MicroSpecConfig(window=24), VOCAB, "cpu"),
         "hybrid": lambda: HybridPolicy(HybridConfig(core_size=12, window=16), VOCAB, "cpu", ranking, graph=tiny_graph(seed)),
@@ -164,7 +165,7 @@ def test_sampling_follows_the_target_distribution(pair):
     target, draft = pair
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:30]
     cfg = DecodeConfig(gamma=3, max_new_tokens=2, temperature=1.5)
-    first_tokens_follow_the_target(target, [5, 9, 13], cfg, draft, lambda: FrequencyPolicy(ranking))
+    first_tokens_follow_the_target(target, [5, 9, 13], cfg, draft, lambda: SelectorPolicy(StaticSelector(ranking)))
 
 
 def test_sampling_is_reproducible_with_a_seed(pair):

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dynvocab.budget import pa_budget
-from dynvocab.runtime.selection import CycleReport, FrequencyPolicy, PositionAwareFrequencyPolicy
+from dynvocab.runtime.selection import CycleReport, SelectorPolicy
+from dynvocab.runtime.selection.batch_select import eos_first
+from dynvocab.runtime.selection.frequency import PositionSelector, StaticSelector
 from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
 
 
@@ -20,16 +22,17 @@ def test_pa_budget_follows_dynaspec():
 
 def test_fr_pa_prefixes_are_ranges_of_one_order_and_keep_eos():
     ranking = torch.arange(100, 200)
-    policy = PositionAwareFrequencyPolicy(ranking, k_max=60, always=torch.tensor([5]))
+    selector = PositionSelector(eos_first(ranking, torch.tensor([5])), 60)
+    policy = SelectorPolicy(selector)
     sets = [policy.active_ids(t) for t in range(4)]
     assert [s.size for s in sets] == [60, 60, 20, 15]
     assert all(s.contains(5) for s in sets)
-    assert all(s.segments[0].order is policy.ranking and s.segments[0].starts == (0,) for s in sets)
-    assert set(policy.prefixes) >= {60, 20, 15}
+    assert all(s.segments[0].order is selector.ranking and s.segments[0].starts == (0,) for s in sets)
+    assert set(selector.prefixes) >= {60, 20, 15}
 
 
 def test_fr_returns_the_same_object_each_step():
-    policy = FrequencyPolicy(torch.arange(50), size=10)
+    policy = SelectorPolicy(StaticSelector(torch.arange(50)[:10]))
     assert policy.active_ids(0) is policy.active_ids(3)
     assert policy.active_ids(0).ids().tolist() == list(range(10))
 

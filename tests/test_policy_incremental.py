@@ -110,7 +110,7 @@ def test_dynaspec_ranges_match_the_host_merge():
     from dynvocab.artifacts import ClusterTable
     from dynvocab.artifacts.router import RouterMLP, RouterTable
     from dynvocab.runtime.heads.active_set import merge_ranges
-    from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
+    from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, router_selector
 
     g = torch.Generator().manual_seed(5)
     m = 24
@@ -119,7 +119,7 @@ def test_dynaspec_ranges_match_the_host_merge():
     config = {"hidden_dim": DIM, "embed_dim": DIM, "width": 16, "num_clusters": m}
     router = RouterTable.from_module(RouterMLP(DIM, DIM, 16, m), config)
     embedding = torch.randn(VOCAB, DIM)
-    policy = DynaSpecPolicy(DynaSpecConfig(k_max=8), clusters, router, embedding, VOCAB, torch.tensor([5]))
+    selector = router_selector(clusters, router, DynaSpecConfig(k_max=8), VOCAB, torch.tensor([5]))
     sizes = torch.bincount(assign, minlength=m)
     ends = sizes.cumsum(0)
     starts = ends - sizes
@@ -127,7 +127,7 @@ def test_dynaspec_ranges_match_the_host_merge():
         scores = torch.randn(m, generator=g)
         k = int(torch.randint(1, m + 1, (1,), generator=g))
         chosen = scores.topk(k).indices.tolist()
-        ranges, eos = policy.select(torch.tensor(chosen))
+        ranges, eos = selector.groups.select(torch.tensor(chosen))
         want = merge_ranges([int(starts[c]) for c in chosen], [int(ends[c]) for c in chosen])
         assert (ranges.starts, ranges.ends) == want
         assert eos.tolist() == ([] if int(assign[5]) in chosen else [5])

@@ -15,7 +15,8 @@ from dynvocab.models.prepack import MAX_PACKED_ROWS, PrepackedLinear, prepack_li
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy
+from dynvocab.runtime.selection import FullPolicy, SelectorPolicy
+from dynvocab.runtime.selection.frequency import StaticSelector
 from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.session import ModelConfig, Session
 
@@ -77,7 +78,7 @@ def test_greedy_with_a_prepacked_target_is_the_target_own(tiny_pair, seed):
     want = speculative_generate(plain, prompt, cfg, set()).token_ids
     assert speculative_generate(packed, prompt, cfg, set()).token_ids == want
     ranking = torch.randperm(vocab, generator=gen)[:50]
-    for policy in (FullPolicy(vocab), FrequencyPolicy(ranking), MicroSpecPolicy(MicroSpecConfig(window=24), vocab, "cpu")):
+    for policy in (FullPolicy(vocab), SelectorPolicy(StaticSelector(ranking)), MicroSpecPolicy(MicroSpecConfig(window=24), vocab, "cpu")):
         got = speculative_generate(packed, prompt, cfg, set(), drafter, policy)
         assert got.token_ids == want, policy.name
 

@@ -14,7 +14,7 @@ from dynvocab.models import load_model, load_tokenizer, resolve_model
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.selection.dynaspec import DynaSpecConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy
 
 
@@ -79,7 +79,7 @@ def test_trained_router_is_lossless_in_the_loop(trained, tiny_dirs):  # noqa: F8
     ctx = PolicyContext(draft.vocab_size, eos, "cpu", bundle, draft.info, target)
     for seed in range(2):
         prompt = torch.randint(0, 300, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
-        policy = DynaSpecPolicy.from_context(DynaSpecConfig(k_max=3), ctx)
+        policy = make_policy("dynaspec", StrategyOptions(configs=(DynaSpecConfig(k_max=3),)), ctx)
         decode = DecodeConfig(gamma=3, max_new_tokens=16)
         ar = speculative_generate(target, prompt, decode, eos)
         spec = speculative_generate(target, prompt, decode, eos, draft, policy)
@@ -104,7 +104,7 @@ def test_stale_router_and_missing_stages_are_refused(trained, clusters_bundle, t
     draft = DraftModel(load_model(resolve_model(str(tiny_dirs[1])), "cpu", "float32"))
     ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(stale), draft.info)
     with pytest.raises(DynvocabError, match="trained for other clusters"):
-        DynaSpecPolicy.from_context(DynaSpecConfig(), ctx)
+        make_policy("dynaspec", StrategyOptions(), ctx)
     ctx = PolicyContext(draft.vocab_size, set(), "cpu", load_bundle(clusters_bundle), draft.info)
     with pytest.raises(DynvocabError) as err:
         make_policy("dynaspec", StrategyOptions(), ctx)

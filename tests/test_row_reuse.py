@@ -152,12 +152,14 @@ def test_eagle3_changed_and_gathered_segments_and_the_empty_fallback(mapped):
 
 
 def test_eagle3_position_aware_frequency_copies_its_rows_once(mapped):
-    from dynvocab.runtime.selection.frequency import PositionAwareFrequencyPolicy
+    from dynvocab.runtime.selection import SelectorPolicy
+    from dynvocab.runtime.selection.batch_select import eos_first
+    from dynvocab.runtime.selection.frequency import PositionSelector
 
     weight, row_token, row_by_hand = mapped
     head = MappedHead(weight, row_token, VOCAB)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))
-    policy = PositionAwareFrequencyPolicy(ranking, k_max=200, always=torch.tensor([11]))
+    policy = SelectorPolicy(PositionSelector(eos_first(ranking, torch.tensor([11])), 200))
     hidden = torch.randn(1, DIM)
     copied = set()
     for step in (0, 1, 2, 3, 4, 0, 1, 2):

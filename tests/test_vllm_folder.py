@@ -22,7 +22,7 @@ from dynvocab.artifacts import FreqTable, Stage, load_bundle, write_bundle
 from dynvocab.artifacts.selectors import random_selectors
 from dynvocab.models.eagle import EAGLE1, EAGLE3, EagleModel, config_like, save_eagle
 from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector, refusal
-from dynvocab.runtime.selection.batch_select import StaticSelector
+from dynvocab.runtime.selection.frequency import StaticSelector
 from dynvocab.runtime.strategies import Batched, Strategy, register, unregister
 from dynvocab.serving.vllm import names
 from dynvocab.models.demo import demo_target

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.decoding.loop import DecodeConfig
+from dynvocab.runtime.decoding.loop import TREE_SETS, DecodeConfig
 from dynvocab.runtime.drafts.kinds import kind_names
 from dynvocab.runtime.strategies import StrategyOptions, configs_from_flags, strategy_flags
 from dynvocab.runtime.trees.shape import parse_tree
@@ -213,6 +213,11 @@ def load_flag_params() -> list[inspect.Parameter]:
     ]
 
 
+TreeSets = Annotated[str, typer.Option(
+    "--tree-sets", metavar="|".join(TREE_SETS),
+    help="--tree: node scores each node of a depth over its own set where the strategy reads the node (dynaspec, "
+    "lowrank, centroids), one head call over their union; depth: the set chosen for the depth's best node serves "
+    "them all.")]
 Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (exact rejection sampling).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1], applied to target and draft alike.")]
 Seed = Annotated[int, typer.Option(help="Random seed for sampling.")]
@@ -245,6 +250,7 @@ class StrategyFlags:
     ngram_max: int = _DECODING.ngram_max
     ngram_min: int = _DECODING.ngram_min
     tree: str = _DECODING.tree
+    tree_sets: str = _DECODING.tree_sets
     token_map: Optional[str] = None
     fr_size: Optional[int] = None
     bundle: Optional[str] = None
@@ -262,6 +268,8 @@ class StrategyFlags:
         if self.ngram_min > self.ngram_max:
             raise DynvocabError(f"--ngram-min ({self.ngram_min}) must not exceed --ngram-max ({self.ngram_max})")
         parse_tree(self.tree)
+        if self.tree_sets not in TREE_SETS:
+            raise DynvocabError(f"--tree-sets takes {' or '.join(TREE_SETS)} (got {self.tree_sets!r})")
 
     def decode(self, max_new_tokens: int, seed: int | None = None) -> DecodeConfig:
         """The :class:`~dynvocab.runtime.decoding.loop.DecodeConfig` these flags describe (``seed``: in place of
@@ -279,7 +287,7 @@ class StrategyFlags:
 _DECODING_FLAGS = tuple(f.name for f in dataclasses.fields(StrategyFlags) if f.name in vars(_DECODING))
 _SHARED_TYPES = {
     "gamma": Gamma, "stop_below": StopBelow, "branch_below": BranchBelow, "temperature": Temperature, "top_p": TopP,
-    "seed": Seed, "ngram_max": NgramMax, "ngram_min": NgramMin, "tree": Tree, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
+    "seed": Seed, "ngram_max": NgramMax, "ngram_min": NgramMin, "tree": Tree, "tree_sets": TreeSets, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
 }
 
 

@@ -19,13 +19,24 @@ import torch
 from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
 from dynvocab.registry import load_plugins
-from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy, PositionAwareFrequencyPolicy
-from dynvocab.runtime.selection.centroids import CentroidConfig, CentroidPolicy
-from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, DynaSpecPolicy
+from dynvocab.runtime.heads.token_map import load_token_map
+from dynvocab.runtime.selection import FullPolicy, SelectorPolicy
+from dynvocab.runtime.selection.batch_select import eos_first, fixed_budget, stage_budget
+from dynvocab.runtime.selection.centroids import CentroidConfig, centroids_for_loop, centroids_from_bundle
+from dynvocab.runtime.selection.context_select import hybrid_from_bundle, window_from_bundle
+from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, router_budget, router_for_loop, router_from_bundle
 from dynvocab.runtime.selection.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.selection.frequency import PositionAwareConfig
+from dynvocab.runtime.selection.evospec_select import evospec_from_bundle
+from dynvocab.runtime.selection.frequency import (
+    PositionAwareConfig,
+    PositionSelector,
+    StaticSelector,
+    frequency_budget,
+    frequency_selector,
+    position_from_bundle,
+)
 from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.selection.lowrank import LowRankConfig, LowRankPolicy
+from dynvocab.runtime.selection.lowrank import LowRankConfig, lowrank_for_loop, lowrank_from_bundle
 from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.selection.step_search import search_pays
 from dynvocab.runtime.registry import (
@@ -46,24 +57,6 @@ from dynvocab.runtime.registry import (
     strategy_names,
     unregister,
 )
-from dynvocab.runtime.selection.batch_select import (
-    centroids_from_bundle,
-    frequency_budget,
-    frequency_selector,
-    lowrank_from_bundle,
-    stage_budget,
-)
-from dynvocab.runtime.selection.context_select import (
-    fixed_budget,
-    hybrid_from_bundle,
-    position_from_bundle,
-    router_budget,
-    router_from_bundle,
-    window_from_bundle,
-)
-from dynvocab.runtime.heads.token_map import load_token_map
-from dynvocab.runtime.selection.evospec_select import evospec_from_bundle
-
 ENTRY_POINTS = "dynvocab.strategies"  # the entry-point group of strategies that installed packages bring
 
 
@@ -118,40 +111,40 @@ def _full(options: StrategyOptions, ctx: PolicyContext) -> FullPolicy:
     return FullPolicy(ctx.vocab_size)
 
 
-def _prepared(policy, ctx: PolicyContext):
-    """``policy`` with its static ranking's rows packed in the draft's head now (its prefixes: int8 packs where the
-    draft keeps them), so the first draft step costs what every later one does."""
+def _prepared(selector, ctx: PolicyContext) -> SelectorPolicy:
+    """``selector`` in the loop, its static ranking's rows packed in the draft's head now (its prefixes: int8 packs
+    where the draft keeps them), so the first draft step costs what every later one does."""
     if ctx.draft is not None:
-        ctx.draft.prepare_rows(policy.ranking, policy.prefixes)
-    return policy
+        ctx.draft.prepare_rows(selector.ranking, selector.prefixes)
+    return SelectorPolicy(selector)
 
 
-def _fr(options: StrategyOptions, ctx: PolicyContext) -> FrequencyPolicy:
+def _fr(options: StrategyOptions, ctx: PolicyContext) -> SelectorPolicy:
     ranking, eos = frequency_ranking(options, ctx, "fr"), ctx.eos
     missing = eos[~torch.isin(eos, ranking)]
-    return _prepared(FrequencyPolicy(torch.cat([ranking, missing]), device=ctx.device), ctx)  # EOS stays draftable
+    return _prepared(StaticSelector(torch.cat([ranking, missing]).to(ctx.device)), ctx)  # EOS stays draftable
 
 
-def _fr_pa(options: StrategyOptions, ctx: PolicyContext) -> PositionAwareFrequencyPolicy:
+def _fr_pa(options: StrategyOptions, ctx: PolicyContext) -> SelectorPolicy:
     ranking = frequency_ranking(options, ctx, "fr-pa")
-    k_max = options.config(PositionAwareConfig).k_max
-    return _prepared(PositionAwareFrequencyPolicy(ranking, k_max, always=ctx.eos, device=ctx.device), ctx)
+    k_max = min(options.config(PositionAwareConfig).k_max or ranking.numel(), ranking.numel())
+    return _prepared(PositionSelector(eos_first(ranking, ctx.eos).to(ctx.device), k_max), ctx)
 
 
 def _microspec(options: StrategyOptions, ctx: PolicyContext) -> MicroSpecPolicy:
     return MicroSpecPolicy(options.config(MicroSpecConfig), ctx.vocab_size, ctx.device, pinned=ctx.eos)
 
 
-def _dynaspec(options: StrategyOptions, ctx: PolicyContext) -> DynaSpecPolicy:
-    return DynaSpecPolicy.from_context(options.config(DynaSpecConfig), ctx)
+def _dynaspec(options: StrategyOptions, ctx: PolicyContext) -> SelectorPolicy:
+    return SelectorPolicy(router_for_loop(options.config(DynaSpecConfig), ctx), ctx.draft.embedding, ctx.device)
 
 
-def _lowrank(options: StrategyOptions, ctx: PolicyContext) -> LowRankPolicy:
-    return LowRankPolicy.from_context(options.config(LowRankConfig), ctx)
+def _lowrank(options: StrategyOptions, ctx: PolicyContext) -> SelectorPolicy:
+    return SelectorPolicy(lowrank_for_loop(options.config(LowRankConfig), ctx))
 
 
-def _centroids(options: StrategyOptions, ctx: PolicyContext) -> CentroidPolicy:
-    return CentroidPolicy.from_context(options.config(CentroidConfig), ctx)
+def _centroids(options: StrategyOptions, ctx: PolicyContext) -> SelectorPolicy:
+    return SelectorPolicy(centroids_for_loop(options.config(CentroidConfig), ctx))
 
 
 def _evospec(options: StrategyOptions, ctx: PolicyContext) -> EvoSpecPolicy:

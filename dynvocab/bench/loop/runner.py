@@ -269,6 +269,7 @@ def bench_results(session: Session, cfg: BenchConfig, generations: list[dict]) -
             "stop_below": cfg.decode.stop_below,
             "branch_below": cfg.decode.branch_below,
             "tree": cfg.decode.tree,
+            "tree_sets": cfg.decode.tree_sets,
             "max_new_tokens": cfg.decode.max_new_tokens,
             "temperature": cfg.decode.temperature,
             "top_p": cfg.decode.top_p,

@@ -165,8 +165,9 @@ def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts:
     run), the draft head (:class:`~dynvocab.runtime.heads.head.DraftHead` over the step's rows) multiplies the set."""
     from dynvocab.artifacts.selectors import random_selectors
     from dynvocab.runtime.heads.head import DraftHead
-    from dynvocab.runtime.selection.centroids import CentroidPolicy
-    from dynvocab.runtime.selection.lowrank import LowRankPolicy
+    from dynvocab.runtime.selection import SelectorPolicy
+    from dynvocab.runtime.selection.centroids import centroid_selector
+    from dynvocab.runtime.selection.lowrank import lowrank_selector
 
     dim = source.shape[1]
     gen = torch.Generator().manual_seed(seed + 7)
@@ -174,8 +175,8 @@ def _candidate_heads(source, vocab: int, dev: torch.device, seed: int, contexts:
     eos = torch.empty(0, dtype=torch.long)
     states = torch.randn(contexts, 1, dim, generator=gen).to(dev)
     out = {}
-    for name, policy in (("lowrank", LowRankPolicy(LowRankPolicy.prepare(low, vocab, eos, dev), 4096)),
-                         ("centroids", CentroidPolicy(CentroidPolicy.prepare(cen, vocab, eos, dev), 32))):
+    for name, policy in (("lowrank", SelectorPolicy(lowrank_selector(low, vocab, eos, dev, 4096))),
+                         ("centroids", SelectorPolicy(centroid_selector(cen, vocab, eos, dev, 32)))):
         head, turn = DraftHead(source), [0]
 
         def step(h, policy=policy, head=head, turn=turn):

@@ -44,7 +44,8 @@ def tree_step_bench(target_cfg: dict, device: str = "cpu", dtype: str = "float32
     the chain), ms per cycle of growth, head and verification, tokens verified per cycle, and the host reads by
     helper and elsewhere. Returns a JSON-ready dict."""
     from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
-    from dynvocab.runtime.selection import FrequencyPolicy, FullPolicy
+    from dynvocab.runtime.selection import FullPolicy, SelectorPolicy
+    from dynvocab.runtime.selection.frequency import StaticSelector
 
     dev, dt = torch.device(device), resolve_dtype(dtype)
     target, draft = _random_pair(target_cfg, dev, dt, seed)
@@ -56,7 +57,7 @@ def tree_step_bench(target_cfg: dict, device: str = "cpu", dtype: str = "float32
     for size in sets:
         for tree in ("off", *shapes):
             def policy():
-                return FullPolicy(vocab) if size is None else FrequencyPolicy(ranking[:size])
+                return FullPolicy(vocab) if size is None else SelectorPolicy(StaticSelector(ranking[:size]))
 
             cfg = DecodeConfig(max_new_tokens=cycles + 8, tree=tree, stop_below=0.0, branch_below=0.0)
             speculative_generate(target, prompt, cfg, set(), draft, policy())  # warm-up

@@ -30,14 +30,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.cycle import CycleResult, CycleSetup, TargetVerifier, run_cycle
 from dynvocab.runtime.decoding.metrics import Metrics, Tally
 from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
 from dynvocab.runtime.decoding.timing import SectionTimer
 from dynvocab.runtime.drafts.draft import Proposer
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.selection.base import VocabPolicy
-from dynvocab.runtime.selection.full import FullPolicy
+from dynvocab.runtime.selection.base import FullPolicy, VocabPolicy
 from dynvocab.runtime.trees.budget import budget_for
 from dynvocab.runtime.trees.mode import TreeMemory
 from dynvocab.runtime.trees.shape import TREE_AUTO, TREE_OFF, TreeShape, chains_only, parse_tree
@@ -48,6 +48,7 @@ DEFAULT_GAMMA = 6  # the longest draft: EvoSpec's speculation horizon
 DEFAULT_STOP_BELOW = 0.4  # transformers' ``assistant_confidence_threshold`` default
 # Leaves where the draft is unsure: chosen on the demo pair (a run with early stops and tree leaves, commit bbadcc4).
 DEFAULT_BRANCH_BELOW = 0.8
+TREE_SETS = ("node", "depth")  # --tree-sets: each node of a depth its own set, or the depth's best node's for all
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,10 @@ class DecodeConfig:
     draft at all the lookup alone speculates. ``tree``: ``off`` (chains), ``DEPTHxTOPKxTOKENS`` (an EAGLE-2 tree each
     cycle,
     :mod:`dynvocab.runtime.trees.growth`; EAGLE heads only) or ``auto`` (a tree fitted to the target's measured
-    verification cost, :mod:`dynvocab.runtime.trees.budget`). None of these changes the output, only its speed.
+    verification cost, :mod:`dynvocab.runtime.trees.budget`). ``tree_sets``: ``node`` scores each node of a tree depth
+    over its own set where the strategy reads the node (``dynaspec``, ``lowrank``, ``centroids``), in one head call over
+    their union; ``depth``: the set chosen for the depth's best node serves every node. None of these changes the
+    output, only its speed.
     """
 
     gamma: int = DEFAULT_GAMMA
@@ -77,9 +81,12 @@ class DecodeConfig:
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
     tree: str = TREE_OFF
+    tree_sets: str = TREE_SETS[0]
 
     def __post_init__(self):
         NgramLookup(self.ngram_max, self.ngram_min)  # refuses sizes out of order
+        if self.tree_sets not in TREE_SETS:
+            raise DynvocabError(f"--tree-sets takes {' or '.join(TREE_SETS)} (got {self.tree_sets!r})")
         object.__setattr__(self, "tree", str(parse_tree(self.tree) or TREE_OFF))  # refuses a bad shape
 
     @property
@@ -249,7 +256,8 @@ def _setup(target: CausalLM, cfg: DecodeConfig, eos_ids: set[int], draft: Propos
             budget = budget_for(target, key, memory, cfg.sampling.greedy)
             shape = budget.shape
     return CycleSetup(draft, verifier, policy, cfg.sampling, generator, timer, cfg.stop_below, cfg.branch_below,
-                      frozenset(eos_ids), ngram=cfg.lookup, tree=shape if draft is not None else None, budget=budget)
+                      frozenset(eos_ids), ngram=cfg.lookup, tree=shape if draft is not None else None, budget=budget,
+                      node_sets=cfg.tree_sets == "node")
 
 
 def drafts_trees(draft: Proposer) -> bool:

@@ -282,3 +282,25 @@ class ActiveSet:
 
     def __repr__(self) -> str:
         return f"ActiveSet(full, {self.vocab})" if self.is_full else f"ActiveSet({len(self.segments)} segments, {self.size} ids)"
+
+
+@dataclass(frozen=True, eq=False)
+class NodeSets:
+    """Each node of a tree depth its own set, scored in one head call: ``active`` the union of the nodes' sets (the
+    rows the head multiplies) and ``own`` [B, n] whether each of its n ids (in the head's column order) is in each
+    node's set. A node's logits outside its own set are ``-inf``, so its log-probabilities are normalised over its own
+    set, as one row alone would be."""
+
+    active: ActiveSet
+    own: torch.Tensor
+
+    @classmethod
+    def of(cls, ids: torch.Tensor) -> "NodeSets":
+        """The sets of rows ``ids`` [B, k] (an id may repeat within a row): their distinct ids gathered once."""
+        union, where = torch.unique(ids, return_inverse=True)  # [U], [B, k]
+        own = torch.zeros(ids.shape[0], union.numel(), dtype=torch.bool, device=ids.device)
+        return cls(ActiveSet.of(Gathered(union)), own.scatter_(1, where, True))
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [B, n] over ``active`` with ``-inf`` outside each row's own set."""
+        return logits.masked_fill(~self.own, float("-inf"))

@@ -1,13 +1,6 @@
-"""Vocabulary policies: the only thing that differs between strategies."""
+"""One selection package: each strategy's selector (one for dynvocab's loop, its tree depths and a batched host such
+as the vLLM plugin), the loop's context policies, and what they share."""
 
-from dynvocab.runtime.selection.base import CycleReport, VocabPolicy
-from dynvocab.runtime.selection.frequency import FrequencyPolicy, PositionAwareFrequencyPolicy
-from dynvocab.runtime.selection.full import FullPolicy
+from dynvocab.runtime.selection.base import CycleReport, FullPolicy, SelectorPolicy, VocabPolicy
 
-__all__ = [
-    "CycleReport",
-    "FrequencyPolicy",
-    "FullPolicy",
-    "PositionAwareFrequencyPolicy",
-    "VocabPolicy",
-]
+__all__ = ["CycleReport", "FullPolicy", "SelectorPolicy", "VocabPolicy"]

@@ -1,4 +1,6 @@
-"""The interface between the speculative loop and a vocabulary policy."""
+"""The interface between the speculative loop and a strategy: a :class:`VocabPolicy` names each draft step's active
+set and learns from each cycle; a strategy whose set reads the draft step alone runs its one batched selector through
+:class:`SelectorPolicy`."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dynvocab.runtime.heads.active_set import ActiveSet
+from dynvocab.runtime.heads.active_set import ActiveSet, NodeSets
+from dynvocab.runtime.selection.batch_select import StepContext
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,62 @@ class VocabPolicy:
         """
         raise NotImplementedError
 
+    def node_sets(self, step: int, hidden: torch.Tensor, tokens: torch.Tensor) -> NodeSets | None:
+        """Each node of a tree depth its own set: ``hidden`` [K, d] the nodes' head inputs, ``tokens`` [K] the tokens
+        they were fed, at draft position ``step``; None (the default) where every node has the set that
+        :meth:`active_ids` names for the depth's best node."""
+        return None
+
     def observe(self, cycle: CycleReport) -> None:
         """Update state after a verified cycle."""
 
     def close(self) -> None:
         """Undo what the policy changed outside itself (EvoSpec's LoRA on the shared draft); nothing by default."""
+
+
+class FullPolicy(VocabPolicy):
+    """Every draft step uses the whole (shared) vocabulary: speculative decoding without vocabulary pruning."""
+
+    name = "full"
+
+    def __init__(self, vocab_size: int):
+        self.all = ActiveSet.full(vocab_size)
+
+    def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
+        """Always the full vocabulary."""
+        return self.all
+
+
+class SelectorPolicy(VocabPolicy):
+    """A strategy whose set reads the draft step alone (its position, the draft's hidden state, the fed token), run in
+    the loop by its one selector, the one a batched host runs: a chain's step is one row (the selector's
+    ``row_set``: segments the draft's packed head reuses), a tree depth its K frontier nodes (:meth:`node_sets`).
+
+    ``embedding`` [V, d_e]: the draft's input embedding, for a selector that reads the fed token's (DynaSpec's
+    router); rows are read as float32 on ``device``."""
+
+    def __init__(self, selector, embedding: torch.Tensor | None = None, device: torch.device | str = "cpu"):
+        self.selector = selector
+        self.name = selector.name
+        self.embedding, self.device = embedding, torch.device(device)
+
+    def active_ids(self, step: int, hidden: torch.Tensor | None = None,
+                   token: torch.Tensor | None = None) -> ActiveSet:
+        """The selector's set for one row."""
+        return self.selector.row_set(hidden, self._context(step, token))
+
+    def node_sets(self, step: int, hidden: torch.Tensor, tokens: torch.Tensor) -> NodeSets | None:
+        """Each node its own set, one head call over their union (the selector's own ``node_sets`` where it keeps
+        its ids in a packed order, else its batched sets' distinct ids); None where every row has the same set."""
+        ctx = self._context(step, tokens)
+        if hasattr(self.selector, "node_sets"):
+            return self.selector.node_sets(hidden, ctx)
+        sets = self.selector.select(hidden, ctx)
+        return None if sets.rows is None else NodeSets.of(sets.ids(hidden.shape[0]))
+
+    def _context(self, step: int, fed: torch.Tensor | None) -> StepContext:
+        return StepContext(step, fed, embed=None if self.embedding is None else self._embed)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The draft's input embeddings [n, d_e] of ``ids`` [n], float32 on the policy's device."""
+        return self.embedding.index_select(0, ids.to(self.embedding.device)).to(self.device, torch.float32)

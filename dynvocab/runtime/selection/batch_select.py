@@ -1,23 +1,22 @@
-"""One selector, two hosts: the vocabulary policies whose set depends only on the draft's own hidden state, as
-batched, device-side functions ``hidden [B, d] -> ids [B, k]`` of a fixed ``k``.
+"""What every strategy's selector shares: one selector per strategy serves three hosts, dynvocab's loop (a chain's
+draft step is a batch of one row, a tree depth a batch of the depth's nodes) and a batched host (the vLLM plugin, a
+batch of requests), each row its own set.
 
-dynvocab's own loop calls them with ``B = 1`` (:class:`~dynvocab.runtime.selection.lowrank.LowRankPolicy` is a
-:class:`LowRankSelector`; the centroid policy keeps its row ranges for the loop's packed head and is checked
-against :class:`CentroidSelector` in tests/test_batch_select.py); the vLLM plugin (:mod:`dynvocab.serving.vllm`)
-calls them with the engine's batch, each row its own set. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,
-``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score them (:class:`SelectedHead`);
-:func:`scatter_logits` is its ``forward`` (a full row, ``-inf`` outside the set, so sampling sees q = 0 there).
+A selector is called as ``select(hidden [B, d], ctx) -> BatchSets``: the part every row shares (kept packed by the
+head) and each row's own ids (:class:`BatchSets`). One that reads each row's hidden state alone is a
+:class:`RowSelector` (``hidden [B, d] -> ids [B, k]``, a fixed ``k``); one that reads the step's context (the draft
+position, the fed token, the request's window or key) is a :class:`ContextSelector` over a :class:`StepContext`.
+The loop's chain asks a selector's ``row_set`` instead: the same set as an
+:class:`~dynvocab.runtime.heads.active_set.ActiveSet` whose segments its packed head reuses (row ranges of one packed
+order where the selector has one); see :class:`~dynvocab.runtime.selection.base.SelectorPolicy`.
 
-- :class:`StaticSelector` (``fr``): the first K ids of the frequency ranking, the same for every row.
-- :class:`LowRankSelector` (``lowrank``): ``s = R (P h) + b`` over every id, the top-k (EOS pinned by its bias),
-  each row's from a threshold its own strided sample sets (:func:`top_ids`; for a batch :func:`top_ids_batched`,
-  the candidates of every row packed into one ``topk``).
-- :class:`CentroidSelector` (``centroids``): ``s = C h + b`` over blocks of one id order, the top-c blocks'
-  ids (c · block_size of them, a short last block padded by repeating its first id) and the EOS ids.
-
-Each is built from a bundle by one function (:func:`frequency_selector`, :func:`lowrank_from_bundle`,
-:func:`centroids_from_bundle`) that its strategy's registry entry names (``Strategy.batched``); which strategies
-run batched, and how a host builds one by name, is :mod:`dynvocab.runtime.batched`.
+The strategies' selectors: :mod:`.frequency` (``fr``, ``fr-pa``), :mod:`.lowrank`, :mod:`.centroids`, :mod:`.dynaspec`,
+:mod:`.context_select` (``microspec``, ``hybrid`` in a batched host), :mod:`.evospec_select`. Each is built from a
+bundle by one function that its strategy's registry entry names (``Strategy.batched``); which strategies run batched,
+and how a host builds one by name, is :mod:`dynvocab.runtime.batched`. The shape follows Gemma-4's MTP masked
+embedder in vLLM (``gemma4_mtp.py``, ``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score
+them (:class:`~.selected_head.SelectedHead`); :func:`scatter_logits` is its ``forward`` (a full row, ``-inf`` outside
+the set, so sampling sees q = 0 there).
 
 A set may hold an id twice (padding); its two logits are equal, so the argmax and the scattered row are the same as
 with one copy.
@@ -25,17 +24,15 @@ with one copy.
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from dynvocab.artifacts.bundle import Bundle
-from dynvocab.artifacts.selectors import CENTROIDS, LOWRANK, SelectorTable
+from dynvocab.artifacts.selectors import SelectorTable
 from dynvocab.artifacts.tables import FreqTable
-from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.host import to_host
 
@@ -129,115 +126,50 @@ class BatchSets:
         return torch.cat([self.shared.expand(batch, -1), self.rows], dim=1)
 
 
-class StaticSelector:
-    """The same ``ids`` [k] for every row (FR-Spec's top-K): the head packs their rows once."""
+@dataclass(frozen=True)
+class StepContext:
+    """What a selector may read at one draft step of a batch of B rows."""
 
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids.long()  # [k]
-        self.k = int(ids.numel())
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ids.expand(hidden.shape[0], self.k)
-
-
-# The rank from which lowrank's int8 rows score through the batched kernel: there it was faster at one row too
-# (151,936 rows, 2 threads, AMD EPYC with AVX-512 BF16: rank 256, 1.26 ms against fbgemm's 1.67), below it slower
-# at one row (rank 64: 0.44 against 0.22 ms; rank 128: 0.70 against 0.52), which dynvocab's own loop would pay.
-BATCHED_RANK = 256
+    step: int  # the draft position t (0-based), the same for every row
+    fed: torch.Tensor | None = None  # [B] the token each row's draft was fed at this step (None: not known)
+    windows: torch.Tensor | None = None  # [B, W] each row's request window (None: the host keeps none)
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # ids [n] -> the draft's input embeddings [n, d_e]
+    head: torch.Tensor | None = None  # [V, d] every row of the draft's head (None: the host holds a shard or none)
+    requests: tuple | None = None  # [B] each row's request key (None: the host keeps none)
+    target: torch.Tensor | None = None  # [B, d] the target's hidden state that produced each row's fed token, at
+    # draft position 0 (None: not known, or not the target's last layer: an EAGLE-3 head gets its mid layers)
 
 
-class LowRankSelector:
-    """``lowrank``: every id scored at rank r from ``hidden``, the top ``k`` kept (EOS pinned by a huge bias)."""
+class RowSelector:
+    """A selector of each row's hidden state alone, ``hidden [B, d] -> ids [B, k]`` (``k`` the same at every call),
+    each row's ids its own and distinct."""
 
-    def __init__(self, proj: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor, k: int, int8: bool | None = None):
-        """``proj`` [r, d], ``rows`` [V, r], ``bias`` [V] (float32); ``int8``: score with int8 rows (None: wherever
-        the device runs them): a whole batch in one call where the CPU has AVX-512 BF16 and the rank is at least
-        :data:`BATCHED_RANK` (:func:`~dynvocab.models.int8.batched_int8_rows`), else fbgemm one row per call."""
-        from dynvocab.models.int8 import batched_int8_rows, int8_supported
-        from dynvocab.models.rows import Int8Rows
-
-        if k < 1:
-            raise DynvocabError(f"lowrank needs at least 1 candidate (got {k})")
-        self.proj = proj.float()  # [r, d]
-        self.vocab = int(rows.shape[0])
-        self.k = min(k, self.vocab)
-        int8 = int8_supported(proj.device.type) if int8 is None else int8
-        self.int8 = int8
-        batched = batched_int8_rows(rows.float(), bias.float()) if int8 and rows.shape[1] >= BATCHED_RANK else None
-        self.per_row = int8 and batched is None  # fbgemm: one row per call (see scores)
-        if batched is not None:
-            self._rows = batched  # z [B, r] -> [B, V]
-        elif int8:
-            self._rows = Int8Rows(rows.float(), bias.float()).linear  # z [1, r] -> [1, V]
-        else:
-            rows, bias = rows.float(), bias.float()
-            self._rows = lambda z: F.linear(z, rows, bias)
-
-    def with_k(self, k: int) -> "LowRankSelector":
-        """The same scorer (rows shared, nothing copied) keeping ``k`` candidates."""
-        if k < 1:
-            raise DynvocabError(f"lowrank needs at least 1 candidate (got {k})")
-        out = copy.copy(self)
-        out.k = min(k, self.vocab)
-        return out
-
-    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Scores [B, V] of every id for ``hidden`` [B, d]; a row's set never depends on the rows batched beside it:
-        fbgemm quantizes its input with one scale per call, so its int8 rows score one row per call."""
-        z = hidden.float() @ self.proj.T  # [B, r]
-        if self.per_row and z.shape[0] > 1:
-            return torch.cat([self._rows(z[i : i + 1]) for i in range(z.shape[0])])
-        return self._rows(z)
+    reads_context = False
+    k: int = 0
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = self.scores(hidden)  # [B, V]
-        if scores.shape[0] == 1:  # dynvocab's own loop: a view, no copy
-            return top_ids(scores[0], self.k)[None]
-        # Each row's set as alone, one threshold top-k over the batch: from 4 rows 9-29 % faster than top_ids row by
-        # row (151,936 and 262,144 ids, k = 1,024-4,096, 2 threads; 0.4-1.1 ms saved at 8 rows), at 2-3 rows
-        # within 0.1 ms of it.
-        return top_ids_batched(scores, self.k)
+        raise NotImplementedError
+
+    def select(self, hidden: torch.Tensor, ctx: StepContext | None = None) -> BatchSets:
+        """Each row's ids as its own part."""
+        return BatchSets(None, self(hidden), repeats=False)
 
 
-class CentroidSelector:
-    """``centroids``: the top ``c`` blocks of one id order by ``s = C h + b``, their ids, and the EOS ids."""
+class ContextSelector:
+    """``select(hidden [B, d], ctx) -> BatchSets``; ``reads`` names what of the context it needs ("fed",
+    "window", "head") so a host captures only that; ``window`` is the request window's size in tokens (0: none)."""
 
-    def __init__(self, order: torch.Tensor, block_size: int, centroids: torch.Tensor, bias: torch.Tensor, c: int,
-                 eos: torch.Tensor):
-        """``order`` [V] ids in block order (block ``j`` is ``order[j·size:(j+1)·size]``, the last may be short);
-        ``centroids`` [nb, d], ``bias`` [nb]; ``eos`` [E] ids every set holds."""
-        if c < 1:
-            raise DynvocabError(f"centroids needs at least 1 block (got {c})")
-        nb = int(centroids.shape[0])
-        pad = nb * block_size - order.numel()
-        if pad:  # a short last block repeats its first id: equal logits, the same argmax and scatter
-            order = torch.cat([order, order[(nb - 1) * block_size].expand(pad)])
-        self.blocks = order.long().view(nb, block_size)  # [nb, size]
-        self.centroids, self.bias = centroids.float(), bias.float()  # [nb, d], [nb]
-        self.c = min(c, nb)
-        self.eos = eos.long().to(order.device)  # [E]
-        self.k = self.c * block_size + int(self.eos.numel())
+    reads_context = True  # SelectedHead passes it the step's context
+    reads: frozenset[str] = frozenset()
+    window: int = 0
+    k: int = 0  # ids per row at draft position 0 (the bench reports it)
 
-    def _picked(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The top ``c`` blocks [B, c] of each row."""
-        return F.linear(hidden.float(), self.centroids, self.bias).topk(self.c, dim=-1, sorted=False).indices
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
+        raise NotImplementedError
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        ids = self.blocks[self._picked(hidden)].flatten(1)  # [B, c·size]
-        return torch.cat([ids, self.eos.expand(ids.shape[0], -1)], dim=1)
-
-    def select_union(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(ids [B, k], union [U], where [B, k])`` with ``ids = union[where]``: the batch's sets as the ids of the
-        distinct blocks any row picked (plus EOS), so a batched head gathers each shared block's rows once."""
-        picked = self._picked(hidden)  # [B, c]
-        blocks, inverse = torch.unique(picked, return_inverse=True)  # [Ub], [B, c]
-        size = self.blocks.shape[1]
-        offsets = torch.arange(size, device=picked.device)
-        where = (inverse[..., None] * size + offsets).flatten(1)  # [B, c·size]
-        tail = blocks.numel() * size + torch.arange(self.eos.numel(), device=picked.device)
-        where = torch.cat([where, tail.expand(where.shape[0], -1)], dim=1)
-        union = torch.cat([self.blocks[blocks].flatten(), self.eos])
-        return union[where], union, where
+    def prepare(self, head: torch.Tensor) -> None:
+        """Build ahead what the selector lays over the draft head's rows ``head`` [V, d] (a host calls it once its
+        weights are loaded, so no request's first step pays for it); nothing for most selectors."""
 
 
 def bundle_eos(bundle: Bundle) -> torch.Tensor:
@@ -245,9 +177,27 @@ def bundle_eos(bundle: Bundle) -> torch.Tensor:
     return FreqTable.from_bundle(bundle).eos_ids if bundle.has("freq") else torch.empty(0, dtype=torch.long)
 
 
-def frequency_budget(bundle: Bundle, vocab_size: int) -> int:
-    """``fr``'s default set size: FR-Spec's K, at most the head's rows."""
-    return min(FR_SIZE, vocab_size)
+def head_eos_ids(bundle: Bundle, vocab_size: int, device) -> torch.Tensor:
+    """The bundle's EOS ids (:func:`bundle_eos`) a head of ``vocab_size`` rows has."""
+    eos = bundle_eos(bundle).long()
+    return eos[eos < vocab_size].to(device)
+
+
+def eos_first(ranking: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """``ranking`` with the ``eos`` ids first (every prefix has them) and nowhere else."""
+    eos = eos.to(ranking.device)
+    return torch.cat([eos, ranking[~torch.isin(ranking, eos)]])
+
+
+def eos_first_ranking(bundle: Bundle, vocab_size: int, eos: torch.Tensor, device) -> torch.Tensor:
+    """The bundle's frequency ranking over a head of ``vocab_size`` rows, the EOS ids first (every prefix has them)."""
+    ranking = FreqTable.from_bundle(bundle).ranking.long()
+    return eos_first(ranking[ranking < vocab_size].to(device), eos)
+
+
+def fixed_budget(size: int):
+    """A default budget that does not depend on the bundle: ``(bundle, vocab_size) -> min(size, vocab_size)``."""
+    return lambda bundle, vocab_size: min(size, vocab_size)
 
 
 def stage_budget(stage: str):
@@ -256,54 +206,34 @@ def stage_budget(stage: str):
     return lambda bundle, vocab_size: int(bundle.config(stage)["budget"])
 
 
-def frequency_selector(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
-                       device: torch.device) -> StaticSelector:
-    """``fr``: the first ``budget`` ids of the bundle's frequency ranking that a head of ``vocab_size`` rows has."""
-    freq = FreqTable.from_bundle(bundle)
-    ranking = freq.ranking[freq.ranking < vocab_size]
-    if not 1 <= budget <= ranking.numel():
-        raise DynvocabError(f"fr needs between 1 and {ranking.numel()} ids (got {budget})")
-    return StaticSelector(ranking[:budget].to(device))
-
-
-def selector_table(bundle: Bundle, stage: str, hidden_size: int) -> SelectorTable:
+def selector_table(bundle: Bundle, stage: str, hidden_size: int, retrain: str = "") -> SelectorTable:
     """The selector stage ``stage`` of ``bundle``, refused in one line unless it reads hidden states of
-    ``hidden_size``."""
+    ``hidden_size`` (``retrain``: the retraining command's further options, as the refusal gives them)."""
     table = SelectorTable.from_bundle(bundle, stage)
     if int(table.config["hidden_dim"]) != hidden_size:
         raise DynvocabError(
             f"the {stage} selector in {bundle.path} reads hidden size {table.config['hidden_dim']}, the "
-            f"draft has {hidden_size}; retrain it with `dynvocab train-router --selector {stage}`"
+            f"draft has {hidden_size}; retrain it with `dynvocab train-router --selector {stage}{retrain}`"
         )
     return table
 
 
-def lowrank_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
-                        device: torch.device) -> LowRankSelector:
-    """``lowrank``: the bundle's lowrank stage keeping ``budget`` candidates of a head of ``vocab_size`` rows."""
-    return lowrank_selector(selector_table(bundle, LOWRANK, hidden_size), vocab_size, bundle_eos(bundle), device, budget)
+_SESSION: dict = {}  # (id(bundle), kind, vocab_size, device) -> (bundle, selector): built once per session
 
 
-def centroids_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
-                          device: torch.device) -> CentroidSelector:
-    """``centroids``: the bundle's centroids stage picking ``budget`` blocks, with the EOS ids the head has."""
-    table = selector_table(bundle, CENTROIDS, hidden_size)
-    t = {name: x.to(device) for name, x in table.tensors.items()}
-    eos = bundle_eos(bundle)
-    return CentroidSelector(t["order"].long(), int(table.config["block_size"]), t["centroids"], t["bias"], budget,
-                            eos[eos < vocab_size].to(device))
-
-
-def lowrank_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, device: torch.device | str,
-                     k: int) -> LowRankSelector:
-    """The ``lowrank`` stage ``table`` as a selector of ``k`` ids for a draft of ``vocab_size`` ids, EOS pinned
-    among the candidates by a huge bias."""
-    t = {name: x.to(device) for name, x in table.tensors.items()}
-    n = min(int(table.config["vocab_rows"]), vocab_size)
-    bias = t["bias"][:n].clone()
-    eos = eos.to(bias.device)
-    bias[eos[eos < n]] = torch.finfo(torch.float32).max / 4
-    return LowRankSelector(t["proj"], t["rows"][:n], bias, k)
+def session_selector(ctx, kind: str, build):
+    """``build(table)`` for the bundle's selector stage ``kind`` (checked against the draft's hidden size in one
+    line), made once per bundle, vocabulary and device and kept: each prompt of dynvocab's loop (``ctx``, a
+    :class:`~dynvocab.runtime.registry.PolicyContext`) then starts from the same scorer and order (quantized and
+    packed once; the draft's head keeps the rows of the same order)."""
+    if ctx.draft is None:
+        raise DynvocabError(f"strategy '{kind}' needs a draft model; pass --draft")
+    key = (id(ctx.bundle), kind, ctx.vocab_size, str(ctx.device))
+    hit = _SESSION.get(key)
+    if hit is None or hit[0] is not ctx.bundle:
+        table = selector_table(ctx.bundle, kind, ctx.draft.hidden_size, f" --bundle {ctx.bundle.path} --draft …")
+        hit = _SESSION[key] = (ctx.bundle, build(table))
+    return hit[1]
 
 
 def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:

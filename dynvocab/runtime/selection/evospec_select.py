@@ -35,9 +35,14 @@ from dynvocab.artifacts.bundle import Bundle
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.selection.arc import ARCCache
 from dynvocab.runtime.selection.candidates import assemble_candidates
-from dynvocab.runtime.selection.batch_select import BatchSets
-from dynvocab.runtime.selection.context_select import (ContextSelector, HeadSearch, StepContext, eos_first_ranking,
-                                                       head_eos_ids)
+from dynvocab.runtime.selection.batch_select import (
+    BatchSets,
+    ContextSelector,
+    StepContext,
+    eos_first_ranking,
+    head_eos_ids,
+)
+from dynvocab.runtime.selection.context_select import HeadSearch
 
 # HNSW ef of the OOV searches in a batched host (the hybrid's per-step search measured ~0.6 ms a query at 64 over the
 # demo pair's 151,936 rows, outside the engine)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dynvocab.runtime.heads.active_set import RowRanges
+from dynvocab.runtime.heads.active_set import ActiveSet, NodeSets, RowRanges
 from dynvocab.runtime.host import to_host
 
 
@@ -23,6 +23,7 @@ class Groups:
         order = torch.argsort(group_of, stable=True)  # [V] ids grouped by group, ascending within a group
         sizes = torch.bincount(group_of, minlength=num_groups)  # [G]
         self.order = order.to(device)  # the head packs W[order] once; a group is a slice of it
+        self.group_of = group_of.to(device)  # [V]
         ends = sizes.cumsum(0)  # [G] group g is order[ends[g] - sizes[g] : ends[g]]
         self.bounds = torch.stack([ends - sizes, ends]).to(device)  # [2, G] (start, end) per group
         eos = eos.long().cpu()
@@ -38,6 +39,17 @@ class Groups:
         picked[picked_groups] = True
         starts, ends = self._ranges(picked)
         return RowRanges(self.order, starts, ends), self.eos[~picked[self.eos_group]]
+
+    def node_sets(self, picked: torch.Tensor) -> NodeSets:
+        """Each row's groups ``picked`` [B, c] (and the EOS ids) for one head call over their union: the union as
+        row ranges of the order and the EOS ids outside it, and which of its columns each row has."""
+        ranges, eos = self.select(picked.flatten())
+        member = torch.zeros(picked.shape[0], self.num_groups, dtype=torch.bool, device=self.device)
+        member.scatter_(1, picked, True)  # [B, G]
+        ids = ranges.ids
+        inside = member[:, self.group_of[ids]] | torch.isin(ids, self.eos)  # [B, n] its groups' ids, and every EOS id
+        own = torch.cat([inside, member.new_ones(picked.shape[0], eos.numel())], dim=1)
+        return NodeSets(ActiveSet.of(ranges, eos), own)
 
     def _ranges(self, picked: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The picked groups (bitmap [G]) as merged row ranges, as ``merge_ranges`` gives them, computed on the

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynvocab.runtime.selection.batch_select import BatchSelector, BatchSets, StaticSelector
+from dynvocab.runtime.selection.batch_select import BatchSelector, BatchSets
 
 # Off a CPU, a batch's own sets are scored row by row while they hold at most this many times the head's rows (the
 # gather then moves at most twice the whole head's bytes), over their union past it: the rule that picked the faster
@@ -78,18 +78,13 @@ class SelectedHead:
         return (logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)), sets.ids(hidden.shape[0])
 
     def _sets(self, hidden: torch.Tensor, ctx, vocab: int | None) -> BatchSets:
-        """The selector's sets for ``hidden``: a context selector's own; a static set as the shared part; a
-        hidden-state selector's ids as each row's own (distinct), with their union found as blocks where the
-        selector can and a head of ``vocab`` rows (None: a shard) scores the batch over it."""
-        if getattr(self.selector, "reads_context", False):
-            return self.selector.select(hidden, ctx)
-        if isinstance(self.selector, StaticSelector):
-            return BatchSets(self.selector.ids, None)
+        """The selector's sets for ``hidden`` (its ``select``), a hidden-state selector's union found as blocks
+        where the selector can and a head of ``vocab`` rows (None: a shard) scores the batch over it."""
         if (vocab is not None and hidden.shape[0] > 1 and hasattr(self.selector, "select_union")
                 and self._union(hidden, hidden.shape[0] * self.selector.k, vocab)):
             ids, union, where = self.selector.select_union(hidden)
             return BatchSets(None, ids, repeats=False, union=(union, where))
-        return BatchSets(None, self.selector(hidden), repeats=False)
+        return self.selector.select(hidden, ctx)
 
     def _union(self, x: torch.Tensor, rows: int, vocab: int) -> bool:
         """Whether ``rows`` ids of a batch's own sets, over a head of ``vocab`` rows, are scored over their union

@@ -10,11 +10,13 @@ log-probability; the K best of those K² become the next frontier. Of all ``K + 
 cumulative score; ties to the earlier node, so every kept node's parent is kept) are verified
 (:mod:`dynvocab.runtime.trees.verify`).
 
-The set of a depth: the policy is asked once per depth, with the depth's best frontier node (its head input and its
-token), as the chain asks once per step; static sets (``fr``, ``fr-pa``) and per-cycle sets (``microspec``) are
-then the chain's own, and node-reading ones (``dynaspec``'s router, ``lowrank``'s scorer, ``hybrid``'s search) read
-the most likely node of the depth. Every node of the depth is scored over that one set, so a depth is one head call
-whatever K is.
+The sets of a depth, one head call whatever K is: a strategy that reads each node (``dynaspec``'s router,
+``lowrank``'s scorer, ``centroids``' blocks: :meth:`~dynvocab.runtime.selection.base.VocabPolicy.node_sets`) gives
+each of the K frontier nodes its own set, the one its batched selector gives a row of that node's head input and
+token; the head multiplies their union once and each node's logits outside its own set are ``-inf``, so every node's
+log-probabilities are normalised over its own set, as a chain's step over its one set. Every other strategy (static
+sets, per-cycle sets such as ``microspec``'s, and ``--tree-sets depth``) is asked once per depth, with the depth's best
+frontier node, as the chain asks once per step, and every node is scored over that one set.
 
 Sampling: each row's children are drawn without replacement from the draft's ``q`` (Gumbel top-K), and the tree's
 shape (which nodes are expanded and kept) is fixed by the children's ranks, not by their drawn probabilities: the
@@ -169,9 +171,12 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape,
 
     def head(depth: int, head_in: torch.Tensor, token: torch.Tensor):
         t_active = timer.mark()
-        active = policy.active_ids(depth, head_in[:1], token[:1])
+        nodes = policy.node_sets(depth, head_in, token) if setup.node_sets and depth else None
+        active = policy.active_ids(depth, head_in[:1], token[:1]) if nodes is None else nodes.active
         t_head = timer.mark()
         logits, cols = proposer.head_logits(head_in, active)  # [r, n], [n] or None
+        if nodes is not None:
+            logits = nodes.mask(logits)  # each node over its own set
         timer.add(sec.active, t_active, t_head)
         timer.add(sec.head, t_head)
         sets.append(active)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from dynvocab.runtime.decoding.ngram import NgramLookup
-from dynvocab.runtime.selection.context_select import StepContext
+from dynvocab.runtime.selection.batch_select import StepContext
 from dynvocab.runtime.selection.request_window import RequestWindows
 from dynvocab.serving.vllm.proposal import HostSampled, Proposal, RequestTokens, RunnerRecord
 from dynvocab.serving.vllm.without_context import Misses

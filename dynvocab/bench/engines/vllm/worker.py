@@ -139,7 +139,7 @@ class HeadSwitch:
     def _time_selector(self, policy) -> None:
         """Time the policy's selector calls (a static set's selector is left as it is: its rows are packed once,
         and its call is a view of its ids)."""
-        from dynvocab.runtime.selection.batch_select import StaticSelector
+        from dynvocab.runtime.selection.frequency import StaticSelector
 
         if not isinstance(policy.head.selector, (StaticSelector, _TimedSelector)):
             policy.head.selector = _TimedSelector(policy.head.selector, self)
