@@ -382,7 +382,7 @@ def test_each_node_of_a_tree_depth_gets_the_set_it_gets_alone(bundle, strategy, 
     hidden, fed = torch.randn(4, D, generator=g), torch.randint(0, V, (4,), generator=g)
     nodes = policy.node_sets(2, hidden, fed)
     logits, cols = DraftHead(HEAD).logits(hidden, nodes.active)
-    masked = nodes.mask(logits)
+    masked = nodes.mask(logits, cols)
     assert cols.unique().numel() == cols.numel()  # the union: each id multiplied once
     for r in range(4):
         alone = policy.active_ids(2, hidden[r : r + 1], fed[r : r + 1])

@@ -364,6 +364,23 @@ def test_sampled_trees_follow_the_target_distribution(setup, tree, tmp_path, mon
         assert sum(g.cycle_lengths[0] >= 3 for g in runs) > 0  # two drafted tokens accepted, or more
 
 
+def test_sampled_trees_over_each_nodes_own_set_follow_the_target_distribution(setup):
+    """As above, over a ``lowrank`` selector (random scores, 40 of the 64 ids a node): each node of a depth drafts
+    from its own set (one head call over the depth's union, each node's q normalised over its own set) and recursive
+    rejection sampling stays exact, at the root's children and two deep."""
+    from dynvocab.artifacts.selectors import random_lowrank
+    from dynvocab.runtime.selection import SelectorPolicy
+    from dynvocab.runtime.selection.lowrank import lowrank_selector
+
+    target, draft = setup
+    table = random_lowrank(VOCAB, draft.info.hidden_size, torch.Generator().manual_seed(1), rank=8, candidates=40)
+    selector = lowrank_selector(table, VOCAB, torch.empty(0, dtype=torch.long), "cpu", 40)
+    cfg = DecodeConfig(max_new_tokens=4, temperature=0.5, tree="3x3x8", tree_sets="node")
+    runs = first_pairs_follow_the_target(target, [3, 1, 4, 1, 5], cfg, draft, lambda: SelectorPolicy(selector), 600)
+    assert sum(g.metrics.off_main for g in runs) > 0
+    assert sum(g.cycle_lengths[0] >= 3 for g in runs) > 0
+
+
 def test_auto_goes_on_from_a_memory_across_generations_and_stays_exact(setup, tmp_path, monkeypatch):
     """Greedy ``--tree auto`` over three prompts with one memory (a deterministic clock): each generation = ``ar``,
     and the later ones draft both modes without trying them afresh."""
@@ -397,9 +414,10 @@ def test_a_session_keeps_auto_s_memory_across_its_generations(tiny_dirs, heads, 
     assert list(session.tree_memory.states) == [("full", True, False)] and set(state.totals) == {"tree", "chain"}
 
 
-@pytest.mark.parametrize("tree", ["3x3x8", "auto"])
-def test_every_strategy_drafts_trees_equal_to_ar(target_model, tmp_path, monkeypatch, tree):
-    """Every registered strategy (each over a tiny bundle with every stage), an EAGLE-1 head, greedy: = ar."""
+@pytest.mark.parametrize(("tree", "sets"), [("3x3x8", "depth"), ("3x3x8", "node"), ("auto", "node")])
+def test_every_strategy_drafts_trees_equal_to_ar(target_model, tmp_path, monkeypatch, tree, sets):
+    """Every registered strategy (each over a tiny bundle with every stage), an EAGLE-1 head, greedy, each depth's
+    nodes over one set or each over its own: = ar."""
     from test_host_reads import OPTIONS, PROMPT, tiny_bundle
     from dynvocab.runtime.strategies import PolicyContext, make_policy, strategy_names
 
@@ -408,7 +426,7 @@ def test_every_strategy_drafts_trees_equal_to_ar(target_model, tmp_path, monkeyp
     draft = Eagle1Draft(eagle1(target_model), target)
     bundle = tiny_bundle(tmp_path / "tiny.safetensors", target, _IndexRows(draft))
     ctx = PolicyContext(VOCAB, {VOCAB - 1}, "cpu", bundle, draft.info, target)
-    cfg = DecodeConfig(max_new_tokens=16, tree=tree)
+    cfg = DecodeConfig(max_new_tokens=16, tree=tree, tree_sets=sets)
     ar = speculative_generate(target, PROMPT, cfg, set())
     for name in strategy_names():
         if name == "ar":
@@ -416,6 +434,29 @@ def test_every_strategy_drafts_trees_equal_to_ar(target_model, tmp_path, monkeyp
         spec = speculative_generate(target, PROMPT, cfg, set(), draft, make_policy(name, OPTIONS, ctx))
         assert spec.token_ids == ar.token_ids, name
         assert spec.metrics.tree_cycles > 0 or tree == "auto", name
+
+
+def test_hybrids_tree_nodes_each_search_their_own_candidates(target_model, tmp_path, monkeypatch):
+    """With its per-step search on, the hybrid gives each node of a depth the set it gives that node alone: the window,
+    the core prefix and the node's own draft-head neighbours and graph successors."""
+    from test_host_reads import OPTIONS, tiny_bundle
+    from dynvocab.runtime.strategies import PolicyContext, make_policy
+
+    monkeypatch.setenv("DYNVOCAB_CACHE", str(tmp_path))
+    target = CausalLM(target_model)
+    draft = Eagle1Draft(eagle1(target_model), target)
+    bundle = tiny_bundle(tmp_path / "tiny.safetensors", target, _IndexRows(draft))
+    policy = make_policy("hybrid", OPTIONS, PolicyContext(VOCAB, {VOCAB - 1}, "cpu", bundle, draft.info, target))
+    policy.prefill(torch.tensor([3, 1, 4, 1, 5]), None, None)
+    g = torch.Generator().manual_seed(0)
+    hidden, tokens = torch.randn(4, draft.info.hidden_size, generator=g), torch.randint(0, VOCAB, (4,), generator=g)
+    nodes = policy.node_sets(2, hidden, tokens)
+    ids = nodes.active.ids()
+    assert ids.unique().numel() == ids.numel()
+    for r in range(4):
+        alone = policy.active_ids(2, hidden[r : r + 1], tokens[r : r + 1])
+        assert sorted(ids[nodes.own[r]].tolist()) == sorted(alone.ids().tolist())
+    assert not nodes.own.all()  # the nodes' searches found different candidates
 
 
 class _IndexRows:

@@ -215,9 +215,9 @@ def load_flag_params() -> list[inspect.Parameter]:
 
 TreeSets = Annotated[str, typer.Option(
     "--tree-sets", metavar="|".join(TREE_SETS),
-    help="--tree: node scores each node of a depth over its own set where the strategy reads the node (dynaspec, "
-    "lowrank, centroids), one head call over their union; depth: the set chosen for the depth's best node serves "
-    "them all.")]
+    help="--tree: depth scores every node of a depth over the set chosen for its best node; node gives each node its "
+    "own set where the strategy reads the node (dynaspec, lowrank, centroids, hybrid's per-step search), one head "
+    "call over their union (on two CPU cores it cost more than it gained).")]
 Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples (exact rejection sampling).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1], applied to target and draft alike.")]
 Seed = Annotated[int, typer.Option(help="Random seed for sampling.")]

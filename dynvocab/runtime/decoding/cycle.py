@@ -98,7 +98,7 @@ class CycleSetup:
     ngram: NgramLookup | None = None
     tree: TreeShape | None = None  # EAGLE-2 trees of this shape (None: chains); see dynvocab.runtime.trees.growth
     budget: TreeBudget | None = None  # ``--tree auto``: per cycle tree or chain, the growth's depth and its tokens
-    node_sets: bool = True  # a tree depth's nodes each their own set where the policy names them (else the best's)
+    node_sets: bool = False  # a tree depth's nodes each their own set where the policy names them (else the best's)
 
     @property
     def branch(self) -> bool:

@@ -48,7 +48,7 @@ DEFAULT_GAMMA = 6  # the longest draft: EvoSpec's speculation horizon
 DEFAULT_STOP_BELOW = 0.4  # transformers' ``assistant_confidence_threshold`` default
 # Leaves where the draft is unsure: chosen on the demo pair (a run with early stops and tree leaves, commit bbadcc4).
 DEFAULT_BRANCH_BELOW = 0.8
-TREE_SETS = ("node", "depth")  # --tree-sets: each node of a depth its own set, or the depth's best node's for all
+TREE_SETS = ("depth", "node")  # --tree-sets: the depth's best node's set for all its nodes, or each node its own
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,9 @@ class DecodeConfig:
     draft at all the lookup alone speculates. ``tree``: ``off`` (chains), ``DEPTHxTOPKxTOKENS`` (an EAGLE-2 tree each
     cycle,
     :mod:`dynvocab.runtime.trees.growth`; EAGLE heads only) or ``auto`` (a tree fitted to the target's measured
-    verification cost, :mod:`dynvocab.runtime.trees.budget`). ``tree_sets``: ``node`` scores each node of a tree depth
-    over its own set where the strategy reads the node (``dynaspec``, ``lowrank``, ``centroids``), in one head call over
-    their union; ``depth``: the set chosen for the depth's best node serves every node. None of these changes the
+    verification cost, :mod:`dynvocab.runtime.trees.budget`). ``tree_sets``: ``depth`` scores every node of a tree depth
+    over the set chosen for its best node; ``node`` gives each node its own set where the strategy reads the node
+    (``dynaspec``, ``lowrank``, ``centroids``, ``hybrid``'s per-step search), in one head call over their union. None of these changes the
     output, only its speed.
     """
 

@@ -301,6 +301,10 @@ class NodeSets:
         own = torch.zeros(ids.shape[0], union.numel(), dtype=torch.bool, device=ids.device)
         return cls(ActiveSet.of(Gathered(union)), own.scatter_(1, where, True))
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` [B, n] over ``active`` with ``-inf`` outside each row's own set."""
-        return logits.masked_fill(~self.own, float("-inf"))
+    def mask(self, logits: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """``logits`` [B, m] of a head over ``active`` whose columns hold the target ids ``cols`` [m] (every id of
+        ``active`` in order, or those a mapped head's own vocabulary has), ``-inf`` outside each row's own set."""
+        ids = self.active.ids()  # [n] the order ``own`` follows
+        order = torch.argsort(ids)
+        at = order[torch.searchsorted(ids[order], cols)]  # [m] each column's place in ``ids``
+        return logits.masked_fill(~self.own[:, at], float("-inf"))

@@ -33,7 +33,7 @@ import torch
 
 from dynvocab.artifacts import mips_search
 from dynvocab.budget import pa_budget
-from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
+from dynvocab.runtime.heads.active_set import ActiveSet, NodeSets, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.selection.base import CycleReport
 from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
@@ -129,9 +129,27 @@ class HybridPolicy(MicroSpecPolicy):
         """Three disjoint segments: the context ids outside the core (``ids``, kept incrementally by MicroSpec),
         the core prefix for this position, the per-step candidates (a changed set)."""
         k = self.core_size(step)
+        return ActiveSet.of(self.window_segment(), self._core(k), self.step_candidates(k, hidden, token))
+
+    def node_sets(self, step: int, hidden: torch.Tensor, tokens: torch.Tensor) -> NodeSets | None:
+        """A tree depth's nodes ``hidden`` [K, d], fed ``tokens`` [K]: the window and the core prefix for every node,
+        and each node's own per-step candidates (None where the hybrid searches nothing per step)."""
+        cfg = self.hcfg
+        if not ((self.draft_hnsw is not None and cfg.step_neighbours) or (self.graph is not None and cfg.step_successors)):
+            return None
+        k = self.core_size(step)
+        found = [self.step_candidates(k, hidden[i : i + 1], tokens[i : i + 1]) for i in range(hidden.shape[0])]
+        union = torch.unique(torch.cat(found))  # [u]
+        window, core = self.window_segment(), self._core(k)
+        shared = torch.ones(len(found), window.size + core.size, dtype=torch.bool, device=union.device)
+        own = torch.cat([shared, torch.stack([torch.isin(union, ids) for ids in found])], dim=1)
+        return NodeSets(ActiveSet.of(window, core, union), own)
+
+    def _core(self, k: int) -> Prefix:
+        """The core's first ``k`` ids, one segment per length (one ranking: the head slices it)."""
         if k not in self._views:
             self._views[k] = Prefix(self.core, k)
-        return ActiveSet.of(self.window_segment(), self._views[k], self.step_candidates(k, hidden, token))
+        return self._views[k]
 
     def step_candidates(self, core_size: int, hidden=None, token=None) -> torch.Tensor:
         """Draft-head neighbours of ``hidden`` [1, d] and graph successors of ``token`` [1] (on the device) that are

@@ -10,13 +10,14 @@ log-probability; the K best of those K² become the next frontier. Of all ``K + 
 cumulative score; ties to the earlier node, so every kept node's parent is kept) are verified
 (:mod:`dynvocab.runtime.trees.verify`).
 
-The sets of a depth, one head call whatever K is: a strategy that reads each node (``dynaspec``'s router,
-``lowrank``'s scorer, ``centroids``' blocks: :meth:`~dynvocab.runtime.selection.base.VocabPolicy.node_sets`) gives
-each of the K frontier nodes its own set, the one its batched selector gives a row of that node's head input and
-token; the head multiplies their union once and each node's logits outside its own set are ``-inf``, so every node's
-log-probabilities are normalised over its own set, as a chain's step over its one set. Every other strategy (static
-sets, per-cycle sets such as ``microspec``'s, and ``--tree-sets depth``) is asked once per depth, with the depth's best
-frontier node, as the chain asks once per step, and every node is scored over that one set.
+The sets of a depth, one head call whatever K is. By default (``--tree-sets depth``) the policy is asked once per
+depth, with the depth's best frontier node, as the chain asks once per step, and every node is scored over that one
+set. With ``--tree-sets node`` a strategy that reads each node (``dynaspec``'s router, ``lowrank``'s scorer,
+``centroids``' blocks, ``hybrid``'s per-step search: :meth:`~dynvocab.runtime.selection.base.VocabPolicy.node_sets`)
+gives each of the K frontier nodes the set it gives that node's head input and token alone; the head multiplies their
+union once and each node's logits outside its own set are ``-inf``, so every node's log-probabilities are normalised
+over its own set, as a chain's step over its one set. Other strategies (static sets, per-cycle sets such as
+``microspec``'s) are asked once per depth either way.
 
 Sampling: each row's children are drawn without replacement from the draft's ``q`` (Gumbel top-K), and the tree's
 shape (which nodes are expanded and kept) is fixed by the children's ranks, not by their drawn probabilities: the
@@ -176,7 +177,7 @@ def grow_tree(setup, tokens: list[int], shape: TreeShape,
         t_head = timer.mark()
         logits, cols = proposer.head_logits(head_in, active)  # [r, n], [n] or None
         if nodes is not None:
-            logits = nodes.mask(logits)  # each node over its own set
+            logits = nodes.mask(logits, cols)  # each node over its own set
         timer.add(sec.active, t_active, t_head)
         timer.add(sec.head, t_head)
         sets.append(active)
