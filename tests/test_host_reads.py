@@ -23,9 +23,9 @@ from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.host import PACKAGE, HostReads, host_reads
 from dynvocab.runtime.selection import FullPolicy
-from dynvocab.runtime.selection.evospec import EvoSpecConfig
-from dynvocab.runtime.selection.hybrid import HybridConfig
-from dynvocab.runtime.selection.microspec import MicroSpecConfig
+from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig
+from dynvocab.runtime.selection.context.hybrid import HybridConfig
+from dynvocab.runtime.selection.context.microspec import MicroSpecConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategy_names
 
 VOCAB = 96
@@ -170,7 +170,7 @@ def test_eagle_heads_draft_on_the_device(kind):
 def test_eagle_trees_read_nothing_while_they_grow(kind, policy):
     """A tree cycle reads the device twice: once after its growth (the candidates, to choose the pass's nodes) and
     once for the greedy verdict; nothing inside the draft loop."""
-    from dynvocab.runtime.selection.microspec import MicroSpecPolicy
+    from dynvocab.runtime.selection.context.microspec import MicroSpecPolicy
 
     target, draft, tap = eagle_pair(kind)
     cfg = DecodeConfig(max_new_tokens=16, tree="3x3x8")

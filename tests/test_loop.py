@@ -15,8 +15,8 @@ from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.selection import FullPolicy, SelectorPolicy, VocabPolicy
 from dynvocab.runtime.selection.frequency import PositionSelector, StaticSelector
-from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
+from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy
 
 pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
 

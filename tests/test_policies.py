@@ -11,7 +11,7 @@ from dynvocab.budget import pa_budget
 from dynvocab.runtime.selection import CycleReport, SelectorPolicy
 from dynvocab.runtime.selection.batch_select import eos_first
 from dynvocab.runtime.selection.frequency import PositionSelector, StaticSelector
-from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
+from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
 
 
 def test_pa_budget_follows_dynaspec():
@@ -111,7 +111,7 @@ def test_microspec_window_bounds_the_active_set(window):
 
 
 def test_hybrid_segments_are_disjoint_and_the_core_shrinks_with_position():
-    from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
+    from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
 
     vocab = 200
     ranking = torch.arange(100, 200)
@@ -132,7 +132,7 @@ def test_hybrid_segments_are_disjoint_and_the_core_shrinks_with_position():
 
 def test_hybrid_pushes_neighbours_of_a_missed_token():
     from dynvocab.artifacts import GraphTable
-    from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
+    from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
 
     vocab = 50
     # Token 40 is followed by 41 and 42 in the graph.
@@ -157,7 +157,7 @@ def test_hybrid_pushes_neighbours_of_a_missed_token():
 def test_hybrid_step_candidates_find_the_draft_argmax_outside_the_active_set():
     from dynvocab.artifacts import GraphTable
     from dynvocab.builders.hnsw import HnswConfig, build_index
-    from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
+    from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
 
     vocab, dim = 300, 16
     head = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(0))
@@ -190,7 +190,7 @@ def test_embedded_ranking_only_for_its_tokenizer():
 
 
 def test_hybrid_searches_per_step_on_cpu_only_by_default():
-    from dynvocab.runtime.selection.hybrid import HybridConfig
+    from dynvocab.runtime.selection.context.hybrid import HybridConfig
 
     assert HybridConfig().searches_per_step("cpu")
     assert not HybridConfig().searches_per_step("cuda:0")  # a host sync per step costs more than the head there

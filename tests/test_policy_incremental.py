@@ -10,8 +10,8 @@ from dynvocab.bench.micro.scripted import ScriptedCycle, ScriptedDraft, run_scri
 from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.selection.base import CycleReport
-from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
+from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy
 
 VOCAB, DIM, GAMMA = 600, 8, 4
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.selection.request_window import MIN_WIDTH, RequestWindows
+from dynvocab.runtime.selection.context.request_window import MIN_WIDTH, RequestWindows
 
 
 def test_a_window_holds_the_distinct_ids_of_the_last_tokens_first():

@@ -173,7 +173,7 @@ def test_eagle3_position_aware_frequency_copies_its_rows_once(mapped):
 
 
 def test_eagle3_hybrid_core_prefixes_are_slices(mapped):
-    from dynvocab.runtime.selection.hybrid import HybridConfig, HybridPolicy
+    from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
 
     weight, row_token, row_by_hand = mapped
     head = MappedHead(weight, row_token, VOCAB)

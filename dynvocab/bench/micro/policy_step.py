@@ -42,7 +42,7 @@ from dynvocab.runtime.decoding.timing import SectionTimer
 from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.drafts.kinds import lookup_kind
 from dynvocab.runtime.heads.head import DraftHead
-from dynvocab.runtime.selection.hybrid import HybridConfig
+from dynvocab.runtime.selection.context.hybrid import HybridConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategies
 
 DEMO_TARGET = {  # Qwen2.5-Coder-1.5B: the demo target, whose head an EAGLE-1 draft shares

@@ -10,13 +10,14 @@ The loop's chain asks a selector's ``row_set`` instead: the same set as an
 :class:`~dynvocab.runtime.heads.active_set.ActiveSet` whose segments its packed head reuses (row ranges of one packed
 order where the selector has one); see :class:`~dynvocab.runtime.selection.base.SelectorPolicy`.
 
-The strategies' selectors: :mod:`.frequency` (``fr``, ``fr-pa``), :mod:`.lowrank`, :mod:`.centroids`, :mod:`.dynaspec`,
-:mod:`.context_select` (``microspec``, ``hybrid`` in a batched host), :mod:`.evospec_select`. Each is built from a
-bundle by one function that its strategy's registry entry names (``Strategy.batched``); which strategies run batched,
-and how a host builds one by name, is :mod:`dynvocab.runtime.batched`. The shape follows Gemma-4's MTP masked
-embedder in vLLM (``gemma4_mtp.py``, ``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score
-them (:class:`~.selected_head.SelectedHead`); :func:`scatter_logits` is its ``forward`` (a full row, ``-inf`` outside
-the set, so sampling sees q = 0 there).
+The strategies' selectors: :mod:`.frequency` (``fr``, ``fr-pa``), :mod:`.lowrank`, :mod:`.centroids`,
+:mod:`.dynaspec`, :mod:`.context.context_select` (``microspec``, ``hybrid`` in a batched host),
+:mod:`.evospec.evospec_select`. Each is built from a bundle by one function that its strategy's registry entry names
+(``Strategy.batched``); which strategies run batched, and how a host builds one by name, is
+:mod:`dynvocab.runtime.batched`. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,
+``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score them
+(:class:`~.selected_head.SelectedHead`); :func:`scatter_logits` is its ``forward`` (a full row, ``-inf`` outside the
+set, so sampling sees q = 0 there).
 
 A set may hold an id twice (padding); its two logits are equal, so the argmax and the scattered row are the same as
 with one copy.

@@ -1,5 +1,5 @@
 """The selectors of the strategies that read each request's own tokens, in a batched host (the vLLM plugin,
-:mod:`dynvocab.serving.vllm.context`, which fills the :class:`~.batch_select.StepContext` from its engine): each a
+:mod:`dynvocab.serving.vllm.context`, which fills the :class:`~..batch_select.StepContext` from its engine): each a
 batched function ``(hidden [B, d], StepContext) -> BatchSets`` (a part the same for every row, kept packed by the
 head, and each row's own part, a fixed number of ids per row).
 
@@ -7,15 +7,14 @@ head, and each row's own part, a fixed number of ids per row).
   distinct ids of the request's last W tokens) and the EOS ids.
 - :class:`HybridSelector` (``hybrid``): a static core of the most frequent ids, the request window, the graph
   successors of the fed token, and on a CPU the draft head's rows nearest each hidden state (:class:`HeadSearch`,
-  bundle stage ``draft_hnsw``: the retrieval :class:`~dynvocab.runtime.selection.hybrid.HybridPolicy` runs at every
-  draft step).
-- ``evospec``: :class:`~dynvocab.runtime.selection.evospec_select.EvoSpecSelector`, whose per-request ARC caches
+  bundle stage ``draft_hnsw``: the retrieval :class:`~.hybrid.HybridPolicy` runs at every draft step).
+- ``evospec``: :class:`~dynvocab.runtime.selection.evospec.evospec_select.EvoSpecSelector`, whose per-request ARC caches
   change between cycles (its own module).
 
 dynvocab's loop runs these three strategies by the methods' own streams instead (:mod:`.microspec`, :mod:`.hybrid`,
-:mod:`.evospec`: the draft's and the target's top ids join the window, which a batched host does not see).
+:mod:`..evospec.evospec`: the draft's and the target's top ids join the window, which a batched host does not see).
 Padding repeats an id of the row: its logits equal the id's own, so the argmax and the scattered row are the same
-as with one copy (the head multiplies each distinct id once, :class:`~.selected_head.SelectedHead`).
+as with one copy (the head multiplies each distinct id once, :class:`~..selected_head.SelectedHead`).
 """
 
 from __future__ import annotations
@@ -135,7 +134,7 @@ def window_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
 def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                        device: torch.device, cfg, window: int | None = None) -> HybridSelector:
     """``hybrid``: a core of the ``budget`` most frequent ids (EOS first), the window of ``cfg`` (a
-    :class:`~dynvocab.runtime.selection.hybrid.HybridConfig` with its per-step candidates decided; the strategy
+    :class:`~dynvocab.runtime.selection.context.hybrid.HybridConfig` with its per-step candidates decided; the strategy
     registers the hybrid's defaults as a draft model's), the bundle's graph successors where it has a ``graph``
     stage, and on a CPU its ``draft_hnsw`` search for a head of this hidden size (:data:`ENGINE_EF`)."""
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex

@@ -1,8 +1,8 @@
 """EvoSpec in a batched host (the vLLM plugin): a static core shared by every row, and each request's own dynamic
 buffer, an ARC cache refilled by retrieval on out-of-vocabulary events, kept per request across cycles.
 
-The rules are :class:`~dynvocab.runtime.selection.evospec.EvoSpecPolicy`'s, per request (its
-:class:`~dynvocab.runtime.selection.evospec.EvoSpecConfig` knobs): at draft position 0 of each cycle the residency
+The rules are :class:`~dynvocab.runtime.selection.evospec.evospec.EvoSpecPolicy`'s, per request (its
+:class:`~dynvocab.runtime.selection.evospec.evospec.EvoSpecConfig` knobs): at draft position 0 of each cycle the residency
 clock of the row's request ticks, and the token the draft is fed there (the target's last emitted token: its
 correction or bonus token, the one emitted token that can lie outside the set the cycle was drafted with) is looked
 up: in the dynamic buffer it is a hit, outside the core and the buffer it is an OOV event whose candidates (the
@@ -33,7 +33,7 @@ import torch
 
 from dynvocab.artifacts.bundle import Bundle
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.selection.arc import ARCCache
+from dynvocab.runtime.selection.evospec.arc import ARCCache
 from dynvocab.runtime.selection.candidates import assemble_candidates
 from dynvocab.runtime.selection.batch_select import (
     BatchSets,
@@ -42,7 +42,7 @@ from dynvocab.runtime.selection.batch_select import (
     eos_first_ranking,
     head_eos_ids,
 )
-from dynvocab.runtime.selection.context_select import HeadSearch
+from dynvocab.runtime.selection.context.context_select import HeadSearch
 
 # HNSW ef of the OOV searches in a batched host (the hybrid's per-step search measured ~0.6 ms a query at 64 over the
 # demo pair's 151,936 rows, outside the engine)
@@ -65,7 +65,7 @@ class EvoSpecSelector(ContextSelector):
 
     def __init__(self, core: torch.Tensor, vocab_size: int, graph, cfg, search: HeadSearch | None = None):
         """``graph``: the bundle's :class:`~dynvocab.artifacts.GraphTable` (host tensors); ``cfg``: EvoSpec's knobs
-        (:class:`~dynvocab.runtime.selection.evospec.EvoSpecConfig`: the buffer's size and cache, the graph fan-out,
+        (:class:`~dynvocab.runtime.selection.evospec.evospec.EvoSpecConfig`: the buffer's size and cache, the graph fan-out,
         the ids admitted per event); ``search``: the HNSW index of the bundle's ``hnsw`` stage over the target's head
         rows, or None."""
         if core.numel() < 1 or cfg.dynamic_size < 1:
@@ -149,7 +149,7 @@ class EvoSpecSelector(ContextSelector):
 def evospec_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int, device: torch.device,
                         cfg) -> EvoSpecSelector:
     """``evospec``: a core of the ``budget`` most frequent ids (EOS first), the buffer and retrieval knobs of ``cfg``
-    (an :class:`~dynvocab.runtime.selection.evospec.EvoSpecConfig`; the strategy registers EvoSpec's defaults), the
+    (an :class:`~dynvocab.runtime.selection.evospec.evospec.EvoSpecConfig`; the strategy registers EvoSpec's defaults), the
     bundle's graph, and on a CPU the search of its ``hnsw`` stage for a head of this hidden size."""
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
 

@@ -23,7 +23,7 @@ reproducible for tests; either way the cache only changes between cycles. The AR
 once per draft-verify cycle, so "min residency 8 decoding steps" means 8 cycles.
 
 With ``online_align`` the draft also gets a temporary LoRA adapter trained on mismatched cycles
-(:mod:`dynvocab.runtime.selection.evospec_align`); call :meth:`EvoSpecPolicy.close` after the generation to remove it.
+(:mod:`.evospec_align`); call :meth:`EvoSpecPolicy.close` after the generation to remove it.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.selection.base import CycleReport, VocabPolicy
-from dynvocab.runtime.selection.evospec_align import AlignConfig, Aligner
-from dynvocab.runtime.selection.arc import ARCCache
+from dynvocab.runtime.selection.evospec.evospec_align import AlignConfig, Aligner
+from dynvocab.runtime.selection.evospec.arc import ARCCache
 from dynvocab.runtime.selection.candidates import assemble_candidates
 
 @dataclass(frozen=True)

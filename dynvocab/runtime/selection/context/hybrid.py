@@ -36,7 +36,7 @@ from dynvocab.budget import pa_budget
 from dynvocab.runtime.heads.active_set import ActiveSet, NodeSets, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.selection.base import CycleReport
-from dynvocab.runtime.selection.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
+from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
 from dynvocab.runtime.selection.candidates import assemble_candidates
 
 
@@ -66,7 +66,7 @@ class HybridConfig:
     def for_draft(self, searches_per_step: bool) -> HybridConfig:
         """This config with the per-step candidates left unset (None) decided: 16 HNSW neighbours and 8 graph
         successors where the per-step search pays for the draft (measured against its full head,
-        :func:`~dynvocab.runtime.selection.step_search.search_pays`), none where it does not."""
+        :func:`~dynvocab.runtime.selection.context.step_search.search_pays`), none where it does not."""
         neighbours, successors = (16, 8) if searches_per_step else (0, 0)
         return replace(
             self,
@@ -135,7 +135,8 @@ class HybridPolicy(MicroSpecPolicy):
         """A tree depth's nodes ``hidden`` [K, d], fed ``tokens`` [K]: the window and the core prefix for every node,
         and each node's own per-step candidates (None where the hybrid searches nothing per step)."""
         cfg = self.hcfg
-        if not ((self.draft_hnsw is not None and cfg.step_neighbours) or (self.graph is not None and cfg.step_successors)):
+        searches = self.draft_hnsw is not None and cfg.step_neighbours
+        if not (searches or (self.graph is not None and cfg.step_successors)):
             return None
         k = self.core_size(step)
         found = [self.step_candidates(k, hidden[i : i + 1], tokens[i : i + 1]) for i in range(hidden.shape[0])]
