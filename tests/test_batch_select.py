@@ -1,6 +1,7 @@
 """One selector per strategy for every host: a selector's one-row set for dynvocab's loop (``row_set``) is the set its
-batched form gives that row; a tree depth's nodes each get the set they get alone; each row of a batch gets its own set; a selected head computes the full head's
-logits over the set; a vocab-parallel head's shards score each id once; the refusals are one line."""
+batched form gives that row; a tree depth's nodes each get the set they get alone; each row of a batch gets its own
+set; a selected head computes the full head's logits over the set; a vocab-parallel head's shards score each id once;
+the refusals are one line."""
 
 from __future__ import annotations
 

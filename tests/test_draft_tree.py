@@ -352,8 +352,8 @@ def test_sampled_trees_follow_the_target_distribution(setup, tree, tmp_path, mon
     cfg = DecodeConfig(max_new_tokens=4, temperature=0.5, tree=tree)
     memory = TreeMemory(clock=Ticks(0))
     # the target's likeliest first token (p .3) is in the set: the draft's depth 2 decides many second tokens
-    runs = first_pairs_follow_the_target(target, [3, 1, 4, 1, 5], cfg, draft, lambda: SelectorPolicy(StaticSelector(ranking)), 600,
-                                         memory=memory)
+    runs = first_pairs_follow_the_target(target, [3, 1, 4, 1, 5], cfg, draft,
+                                         lambda: SelectorPolicy(StaticSelector(ranking)), 600, memory=memory)
     assert sum(g.metrics.off_main for g in runs) > 0
     if tree == "auto":
         autos = [g.metrics.tree_auto for g in runs]

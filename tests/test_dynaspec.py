@@ -1,4 +1,4 @@
-"""DynaSpec's selector in the loop: the position-aware cluster budget, the union of routed clusters, losslessness in the loop."""
+"""DynaSpec's selector in the loop: the position-aware cluster budget, the union of routed clusters, losslessness."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def test_hybrid_searches_per_step_where_it_measures_cheaper_than_the_head(tiny_d
     """The hybrid's per-step candidates (draft-head HNSW search, graph successors) run by default where the search
     measures under SEARCH_SHARE of the draft's full head, whatever the draft's kind; asked for, they run anyway,
     and an EAGLE-1 head searches the target's index (its head is the target's)."""
-    from dynvocab.runtime.selection import step_search
+    from dynvocab.runtime.selection.context import step_search
     from dynvocab.runtime.selection.context.hybrid import HybridConfig
     from dynvocab.runtime.session import ModelConfig, Session
     from dynvocab.runtime.strategies import StrategyOptions, make_policy

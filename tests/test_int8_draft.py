@@ -270,8 +270,8 @@ def test_a_static_ranking_is_packed_when_the_policy_is_built(int8_pair, gathers_
     draft.reset()
     h = torch.randn(1, draft.hidden_size)
     part, cols = draft.head_logits(h, policy.active_ids(0))
-    assert draft.rows_copied == 0 and torch.equal(cols, policy.ids) and not rows._prefix_uses  # no counting: packed
+    assert draft.rows_copied == 0 and torch.equal(cols, policy.selector.ids) and not rows._prefix_uses  # no counting: packed
     full, _ = draft.head_logits(h, ActiveSet.full(draft.vocab_size))
     assert (part - full[:, cols]).abs().max() < 0.05 * full.abs().max()
     again = build_policy("fr", StrategyOptions(token_map=str(path)), ctx)  # the next prompt's: a new tensor, kept rows
-    assert again.ranking is not policy.ranking and len(rows.ordered._kept) == 1
+    assert again.selector.ranking is not policy.selector.ranking and len(rows.ordered._kept) == 1

@@ -78,7 +78,8 @@ def test_greedy_with_a_prepacked_target_is_the_target_own(tiny_pair, seed):
     want = speculative_generate(plain, prompt, cfg, set()).token_ids
     assert speculative_generate(packed, prompt, cfg, set()).token_ids == want
     ranking = torch.randperm(vocab, generator=gen)[:50]
-    for policy in (FullPolicy(vocab), SelectorPolicy(StaticSelector(ranking)), MicroSpecPolicy(MicroSpecConfig(window=24), vocab, "cpu")):
+    window = MicroSpecPolicy(MicroSpecConfig(window=24), vocab, "cpu")
+    for policy in (FullPolicy(vocab), SelectorPolicy(StaticSelector(ranking)), window):
         got = speculative_generate(packed, prompt, cfg, set(), drafter, policy)
         assert got.token_ids == want, policy.name
 

@@ -287,7 +287,8 @@ class StrategyFlags:
 _DECODING_FLAGS = tuple(f.name for f in dataclasses.fields(StrategyFlags) if f.name in vars(_DECODING))
 _SHARED_TYPES = {
     "gamma": Gamma, "stop_below": StopBelow, "branch_below": BranchBelow, "temperature": Temperature, "top_p": TopP,
-    "seed": Seed, "ngram_max": NgramMax, "ngram_min": NgramMin, "tree": Tree, "tree_sets": TreeSets, "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
+    "seed": Seed, "ngram_max": NgramMax, "ngram_min": NgramMin, "tree": Tree, "tree_sets": TreeSets,
+    "token_map": TokenMap, "fr_size": FrSize, "bundle": BundleOpt,
 }
 
 

@@ -2,11 +2,11 @@
 
 The loop never knows which policy it runs. Adding a strategy: its policy and frozen config in a module under
 ``runtime/selection/``, a factory ``(options, ctx) -> VocabPolicy``, and one ``register(Strategy(…))`` call (below, or
-in the module that brings it, or through an entry point in the :data:`ENTRY_POINTS` group). A strategy runs
-inside vLLM too when its entry says how (``batched=Batched(stages, build, default_budget)``,
-:mod:`dynvocab.runtime.batched`: a selector over the draft's hidden state, or one that also reads the request's
-context, :mod:`dynvocab.runtime.selection.context.context_select`); one that cannot says why (``why_not_batched``). Import
-the registry's API from here, so that the built-in strategies are in it.
+in the module that brings it, or through an entry point in the :data:`ENTRY_POINTS` group). A strategy runs inside
+vLLM too when its entry says how (``batched=Batched(stages, build, default_budget)``, :mod:`dynvocab.runtime.batched`:
+a selector over the draft's hidden state, or one that also reads the request's context,
+:mod:`dynvocab.runtime.selection.context.context_select`); one that cannot says why (``why_not_batched``). Import the
+registry's API from here, so that the built-in strategies are in it.
 """
 
 from __future__ import annotations
@@ -20,25 +20,6 @@ from dynvocab.budget import FR_SIZE
 from dynvocab.errors import DynvocabError
 from dynvocab.registry import load_plugins
 from dynvocab.runtime.heads.token_map import load_token_map
-from dynvocab.runtime.selection import FullPolicy, SelectorPolicy
-from dynvocab.runtime.selection.batch_select import eos_first, fixed_budget, stage_budget
-from dynvocab.runtime.selection.centroids import CentroidConfig, centroids_for_loop, centroids_from_bundle
-from dynvocab.runtime.selection.context.context_select import hybrid_from_bundle, window_from_bundle
-from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, router_budget, router_for_loop, router_from_bundle
-from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.selection.evospec.evospec_select import evospec_from_bundle
-from dynvocab.runtime.selection.frequency import (
-    PositionAwareConfig,
-    PositionSelector,
-    StaticSelector,
-    frequency_budget,
-    frequency_selector,
-    position_from_bundle,
-)
-from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.selection.lowrank import LowRankConfig, lowrank_for_loop, lowrank_from_bundle
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy
-from dynvocab.runtime.selection.context.step_search import search_pays
 from dynvocab.runtime.registry import (
     Batched,
     Flag,
@@ -57,6 +38,26 @@ from dynvocab.runtime.registry import (
     strategy_names,
     unregister,
 )
+from dynvocab.runtime.selection import FullPolicy, SelectorPolicy
+from dynvocab.runtime.selection.batch_select import eos_first, fixed_budget, stage_budget
+from dynvocab.runtime.selection.centroids import CentroidConfig, centroids_for_loop, centroids_from_bundle
+from dynvocab.runtime.selection.context.context_select import hybrid_from_bundle, window_from_bundle
+from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
+from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection.context.step_search import search_pays
+from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, router_budget, router_for_loop, router_from_bundle
+from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy
+from dynvocab.runtime.selection.evospec.evospec_select import evospec_from_bundle
+from dynvocab.runtime.selection.frequency import (
+    PositionAwareConfig,
+    PositionSelector,
+    StaticSelector,
+    frequency_budget,
+    frequency_selector,
+    position_from_bundle,
+)
+from dynvocab.runtime.selection.lowrank import LowRankConfig, lowrank_for_loop, lowrank_from_bundle
+
 ENTRY_POINTS = "dynvocab.strategies"  # the entry-point group of strategies that installed packages bring
 
 

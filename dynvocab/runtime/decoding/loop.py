@@ -64,10 +64,10 @@ class DecodeConfig:
     draft at all the lookup alone speculates. ``tree``: ``off`` (chains), ``DEPTHxTOPKxTOKENS`` (an EAGLE-2 tree each
     cycle,
     :mod:`dynvocab.runtime.trees.growth`; EAGLE heads only) or ``auto`` (a tree fitted to the target's measured
-    verification cost, :mod:`dynvocab.runtime.trees.budget`). ``tree_sets``: ``depth`` scores every node of a tree depth
-    over the set chosen for its best node; ``node`` gives each node its own set where the strategy reads the node
-    (``dynaspec``, ``lowrank``, ``centroids``, ``hybrid``'s per-step search), in one head call over their union. None of these changes the
-    output, only its speed.
+    verification cost, :mod:`dynvocab.runtime.trees.budget`). ``tree_sets``: ``depth`` scores every node of a tree
+    depth over the set chosen for its best node; ``node`` gives each node its own set where the strategy reads the
+    node (``dynaspec``, ``lowrank``, ``centroids``, ``hybrid``'s per-step search), in one head call over their union.
+    None of these changes the output, only its speed.
     """
 
     gamma: int = DEFAULT_GAMMA

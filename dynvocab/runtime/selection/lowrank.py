@@ -116,7 +116,8 @@ def lowrank_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, d
 def lowrank_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                         device: torch.device) -> LowRankSelector:
     """``lowrank``: the bundle's lowrank stage keeping ``budget`` candidates of a head of ``vocab_size`` rows."""
-    return lowrank_selector(selector_table(bundle, LOWRANK, hidden_size), vocab_size, bundle_eos(bundle), device, budget)
+    table = selector_table(bundle, LOWRANK, hidden_size)
+    return lowrank_selector(table, vocab_size, bundle_eos(bundle), device, budget)
 
 
 def lowrank_for_loop(cfg: LowRankConfig, ctx) -> LowRankSelector:

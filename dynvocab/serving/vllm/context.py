@@ -1,6 +1,6 @@
 """The request's context inside vLLM's V1 model runner, for the plugin's context selectors
-(:mod:`dynvocab.runtime.selection.context.context_select`) and ``+ngram`` lookups: each batch row's request and tokens, the
-draft position of each head call, and the token each row was fed.
+(:mod:`dynvocab.runtime.selection.context.context_select`) and ``+ngram`` lookups: each batch row's request and
+tokens, the draft position of each head call, and the token each row was fed.
 
 vLLM gives a draft head only hidden states (``compute_logits`` / ``get_top_tokens``). The rest comes from two places:
 

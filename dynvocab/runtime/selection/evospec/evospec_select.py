@@ -1,13 +1,13 @@
 """EvoSpec in a batched host (the vLLM plugin): a static core shared by every row, and each request's own dynamic
 buffer, an ARC cache refilled by retrieval on out-of-vocabulary events, kept per request across cycles.
 
-The rules are :class:`~dynvocab.runtime.selection.evospec.evospec.EvoSpecPolicy`'s, per request (its
-:class:`~dynvocab.runtime.selection.evospec.evospec.EvoSpecConfig` knobs): at draft position 0 of each cycle the residency
+The rules are :class:`~.evospec.EvoSpecPolicy`'s, per request (its
+:class:`~.evospec.EvoSpecConfig` knobs): at draft position 0 of each cycle the residency
 clock of the row's request ticks, and the token the draft is fed there (the target's last emitted token: its
 correction or bonus token, the one emitted token that can lie outside the set the cycle was drafted with) is looked
 up: in the dynamic buffer it is a hit, outside the core and the buffer it is an OOV event whose candidates (the
 token, the HNSW top ids for the target's hidden state that produced it, then the graph successors of each,
-:func:`~dynvocab.runtime.selection.candidates.assemble_candidates`) are offered to the request's cache. The cache changes
+:func:`~..candidates.assemble_candidates`) are offered to the request's cache. The cache changes
 only there, so positions 1 … γ - 1 draft from the same set.
 
 What differs from dynvocab's own loop, and why:
@@ -65,7 +65,7 @@ class EvoSpecSelector(ContextSelector):
 
     def __init__(self, core: torch.Tensor, vocab_size: int, graph, cfg, search: HeadSearch | None = None):
         """``graph``: the bundle's :class:`~dynvocab.artifacts.GraphTable` (host tensors); ``cfg``: EvoSpec's knobs
-        (:class:`~dynvocab.runtime.selection.evospec.evospec.EvoSpecConfig`: the buffer's size and cache, the graph fan-out,
+        (:class:`~.evospec.EvoSpecConfig`: the buffer's size and cache, the graph fan-out,
         the ids admitted per event); ``search``: the HNSW index of the bundle's ``hnsw`` stage over the target's head
         rows, or None."""
         if core.numel() < 1 or cfg.dynamic_size < 1:
@@ -149,7 +149,7 @@ class EvoSpecSelector(ContextSelector):
 def evospec_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int, device: torch.device,
                         cfg) -> EvoSpecSelector:
     """``evospec``: a core of the ``budget`` most frequent ids (EOS first), the buffer and retrieval knobs of ``cfg``
-    (an :class:`~dynvocab.runtime.selection.evospec.evospec.EvoSpecConfig`; the strategy registers EvoSpec's defaults), the
+    (an :class:`~.evospec.EvoSpecConfig`; the strategy registers EvoSpec's defaults), the
     bundle's graph, and on a CPU the search of its ``hnsw`` stage for a head of this hidden size."""
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
 
