@@ -401,3 +401,14 @@ def test_a_set_the_same_for_every_node_is_asked_once_per_depth(bundle):
     for strategy in ("fr", "fr-pa"):
         policy = SelectorPolicy(build_selector(bundle, SelectorSpec(strategy, 100), V, D))
         assert policy.node_sets(1, torch.randn(4, D), torch.arange(4)) is None
+
+
+def test_a_node_whose_own_ids_the_head_lacks_keeps_the_union():
+    """A mapped head (EAGLE-3's own vocabulary) returns only the columns it has: each row is masked to its own ids
+    among them, and a row none of whose ids it has keeps them all (never a row of -inf)."""
+    from dynvocab.runtime.heads.active_set import NodeSets
+
+    nodes = NodeSets.of(torch.tensor([[1, 2, 3], [3, 4, 5], [6, 7, 8]]))
+    cols = torch.tensor([5, 2, 3])  # the head has ids 2, 3, 5 only, in its own order
+    masked = nodes.mask(torch.zeros(3, 3), cols)
+    assert torch.isinf(masked).tolist() == [[True, False, False], [False, True, False], [False, False, False]]

@@ -303,8 +303,12 @@ class NodeSets:
 
     def mask(self, logits: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """``logits`` [B, m] of a head over ``active`` whose columns hold the target ids ``cols`` [m] (every id of
-        ``active`` in order, or those a mapped head's own vocabulary has), ``-inf`` outside each row's own set."""
+        ``active`` in order, or those a mapped head's own vocabulary has), ``-inf`` outside each row's own set. A row
+        none of whose own ids the head has keeps the whole union (a draft over other ids stays exact: the target
+        verifies it)."""
         ids = self.active.ids()  # [n] the order ``own`` follows
         order = torch.argsort(ids)
         at = order[torch.searchsorted(ids[order], cols)]  # [m] each column's place in ``ids``
-        return logits.masked_fill(~self.own[:, at], float("-inf"))
+        own = self.own[:, at]
+        own |= ~own.any(dim=1, keepdim=True)
+        return logits.masked_fill(~own, float("-inf"))
