@@ -110,13 +110,9 @@ class SelectorPolicy(VocabPolicy):
         return self.selector.row_set(hidden, self._context(step, token))
 
     def node_sets(self, step: int, hidden: torch.Tensor, tokens: torch.Tensor) -> NodeSets | None:
-        """Each node its own set, one head call over their union (the selector's own ``node_sets`` where it keeps
-        its ids in a packed order, else its batched sets' distinct ids); None where every row has the same set."""
-        ctx = self._context(step, tokens)
-        if hasattr(self.selector, "node_sets"):
-            return self.selector.node_sets(hidden, ctx)
-        sets = self.selector.select(hidden, ctx)
-        return None if sets.rows is None else NodeSets.of(sets.ids(hidden.shape[0]))
+        """Each node its own set, one head call over their union (the selector's ``node_sets``); None where every
+        node has the same set."""
+        return self.selector.node_sets(hidden, self._context(step, tokens))
 
     def _context(self, step: int, fed: torch.Tensor | None) -> StepContext:
         return StepContext(step, fed, embed=None if self.embedding is None else self._embed)

@@ -35,6 +35,7 @@ from dynvocab.artifacts.bundle import Bundle
 from dynvocab.artifacts.selectors import SelectorTable
 from dynvocab.artifacts.tables import FreqTable
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.heads.active_set import NodeSets
 from dynvocab.runtime.host import to_host
 
 SAMPLE_STRIDE = 16  # top_ids: every 16th score estimates the threshold
@@ -98,11 +99,14 @@ def top_ids_batched(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class BatchSelector(Protocol):
-    """``hidden [B, d] -> ids [B, k]``: each row's active ids, ``k`` the same at every call."""
+    """Any strategy's selector: ``select(hidden [B, d], ctx) -> BatchSets``, ``k`` ids a row at draft position 0;
+    ``node_sets`` for a tree depth's nodes (None: every node has one set)."""
 
     k: int
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def select(self, hidden: torch.Tensor, ctx: "StepContext | None" = None) -> "BatchSets": ...
+
+    def node_sets(self, hidden: torch.Tensor, ctx: "StepContext") -> NodeSets | None: ...
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,10 @@ class RowSelector:
         """Each row's ids as its own part."""
         return BatchSets(None, self(hidden), repeats=False)
 
+    def node_sets(self, hidden: torch.Tensor, ctx: StepContext) -> NodeSets | None:
+        """The rows' own sets for one head call over their distinct ids."""
+        return NodeSets.of(self(hidden))
+
 
 class ContextSelector:
     """``select(hidden [B, d], ctx) -> BatchSets``; ``reads`` names what of the context it needs ("fed",
@@ -167,6 +175,11 @@ class ContextSelector:
 
     def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
         raise NotImplementedError
+
+    def node_sets(self, hidden: torch.Tensor, ctx: StepContext) -> NodeSets | None:
+        """The rows' sets for one head call over their distinct ids; None where every row has the same set."""
+        sets = self.select(hidden, ctx)
+        return None if sets.rows is None else NodeSets.of(sets.ids(hidden.shape[0]))
 
     def prepare(self, head: torch.Tensor) -> None:
         """Build ahead what the selector lays over the draft head's rows ``head`` [V, d] (a host calls it once its

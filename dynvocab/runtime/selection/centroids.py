@@ -58,7 +58,7 @@ class CentroidSelector(RowSelector):
         self.blocks = order.view(nb, block_size)  # [nb, size]
         self.centroids, self.bias = centroids.float(), bias.float()  # [nb, d], [nb]
         self.c = min(c, nb)
-        self.eos = eos.long().to(order.device)  # [E]
+        self.eos = self.groups.eos  # [E] those the draft has
         self.k = self.c * block_size + int(self.eos.numel())
 
     def with_c(self, c: int) -> "CentroidSelector":
@@ -112,12 +112,11 @@ class CentroidSelector(RowSelector):
 
 def centroid_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, device: torch.device | str,
                       c: int) -> CentroidSelector:
-    """The ``centroids`` stage ``table`` as a selector of ``c`` blocks for a draft of ``vocab_size`` ids, with the
-    ``eos`` ids it has."""
+    """The ``centroids`` stage ``table`` as a selector of ``c`` blocks for a draft of ``vocab_size`` ids, with those
+    of the ``eos`` ids it has."""
     t = {name: x.to(device) for name, x in table.tensors.items()}
-    eos = eos.long()
-    return CentroidSelector(t["order"], int(table.config["block_size"]), t["centroids"], t["bias"], c,
-                            eos[eos < vocab_size].to(device), vocab_size)
+    return CentroidSelector(t["order"], int(table.config["block_size"]), t["centroids"], t["bias"], c, eos,
+                            vocab_size)
 
 
 def centroids_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,

@@ -125,9 +125,7 @@ def router_selector(clusters: ClusterTable, router: RouterTable, cfg: DynaSpecCo
         raise DynvocabError(f"the router scores {router.config['num_clusters']} clusters but the bundle has {m}; "
                             "retrain it with `dynvocab train-router`")
     device = torch.device(device)
-    eos = eos.long()
-    return RouterSelector(router.module(device), clusters.assign[:vocab_size].to(device), m, cfg,
-                          eos[eos < vocab_size].to(device))
+    return RouterSelector(router.module(device), clusters.assign[:vocab_size].to(device), m, cfg, eos)
 
 
 def router_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,

@@ -43,6 +43,10 @@ class StaticSelector(RowSelector):
         """The ids, shared by every row."""
         return BatchSets(self.ids, None)
 
+    def node_sets(self, hidden: torch.Tensor, ctx: StepContext) -> None:
+        """Every node has the one set."""
+        return None
+
     def row_set(self, hidden: torch.Tensor | None, ctx: StepContext) -> ActiveSet:
         """The same top-K set at every step: one range of one packed order."""
         return self.active
