@@ -13,8 +13,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
+from dynvocab.runtime.drafts.lora_align import AlignConfig, Aligner
 from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.selection.evospec.evospec_align import AlignConfig, Aligner
 
 VOCAB = 96
 SMALL = AlignConfig(rank=4, alpha=4, buffer_size=2, k_logit=16, context_tokens=16, micro_batch=2)
@@ -66,7 +66,8 @@ def test_updates_change_only_the_adapter_and_close_restores_the_model_exactly():
     now = dict(model.named_parameters())
     assert any(not torch.equal(now[n], p) for n, p in lora.items())  # the adapter learned
     for name, p in before["params"].items():  # base weights untouched (peft renames q_proj.weight)
-        key = name if name in now else name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        base = name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        key = name if name in now else base
         assert torch.equal(now[key], p), name
     with torch.no_grad():
         assert not torch.equal(model(ids).logits, logits_before)  # the adapter is live

@@ -23,7 +23,7 @@ from dynvocab.runtime.selection.frequency import PositionAwareConfig, StaticSele
 from dynvocab.runtime.selection.context.hybrid import HybridConfig
 from dynvocab.runtime.selection.lowrank import BATCHED_RANK, LowRankConfig, LowRankSelector, lowrank_selector
 from dynvocab.runtime.selection.selected_head import SelectedHead
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig
+from dynvocab.runtime.selection.context.window import MicroSpecConfig
 from dynvocab.runtime.registry import StrategyOptions
 
 V, D = 1000, 32
@@ -343,7 +343,8 @@ def test_hybrids_per_step_search_adds_each_rows_nearest_head_rows(bundle, tmp_pa
     of another shape (a rank's shard) or none gets no search."""
     from dynvocab.artifacts import StoredIndex, mips_search
     from dynvocab.builders.hnsw import HnswConfig, head_stage
-    from dynvocab.runtime.selection.context.context_select import ENGINE_EF, HeadSearch, HybridSelector
+    from dynvocab.runtime.selection.context.hybrid import HybridSelector
+    from dynvocab.runtime.selection.head_search import ENGINE_EF, HeadSearch
 
     g = torch.Generator().manual_seed(8)
     weight = torch.randn(V, D, generator=g) * (torch.rand(V, 1, generator=g) * 4 + 0.5)  # varied row norms

@@ -80,7 +80,7 @@ def test_hybrid_searches_per_step_where_it_measures_cheaper_than_the_head(tiny_d
     """The hybrid's per-step candidates (draft-head HNSW search, graph successors) run by default where the search
     measures under SEARCH_SHARE of the draft's full head, whatever the draft's kind; asked for, they run anyway,
     and an EAGLE-1 head searches the target's index (its head is the target's)."""
-    from dynvocab.runtime.selection.context import step_search
+    from dynvocab.runtime.selection import head_search as step_search
     from dynvocab.runtime.selection.context.hybrid import HybridConfig
     from dynvocab.runtime.session import ModelConfig, Session
     from dynvocab.runtime.strategies import StrategyOptions, make_policy
@@ -95,10 +95,10 @@ def test_hybrid_searches_per_step_where_it_measures_cheaper_than_the_head(tiny_d
     pays = share > 0
     for draft in (tiny_dirs[1], heads[EAGLE1]):
         policy = hybrid(draft)
-        assert (policy.draft_hnsw is not None) == pays
+        assert (policy.selector.search is not None) == pays
         assert (policy.hcfg.step_neighbours, policy.hcfg.step_successors) == ((16, 8) if pays else (0, 0))
     asked = hybrid(heads[EAGLE1], HybridConfig(step_neighbours=4))
-    assert asked.draft_hnsw is asked.hnsw is not None and asked.hcfg.step_neighbours == 4
+    assert asked.selector.search.prepare(None) is asked.hnsw is not None and asked.hcfg.step_neighbours == 4
     assert asked.hcfg.step_successors == (8 if pays else 0)
     assert step_search._MEASURED and all(v[2] > 0 and v[3] > 0 for v in step_search._MEASURED.values())
 

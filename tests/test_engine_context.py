@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dynvocab.runtime.decoding.ngram import NgramLookup
-from dynvocab.runtime.selection.context.context_select import WindowSelector
+from dynvocab.runtime.selection.context.window import WindowSelector
 from dynvocab.serving.vllm import proposal
 from dynvocab.serving.vllm.context import EngineContext
 from dynvocab.serving.vllm.proposal import RequestTokens, RunnerRecord, sampled_lists

@@ -16,7 +16,14 @@ from dynvocab.runtime.decoding.loop import DecodeConfig, speculative_generate
 from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.selection.base import CycleReport
-from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy, OOVEvent, Retriever
+from dynvocab.runtime.selection.evospec.evospec import (
+    EvoSpecConfig,
+    EvoSpecPolicy,
+    EvoSpecSelector,
+    OOVEvent,
+    retrieve,
+    semantic,
+)
 from dynvocab.runtime.selection.candidates import assemble_candidates
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions
 
@@ -73,22 +80,23 @@ def test_candidates_are_seeds_then_graph_successors_round_robin_without_core_ids
     assert out == [0, 1, 3, 4, 7, 9, 8]
 
 
-def test_retriever_finds_the_exact_mips_neighbours_on_a_tiny_index(tables, pair):
+def test_retrieval_finds_the_exact_mips_neighbours_on_a_tiny_index(tables, pair):
     target, _ = pair
     _, index, _, graph = tables
-    in_core = np.zeros(VOCAB, dtype=bool)
-    retriever = Retriever(index, graph, in_core, EvoSpecConfig())
+    cfg = EvoSpecConfig()
     queries = torch.randn(20, target.weight.shape[1], generator=torch.Generator().manual_seed(3))
     exact = hnsw_builder.exact_mips(target.weight, queries, 10)
-    hits = sum(len(set(retriever.semantic(q)) & set(exact[i].tolist())) for i, q in enumerate(queries))
+    hits = sum(len(set(semantic(index, q, cfg)) & set(exact[i].tolist())) for i, q in enumerate(queries))
     assert hits / 200 >= 0.95
-    event = OOVEvent(7, (7, 8), queries[0], cycle=1)
+    core = next(t for t in range(VOCAB) if t not in {7, 8, *exact[0].tolist()})  # a core id no seed is
+    selector = EvoSpecSelector(torch.tensor([core]), VOCAB, graph, cfg)
+    event = OOVEvent(7, (7, 8), queries[0])
     start = time.perf_counter()
-    cands, seconds = retriever.candidates(event)
+    cands, seconds = retrieve(selector, index, event)
     around = time.perf_counter() - start
     assert cands[:2] == [7, 8] and set(exact[0].tolist()) <= set(cands)
     assert 0 < seconds <= around  # the time of this one retrieval (search, expansion, assembly), on the same clock
-    assert len(cands) == len(set(cands))
+    assert len(cands) == len(set(cands)) and core not in cands
 
 
 def report(policy, emitted, logits=None, hidden=None, accepted=None, gamma=3):
@@ -103,7 +111,7 @@ def report(policy, emitted, logits=None, hidden=None, accepted=None, gamma=3):
 def test_an_oov_token_triggers_retrieval_and_joins_the_dynamic_segment(tables):
     policy = make_policy(tables, synchronous=True)
     core, dyn = policy.active_ids(0).id_segments()
-    assert core is policy.core and dyn.numel() == 0
+    assert core is policy.selector.core and dyn.numel() == 0
     oov = int(tables[0][50])  # far outside the 30-id core
     logits = torch.zeros(4, VOCAB)
     logits[1, oov] = 5.0
@@ -129,8 +137,8 @@ def test_the_dynamic_segment_respects_its_budget_over_many_events(tables):
         policy.observe(report(policy, [tok], logits=torch.randn(4, VOCAB, generator=gen)))
         _, dyn = policy.active_ids(0).id_segments()
         assert dyn.numel() <= 16 and dyn.unique().numel() == dyn.numel()
-        assert not torch.isin(dyn, policy.core).any()
-        expected = policy.in_core.copy()  # the active set is core ∪ dynamic
+        assert not torch.isin(dyn, policy.selector.core).any()
+        expected = policy.selector.in_core.copy()  # the active set is core ∪ dynamic
         expected[dyn.numpy()] = True
         assert (policy.active_ids(0).mask(VOCAB).numpy() == expected).all()
     assert policy.stats.oov_events > 10 and policy.cache.stats.evicted > 0
@@ -151,10 +159,10 @@ def test_async_retrieval_gives_the_synchronous_result_once_flushed(tables):
             background.apply_ready(wait=True)
             sync.apply_ready()
             assert torch.equal(sync.active_ids(1).id_segments()[1], background.active_ids(1).id_segments()[1])
-        assert background._worker.thread.is_alive()
+        assert all(t.is_alive() for t in background._pool._threads)
     finally:
         background.close()
-    assert not background._worker.thread.is_alive()
+    assert background._pool._threads and not any(t.is_alive() for t in background._pool._threads)
     background.close()  # idempotent
 
 
@@ -167,7 +175,8 @@ def bundle_for(tmp_path, pair, tables, stages=("freq", "hnsw", "graph")):
     ranking, index, params, graph = tables
     links, layout = graph_tensors(index.index)
     made = {
-        "freq": Stage("freq", FreqTable(torch.ones(VOCAB, dtype=torch.long), ranking, torch.tensor([95])).to_tensors(), {}),
+        "freq": Stage("freq", FreqTable(torch.ones(VOCAB, dtype=torch.long), ranking, torch.tensor([95])).to_tensors(),
+                      {}),
         "hnsw": Stage(
             "hnsw", {**links, "row_map": index.row_map, "query_map": index.query_map}, {},
             {"index": replace(params, layout=layout).as_dict()},
@@ -187,16 +196,18 @@ def test_from_context_reads_the_bundle_and_keeps_eos_in_the_core(tmp_path, pair,
     core, _ = policy.active_ids(0).id_segments()
     assert torch.equal(core[:20], tables[0][:20]) and 95 in core.tolist()
     again = EvoSpecPolicy.from_context(EvoSpecConfig(static_size=20), ctx)
-    assert again.retriever.index is policy.retriever.index  # loaded once per bundle
+    assert again.index is policy.index  # loaded once per bundle
 
 
 def test_make_policy_names_what_is_missing(tmp_path, pair, tables):
     target, draft = pair
     with pytest.raises(DynvocabError, match="needs --bundle"):
-        strategies.make_policy("evospec", StrategyOptions(), PolicyContext(VOCAB, {95}, "cpu", None, draft.info, target))
+        strategies.make_policy("evospec", StrategyOptions(),
+                               PolicyContext(VOCAB, {95}, "cpu", None, draft.info, target))
     bundle = bundle_for(tmp_path, pair, tables, stages=("freq", "graph"))
     with pytest.raises(DynvocabError, match="lacks hnsw") as err:
-        strategies.make_policy("evospec", StrategyOptions(), PolicyContext(VOCAB, {95}, "cpu", bundle, draft.info, target))
+        strategies.make_policy("evospec", StrategyOptions(),
+                               PolicyContext(VOCAB, {95}, "cpu", bundle, draft.info, target))
     assert "\n" not in str(err.value)
 
 

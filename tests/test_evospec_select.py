@@ -5,21 +5,22 @@ back when it leaves the batch, positions past the first draft from the cycle's s
 from __future__ import annotations
 
 import pytest
+import test_evospec
 import torch
-from test_evospec import VOCAB, pair, random_graph, report, tables  # noqa: F401
+from test_evospec import VOCAB, report
 
 from dynvocab.artifacts.hnsw import mips_search
 from dynvocab.runtime.batched import refusal
 from dynvocab.runtime.selection.batch_select import StepContext
-from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.selection.evospec.evospec_select import EvoSpecSelector
+from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy, EvoSpecSelector
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+pair, tables = test_evospec.pair, test_evospec.tables  # the fixtures, for pytest
 CORE = 30
 
 
 class IndexSearch:
-    """The host-side search the selector calls (:class:`~dynvocab.runtime.selection.context.context_select.HeadSearch`'s
+    """The host-side search the selector calls (:class:`~dynvocab.runtime.selection.head_search.HeadSearch`'s
     interface) over an index built in memory."""
 
     def __init__(self, index, k: int):
@@ -40,7 +41,7 @@ def config(**kw) -> EvoSpecConfig:
                                               "warmup_events": 3, "target_topk": 0, "synchronous": True, **kw})
 
 
-def selector(tables, cfg: EvoSpecConfig, search=True) -> EvoSpecSelector:  # noqa: F811
+def selector(tables, cfg: EvoSpecConfig, search=True) -> EvoSpecSelector:
     ranking, index, _, graph = tables
     return EvoSpecSelector(ranking[:CORE], VOCAB, graph, cfg, IndexSearch(index, cfg.hnsw_topk) if search else None)
 
@@ -54,7 +55,7 @@ def step(sel: EvoSpecSelector, fed: list[int], keys: tuple, target: torch.Tensor
     return [set(row.tolist()) - set(sel.core.tolist()) for row in sets.rows]
 
 
-def test_one_request_keeps_the_own_loops_buffer_cycle_by_cycle(tables):  # noqa: F811
+def test_one_request_keeps_the_own_loops_buffer_cycle_by_cycle(tables):
     """The same emitted tokens and target states into the own loop's policy (its cycle reports) and the batched
     selector (the fed token and target state at draft position 0): the same dynamic ids after every cycle, through
     admissions, hits and evictions."""
@@ -76,7 +77,7 @@ def test_one_request_keeps_the_own_loops_buffer_cycle_by_cycle(tables):  # noqa:
     loop.close()
 
 
-def test_each_request_keeps_its_own_buffer_and_gives_it_back_when_it_leaves(tables):  # noqa: F811
+def test_each_request_keeps_its_own_buffer_and_gives_it_back_when_it_leaves(tables):
     sel = selector(tables, config())
     outside = [int(t) for t in tables[0][CORE:]]  # ids past the core: each one an OOV event
     states = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
@@ -88,7 +89,7 @@ def test_each_request_keeps_its_own_buffer_and_gives_it_back_when_it_leaves(tabl
     assert b2 == set() and sel.held() == 1
 
 
-def test_positions_past_the_first_draft_from_the_cycles_set(tables):  # noqa: F811
+def test_positions_past_the_first_draft_from_the_cycles_set(tables):
     sel = selector(tables, config())
     outside = [int(t) for t in tables[0][CORE:]]
     states = torch.randn(1, 32)
@@ -97,7 +98,21 @@ def test_positions_past_the_first_draft_from_the_cycles_set(tables):  # noqa: F8
     assert later == first and sel.stats.oov_events == 1 and sel.caches["r"].now == 1
 
 
-def test_without_the_targets_state_the_token_and_its_successors_are_the_candidates(tables):  # noqa: F811
+def test_the_loops_chain_set_is_the_requests_row_kept_until_its_buffer_changes(tables):
+    """``row_set`` (the loop's chain) names the buffer ``select`` pads into the request's row, as one ActiveSet object
+    while the buffer holds the same ids (the packed head keys a segment by its tensor)."""
+    sel = selector(tables, config())
+    outside = [int(t) for t in tables[0][CORE:]]
+    (row,) = step(sel, [outside[0]], ("r",), torch.randn(1, 32))
+    ctx = StepContext(1, requests=("r",))
+    chain = sel.row_set(None, ctx)
+    core, dynamic = chain.id_segments()
+    assert core is sel.core and set(dynamic.tolist()) == row and sel.row_set(None, ctx) is chain
+    step(sel, [next(t for t in outside if t not in row)], ("r",), torch.randn(1, 32))  # an event: new ids
+    assert sel.row_set(None, ctx) is not chain and sel.node_sets(torch.zeros(3, 4), ctx) is None
+
+
+def test_without_the_targets_state_the_token_and_its_successors_are_the_candidates(tables):
     """An EAGLE-3 head or a tensor-parallel rank: no search, the token and its graph successors still join."""
     ranking, index, _, graph = tables
     no_state, no_index = selector(tables, config()), selector(tables, config(), search=False)

@@ -25,7 +25,7 @@ from dynvocab.runtime.host import PACKAGE, HostReads, host_reads
 from dynvocab.runtime.selection import FullPolicy
 from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig
 from dynvocab.runtime.selection.context.hybrid import HybridConfig
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig
+from dynvocab.runtime.selection.context.window import MicroSpecConfig
 from dynvocab.runtime.strategies import PolicyContext, StrategyOptions, make_policy, strategy_names
 
 VOCAB = 96
@@ -42,8 +42,9 @@ MAPPED = {"build", "mapped_order"}  # EAGLE-3's head mapping an order, prefix or
 POLICY_READS = {  # where a strategy reads the device itself, through to_host, and why
     "dynaspec": {"_ranges"},  # the routed clusters' row ranges, per step
     "centroids": {"_ranges"},  # the picked blocks' row ranges, per step
-    "hybrid": {"_neighbours", "contains", "step_candidates"},  # a missed token and its neighbours, per cycle; the
-    # hidden state for the per-step search, per step (which the hybrid turns off on CUDA)
+    "microspec": {"push"},  # the cycle's stream entries, per cycle: the request window is kept on the host
+    "hybrid": {"seen", "contains", "__call__", "push"},  # a missed token and its neighbours, and the stream entries,
+    # per cycle; the hidden state for the per-step search, per step (which the hybrid turns off on CUDA)
     "evospec": {"contains", "observe", "semantic", "prefill"},  # OOV events, per cycle; the prompt, once
 }
 OPTIONS = StrategyOptions(configs=(
@@ -170,7 +171,7 @@ def test_eagle_heads_draft_on_the_device(kind):
 def test_eagle_trees_read_nothing_while_they_grow(kind, policy):
     """A tree cycle reads the device twice: once after its growth (the candidates, to choose the pass's nodes) and
     once for the greedy verdict; nothing inside the draft loop."""
-    from dynvocab.runtime.selection.context.microspec import MicroSpecPolicy
+    from dynvocab.runtime.selection.context.window import MicroSpecPolicy
 
     target, draft, tap = eagle_pair(kind)
     cfg = DecodeConfig(max_new_tokens=16, tree="3x3x8")
@@ -187,6 +188,8 @@ def test_eagle_trees_read_nothing_while_they_grow(kind, policy):
     assert reads.helper["finish"] <= 1  # the tally's hit count, once a generation
     loop = {helper: n for helper, n in reads.helper.items() if helper not in HEAD | MAPPED | {"finish"}}
     expected = {"grow_tree": trees, "verify_greedy": g.metrics.cycles}
+    if policy == "microspec":  # the stream's entries, at prefill and after each cycle, into the host's window
+        expected["push"] = g.metrics.cycles + 1
     assert loop == {helper: n for helper, n in expected.items() if n}
 
 

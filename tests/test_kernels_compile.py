@@ -14,7 +14,6 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from dynvocab.kernels import gathered_head_triton as gathered  # noqa: E402
-from dynvocab.kernels import window_state_triton as window  # noqa: E402
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(TOOLS, "cuobjdump")),
@@ -68,9 +67,3 @@ def test_gathered_logits_kernel_compiles(dtype, block_m):
     regs, spill = compile_resources(gathered.gathered_logits_kernel, head_signature(dtype),
                                     {"DOT_FP32": dtype == "fp32"}, config)
     assert spill == 0, f"{config} spills {spill} bytes ({regs} registers)"
-
-
-def test_window_kernel_compiles():
-    window_sig = {"ring_ptr": "*i32", "counts_ptr": "*i32", "tokens_ptr": "*i64", "n_new": "i32", "start": "i32",
-                  "window": "i32", "BLOCK": "constexpr"}
-    assert compile_resources(window.window_push_kernel, window_sig, {"BLOCK": 256}, arch=80)[1] == 0

@@ -16,7 +16,7 @@ from dynvocab.runtime.heads.active_set import ActiveSet
 from dynvocab.runtime.selection import FullPolicy, SelectorPolicy, VocabPolicy
 from dynvocab.runtime.selection.frequency import PositionSelector, StaticSelector
 from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection.context.window import MicroSpecConfig, MicroSpecPolicy
 
 pytestmark = pytest.mark.transformers_api  # CI runs it again at transformers' lower bound
 
@@ -285,7 +285,7 @@ def test_microspec_prefill_positions_bound_the_logits_and_zero_computes_none(pai
     class Recording(MicroSpecPolicy):
         def prefill(self, prompt_ids, target_logits, target_hidden):
             super().prefill(prompt_ids, target_logits, target_hidden)
-            seen.append((target_logits, set(self.ids.tolist())))
+            seen.append((target_logits, set(self.window[0].tolist())))
 
     policy = Recording(MicroSpecConfig(window=60, k_pre=3, prefill_positions=positions), VOCAB, "cpu")
     prompt, cfg = list(range(1, 11)), DecodeConfig(max_new_tokens=12)

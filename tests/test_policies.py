@@ -11,7 +11,7 @@ from dynvocab.budget import pa_budget
 from dynvocab.runtime.selection import CycleReport, SelectorPolicy
 from dynvocab.runtime.selection.batch_select import eos_first
 from dynvocab.runtime.selection.frequency import PositionSelector, StaticSelector
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
+from dynvocab.runtime.selection.context.window import MicroSpecConfig, MicroSpecPolicy, unique_in_order as _unique_in_order
 
 
 def test_pa_budget_follows_dynaspec():

@@ -1,6 +1,9 @@
-"""The incremental active sets give exactly the sets (and head columns) of the rebuild-every-cycle code they replace."""
+"""The loop's request window (rebuilt from the stream's last W entries where it grew, the same tensor while its set is
+unchanged) gives exactly the sets, and head columns, of the obvious model: a deque of the last W entries."""
 
 from __future__ import annotations
+
+from collections import deque
 
 import pytest
 import torch
@@ -11,28 +14,27 @@ from dynvocab.runtime.drafts.draft import DraftInfo
 from dynvocab.runtime.heads.head import DraftHead
 from dynvocab.runtime.selection.base import CycleReport
 from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection.context.window import MicroSpecConfig, MicroSpecPolicy
 
 VOCAB, DIM, GAMMA = 600, 8, 4
 
 
-class RebuildMicroSpec(MicroSpecPolicy):
-    """The previous MicroSpec refresh: the whole [V] window mask, pinned ids set, ``nonzero``."""
+class DequeWindow:
+    """The window by the obvious model: a deque of the last W stream entries, its set sorted anew at every push."""
 
-    def _refresh(self) -> None:
-        self._touched = []
-        mask = self.state.counts > 0
-        mask[self.pinned] = True
-        self.member, self.ids = mask, torch.nonzero(mask).flatten()
+    def push(self, entries):
+        if not hasattr(self, "stream"):
+            self.stream = deque(maxlen=self.cfg.window)
+        self.stream.extend(entries.tolist())
+        self.window = torch.tensor(sorted(set(self.stream)), dtype=torch.long)[None]
 
 
-class RebuildHybrid(HybridPolicy):
-    """The previous hybrid refresh: window mask minus the core over all of V, ``nonzero``."""
+class DequeMicroSpec(DequeWindow, MicroSpecPolicy):
+    pass
 
-    def _refresh(self) -> None:
-        self._touched = []
-        mask = (self.state.counts > 0) & (self.core_rank >= self.core.numel())
-        self.member, self.ids = mask, torch.nonzero(mask).flatten()
+
+class DequeHybrid(DequeWindow, HybridPolicy):
+    pass
 
 
 def graph(seed: int) -> GraphTable:
@@ -73,17 +75,17 @@ def run(policy, cycles: list[ScriptedCycle], head: DraftHead) -> list:
 
 
 @pytest.mark.parametrize("window", [16, 64, 3072])
-def test_microspec_incremental_matches_the_rebuild(window):
+def test_microspec_window_matches_the_deque(window):
     cfg = MicroSpecConfig(k_pre=2, k_ver=2, window=window, draft_alternatives=2)
     weight = torch.randn(VOCAB, DIM)
     pinned = torch.tensor([599, 7])
     new = run(MicroSpecPolicy(cfg, VOCAB, "cpu", pinned=pinned), script(0), DraftHead(weight))
-    old = run(RebuildMicroSpec(cfg, VOCAB, "cpu", pinned=pinned), script(0), DraftHead(weight))
+    old = run(DequeMicroSpec(cfg, VOCAB, "cpu", pinned=pinned), script(0), DraftHead(weight))
     assert new == old
 
 
 @pytest.mark.parametrize("pa_core", [False, True])
-def test_hybrid_incremental_matches_the_rebuild(pa_core):
+def test_hybrid_window_matches_the_deque(pa_core):
     cfg = HybridConfig(core_size=30, window=48, pa_core=pa_core, step_successors=3, successors=2, max_insert=6)
     weight = torch.randn(VOCAB, DIM)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))
@@ -91,7 +93,7 @@ def test_hybrid_incremental_matches_the_rebuild(pa_core):
     def make(kind):
         return kind(cfg, VOCAB, "cpu", ranking, pinned=torch.tensor([599]), graph=graph(3))
 
-    new_policy, old_policy = make(HybridPolicy), make(RebuildHybrid)
+    new_policy, old_policy = make(HybridPolicy), make(DequeHybrid)
     assert run(new_policy, script(4), DraftHead(weight)) == run(old_policy, script(4), DraftHead(weight))
     assert new_policy.misses == old_policy.misses > 0
 

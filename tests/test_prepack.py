@@ -17,7 +17,7 @@ from dynvocab.runtime.drafts.draft_model import DraftModel
 from dynvocab.runtime.drafts.lm import CausalLM
 from dynvocab.runtime.selection import FullPolicy, SelectorPolicy
 from dynvocab.runtime.selection.frequency import StaticSelector
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy
+from dynvocab.runtime.selection.context.window import MicroSpecConfig, MicroSpecPolicy
 from dynvocab.runtime.session import ModelConfig, Session
 
 pytestmark = pytest.mark.skipif(not prepack_supported("cpu", "float32"), reason="this torch has no oneDNN")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dynvocab.errors import DynvocabError
-from dynvocab.runtime.selection.context.request_window import MIN_WIDTH, RequestWindows
+from dynvocab.runtime.selection.context.window import MIN_WIDTH, RequestWindows
 
 
 def test_a_window_holds_the_distinct_ids_of_the_last_tokens_first():
@@ -86,3 +86,19 @@ def test_update_many_refused_for_a_full_table_keeps_the_keys_before():
     assert windows.keys() == {"a", "b"}
     assert [windows.ids[s].tolist() for s in windows.update_many(["a", "b"], tokens, [3, 2])] == [
         [1, 2, 2, 2], [5, 5, 5, 5]]
+
+
+def test_a_pushed_stream_and_a_hosts_record_give_one_window():
+    """dynvocab's loop pushes its stream in pieces (the windows keep it), a batched host hands its whole record: one
+    window, the distinct valid ids of the last W entries, ascending."""
+    pushed, handed = RequestWindows(slots=1, size=16, vocab_size=100), RequestWindows(slots=1, size=16, vocab_size=100)
+    g = torch.Generator().manual_seed(0)
+    record = []
+    for _ in range(12):
+        piece = torch.randint(0, 110, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        record += piece.tolist()
+        ids = pushed.push("r", piece.numpy())
+        slot = handed.update("r", torch.tensor(record))
+        assert ids.tolist() == handed.ids[slot, : ids.numel()].tolist() == sorted({t for t in record[-16:] if t < 100})
+    pushed.keep(set())
+    assert len(pushed) == 0 and pushed.push("r", np.array([3])).tolist() == [3]  # a freed stream starts anew

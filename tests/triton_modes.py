@@ -26,7 +26,6 @@ from dynvocab.kernels import interpreting, triton_available
 # Module file name -> whether it needs the interpreter (on a machine without CUDA).
 TRITON_MODULES = {
     "test_kernels.py": True,
-    "test_kernels_window.py": True,
     "test_kernels_compile.py": False,
 }
 CHILD_TIMEOUT_S = 1200

@@ -1,4 +1,4 @@
-"""Triton kernels for the draft head and MicroSpec's device-side state, each beside its torch reference.
+"""Triton kernels for the draft head, each beside its torch reference.
 
 Importing this package never imports Triton: the ``*_triton.py`` kernel modules load on the first launch (so
 ``TRITON_INTERPRET`` may be set any time before it), and the ``*_auto`` functions use the torch references on
@@ -8,22 +8,15 @@ CPU. Their timings live in :mod:`dynvocab.bench.micro.microbench`. Public entry 
   rows in place. On the decode path on CUDA: :class:`~dynvocab.runtime.heads.head.RangeHead` (the head over a
   policy's row ranges, e.g. DynaSpec's clusters) computes all of a step's ranges in one launch of it. The bench
   times it too (``gathered_logits_auto``: the kernel on CUDA, the reference elsewhere).
-- ``WindowState``: MicroSpec's sliding window (ring + token counts) on the device; the microspec and hybrid
-  policies push to it every cycle, one ``window_push`` launch on CUDA.
 """
 
 from dynvocab.kernels._triton import interpreting, triton_available
 from dynvocab.kernels.gathered_head import gathered_logits, gathered_logits_auto, gathered_logits_reference
-from dynvocab.kernels.window_state import W_MAX, WindowState, window_push, window_push_reference
 
 __all__ = [
-    "W_MAX",
-    "WindowState",
     "gathered_logits",
     "gathered_logits_auto",
     "gathered_logits_reference",
     "interpreting",
     "triton_available",
-    "window_push",
-    "window_push_reference",
 ]

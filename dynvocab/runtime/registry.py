@@ -105,7 +105,7 @@ class Batched:
     """How a strategy runs in a batched host (the vLLM plugin): one selector of a fixed ``k`` per draft position,
     built from bundle stages, each row its own set: ``hidden [B, d] -> ids [B, k]``
     (:mod:`dynvocab.runtime.selection.batch_select`), or, for a strategy that reads the request's context,
-    ``(hidden, StepContext) -> BatchSets`` (:mod:`dynvocab.runtime.selection.context.context_select`)."""
+    ``(hidden, StepContext) -> BatchSets`` (:mod:`dynvocab.runtime.selection.context`)."""
 
     stages: tuple[str, ...]  # the bundle stages its selector reads
     build: Callable[..., object]  # (bundle, budget, vocab_size, hidden_size, device) -> a selector

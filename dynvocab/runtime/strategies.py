@@ -5,7 +5,7 @@ The loop never knows which policy it runs. Adding a strategy: its policy and fro
 in the module that brings it, or through an entry point in the :data:`ENTRY_POINTS` group). A strategy runs inside
 vLLM too when its entry says how (``batched=Batched(stages, build, default_budget)``, :mod:`dynvocab.runtime.batched`:
 a selector over the draft's hidden state, or one that also reads the request's context,
-:mod:`dynvocab.runtime.selection.context.context_select`); one that cannot says why (``why_not_batched``). Import the
+:mod:`dynvocab.runtime.selection.context`); one that cannot says why (``why_not_batched``). Import the
 registry's API from here, so that the built-in strategies are in it.
 """
 
@@ -41,13 +41,11 @@ from dynvocab.runtime.registry import (
 from dynvocab.runtime.selection import FullPolicy, SelectorPolicy
 from dynvocab.runtime.selection.batch_select import eos_first, fixed_budget, stage_budget
 from dynvocab.runtime.selection.centroids import CentroidConfig, centroids_for_loop, centroids_from_bundle
-from dynvocab.runtime.selection.context.context_select import hybrid_from_bundle, window_from_bundle
-from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy
-from dynvocab.runtime.selection.context.step_search import search_pays
+from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy, hybrid_from_bundle
+from dynvocab.runtime.selection.context.window import MicroSpecConfig, MicroSpecPolicy, window_from_bundle
+from dynvocab.runtime.selection.head_search import search_pays
 from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, router_budget, router_for_loop, router_from_bundle
-from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy
-from dynvocab.runtime.selection.evospec.evospec_select import evospec_from_bundle
+from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy, evospec_from_bundle
 from dynvocab.runtime.selection.frequency import (
     PositionAwareConfig,
     PositionSelector,
@@ -155,7 +153,7 @@ def _evospec(options: StrategyOptions, ctx: PolicyContext) -> EvoSpecPolicy:
 def _hybrid(options: StrategyOptions, ctx: PolicyContext) -> HybridPolicy:
     """The hybrid with the bundle's graph and HNSW indexes (target head, draft head) when it has them, its
     per-step candidates left unset decided by measurement: on where the draft-head search costs less than a
-    quarter of the draft's full head (:mod:`~dynvocab.runtime.selection.context.step_search`), else off."""
+    quarter of the draft's full head (:mod:`~dynvocab.runtime.selection.head_search`), else off."""
     ranking = frequency_ranking(options, ctx, "hybrid")
     asked = options.config(HybridConfig)
     graph = hnsw = draft_hnsw = None

@@ -28,7 +28,7 @@ from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selec
 from dynvocab.runtime.host import host_reads
 from dynvocab.runtime.selection.selected_head import SelectedHead
 from dynvocab.runtime.selection.batch_select import StepContext
-from dynvocab.runtime.selection.context.request_window import RequestWindows
+from dynvocab.runtime.selection.context.window import RequestWindows
 
 
 @torch.inference_mode()

@@ -11,8 +11,8 @@ The loop's chain asks a selector's ``row_set`` instead: the same set as an
 order where the selector has one); see :class:`~dynvocab.runtime.selection.base.SelectorPolicy`.
 
 The strategies' selectors: :mod:`.frequency` (``fr``, ``fr-pa``), :mod:`.lowrank`, :mod:`.centroids`,
-:mod:`.dynaspec`, :mod:`.context.context_select` (``microspec``, ``hybrid`` in a batched host),
-:mod:`.evospec.evospec_select`. Each is built from a bundle by one function that its strategy's registry entry names
+:mod:`.dynaspec`, :mod:`.context` (``microspec``, ``hybrid``),
+:mod:`.evospec.evospec`. Each is built from a bundle by one function that its strategy's registry entry names
 (``Strategy.batched``); which strategies run batched, and how a host builds one by name, is
 :mod:`dynvocab.runtime.batched`. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,
 ``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score them

@@ -1,7 +1,7 @@
 """The candidates of one out-of-vocabulary event, EvoSpec's retrieval: the emitted token, the target's top
 ids and the HNSW neighbours as seeds, then each seed's graph successors. One function for the loop's ``evospec`` and
 ``hybrid`` policies (:mod:`dynvocab.runtime.selection`) and ``evospec`` in a batched host
-(:mod:`dynvocab.runtime.selection.evospec.evospec_select`)."""
+(:mod:`dynvocab.runtime.selection.evospec.evospec`)."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class SelectedHead:
         """``(logits [B, k], ids [B, k])`` of ``hidden`` [B, d] over the selected rows of ``weight``, in the
         weight's dtype. ``weight`` [n, d] holds the vocabulary's rows ``start … end - 1`` (None: all of it); ids
         outside them are ``-inf`` and not multiplied. ``ctx``: the draft step's
-        :class:`~dynvocab.runtime.selection.context.context_select.StepContext`, for a selector that reads it."""
+        :class:`~dynvocab.runtime.selection.batch_select.StepContext`, for a selector that reads it."""
         x = hidden.to(weight.dtype)
         sets = self._sets(hidden, ctx, weight.shape[0] if end is None else None)
         logits, scored = [], 0

@@ -1,5 +1,5 @@
 """The request's context inside vLLM's V1 model runner, for the plugin's context selectors
-(:mod:`dynvocab.runtime.selection.context.context_select`) and ``+ngram`` lookups: each batch row's request and
+(:mod:`dynvocab.runtime.selection.context`) and ``+ngram`` lookups: each batch row's request and
 tokens, the draft position of each head call, and the token each row was fed.
 
 vLLM gives a draft head only hidden states (``compute_logits`` / ``get_top_tokens``). The rest comes from two places:
@@ -43,7 +43,7 @@ import torch
 
 from dynvocab.runtime.decoding.ngram import NgramLookup
 from dynvocab.runtime.selection.batch_select import StepContext
-from dynvocab.runtime.selection.context.request_window import RequestWindows
+from dynvocab.runtime.selection.context.window import RequestWindows
 from dynvocab.serving.vllm.proposal import HostSampled, Proposal, RequestTokens, RunnerRecord
 from dynvocab.serving.vllm.without_context import Misses
 

@@ -1,2 +1,2 @@
-"""The strategies that read the request's context: MicroSpec's window and the hybrid in dynvocab's loop (each a
-policy that learns from cycles), and their selectors in a batched host."""
+"""The strategies that read the request's context, each one selector for every host over one per-request window
+(:mod:`.window`: ``microspec``; :mod:`.hybrid`): each host pushes the stream it sees."""

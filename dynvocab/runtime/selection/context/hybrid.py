@@ -1,27 +1,27 @@
-"""Our hybrid: MicroSpec's context stream ∪ a small static core ∪ EvoSpec-style neighbours on misses.
+"""Our hybrid: MicroSpec's request window ∪ a small static core ∪ per-step candidates ∪ (in dynvocab's loop) EvoSpec's
+neighbours of missed tokens. One selector (:class:`HybridSelector`) for every host:
 
-- **Context stream** (MicroSpec): prompt tokens, target top-K at prompt and verified positions, the draft's
-  tokens and top alternatives; the active part is the unique tokens of the last ``window`` entries.
-- **Static core** (FR-Spec): the ``core_size`` most frequent tokens, packed once. With ``pa_core`` the core
-  shrinks with the draft position as DynaSpec's position-aware budget (⌊core/(t+1)⌋ for t ≥ 2): later
-  positions matter less for acceptance, so they get the context plus only the most frequent tokens.
-- **Per-step candidates** (EvoSpec's retrieval, moved to every draft step): the draft's own likely next
-  tokens, found without its full head: the top-``step_neighbours`` rows of an HNSW index over the draft's
-  LM head for the draft hidden state (bundle stage ``draft_hnsw``) and the ``step_successors`` most likely
-  graph successors of the token just fed (stage ``graph``). They catch content words that are neither frequent
-  nor in the context yet, the main cause of rejections with a small active set. By default only where the search
-  measures under a quarter of the draft's full head (:mod:`.step_search`): an int8 head or an EAGLE head's
-  few-millisecond step would be dominated by it. On a GPU the index search
-  would need the hidden state on the host at every step (a sync costing more than the whole head there), so
-  it runs on CPU devices only unless ``step_search_on_gpu`` is set.
-- **Neighbours on misses** (EvoSpec): when the target's token at the first rejected position was outside the
-  active set, the target's top-``miss_topk`` there, HNSW neighbours of the target hidden state (when the
-  bundle has an ``hnsw`` stage) and graph successors of the token and those seeds, round-robin by rank (when it
-  has a ``graph`` stage; EvoSpec's own ``assemble_candidates``) join the stream, at most ``max_insert`` per miss,
-  and age out with it.
+- **Request window** (:mod:`.window`): the distinct ids of the request's last ``window`` stream entries; each host
+  pushes the stream it sees (the loop MicroSpec's, a batched host the request's tokens).
+- **Static core** (FR-Spec): the ``core_size`` most frequent tokens (EOS first), packed once. With ``pa_core`` the
+  core shrinks with the draft position as DynaSpec's position-aware budget (⌊core/(t+1)⌋ for t ≥ 2): later positions
+  matter less for acceptance, so they get the context plus only the most frequent tokens.
+- **Per-step candidates** (EvoSpec's retrieval, moved to every draft step): the draft's own likely next tokens, found
+  without its full head: the top-``step_neighbours`` rows of an HNSW index over the draft's LM head for each row's
+  hidden state (bundle stage ``draft_hnsw``, :class:`~..head_search.HeadSearch`) and the ``step_successors`` most
+  likely graph successors of the token each row was fed (stage ``graph``). They catch content words that are neither
+  frequent nor in the context yet, the main cause of rejections with a small active set. In the loop by default only
+  where the search measures under a quarter of the draft's full head (:func:`~..head_search.search_pays`). On a GPU
+  the index search would need the hidden state on the host at every step (a sync costing more than the whole head
+  there), so it runs on CPU devices only unless ``step_search_on_gpu`` is set.
+- **Neighbours on misses** (EvoSpec; the loop only, which sees the target's logits): when the target's token at the
+  first rejected position was outside the active set, the target's top-``miss_topk`` there, HNSW neighbours of the
+  target hidden state (bundle stage ``hnsw``) and graph successors of the token and those seeds, round-robin by rank
+  (EvoSpec's own ``assemble_candidates``) join the stream, at most ``max_insert`` per miss, and age out with it.
 
-The active set is returned as three disjoint segments (context \\ core, core prefix, per-step candidates),
-so the draft head keeps the core packed once and copies only the context rows that changed.
+A batched host scores the core (shared) and each row's window and candidates (padding repeats ids); the loop's chain
+gets three disjoint segments (window \\ core, core prefix, per-step candidates), so the draft head keeps the core
+packed once and copies only the window rows that changed; a tree depth's nodes each their own candidates.
 """
 
 from __future__ import annotations
@@ -32,12 +32,22 @@ import numpy as np
 import torch
 
 from dynvocab.artifacts import mips_search
+from dynvocab.artifacts.bundle import Bundle
 from dynvocab.budget import pa_budget
+from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet, NodeSets, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.selection.base import CycleReport
-from dynvocab.runtime.selection.context.microspec import MicroSpecConfig, MicroSpecPolicy, _unique_in_order
+from dynvocab.runtime.selection.batch_select import (
+    BatchSets,
+    ContextSelector,
+    StepContext,
+    eos_first_ranking,
+    head_eos_ids,
+)
 from dynvocab.runtime.selection.candidates import assemble_candidates
+from dynvocab.runtime.selection.context.window import MicroSpecConfig, StreamPolicy, unique_in_order
+from dynvocab.runtime.selection.head_search import ENGINE_EF, HeadSearch
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,7 @@ class HybridConfig:
     def for_draft(self, searches_per_step: bool) -> HybridConfig:
         """This config with the per-step candidates left unset (None) decided: 16 HNSW neighbours and 8 graph
         successors where the per-step search pays for the draft (measured against its full head,
-        :func:`~dynvocab.runtime.selection.context.step_search.search_pays`), none where it does not."""
+        :func:`~dynvocab.runtime.selection.head_search.search_pays`), none where it does not."""
         neighbours, successors = (16, 8) if searches_per_step else (0, 0)
         return replace(
             self,
@@ -80,118 +90,155 @@ class HybridConfig:
         return neighbours > 0 and (torch.device(device).type == "cpu" or self.step_search_on_gpu)
 
 
-class HybridPolicy(MicroSpecPolicy):
-    """Context window ∪ static core (position-aware) ∪ neighbours of missed tokens."""
+class HybridSelector(ContextSelector):
+    """``hybrid``: ``core`` [C] (EOS first, then by frequency; its first ``core_size(t)`` ids at draft position t),
+    each row's request window, the ``successors`` most likely graph successors of the token each row was fed, and
+    each row's ``search`` hits (``vocab_size``: the draft's, where the selector serves a chain or a tree)."""
 
     name = "hybrid"
 
-    def __init__(
-        self,
-        cfg: HybridConfig,
-        vocab_size: int,
-        device,
-        ranking: torch.Tensor,
-        pinned: torch.Tensor | None = None,
-        graph=None,
-        hnsw=None,
-        draft_hnsw=None,
-    ):
-        window_cfg = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives,
-                                     0 if cfg.prefill_positions is None else cfg.prefill_positions)
-        super().__init__(window_cfg, vocab_size, device)
-        self.hcfg = cfg = cfg.for_draft(searches_per_step=True)  # no-op when the caller decided for its draft
-        pinned = torch.empty(0, dtype=torch.long) if pinned is None else pinned
-        core = _unique_in_order(torch.cat([pinned, ranking[: cfg.core_size]]).to(device))
-        self.core = core  # [C] EOS first, then by frequency
-        self.core_rank = torch.full((vocab_size,), vocab_size, dtype=torch.long, device=device)  # [V]
-        self.core_rank[core] = torch.arange(core.numel(), device=device)
-        self.min_core = pinned.numel()
-        self.graph = graph  # dynvocab.artifacts.GraphTable or None
-        empty = np.zeros(1, dtype=np.int64)
-        self._csr = (graph.indptr.numpy(), graph.indices.numpy()) if graph is not None else (empty, empty[:0])
-        self._device_graph = None if graph is None else graph.to(device)  # per-step successors, no host read
-        self._in_core = (self.core_rank < core.numel()).cpu().numpy()  # [V] bool
-        self.hnsw = hnsw  # a MipsIndex over the target head (dynvocab.artifacts.load_hnsw) or None
-        self.draft_hnsw = draft_hnsw  # a MipsIndex over the draft head (load_hnsw(bundle, "draft_hnsw")) or None
-        if draft_hnsw is not None:
-            draft_hnsw.set_ef(cfg.step_ef)
-        self._none = torch.empty(0, dtype=torch.long, device=device)
-        self._views: dict[int, Prefix] = {}  # the core prefix of each length: one ranking, so the head slices
-        self.misses = 0
+    def __init__(self, core: torch.Tensor, window: int, graph=None, successors: int = 8,
+                 search: HeadSearch | None = None, pa_core: bool = False, min_core: int = 0,
+                 vocab_size: int | None = None):
+        if window < 1:
+            raise DynvocabError(f"hybrid needs a window of at least 1 token (got {window})")
+        self.core, self.window, self.pa_core, self.min_core = core.long(), window, pa_core, min_core
+        self.graph = graph  # dynvocab.artifacts.GraphTable on the selector's device, or None
+        self.successors = successors if graph is not None else 0
+        self.search = search
+        self.reads = frozenset({"fed", "window"} | ({"head"} if search is not None else set()))
+        self.k = int(core.numel()) + window + self.successors + (search.neighbours if search is not None else 0)
+        self.vocab = vocab_size  # the draft's vocabulary: per-step candidates past it are dropped
+        self._prefixes: dict[int, Prefix] = {}  # the core's first k ids: one ranking, so the head slices it
+        self._window: tuple | None = None  # (the loop's window row, its ids outside the core as a kept segment)
+        self._none = torch.empty(0, dtype=torch.long, device=core.device)
+
+    def prepare(self, head: torch.Tensor) -> None:
+        if self.search is not None:
+            self.search.prepare(head)
 
     def core_size(self, step: int) -> int:
         """Core ids active at draft position ``step``."""
-        if not self.hcfg.pa_core:
-            return self.core.numel()
-        return max(self.min_core, min(self.core.numel(), pa_budget(self.core.numel(), step)))
+        n = self.core.numel()
+        return max(self.min_core, min(n, pa_budget(n, step))) if self.pa_core else n
 
-    def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
-        """Three disjoint segments: the context ids outside the core (``ids``, kept incrementally by MicroSpec),
-        the core prefix for this position, the per-step candidates (a changed set)."""
-        k = self.core_size(step)
-        return ActiveSet.of(self.window_segment(), self._core(k), self.step_candidates(k, hidden, token))
+    def _core(self, k: int) -> Prefix:
+        if k not in self._prefixes:
+            self._prefixes[k] = Prefix(self.core, k)
+        return self._prefixes[k]
 
-    def node_sets(self, step: int, hidden: torch.Tensor, tokens: torch.Tensor) -> NodeSets | None:
-        """A tree depth's nodes ``hidden`` [K, d], fed ``tokens`` [K]: the window and the core prefix for every node,
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
+        if ctx.windows is None:
+            raise DynvocabError("hybrid reads the request's window; the host keeps none")
+        parts = [ctx.windows]
+        if self.successors and ctx.fed is not None:
+            parts.append(self.graph.top_successors(ctx.fed[:, None], self.successors, ctx.windows[:, :1]))
+        found = self.search(hidden, ctx.head) if self.search is not None else None
+        if found is not None:
+            parts.append(found)
+        rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        return BatchSets(self._core(self.core_size(ctx.step)).ids, rows)
+
+    def row_set(self, hidden: torch.Tensor | None, ctx: StepContext) -> ActiveSet:
+        """A chain's step: three disjoint segments, the window's ids outside the core (the same segment while the
+        host hands the same window), the core prefix for this position, the per-step candidates (a changed set)."""
+        k = self.core_size(ctx.step)
+        window = self._window_segment(ctx.windows)
+        return ActiveSet.of(window, self._core(k), self._candidates(hidden, ctx.fed, k, window.ranking))
+
+    def node_sets(self, hidden: torch.Tensor, ctx: StepContext) -> NodeSets | None:
+        """A tree depth's nodes ``hidden`` [K, d], fed ``ctx.fed`` [K]: the window and the core prefix for every node,
         and each node's own per-step candidates (None where the hybrid searches nothing per step)."""
-        cfg = self.hcfg
-        searches = self.draft_hnsw is not None and cfg.step_neighbours
-        if not (searches or (self.graph is not None and cfg.step_successors)):
+        if not (self.search is not None or self.successors):
             return None
-        k = self.core_size(step)
-        found = [self.step_candidates(k, hidden[i : i + 1], tokens[i : i + 1]) for i in range(hidden.shape[0])]
+        k = self.core_size(ctx.step)
+        window, core = self._window_segment(ctx.windows), self._core(k)
+        found = [self._candidates(hidden[i : i + 1], ctx.fed[i : i + 1], k, window.ranking)
+                 for i in range(hidden.shape[0])]
         union = torch.unique(torch.cat(found))  # [u]
-        window, core = self.window_segment(), self._core(k)
         shared = torch.ones(len(found), window.size + core.size, dtype=torch.bool, device=union.device)
         own = torch.cat([shared, torch.stack([torch.isin(union, ids) for ids in found])], dim=1)
         return NodeSets(ActiveSet.of(window, core, union), own)
 
-    def _core(self, k: int) -> Prefix:
-        """The core's first ``k`` ids, one segment per length (one ranking: the head slices it)."""
-        if k not in self._views:
-            self._views[k] = Prefix(self.core, k)
-        return self._views[k]
+    def _window_segment(self, windows: torch.Tensor) -> Prefix:
+        if self._window is None or self._window[0] is not windows:
+            ids = windows[0]
+            self._window = (windows, Prefix.whole(ids[~torch.isin(ids, self.core)]))
+        return self._window[1]
 
-    def step_candidates(self, core_size: int, hidden=None, token=None) -> torch.Tensor:
-        """Draft-head neighbours of ``hidden`` [1, d] and graph successors of ``token`` [1] (on the device) that are
-        not already active (outside the context and the first ``core_size`` core ids), LongTensor [n], ascending."""
-        cfg = self.hcfg
+    def _candidates(self, hidden, fed, core_size: int, window: torch.Tensor) -> torch.Tensor:
+        """One row's search hits for ``hidden`` [1, d] and graph successors of ``fed`` [1] that are not already
+        active (outside ``window`` and the first ``core_size`` core ids), LongTensor [n], ascending."""
         parts = []
-        if self.draft_hnsw is not None and hidden is not None and cfg.step_neighbours:
-            parts.append(mips_search(self.draft_hnsw, to_host_tensor(hidden[-1:]), cfg.step_neighbours).flatten())
-        if self.graph is not None and token is not None and cfg.step_successors:
-            parts.append(self._device_graph.top_successors(token, cfg.step_successors, self.vocab_size,
-                                                           below=self.vocab_size))
+        if self.search is not None and hidden is not None:
+            parts.append(self.search(hidden[-1:], None).flatten())
+        if self.successors and fed is not None:
+            parts.append(self.graph.top_successors(fed, self.successors, self.vocab, below=self.vocab))
         if not parts:
             return self._none
         ids = torch.unique(torch.cat(parts).to(self.core.device))
-        ids = ids[ids < self.vocab_size]
-        return ids[~self.member[ids] & (self.core_rank[ids] >= core_size)]
+        ids = ids[ids < self.vocab]
+        return ids[~torch.isin(ids, window) & ~torch.isin(ids, self._core(core_size).ids)]
 
-    def observe(self, cycle: CycleReport) -> None:
-        """Handle a miss (the target's token at the first rejected position was outside that step's active set),
-        then extend the stream as MicroSpec does."""
-        k = cycle.accepted
-        if k < len(cycle.draft_tokens) and k < len(cycle.emitted) and k < len(cycle.active_sets):
-            token = cycle.emitted[k]
-            if not cycle.active_sets[k].contains(token):
-                self.misses += 1
-                self._push(self._neighbours(token, cycle, k))
-        super().observe(cycle)
 
-    def _neighbours(self, token: int, cycle: CycleReport, k: int) -> torch.Tensor:
-        """Candidates for a missed ``token`` at verified position ``k`` (at most ``max_insert``): EvoSpec's
-        retrieval (:func:`~dynvocab.runtime.selection.candidates.assemble_candidates`) over the target's top ids
-        there and the HNSW neighbours of its hidden state, run in the loop's thread."""
-        cfg = self.hcfg
+def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
+                       device: torch.device, cfg, window: int | None = None) -> HybridSelector:
+    """``hybrid`` in a batched host: a core of the ``budget`` most frequent ids (EOS first), the window of ``cfg`` (a
+    :class:`HybridConfig` with its per-step candidates decided; the strategy registers the hybrid's defaults as a
+    draft model's), the bundle's graph successors where it has a ``graph`` stage, and on a CPU its ``draft_hnsw``
+    search for a head of this hidden size (:data:`~..head_search.ENGINE_EF`)."""
+    from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
+
+    eos = head_eos_ids(bundle, vocab_size, device)
+    core = eos_first_ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
+    graph = GraphTable.from_bundle(bundle).to(device) if bundle.has("graph") else None
+    search = None
+    if bundle.has("draft_hnsw") and torch.device(device).type == "cpu":
+        params = HnswParams.from_dict(bundle.info("draft_hnsw")["index"], f"bundle {bundle.path} (stage draft_hnsw)")
+        if params.hidden == hidden_size:  # read the stage (its graph is tens of MB) only for a head it fits
+            search = HeadSearch(StoredIndex.read(bundle, "draft_hnsw"), cfg.step_neighbours, ENGINE_EF)
+    return HybridSelector(core, window or cfg.window, graph, cfg.step_successors, search, vocab_size=vocab_size)
+
+
+class HybridPolicy(StreamPolicy):
+    """``hybrid`` in dynvocab's loop: its selector over MicroSpec's stream, and the neighbours of missed tokens pushed
+    into it. ``ranking``: the frequency ranking (the core is ``pinned`` (EOS), then its first ``core_size``);
+    ``graph``, ``hnsw`` (a MipsIndex over the target's head) and ``draft_hnsw`` (over the draft's) where the bundle
+    has them."""
+
+    def __init__(self, cfg: HybridConfig, vocab_size: int, device, ranking: torch.Tensor,
+                 pinned: torch.Tensor | None = None, graph=None, hnsw=None, draft_hnsw=None):
+        self.hcfg = cfg = cfg.for_draft(searches_per_step=True)  # no-op when the caller decided for its draft
+        pinned = torch.empty(0, dtype=torch.long) if pinned is None else pinned
+        core = unique_in_order(torch.cat([pinned, ranking[: cfg.core_size]]).to(device))
+        search = HeadSearch.over(draft_hnsw, cfg.step_neighbours, cfg.step_ef) if (
+            draft_hnsw is not None and cfg.step_neighbours) else None
+        selector = HybridSelector(core, cfg.window, None if graph is None else graph.to(device),
+                                  cfg.step_successors, search, cfg.pa_core, pinned.numel(), vocab_size)
+        stream = MicroSpecConfig(cfg.k_pre, cfg.k_ver, cfg.window, cfg.draft_alternatives, cfg.prefill_positions or 0)
+        super().__init__(selector, stream, vocab_size, device)
+        self.hnsw = hnsw
+        empty = np.zeros(1, dtype=np.int64)
+        self._csr = (graph.indptr.numpy(), graph.indices.numpy()) if graph is not None else (empty, empty[:0])
+        self._in_core = np.zeros(vocab_size, dtype=bool)
+        self._in_core[core.cpu().numpy()] = True
+        self.misses = 0
+
+    def seen(self, cycle: CycleReport) -> list[torch.Tensor]:
+        """A miss (the target's token at the first rejected position was outside that step's active set): its
+        candidates (at most ``max_insert``), EvoSpec's retrieval over the target's top ids there and the HNSW
+        neighbours of its hidden state (:func:`~dynvocab.runtime.selection.candidates.assemble_candidates`)."""
+        k, cfg = cycle.accepted, self.hcfg
+        if not (k < len(cycle.draft_tokens) and k < len(cycle.emitted) and k < len(cycle.active_sets)):
+            return []
+        token = cycle.emitted[k]
+        if cycle.active_sets[k].contains(token):
+            return []
+        self.misses += 1
         top = to_host(cycle.target_logits[k, : self.vocab_size].topk(cfg.miss_topk).indices)
         semantic = []
         if self.hnsw is not None:
             query = to_host_tensor(cycle.target_hidden[k : k + 1].float())
             semantic = to_host(mips_search(self.hnsw, query, cfg.miss_topk)[0])
         found = assemble_candidates(token, top, semantic, *self._csr, cfg.successors, self._in_core)
-        return torch.tensor(found[: cfg.max_insert], dtype=torch.long, device=self.core.device)
-
-    def _wanted(self, ids) -> torch.Tensor:
-        """In the window and outside the core (the core is its own segment)."""
-        return (self.state.counts[ids] > 0) & (self.core_rank[ids] >= self.core.numel())
+        return [torch.tensor(found[: cfg.max_insert], dtype=torch.long)]

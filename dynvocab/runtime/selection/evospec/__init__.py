@@ -1,2 +1,2 @@
-"""EvoSpec: the loop's policy (an ARC cache refilled by retrieval, online LoRA alignment) and the batched host's
-selector (a cache per request)."""
+"""EvoSpec: one selector for dynvocab's loop and a batched host (a static core and each request's ARC cache refilled
+by retrieval), and the loop's adapter (retrieval in a worker thread, online LoRA alignment)."""

@@ -1,49 +1,70 @@
-"""EvoSpec: a static frequency core plus a dynamic buffer refilled by retrieval on out-of-vocabulary events.
+"""EvoSpec: a static frequency core plus each request's dynamic buffer, an ARC cache refilled by retrieval on
+out-of-vocabulary events. One selector, :class:`EvoSpecSelector`, keeps the core and every request's cache for both
+hosts: a batched host (the vLLM plugin) calls its ``select``, dynvocab's loop runs it through :class:`EvoSpecPolicy`.
 
-The draft's active set is ``V_static ∪ V_dyn`` (Eq. 3): the top ``static_size`` ids of the bundle's ``freq``
-ranking (plus the EOS ids) and at most ``dynamic_size`` ids kept by an ARC cache. ``active_ids`` returns the
-two as disjoint segments ``(core, dynamic)``; the core is the same tensor object at every step, so the packed
-draft head packs its 32k rows once and only the small dynamic segment changes.
-
-Out-of-vocabulary (OOV) event: an emitted token outside the active set the cycle was drafted with (only the
-correction or the bonus token can be; accepted tokens were drafted from the set). For each event the
-candidates are (paper appendix A.3):
+The draft's set is ``V_static ∪ V_dyn`` (Eq. 3): the core (frequent ids and the EOS ids, one tensor for every step,
+so a packed head packs its rows once) and at most ``dynamic_size`` ids of the request's cache. An OOV event is an
+emitted token outside the set its cycle drafted with (only the correction or the bonus token can be); its candidates
+(paper appendix A.3, :func:`~..candidates.assemble_candidates`) are
 
     seeds = {x} ∪ target top-10 at that position ∪ HNSW top-10 for the target's hidden state there,
     candidates = seeds, then up to 8 bigram-graph successors of each seed (round-robin by rank),
 
-deduplicated, restricted to the draft's vocabulary and to ids outside the core (they need no slot), and
-offered to the ARC cache, which admits at most 32 new ids per event. (``x`` itself heads the list; under
-greedy decoding it is the target's top-1 anyway.)
+deduplicated, in the draft's vocabulary and outside the core, and the cache admits at most 32 new ids of them. Its
+residency clock ticks once per draft-verify cycle ("min residency 8 decoding steps" means 8 cycles), and it changes
+only between cycles.
 
-Retrieval (HNSW search + graph look-ups) runs off the critical path: ``observe`` queues the event for a
-worker thread, and the cache takes every finished result at the start of the next cycle
-(``active_ids(0)``). ``synchronous=True`` computes candidates inside ``observe`` instead, which makes runs
-reproducible for tests; either way the cache only changes between cycles. The ARC residency clock ticks
-once per draft-verify cycle, so "min residency 8 decoding steps" means 8 cycles.
+What differs between the hosts, and why:
 
-With ``online_align`` the draft also gets a temporary LoRA adapter trained on mismatched cycles
-(:mod:`.evospec_align`); call :meth:`EvoSpecPolicy.close` after the generation to remove it.
+- **the loop** raises events from each cycle's emitted tokens, with the target's top-10 seeds; retrieval runs in a
+  worker thread, off the critical path, and the cache takes every finished result at the next cycle's start
+  (``synchronous=True``: inside ``observe``, reproducible for tests). ``online_align`` adds a temporary LoRA adapter
+  trained on mismatched cycles (:mod:`dynvocab.runtime.drafts.lora_align`), which :meth:`EvoSpecPolicy.close` removes;
+- **a batched host** finds the event at draft position 0, in the token the draft is fed there (the target's last
+  emitted token). Retrieval runs in the step: its ids join before the cycle drafts rather than a cycle later, at
+  0.1–0.3 ms a step on the Gemma pair (docs/measurements/2026-11-28-vllm-gemma-evospec.md). No target top-k seeds:
+  vLLM hands a draft the target's hidden states, not its logits, and the HNSW search over the target's head rows for
+  that state is approximately their top-k. No HNSW seeds where the host has no target state (an EAGLE-3 head gets
+  the target's middle layers combined, a tensor-parallel rank a shard of the head): the token and its graph
+  successors. No LoRA alignment: it changes weights every request shares. A request that leaves gives its cache back;
+- **the core**: the loop's is the ``static_size`` most frequent ids and the EOS ids they lack, a batched host's the
+  EOS ids then the most frequent to its budget (each as its host always had it).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import collections
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from dynvocab.artifacts.bundle import Bundle
+from dynvocab.artifacts.hnsw import mips_search
 from dynvocab.errors import DynvocabError
+from dynvocab.runtime.drafts.lora_align import AlignConfig, Aligner
 from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
 from dynvocab.runtime.host import to_host, to_host_tensor
-from dynvocab.runtime.selection.base import CycleReport, VocabPolicy
-from dynvocab.runtime.selection.evospec.evospec_align import AlignConfig, Aligner
-from dynvocab.runtime.selection.evospec.arc import ARCCache
+from dynvocab.runtime.selection.base import CycleReport, SelectorPolicy
+from dynvocab.runtime.selection.batch_select import (
+    BatchSets,
+    ContextSelector,
+    StepContext,
+    eos_first_ranking,
+    head_eos_ids,
+)
 from dynvocab.runtime.selection.candidates import assemble_candidates
+from dynvocab.runtime.selection.evospec.arc import ARCCache
+from dynvocab.runtime.selection.head_search import HeadSearch
+
+# HNSW ef of the OOV searches in a batched host (the hybrid's per-step search measured ~0.6 ms a query at 64 over the
+# demo pair's 151,936 rows, outside the engine)
+EVOSPEC_EF = 64
+KEY = 0  # the loop's one request
+
 
 @dataclass(frozen=True)
 class EvoSpecConfig:
@@ -72,161 +93,218 @@ class EvoSpecConfig:
 
 @dataclass(frozen=True)
 class OOVEvent:
-    """An emitted token that lay outside the active set, with what retrieval needs from that position."""
+    """An emitted token that lay outside the active set, with what the loop's retrieval needs from that position."""
 
     token: int
     target_top: tuple[int, ...]  # the target's top-k ids at that position, best first
     hidden: torch.Tensor  # [d_target] the target's final hidden state there (the MIPS query)
-    cycle: int
 
 
 @dataclass
 class EvoSpecStats:
-    """What the policy did in one generation."""
+    """What EvoSpec did: over one generation in the loop, over an engine's life in a batched host."""
 
-    cycles: int = 0
+    cycles: int = 0  # request cycles (a batched host's rows at draft position 0)
     oov_events: int = 0
+    searched: int = 0  # a batched host's events with an HNSW search (it gave the target's state and the whole head)
     retrievals: int = 0  # events whose candidates reached the cache
-    retrieval_s: float = 0.0  # total worker time (HNSW + graph + assembly)
-    candidates: int = 0  # candidates offered to the cache (after dedup and core filtering)
-    inserted: int = 0  # ids newly admitted into the dynamic buffer
-    dropped: int = 0  # events still pending at close()
-    failed: int = 0  # retrievals that raised (the worker carries on)
-
-    @property
-    def mean_retrieval_ms(self) -> float:
-        return 1000 * self.retrieval_s / self.retrievals if self.retrievals else 0.0
+    retrieval_s: float = 0.0  # the loop's total worker time (HNSW + graph + assembly)
+    candidates: int = 0  # candidates offered to the caches (after dedup and core filtering)
+    inserted: int = 0  # ids newly admitted into a dynamic buffer
+    dropped: int = 0  # the loop's events still pending at close()
+    failed: int = 0  # the loop's retrievals that raised (the worker carries on)
 
 
-class Retriever:
-    """HNSW search + graph expansion for OOV events; safe to call from one worker thread."""
-
-    def __init__(self, index, graph, in_core: np.ndarray, cfg: EvoSpecConfig):
-        self.index = index  # from load_hnsw: MIPS over the target's LM-head rows (labels = token ids)
-        self.indptr = graph.indptr.numpy()  # [V_graph + 1]
-        self.indices = graph.indices.numpy()  # [E]
-        self.in_core = in_core  # [V_draft] bool, read-only
-        self.cfg = cfg
-
-    def semantic(self, hidden: torch.Tensor) -> list[int]:
-        """HNSW top-``hnsw_topk`` ids for one target hidden state [d]."""
-        from dynvocab.artifacts.hnsw import mips_search
-
-        return to_host(mips_search(self.index, hidden, self.cfg.hnsw_topk, num_threads=self.cfg.hnsw_threads)[0])
-
-    def candidates(self, event: OOVEvent) -> tuple[list[int], float]:
-        """(ordered candidate ids, seconds spent)."""
-        start = time.perf_counter()
-        out = assemble_candidates(
-            event.token,
-            event.target_top,
-            self.semantic(event.hidden),
-            self.indptr,
-            self.indices,
-            self.cfg.graph_fanout,
-            self.in_core,
-        )
-        return out, time.perf_counter() - start
-
-
-class _Worker:
-    """One daemon thread answering OOV events in order; holds no reference to the policy."""
-
-    def __init__(self, retriever: Retriever):
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.stop = threading.Event()
-        self.pending = 0
-        self.thread = threading.Thread(
-            target=_serve, args=(retriever, self.inbox, self.outbox, self.stop), name="evospec-retrieval", daemon=True
-        )
-        self.thread.start()
-
-    def submit(self, event: OOVEvent) -> None:
-        self.pending += 1
-        self.inbox.put(event)
-
-    def drain(self, wait: bool = False) -> list[tuple[OOVEvent, list[int], float]]:
-        """Finished results in event order (all pending ones when ``wait``)."""
-        done = []
-        while self.pending:
-            try:
-                done.append(self.outbox.get(block=wait, timeout=60 if wait else None))
-            except queue.Empty:
-                break
-            self.pending -= 1
-        return done
-
-    def close(self) -> int:
-        """Stop the thread; returns how many events were still pending."""
-        self.stop.set()
-        self.inbox.put(None)
-        self.thread.join(timeout=10)
-        return self.pending
-
-
-def _serve(retriever: Retriever, inbox, outbox, stop: threading.Event) -> None:
-    while True:
-        event = inbox.get()
-        if event is None or stop.is_set():
-            return
-        try:
-            outbox.put((event, *retriever.candidates(event)))
-        except Exception:  # a failed retrieval only costs coverage, never correctness; it is counted
-            outbox.put((event, None, 0.0))
-
-
-def _bundle_tables(bundle, head: torch.Tensor) -> tuple:
-    """(freq ranking [V], MipsIndex, HnswParams, GraphTable) of a bundle, the index searching the target's
-    ``head`` [V, d]; each is loaded once per bundle object."""
-    from dynvocab.artifacts import FreqTable, GraphTable, load_hnsw
-
-    index, params = load_hnsw(bundle, head)
-    return FreqTable.from_bundle(bundle).ranking, index, params, GraphTable.from_bundle(bundle)
-
-
-class EvoSpecPolicy(VocabPolicy):
-    """Static core ∪ an ARC-managed dynamic buffer filled by retrieval on OOV events (optionally + LoRA)."""
+class EvoSpecSelector(ContextSelector):
+    """``core`` [K] for every row and each request's ARC buffer (at most ``cfg.dynamic_size`` ids): a batched host's
+    rows padded with the core's first id (:meth:`select`), the loop's chain two segments (:meth:`row_set`)."""
 
     name = "evospec"
 
-    def __init__(
-        self,
-        cfg: EvoSpecConfig,
-        core: torch.Tensor,
-        index,
-        graph,
-        vocab_size: int,
-        device: torch.device | str = "cpu",
-        draft=None,
-    ):
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.device = torch.device(device)
-        self.core = core.to(self.device)  # [K] the same object at every step
+    def __init__(self, core: torch.Tensor, vocab_size: int, graph, cfg: EvoSpecConfig,
+                 search: HeadSearch | None = None):
+        """``graph``: the bundle's :class:`~dynvocab.artifacts.GraphTable` (host tensors); ``cfg``: EvoSpec's knobs;
+        ``search``: a batched host's HNSW index of the bundle's ``hnsw`` stage over the target's head rows, or None."""
+        if core.numel() < 1 or cfg.dynamic_size < 1:
+            raise DynvocabError("evospec needs a core and a dynamic buffer of at least 1 id each")
+        self.core, self.cfg, self.search = core.long(), cfg, search
         self.in_core = np.zeros(vocab_size, dtype=bool)
         self.in_core[core.cpu().numpy()] = True
-        self.dynamic = torch.empty(0, dtype=torch.long, device=self.device)  # [n ≤ dynamic_size]
-        self._dynamic_np = np.empty(0, dtype=np.int64)  # the same ids on the host
-        self.active = self._active_set()
-        self.cache = cfg.new_cache()
-        self.retriever = Retriever(index, graph, self.in_core, cfg)
+        self.indptr, self.indices = graph.indptr.cpu().numpy(), graph.indices.cpu().numpy()
+        self.reads = frozenset({"fed", "requests", "target"} | ({"head"} if search is not None else set()))
+        self.k = int(core.numel()) + cfg.dynamic_size
+        self.caches: dict[object, ARCCache] = {}  # request key -> its dynamic buffer
         self.stats = EvoSpecStats()
-        self._ready: list[tuple[OOVEvent, list[int], float]] = []
-        self._version = self.cache.version
-        self._worker: _Worker | None = None
-        self._closed = False
+        self._rows: torch.Tensor | None = None  # [B, dynamic_size] the batch's buffers, set at draft position 0
+        self._view: tuple | None = None  # (cache, its version, the chain's ActiveSet)
+
+    # -- one request's cache --------------------------------------------------------------------------------------
+    def cache(self, key) -> ARCCache:
+        """Request ``key``'s dynamic buffer (a new, empty one for a new key)."""
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = self.cfg.new_cache()
+        return cache
+
+    def tick(self, key) -> None:
+        """A new cycle of request ``key``: its residency clock ticks."""
+        self.stats.cycles += 1
+        self.cache(key).tick()
+
+    def holds(self, key, token: int) -> bool:
+        """Whether ``token`` is in request ``key``'s set: the core or its buffer."""
+        return 0 <= token < self.in_core.shape[0] and bool(self.in_core[token] or token in self.cache(key))
+
+    def lookup(self, key, token: int) -> bool:
+        """An emitted ``token`` of request ``key``: True for an OOV event (a draftable id outside its set); one in
+        its buffer is a hit (``hit_on_use``)."""
+        if self.holds(key, token):
+            if self.cfg.hit_on_use and not self.in_core[token]:
+                self.cache(key).touch(token)
+            return False
+        return 0 <= token < self.in_core.shape[0]
+
+    def candidates(self, token: int, target_top, semantic) -> list[int]:
+        """One event's ordered candidates (:func:`~..candidates.assemble_candidates`); reads only what never changes,
+        so the loop's worker thread calls it."""
+        return assemble_candidates(token, target_top, semantic, self.indptr, self.indices, self.cfg.graph_fanout,
+                                   self.in_core)
+
+    def admit(self, key, candidates: list[int]) -> None:
+        """One event's ``candidates`` into request ``key``'s buffer (at most ``max_insert`` new ids)."""
+        self.stats.retrievals += 1
+        self.stats.candidates += len(candidates)
+        self.stats.inserted += len(self.cache(key).admit(candidates, self.cfg.max_insert))
+
+    def offer(self, key, token: int, target_top, semantic) -> None:
+        """One OOV event of request ``key`` retrieved at once: its candidates admitted."""
+        self.stats.oov_events += 1
+        self.admit(key, self.candidates(token, target_top, semantic))
+
+    # -- the hosts ------------------------------------------------------------------------------------------------
+    def row_set(self, hidden: torch.Tensor | None, ctx: StepContext) -> ActiveSet:
+        """The loop's chain: the core and the dynamic ids of ``ctx.requests[0]``, the same object until its cache
+        admits or evicts (the packed head keys a segment by its tensor: a new one, a new key, changed rows copied)."""
+        cache = self.cache(ctx.requests[0])
+        if self._view is None or self._view[0] is not cache or self._view[1] != cache.version:
+            dynamic = torch.from_numpy(np.asarray(cache.resident(), dtype=np.int64)).to(self.core.device)
+            self._view = (cache, cache.version, ActiveSet.of(Prefix.whole(self.core), Prefix.whole(dynamic)))
+        return self._view[2]
+
+    def node_sets(self, hidden: torch.Tensor, ctx: StepContext) -> None:
+        """Every node of a tree depth has the request's one set."""
+        return None
+
+    def prepare(self, head: torch.Tensor) -> None:
+        if self.search is not None:
+            self.search.prepare(head)
+
+    def select(self, hidden: torch.Tensor, ctx: StepContext) -> BatchSets:
+        """A batched host's step: the core, and each row's request buffer as of the cycle's draft position 0."""
+        rows = int(hidden.shape[0])
+        if ctx.step == 0 or self._rows is None or self._rows.shape[0] != rows:
+            self._rows = self._cycle(rows, ctx, hidden.device)
+        return BatchSets(self.core, self._rows)
+
+    def _cycle(self, rows: int, ctx: StepContext, device) -> torch.Tensor:
+        """A new cycle of every row: tick its request's clock, take its fed token's event, and return the
+        buffers [rows, dynamic_size]. Rows without a request key or fed token get the core alone."""
+        keys = list(ctx.requests) if ctx.requests is not None and len(ctx.requests) == rows else None
+        if keys is None or ctx.fed is None or ctx.step != 0:
+            return self.core[:1].expand(rows, self.cfg.dynamic_size).to(device)
+        alive = set(keys)
+        for key in [k for k in self.caches if k not in alive]:
+            del self.caches[key]
+        fed = ctx.fed.tolist()
+        oov = []
+        for r, (key, token) in enumerate(zip(keys, fed)):
+            self.tick(key)
+            if self.lookup(key, token):
+                oov.append(r)
+        semantic = self._semantic(oov, ctx)
+        for r in oov:
+            self.offer(keys[r], fed[r], (), semantic.get(r, ()))
+        out = np.full((rows, self.cfg.dynamic_size), int(self.core[0]), dtype=np.int64)
+        for r, key in enumerate(keys):
+            ids = sorted(self.caches[key].resident())  # the set, not its LRU order: a hit changes no row
+            out[r, : len(ids)] = ids
+        return torch.from_numpy(out).to(device)
+
+    def _semantic(self, rows: list[int], ctx: StepContext) -> dict[int, list[int]]:
+        """Each OOV row's HNSW top ids for the target's hidden state there; none where the host gave no target
+        state or no whole head."""
+        if not rows or self.search is None or ctx.target is None or ctx.head is None:
+            return {}
+        found = self.search(ctx.target[rows], ctx.head)
+        if found is None:
+            return {}
+        self.stats.searched += len(rows)
+        return {r: ids for r, ids in zip(rows, found.tolist())}
+
+    def held(self) -> int:
+        """Requests whose buffers the selector holds."""
+        return len(self.caches)
+
+
+def evospec_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int, device: torch.device,
+                        cfg) -> EvoSpecSelector:
+    """``evospec``: a core of the ``budget`` most frequent ids (EOS first), the buffer and retrieval knobs of ``cfg``
+    (an :class:`EvoSpecConfig`; the strategy registers EvoSpec's defaults), the bundle's graph, and on a CPU the
+    search of its ``hnsw`` stage for a head of this hidden size."""
+    from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
+
+    eos = head_eos_ids(bundle, vocab_size, device)
+    core = eos_first_ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
+    search = None
+    if torch.device(device).type == "cpu":
+        params = HnswParams.from_dict(bundle.info("hnsw")["index"], f"bundle {bundle.path} (stage hnsw)")
+        if params.hidden == hidden_size:
+            search = HeadSearch(StoredIndex.read(bundle, "hnsw"), cfg.hnsw_topk, EVOSPEC_EF)
+    return EvoSpecSelector(core, vocab_size, GraphTable.from_bundle(bundle), cfg, search)
+
+
+def semantic(index, hidden: torch.Tensor, cfg: EvoSpecConfig) -> list[int]:
+    """The loop's HNSW top-``hnsw_topk`` ids for one target hidden state [d] (``index``: from ``load_hnsw``, MIPS
+    over the target's LM-head rows)."""
+    return to_host(mips_search(index, hidden, cfg.hnsw_topk, num_threads=cfg.hnsw_threads)[0])
+
+
+def retrieve(selector: EvoSpecSelector, index, event: OOVEvent) -> tuple[list[int], float]:
+    """The loop's retrieval of one event: (its candidates, the seconds the search and assembly took). Holds no
+    reference to the policy, so the worker thread never keeps one alive."""
+    start = time.perf_counter()
+    found = selector.candidates(event.token, event.target_top, semantic(index, event.hidden, selector.cfg))
+    return found, time.perf_counter() - start
+
+
+class EvoSpecPolicy(SelectorPolicy):
+    """EvoSpec in dynvocab's loop: the selector's one request, its events raised from each cycle's emitted tokens
+    and retrieved in a worker thread, and optionally the LoRA alignment of the draft."""
+
+    def __init__(self, cfg: EvoSpecConfig, core: torch.Tensor, index, graph, vocab_size: int,
+                 device: torch.device | str = "cpu", draft=None):
+        """``core`` [K]: the static ids; ``index``: the HNSW index over the target's head rows (``load_hnsw``);
+        ``draft``: the draft model ``online_align`` adapts."""
+        super().__init__(EvoSpecSelector(core.to(device), vocab_size, graph, cfg), device=device)
+        self.cfg, self.vocab_size, self.index = cfg, vocab_size, index
+        self.stats, self.cache = self.selector.stats, self.selector.cache(KEY)
         self.aligner = None
         if cfg.online_align:
             if draft is None:
                 raise DynvocabError("EvoSpec --online-align needs the draft model")
             self.aligner = Aligner(draft, cfg.align)
         self.tokens: list[int] = []  # the sequence so far (context of alignment samples)
+        self._ready: list[tuple[list[int] | None, float]] = []  # synchronous retrievals, not yet admitted
+        self._pending: collections.deque = collections.deque()  # the worker's futures, in event order
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
     @classmethod
     def from_context(cls, cfg: EvoSpecConfig, ctx) -> "EvoSpecPolicy":
         """Build from a :class:`~dynvocab.runtime.registry.PolicyContext` whose bundle has the freq, hnsw and
         graph stages (:func:`~dynvocab.runtime.registry.make_policy` checks them)."""
+        from dynvocab.artifacts import FreqTable, GraphTable, load_hnsw
+
         bundle = ctx.bundle
         if cfg.online_align and ctx.draft is not None and ctx.draft.adaptable is None:
             raise DynvocabError("--online-align adapts a draft model's q/v projections, not an EAGLE head; drop it")
@@ -234,113 +312,96 @@ class EvoSpecPolicy(VocabPolicy):
             raise DynvocabError("evospec needs a static size and a dynamic size of at least 1")
         target = ctx.target
         if target is None:
-            raise DynvocabError("strategy 'evospec' needs the target model: the HNSW vectors are rebuilt from its LM head")
-        ranking, index, _, graph = _bundle_tables(bundle, target.weight)  # a head of another shape is refused
+            raise DynvocabError("strategy 'evospec' needs the target model: the HNSW vectors are rebuilt from its "
+                                "LM head")
+        index, _ = load_hnsw(bundle, target.weight)  # once per bundle; a head of another shape is refused
+        ranking = FreqTable.from_bundle(bundle).ranking
         ranking = ranking[ranking < ctx.vocab_size][: cfg.static_size]
         eos = ctx.eos
         core = torch.cat([ranking, eos[~torch.isin(eos, ranking)]])  # EOS stays draftable so drafts can end
-        return cls(cfg, core, index, graph, ctx.vocab_size, ctx.device, draft=ctx.draft.adaptable if cfg.online_align else None)
+        return cls(cfg, core, index, GraphTable.from_bundle(bundle), ctx.vocab_size, ctx.device,
+                   draft=ctx.draft.adaptable if cfg.online_align else None)
 
-    # -- the policy interface -----------------------------------------------------------------------------
     def prefill(self, prompt_ids: torch.Tensor, target_logits, target_hidden) -> None:
         """Remember the prompt (the context of alignment samples); the dynamic buffer starts empty."""
         self.tokens = to_host(prompt_ids)
 
     def active_ids(self, step: int, hidden=None, token=None) -> ActiveSet:
-        """Two segments, the core and the dynamic ids; at step 0 the cache first takes every retrieval that has
-        finished."""
-        if step == 0:
-            self.apply_ready()
-        return self.active
+        """The core and the dynamic ids; at step 0 the cache first takes every retrieval that has finished."""
+        return self.apply_ready() if step == 0 else super().active_ids(step, hidden, token)
+
+    def _context(self, step: int, fed: torch.Tensor | None) -> StepContext:
+        return StepContext(step, fed, requests=(KEY,))
 
     def observe(self, cycle: CycleReport) -> None:
         """Tick the residency clock, raise OOV events for emitted tokens outside the active set, align."""
-        self.stats.cycles += 1
-        self.cache.tick()
+        self.selector.tick(KEY)
         for j, tok in enumerate(cycle.emitted):
-            if tok >= self.vocab_size:
-                continue  # a target-only id: no draft row can ever propose it
-            if self.active.contains(tok):
-                if self.cfg.hit_on_use and not self.in_core[tok]:
-                    self.cache.touch(tok)
+            if not self.selector.lookup(KEY, tok):
                 continue
             top = cycle.target_logits[j, : self.vocab_size].topk(self.cfg.target_topk).indices  # [k]
             hidden = to_host_tensor(cycle.target_hidden[j].float()).clone()  # the worker's own copy
-            event = OOVEvent(tok, tuple(to_host(top)), hidden, self.stats.cycles)
+            event = OOVEvent(tok, tuple(to_host(top)), hidden)
             self.stats.oov_events += 1
             if self.cfg.synchronous:
-                self._ready.append((event, *self.retriever.candidates(event)))
+                self._ready.append(retrieve(self.selector, self.index, event))
             else:
-                self._start_worker().submit(event)
+                self._submit(event)
         if self.aligner is not None:
             self._align(cycle)
         self.tokens.extend(cycle.emitted)
 
-    # -- cache updates --------------------------------------------------------------------------------------
-    def apply_ready(self, wait: bool = False) -> None:
-        """Admit the candidates of every finished retrieval (``wait``: of every queued one) into the cache."""
+    def apply_ready(self, wait: bool = False) -> ActiveSet:
+        """Admit the candidates of every finished retrieval (``wait``: of every queued one) into the cache; returns
+        the set after them."""
         ready, self._ready = self._ready, []
-        if self._worker is not None:
-            ready += self._worker.drain(wait)
-        for event, candidates, seconds in ready:
+        while self._pending and (wait or self._pending[0].done()):
+            future = self._pending[0]
+            try:
+                ready.append(future.result(timeout=60))
+            except Exception:  # a failed retrieval only costs coverage, never correctness; it is counted
+                if not future.done():
+                    break  # still running after a minute: it stays pending
+                ready.append((None, 0.0))
+            self._pending.popleft()
+        for candidates, seconds in ready:
             if candidates is None:
                 self.stats.failed += 1
-                continue
-            self.stats.retrievals += 1
-            self.stats.retrieval_s += seconds
-            self.stats.candidates += len(candidates)
-            self.stats.inserted += len(self.cache.admit(candidates, self.cfg.max_insert))
-        if self.cache.version != self._version:
-            self._version = self.cache.version
-            self._dynamic_np = np.asarray(self.cache.resident(), dtype=np.int64)
-            self.dynamic = torch.from_numpy(self._dynamic_np).to(self.device)
-            self.active = self._active_set()
+            else:
+                self.stats.retrieval_s += seconds
+                self.selector.admit(KEY, candidates)
+        return self.selector.row_set(None, self._context(0, None))
 
-    def _active_set(self) -> ActiveSet:
-        """The core and the dynamic ids, each a set kept until it is replaced: the core for the whole generation,
-        the dynamic ids until the cache admits or evicts (a new tensor, a new key: the head copies changed rows)."""
-        return ActiveSet.of(Prefix.whole(self.core), Prefix.whole(self.dynamic))
-
-    def _start_worker(self) -> _Worker:
-        if self._worker is None:
+    def _submit(self, event: OOVEvent) -> None:
+        if self._pool is None:
             if self._closed:
                 raise RuntimeError("EvoSpecPolicy is closed")
-            self._worker = _Worker(self.retriever)
-            self._finalizer = weakref.finalize(self, self._worker.close)
-        return self._worker
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="evospec-retrieval")
+            self._finalizer = weakref.finalize(self, self._pool.shutdown, cancel_futures=True)
+        self._pending.append(self._pool.submit(retrieve, self.selector, self.index, event))
 
     def _align(self, cycle: CycleReport) -> None:
         """Path B: a rejected draft token whose verified replacement lies inside the active set is a sample."""
         k = cycle.accepted
         if k >= len(cycle.draft_tokens) or k >= len(cycle.emitted):
             return  # everything accepted (no mismatch), or the correction was cut by EOS/length
-        x = cycle.emitted[k]
-        if x < self.vocab_size and self.active.contains(x):
+        if self.selector.holds(KEY, cycle.emitted[k]):
             self.aligner.add(self.tokens[: cycle.position], cycle.emitted[: k + 1], cycle.target_logits[: k + 1])
 
-    # -- reporting and tear-down ----------------------------------------------------------------------------
     def summary(self) -> dict:
         """Counters of this generation, JSON-ready."""
-        s, c = self.stats, self.cache.stats
-        out = {
-            "cycles": s.cycles,
-            "oov_events": s.oov_events,
-            "retrievals": s.retrievals,
-            "mean_retrieval_ms": round(s.mean_retrieval_ms, 4),
-            "candidates_per_event": round(s.candidates / s.retrievals, 2) if s.retrievals else 0.0,
-            "inserted": s.inserted,
-            "evicted": c.evicted,
-            "blocked": c.blocked,
-            "dynamic_size": len(self.cache),
-            "t1": len(self.cache.t1),
-            "t2": len(self.cache.t2),
-            "arc_p": round(self.cache.p, 2),
-            "dropped": s.dropped,
-            "failed": s.failed,
-        }
+        s, cache = self.stats, self.cache
+        n = max(s.retrievals, 1)  # no retrieval: no seconds and no candidates either
+        out = {"cycles": s.cycles, "oov_events": s.oov_events, "retrievals": s.retrievals,
+               "mean_retrieval_ms": round(1000 * s.retrieval_s / n, 4),
+               "candidates_per_event": round(s.candidates / n, 2),
+               "inserted": s.inserted, "evicted": cache.stats.evicted, "blocked": cache.stats.blocked,
+               "dynamic_size": len(cache), "t1": len(cache.t1), "t2": len(cache.t2), "arc_p": round(cache.p, 2),
+               "dropped": s.dropped, "failed": s.failed}
         if self.aligner is not None:
             a = self.aligner.stats
-            out["align"] = {"samples": a.samples, "updates": a.updates, "update_s": round(a.update_s, 3), "losses": a.losses}
+            out["align"] = {"samples": a.samples, "updates": a.updates, "update_s": round(a.update_s, 3),
+                            "losses": a.losses}
         return out
 
     def close(self) -> None:
@@ -348,8 +409,9 @@ class EvoSpecPolicy(VocabPolicy):
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
-            self.stats.dropped += self._finalizer() or 0
+        if self._pool is not None:
+            self.stats.dropped += len(self._pending)
+            self._finalizer()
         if self.aligner is not None:
             self.aligner.close()
 
