@@ -109,8 +109,11 @@ class HybridSelector(ContextSelector):
         self.reads = frozenset({"fed", "window"} | ({"head"} if search is not None else set()))
         self.k = int(core.numel()) + window + self.successors + (search.neighbours if search is not None else 0)
         self.vocab = vocab_size  # the draft's vocabulary: per-step candidates past it are dropped
+        if vocab_size is not None:  # a chain's or a tree's candidates are filtered by index, not searched for
+            self.core_rank = torch.full((vocab_size,), vocab_size, dtype=torch.long, device=core.device)  # [V]
+            self.core_rank[self.core] = torch.arange(core.numel(), device=core.device)
         self._prefixes: dict[int, Prefix] = {}  # the core's first k ids: one ranking, so the head slices it
-        self._window: tuple | None = None  # (the loop's window row, its ids outside the core as a kept segment)
+        self._window: tuple | None = None  # (the loop's window row, its ids outside the core as a kept segment, [V] mask)
         self._none = torch.empty(0, dtype=torch.long, device=core.device)
 
     def prepare(self, head: torch.Tensor) -> None:
@@ -144,7 +147,7 @@ class HybridSelector(ContextSelector):
         host hands the same window), the core prefix for this position, the per-step candidates (a changed set)."""
         k = self.core_size(ctx.step)
         window = self._window_segment(ctx.windows)
-        return ActiveSet.of(window, self._core(k), self._candidates(hidden, ctx.fed, k, window.ranking))
+        return ActiveSet.of(window, self._core(k), self._candidates(hidden, ctx.fed, k))
 
     def node_sets(self, hidden: torch.Tensor, ctx: StepContext) -> NodeSets | None:
         """A tree depth's nodes ``hidden`` [K, d], fed ``ctx.fed`` [K]: the window and the core prefix for every node,
@@ -153,22 +156,26 @@ class HybridSelector(ContextSelector):
             return None
         k = self.core_size(ctx.step)
         window, core = self._window_segment(ctx.windows), self._core(k)
-        found = [self._candidates(hidden[i : i + 1], ctx.fed[i : i + 1], k, window.ranking)
-                 for i in range(hidden.shape[0])]
+        found = [self._candidates(hidden[i : i + 1], ctx.fed[i : i + 1], k) for i in range(hidden.shape[0])]
         union = torch.unique(torch.cat(found))  # [u]
         shared = torch.ones(len(found), window.size + core.size, dtype=torch.bool, device=union.device)
         own = torch.cat([shared, torch.stack([torch.isin(union, ids) for ids in found])], dim=1)
         return NodeSets(ActiveSet.of(window, core, union), own)
 
     def _window_segment(self, windows: torch.Tensor) -> Prefix:
+        """The window's ids outside the core, kept (with whether each id [V] is among them) while the host hands the
+        same window."""
         if self._window is None or self._window[0] is not windows:
             ids = windows[0]
-            self._window = (windows, Prefix.whole(ids[~torch.isin(ids, self.core)]))
+            ids = ids[self.core_rank[ids] >= self.core.numel()]
+            member = torch.zeros(self.vocab, dtype=torch.bool, device=ids.device)
+            member[ids] = True
+            self._window = (windows, Prefix.whole(ids), member)
         return self._window[1]
 
-    def _candidates(self, hidden, fed, core_size: int, window: torch.Tensor) -> torch.Tensor:
+    def _candidates(self, hidden, fed, core_size: int) -> torch.Tensor:
         """One row's search hits for ``hidden`` [1, d] and graph successors of ``fed`` [1] that are not already
-        active (outside ``window`` and the first ``core_size`` core ids), LongTensor [n], ascending."""
+        active (outside the window segment and the first ``core_size`` core ids), LongTensor [n], ascending."""
         parts = []
         if self.search is not None and hidden is not None:
             parts.append(self.search(hidden[-1:], None).flatten())
@@ -178,7 +185,7 @@ class HybridSelector(ContextSelector):
             return self._none
         ids = torch.unique(torch.cat(parts).to(self.core.device))
         ids = ids[ids < self.vocab]
-        return ids[~torch.isin(ids, window) & ~torch.isin(ids, self._core(core_size).ids)]
+        return ids[~self._window[2][ids] & (self.core_rank[ids] >= core_size)]
 
 
 def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
