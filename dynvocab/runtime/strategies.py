@@ -43,7 +43,6 @@ from dynvocab.runtime.selection.batch_select import eos_first, fixed_budget, sta
 from dynvocab.runtime.selection.centroids import CentroidConfig, centroids_for_loop, centroids_from_bundle
 from dynvocab.runtime.selection.context.hybrid import HybridConfig, HybridPolicy, hybrid_from_bundle
 from dynvocab.runtime.selection.context.window import MicroSpecConfig, MicroSpecPolicy, window_from_bundle
-from dynvocab.runtime.selection.head_search import search_pays
 from dynvocab.runtime.selection.dynaspec import DynaSpecConfig, router_budget, router_for_loop, router_from_bundle
 from dynvocab.runtime.selection.evospec.evospec import EvoSpecConfig, EvoSpecPolicy, evospec_from_bundle
 from dynvocab.runtime.selection.frequency import (
@@ -54,6 +53,7 @@ from dynvocab.runtime.selection.frequency import (
     frequency_selector,
     position_from_bundle,
 )
+from dynvocab.runtime.selection.head_search import search_pays
 from dynvocab.runtime.selection.lowrank import LowRankConfig, lowrank_for_loop, lowrank_from_bundle
 
 ENTRY_POINTS = "dynvocab.strategies"  # the entry-point group of strategies that installed packages bring
