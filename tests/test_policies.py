@@ -10,8 +10,8 @@ import torch
 from dynvocab.budget import pa_budget
 from dynvocab.runtime.selection import CycleReport, SelectorPolicy
 from dynvocab.runtime.selection.batch_select import eos_first
+from dynvocab.runtime.selection.context.window import MicroSpecConfig, MicroSpecPolicy, unique_in_order
 from dynvocab.runtime.selection.frequency import PositionSelector, StaticSelector
-from dynvocab.runtime.selection.context.window import MicroSpecConfig, MicroSpecPolicy, unique_in_order as _unique_in_order
 
 
 def test_pa_budget_follows_dynaspec():
@@ -38,7 +38,7 @@ def test_fr_returns_the_same_object_each_step():
 
 
 def test_unique_in_order():
-    assert _unique_in_order(torch.tensor([5, 3, 5, 1, 3, 9])).tolist() == [5, 3, 1, 9]
+    assert unique_in_order(torch.tensor([5, 3, 5, 1, 3, 9])).tolist() == [5, 3, 1, 9]
 
 
 def cycle(draft, accepted, logits, top=()):
@@ -71,7 +71,7 @@ def test_microspec_matches_the_obvious_stream_model():
     prefill = torch.randn(3, vocab, generator=gen)
     policy.prefill(prompt, prefill, None)
     model.extend(prompt.tolist())
-    model.extend(_unique_in_order(prefill.topk(2, dim=-1).indices.flatten()).tolist())
+    model.extend(unique_in_order(prefill.topk(2, dim=-1).indices.flatten()).tolist())
     assert policy.active_ids(0).ids().tolist() == model.active([49])
     for _ in range(20):
         draft = torch.randint(0, vocab, (3,), generator=gen).tolist()
@@ -79,7 +79,7 @@ def test_microspec_matches_the_obvious_stream_model():
         logits = torch.randn(4, vocab, generator=gen)
         policy.observe(cycle(draft, accepted, logits))
         model.extend(list(dict.fromkeys(draft)))
-        model.extend(_unique_in_order(logits[: accepted + 1].topk(2, dim=-1).indices.flatten()).tolist())
+        model.extend(unique_in_order(logits[: accepted + 1].topk(2, dim=-1).indices.flatten()).tolist())
         assert policy.active_ids(0).ids().tolist() == model.active([49])
         assert policy.active_ids(0) is policy.active_ids(2)
 

@@ -113,7 +113,7 @@ class HybridSelector(ContextSelector):
             self.core_rank = torch.full((vocab_size,), vocab_size, dtype=torch.long, device=core.device)  # [V]
             self.core_rank[self.core] = torch.arange(core.numel(), device=core.device)
         self._prefixes: dict[int, Prefix] = {}  # the core's first k ids: one ranking, so the head slices it
-        self._window: tuple | None = None  # (the loop's window row, its ids outside the core as a kept segment, [V] mask)
+        self._window: tuple | None = None  # (the loop's window row, its ids outside the core as a segment, [V] mask)
         self._none = torch.empty(0, dtype=torch.long, device=core.device)
 
     def prepare(self, head: torch.Tensor) -> None:
