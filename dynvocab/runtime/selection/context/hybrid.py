@@ -227,8 +227,7 @@ class HybridPolicy(StreamPolicy):
         self.hnsw = hnsw
         empty = np.zeros(1, dtype=np.int64)
         self._csr = (graph.indptr.numpy(), graph.indices.numpy()) if graph is not None else (empty, empty[:0])
-        self._in_core = np.zeros(vocab_size, dtype=bool)
-        self._in_core[core.cpu().numpy()] = True
+        self._in_core = to_host_tensor(selector.core_rank < core.numel()).numpy()  # [V] bool
         self.misses = 0
 
     def seen(self, cycle: CycleReport) -> list[torch.Tensor]:
