@@ -16,13 +16,13 @@ from dynvocab.errors import DynvocabError
 from dynvocab.runtime.batched import SelectorSpec, asked_budget, batch_strategies, build_selector, refusal
 from dynvocab.models.int8 import INT8_GATHERED
 from dynvocab.runtime.selection import SelectorPolicy
-from dynvocab.runtime.selection.batch_select import StepContext, scatter_logits, top_ids, top_ids_batched
+from dynvocab.runtime.selection.batch_select import StepContext, top_ids, top_ids_batched
 from dynvocab.runtime.selection.centroids import CentroidConfig, CentroidSelector, centroid_selector
 from dynvocab.runtime.selection.dynaspec import DynaSpecConfig
 from dynvocab.runtime.selection.frequency import PositionAwareConfig, StaticSelector
 from dynvocab.runtime.selection.context.hybrid import HybridConfig
 from dynvocab.runtime.selection.lowrank import BATCHED_RANK, LowRankConfig, LowRankSelector, lowrank_selector
-from dynvocab.runtime.selection.selected_head import SelectedHead
+from dynvocab.runtime.heads.selected_head import SelectedHead, scatter_logits
 from dynvocab.runtime.selection.context.window import MicroSpecConfig
 from dynvocab.runtime.registry import StrategyOptions
 
@@ -205,7 +205,7 @@ def test_changing_sets_go_row_by_row_off_a_cpu_until_they_hold_twice_the_heads_r
     """The rule measured on an H200 (docs/measurements/2026-11-27-gpu-batch-heads-h200.md): a CPU scores a batch's
     changing sets over their union; another device row by row (a CUDA graph captures it) up to PER_ROW_LIMIT times
     the head's rows, over the union past it."""
-    from dynvocab.runtime.selection.selected_head import PER_ROW_LIMIT
+    from dynvocab.runtime.heads.selected_head import PER_ROW_LIMIT
 
     head, meta = SelectedHead(StaticSelector(torch.arange(3))), torch.empty(1, device="meta")
     assert head._union(torch.empty(1), 10, 100)
@@ -219,7 +219,7 @@ def test_changing_sets_past_the_share_are_scored_by_the_hosts_whole_head(bundle,
     """A batch's changing sets whose distinct ids pass WHOLE_SHARE of the head are scored by the host's own full
     head (vLLM's packed GEMM in the plugin) and gathered; fewer, over their gathered rows. The logits are the full
     head's either way."""
-    from dynvocab.runtime.selection.selected_head import WHOLE_SHARE
+    from dynvocab.runtime.heads.selected_head import WHOLE_SHARE
 
     g = torch.Generator().manual_seed(4)
     weight, hidden = torch.randn(V, D, generator=g), torch.randn(3, D, generator=g)

@@ -26,7 +26,7 @@ from dynvocab.bench.micro.graph_step import replayed
 from dynvocab.bench.micro.timing import resolve_dtype, time_ms
 from dynvocab.runtime.batched import SelectorSpec, batch_strategies, build_selector, bundle_stages
 from dynvocab.runtime.host import host_reads
-from dynvocab.runtime.selection.selected_head import SelectedHead
+from dynvocab.runtime.heads.selected_head import SelectedHead
 from dynvocab.runtime.selection.batch_select import StepContext
 from dynvocab.runtime.selection.context.window import RequestWindows
 

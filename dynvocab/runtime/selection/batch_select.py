@@ -3,10 +3,10 @@ draft step is a batch of one row, a tree depth a batch of the depth's nodes) and
 batch of requests), each row its own set.
 
 A selector is called as ``select(hidden [B, d], ctx) -> BatchSets``: the part every row shares (kept packed by the
-head) and each row's own ids (:class:`BatchSets`). One that reads each row's hidden state alone is a
-:class:`RowSelector` (``hidden [B, d] -> ids [B, k]``, a fixed ``k``); one that reads the step's context (the draft
-position, the fed token, the request's window or key) is a :class:`ContextSelector` over a :class:`StepContext`.
-The loop's chain asks a selector's ``row_set`` instead: the same set as an
+head) and each row's own ids (:class:`~dynvocab.runtime.heads.selected_head.BatchSets`). One that reads each row's
+hidden state alone is a :class:`RowSelector` (``hidden [B, d] -> ids [B, k]``, a fixed ``k``); one that reads the
+step's context (the draft position, the fed token, the request's window or key) is a :class:`ContextSelector` over a
+:class:`StepContext`. The loop's chain asks a selector's ``row_set`` instead: the same set as an
 :class:`~dynvocab.runtime.heads.active_set.ActiveSet` whose segments its packed head reuses (row ranges of one packed
 order where the selector has one); see :class:`~dynvocab.runtime.selection.base.SelectorPolicy`.
 
@@ -16,8 +16,8 @@ The strategies' selectors: :mod:`.frequency` (``fr``, ``fr-pa``), :mod:`.lowrank
 (``Strategy.batched``); which strategies run batched, and how a host builds one by name, is
 :mod:`dynvocab.runtime.batched`. The shape follows Gemma-4's MTP masked embedder in vLLM (``gemma4_mtp.py``,
 ``Gemma4MTPMaskedEmbedder._select_and_score``): select, gather the rows, score them
-(:class:`~.selected_head.SelectedHead`); :func:`scatter_logits` is its ``forward`` (a full row, ``-inf`` outside the
-set, so sampling sees q = 0 there).
+(:class:`~dynvocab.runtime.heads.selected_head.SelectedHead`); its ``scatter_logits`` is the ``forward`` (a full
+row, ``-inf`` outside the set, so sampling sees q = 0 there).
 
 A set may hold an id twice (padding); its two logits are equal, so the argmax and the scattered row are the same as
 with one copy.
@@ -36,6 +36,7 @@ from dynvocab.artifacts.selectors import SelectorTable
 from dynvocab.artifacts.tables import FreqTable
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import NodeSets
+from dynvocab.runtime.heads.selected_head import BatchSets
 from dynvocab.runtime.host import to_host
 
 SAMPLE_STRIDE = 16  # top_ids: every 16th score estimates the threshold
@@ -104,31 +105,9 @@ class BatchSelector(Protocol):
 
     k: int
 
-    def select(self, hidden: torch.Tensor, ctx: "StepContext | None" = None) -> "BatchSets": ...
+    def select(self, hidden: torch.Tensor, ctx: "StepContext | None" = None) -> BatchSets: ...
 
     def node_sets(self, hidden: torch.Tensor, ctx: "StepContext") -> NodeSets | None: ...
-
-
-@dataclass(frozen=True)
-class BatchSets:
-    """A batch's sets as a head scores them: ``shared`` [n] ids every row has (None: none), whose rows the head keeps
-    packed, and ``rows`` [B, k] each row's own ids (None: none), gathered once a step. ``repeats``: a row's own ids
-    may repeat (a window of tokens, padding), so even one row is scored over its distinct ids. ``union``: the rows'
-    distinct ids [U] and where each slot reads them [B, k], where the selector found them cheaper than
-    ``torch.unique`` (a centroid selector, as blocks); None: the head finds them when it needs them."""
-
-    shared: torch.Tensor | None
-    rows: torch.Tensor | None
-    repeats: bool = True
-    union: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def ids(self, batch: int) -> torch.Tensor:
-        """Every row's whole set [B, n + k]."""
-        if self.rows is None:
-            return self.shared.expand(batch, -1)
-        if self.shared is None:
-            return self.rows
-        return torch.cat([self.shared.expand(batch, -1), self.rows], dim=1)
 
 
 @dataclass(frozen=True)
@@ -186,27 +165,24 @@ class ContextSelector:
         weights are loaded, so no request's first step pays for it); nothing for most selectors."""
 
 
-def bundle_eos(bundle: Bundle) -> torch.Tensor:
-    """The EOS ids [E] the bundle's ``freq`` stage records (none without one)."""
-    return FreqTable.from_bundle(bundle).eos_ids if bundle.has("freq") else torch.empty(0, dtype=torch.long)
-
-
-def head_eos_ids(bundle: Bundle, vocab_size: int, device) -> torch.Tensor:
-    """The bundle's EOS ids (:func:`bundle_eos`) a head of ``vocab_size`` rows has."""
-    eos = bundle_eos(bundle).long()
+def bundle_eos(bundle: Bundle, vocab_size: int, device) -> torch.Tensor:
+    """The EOS ids [E] the bundle's ``freq`` stage records (none without one) that a head of ``vocab_size`` rows has."""
+    eos = FreqTable.from_bundle(bundle).eos_ids.long() if bundle.has("freq") else torch.empty(0, dtype=torch.long)
     return eos[eos < vocab_size].to(device)
 
 
-def eos_first(ranking: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    """``ranking`` with the ``eos`` ids first (every prefix has them) and nowhere else."""
+def eos_first(ranking: torch.Tensor, eos: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """``ranking`` with the ``eos`` ids first (every prefix has them) and nowhere else; its first ``max(size, E)``
+    where ``size`` is given: the core of a strategy that keeps the most frequent ids, the same in every host."""
     eos = eos.to(ranking.device)
-    return torch.cat([eos, ranking[~torch.isin(ranking, eos)]])
+    out = torch.cat([eos, ranking[~torch.isin(ranking, eos)]])
+    return out if size is None else out[: max(size, eos.numel())]
 
 
-def eos_first_ranking(bundle: Bundle, vocab_size: int, eos: torch.Tensor, device) -> torch.Tensor:
-    """The bundle's frequency ranking over a head of ``vocab_size`` rows, the EOS ids first (every prefix has them)."""
+def bundle_core(bundle: Bundle, vocab_size: int, device, size: int | None = None) -> torch.Tensor:
+    """The bundle's frequency ranking over a head of ``vocab_size`` rows, its EOS ids first (:func:`eos_first`)."""
     ranking = FreqTable.from_bundle(bundle).ranking.long()
-    return eos_first(ranking[ranking < vocab_size].to(device), eos)
+    return eos_first(ranking[ranking < vocab_size].to(device), bundle_eos(bundle, vocab_size, device), size)
 
 
 def fixed_budget(size: int):
@@ -248,10 +224,3 @@ def session_selector(ctx, kind: str, build):
         table = selector_table(ctx.bundle, kind, ctx.draft.hidden_size, f" --bundle {ctx.bundle.path} --draft …")
         hit = _SESSION[key] = (ctx.bundle, build(table))
     return hit[1]
-
-
-def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A full row [B, vocab] holding ``logits`` [B, k] at ``ids`` [B, k] and ``-inf`` elsewhere: a sampler's
-    softmax then gives probability exactly 0 outside the set (q = 0 there, so rejection sampling stays exact)."""
-    out = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
-    return out.scatter_(1, ids, logits)

@@ -122,8 +122,8 @@ def centroid_selector(table: SelectorTable, vocab_size: int, eos: torch.Tensor, 
 def centroids_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                           device: torch.device) -> CentroidSelector:
     """``centroids``: the bundle's centroids stage picking ``budget`` blocks, with the EOS ids the head has."""
-    return centroid_selector(selector_table(bundle, CENTROIDS, hidden_size), vocab_size, bundle_eos(bundle), device,
-                             budget)
+    table = selector_table(bundle, CENTROIDS, hidden_size)
+    return centroid_selector(table, vocab_size, bundle_eos(bundle, vocab_size, device), device, budget)
 
 
 def centroids_for_loop(cfg: CentroidConfig, ctx) -> CentroidSelector:

@@ -23,7 +23,8 @@ from dynvocab.artifacts.router import DEFAULT_K_MAX, RouterTable, clusters_check
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet, NodeSets
-from dynvocab.runtime.selection.batch_select import BatchSets, ContextSelector, StepContext, head_eos_ids
+from dynvocab.runtime.heads.selected_head import BatchSets
+from dynvocab.runtime.selection.batch_select import ContextSelector, StepContext, bundle_eos
 from dynvocab.runtime.selection.groups import Groups
 
 
@@ -132,7 +133,7 @@ def router_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
                        device: torch.device) -> RouterSelector:
     """``dynaspec``: the bundle's clusters and router, ``budget`` clusters at draft positions 0 and 1."""
     return router_selector(ClusterTable.from_bundle(bundle), router_table(bundle, hidden_size),
-                           DynaSpecConfig(k_max=budget), vocab_size, head_eos_ids(bundle, vocab_size, device), device)
+                           DynaSpecConfig(k_max=budget), vocab_size, bundle_eos(bundle, vocab_size, device), device)
 
 
 def router_budget(bundle: Bundle, vocab_size: int) -> int:

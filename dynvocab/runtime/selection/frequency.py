@@ -13,14 +13,8 @@ from dynvocab.artifacts.tables import FreqTable
 from dynvocab.budget import FR_SIZE, pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet, RowRanges
-from dynvocab.runtime.selection.batch_select import (
-    BatchSets,
-    ContextSelector,
-    RowSelector,
-    StepContext,
-    eos_first_ranking,
-    head_eos_ids,
-)
+from dynvocab.runtime.heads.selected_head import BatchSets
+from dynvocab.runtime.selection.batch_select import ContextSelector, RowSelector, StepContext, bundle_core
 
 CHAIN_STEPS = 16  # the draft positions whose fr-pa prefixes the loop's draft packs ahead
 
@@ -104,5 +98,4 @@ def frequency_selector(bundle: Bundle, budget: int, vocab_size: int, hidden_size
 def position_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                          device: torch.device) -> PositionSelector:
     """``fr-pa``: the bundle's frequency ranking (EOS first), ``budget`` ids at draft positions 0 and 1."""
-    eos = head_eos_ids(bundle, vocab_size, device)
-    return PositionSelector(eos_first_ranking(bundle, vocab_size, eos, device), budget)
+    return PositionSelector(bundle_core(bundle, vocab_size, device), budget)

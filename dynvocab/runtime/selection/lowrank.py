@@ -117,7 +117,7 @@ def lowrank_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_siz
                         device: torch.device) -> LowRankSelector:
     """``lowrank``: the bundle's lowrank stage keeping ``budget`` candidates of a head of ``vocab_size`` rows."""
     table = selector_table(bundle, LOWRANK, hidden_size)
-    return lowrank_selector(table, vocab_size, bundle_eos(bundle), device, budget)
+    return lowrank_selector(table, vocab_size, bundle_eos(bundle, vocab_size, device), device, budget)
 
 
 def lowrank_for_loop(cfg: LowRankConfig, ctx) -> LowRankSelector:

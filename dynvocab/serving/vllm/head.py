@@ -17,8 +17,8 @@ from dynvocab.errors import DynvocabError
 from dynvocab.models.eagle.config import head_rows
 from dynvocab.runtime.batched import SelectorSpec, build_selector, refusal
 from dynvocab.runtime.decoding.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, NgramLookup
-from dynvocab.runtime.selection.batch_select import BatchSelector, scatter_logits
-from dynvocab.runtime.selection.selected_head import SelectedHead
+from dynvocab.runtime.heads.selected_head import SelectedHead, scatter_logits
+from dynvocab.runtime.selection.batch_select import BatchSelector
 from dynvocab.serving.vllm import NO_HOOK, ON_RUNNER_V2, proposal
 from dynvocab.serving.vllm.contract import runs_model_runner_v2
 from dynvocab.serving.vllm.kinds import kind_of_method

@@ -36,17 +36,12 @@ from dynvocab.artifacts.bundle import Bundle
 from dynvocab.budget import pa_budget
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet, NodeSets, Prefix
+from dynvocab.runtime.heads.selected_head import BatchSets
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.selection.base import CycleReport
-from dynvocab.runtime.selection.batch_select import (
-    BatchSets,
-    ContextSelector,
-    StepContext,
-    eos_first_ranking,
-    head_eos_ids,
-)
+from dynvocab.runtime.selection.batch_select import ContextSelector, StepContext, bundle_core, eos_first
 from dynvocab.runtime.selection.candidates import assemble_candidates
-from dynvocab.runtime.selection.context.window import MicroSpecConfig, StreamPolicy, unique_in_order
+from dynvocab.runtime.selection.context.window import MicroSpecConfig, StreamPolicy
 from dynvocab.runtime.selection.head_search import ENGINE_EF, HeadSearch
 
 
@@ -196,8 +191,7 @@ def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
     search for a head of this hidden size (:data:`~..head_search.ENGINE_EF`)."""
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
 
-    eos = head_eos_ids(bundle, vocab_size, device)
-    core = eos_first_ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
+    core = bundle_core(bundle, vocab_size, device, budget)
     graph = GraphTable.from_bundle(bundle).to(device) if bundle.has("graph") else None
     search = None
     if bundle.has("draft_hnsw") and torch.device(device).type == "cpu":
@@ -209,7 +203,7 @@ def hybrid_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size
 
 class HybridPolicy(StreamPolicy):
     """``hybrid`` in dynvocab's loop: its selector over MicroSpec's stream, and the neighbours of missed tokens pushed
-    into it. ``ranking``: the frequency ranking (the core is ``pinned`` (EOS), then its first ``core_size``);
+    into it. ``ranking``: the frequency ranking (the core: ``pinned`` (EOS) first, ``core_size`` ids in all);
     ``graph``, ``hnsw`` (a MipsIndex over the target's head) and ``draft_hnsw`` (over the draft's) where the bundle
     has them."""
 
@@ -217,7 +211,7 @@ class HybridPolicy(StreamPolicy):
                  pinned: torch.Tensor | None = None, graph=None, hnsw=None, draft_hnsw=None):
         self.hcfg = cfg = cfg.for_draft(searches_per_step=True)  # no-op when the caller decided for its draft
         pinned = torch.empty(0, dtype=torch.long) if pinned is None else pinned
-        core = unique_in_order(torch.cat([pinned, ranking[: cfg.core_size]]).to(device))
+        core = eos_first(ranking.to(device), pinned, cfg.core_size)
         search = HeadSearch.over(draft_hnsw, cfg.step_neighbours, cfg.step_ef) if (
             draft_hnsw is not None and cfg.step_neighbours) else None
         selector = HybridSelector(core, cfg.window, None if graph is None else graph.to(device),

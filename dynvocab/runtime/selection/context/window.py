@@ -30,9 +30,10 @@ import torch
 from dynvocab.artifacts.bundle import Bundle
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.heads.active_set import ActiveSet, NodeSets, Prefix
+from dynvocab.runtime.heads.selected_head import BatchSets
 from dynvocab.runtime.host import to_host_tensor
 from dynvocab.runtime.selection.base import CycleReport, SelectorPolicy
-from dynvocab.runtime.selection.batch_select import BatchSets, ContextSelector, StepContext, head_eos_ids
+from dynvocab.runtime.selection.batch_select import ContextSelector, StepContext, bundle_eos
 
 MIN_WIDTH = 64  # the narrowest bucket :meth:`RequestWindows.width` gives; the others double up to the window
 
@@ -230,7 +231,7 @@ class WindowSelector(ContextSelector):
 def window_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_size: int,
                        device: torch.device) -> WindowSelector:
     """``microspec`` in a batched host: a window of ``budget`` tokens per request and the bundle's EOS ids."""
-    return WindowSelector(budget, head_eos_ids(bundle, vocab_size, device))
+    return WindowSelector(budget, bundle_eos(bundle, vocab_size, device))
 
 
 class StreamPolicy(SelectorPolicy):

@@ -26,9 +26,9 @@ What differs between the hosts, and why:
   vLLM hands a draft the target's hidden states, not its logits, and the HNSW search over the target's head rows for
   that state is approximately their top-k. No HNSW seeds where the host has no target state (an EAGLE-3 head gets
   the target's middle layers combined, a tensor-parallel rank a shard of the head): the token and its graph
-  successors. No LoRA alignment: it changes weights every request shares. A request that leaves gives its cache back;
-- **the core**: the loop's is the ``static_size`` most frequent ids and the EOS ids they lack, a batched host's the
-  EOS ids then the most frequent to its budget (each as its host always had it).
+  successors. No LoRA alignment: it changes weights every request shares. A request that leaves gives its cache back.
+
+The core is the same in both: the EOS ids, then the most frequent to ``static_size`` (a batched host's budget).
 """
 
 from __future__ import annotations
@@ -47,15 +47,10 @@ from dynvocab.artifacts.hnsw import mips_search
 from dynvocab.errors import DynvocabError
 from dynvocab.runtime.drafts.lora_align import AlignConfig, Aligner
 from dynvocab.runtime.heads.active_set import ActiveSet, Prefix
+from dynvocab.runtime.heads.selected_head import BatchSets
 from dynvocab.runtime.host import to_host, to_host_tensor
 from dynvocab.runtime.selection.base import CycleReport, SelectorPolicy
-from dynvocab.runtime.selection.batch_select import (
-    BatchSets,
-    ContextSelector,
-    StepContext,
-    eos_first_ranking,
-    head_eos_ids,
-)
+from dynvocab.runtime.selection.batch_select import ContextSelector, StepContext, bundle_core, eos_first
 from dynvocab.runtime.selection.candidates import assemble_candidates
 from dynvocab.runtime.selection.evospec.arc import ARCCache
 from dynvocab.runtime.selection.head_search import HeadSearch
@@ -253,8 +248,7 @@ def evospec_from_bundle(bundle: Bundle, budget: int, vocab_size: int, hidden_siz
     search of its ``hnsw`` stage for a head of this hidden size."""
     from dynvocab.artifacts import GraphTable, HnswParams, StoredIndex
 
-    eos = head_eos_ids(bundle, vocab_size, device)
-    core = eos_first_ranking(bundle, vocab_size, eos, device)[: max(budget, eos.numel())]
+    core = bundle_core(bundle, vocab_size, device, budget)
     search = None
     if torch.device(device).type == "cpu":
         params = HnswParams.from_dict(bundle.info("hnsw")["index"], f"bundle {bundle.path} (stage hnsw)")
@@ -316,9 +310,7 @@ class EvoSpecPolicy(SelectorPolicy):
                                 "LM head")
         index, _ = load_hnsw(bundle, target.weight)  # once per bundle; a head of another shape is refused
         ranking = FreqTable.from_bundle(bundle).ranking
-        ranking = ranking[ranking < ctx.vocab_size][: cfg.static_size]
-        eos = ctx.eos
-        core = torch.cat([ranking, eos[~torch.isin(eos, ranking)]])  # EOS stays draftable so drafts can end
+        core = eos_first(ranking[ranking < ctx.vocab_size], ctx.eos, cfg.static_size)  # EOS: so drafts can end
         return cls(cfg, core, index, GraphTable.from_bundle(bundle), ctx.vocab_size, ctx.device,
                    draft=ctx.draft.adaptable if cfg.online_align else None)
 

@@ -1,7 +1,7 @@
 """The selected head: a batch's sets scored over the rows of a host's head weight, the one way both batched hosts
 (the vLLM plugin at one and two ranks, the batched-head microbenchmark) score them.
 
-Every selector's output is read as one :class:`~.batch_select.BatchSets`, two parts each scored one way:
+Every selector's output is read as one :class:`BatchSets`, two parts each scored one way:
 
 - **the part every row shares** (``fr``'s ids; a context selector's core, EOS ids or ranking prefix): its rows are
   gathered once and packed for the host's own product (:func:`SelectedHead._packed`), one product a call;
@@ -25,10 +25,10 @@ step and kept nowhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-
-from dynvocab.runtime.selection.batch_select import BatchSelector, BatchSets
 
 # Off a CPU, a batch's own sets are scored row by row while they hold at most this many times the head's rows (the
 # gather then moves at most twice the whole head's bytes), over their union past it: the rule that picked the faster
@@ -38,11 +38,34 @@ PER_ROW_LIMIT = 2
 WHOLE_SHARE = 0.25  # a batch's own sets over more than this share of the head's rows: a host's whole head
 
 
+@dataclass(frozen=True)
+class BatchSets:
+    """A batch's sets as a head scores them: ``shared`` [n] ids every row has (None: none), whose rows the head keeps
+    packed, and ``rows`` [B, k] each row's own ids (None: none), gathered once a step. ``repeats``: a row's own ids
+    may repeat (a window of tokens, padding), so even one row is scored over its distinct ids. ``union``: the rows'
+    distinct ids [U] and where each slot reads them [B, k], where the selector found them cheaper than
+    ``torch.unique`` (a centroid selector, as blocks); None: the head finds them when it needs them."""
+
+    shared: torch.Tensor | None
+    rows: torch.Tensor | None
+    repeats: bool = True
+    union: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def ids(self, batch: int) -> torch.Tensor:
+        """Every row's whole set [B, n + k]."""
+        if self.rows is None:
+            return self.shared.expand(batch, -1)
+        if self.shared is None:
+            return self.rows
+        return torch.cat([self.shared.expand(batch, -1), self.rows], dim=1)
+
+
+
 class SelectedHead:
     """A draft head over the rows a selector picks: ``select_and_score(hidden, weight)`` gives each row's logits over
     its own set and the set's ids (the module's docstring says how each part is scored and what is kept)."""
 
-    def __init__(self, selector: BatchSelector, pack=None, union: bool | None = None, whole=None):
+    def __init__(self, selector, pack=None, union: bool | None = None, whole=None):
         """``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a shared part's rows are multiplied once packed (a host's
         own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``). ``union``: score a batch's own sets over
         their distinct ids (True) or row by row (False); None: by the rule in the module's docstring. ``whole``: the
@@ -167,3 +190,10 @@ def _per_row(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.
     the two, eagerly, while B·k is at most :data:`PER_ROW_LIMIT` times the head's rows
     (docs/measurements/2026-11-27-gpu-batch-heads-h200.md)."""
     return torch.bmm(weight[ids], x[:, :, None])[..., 0]
+
+
+def scatter_logits(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A full row [B, vocab] holding ``logits`` [B, k] at ``ids`` [B, k] and ``-inf`` elsewhere: a sampler's
+    softmax then gives probability exactly 0 outside the set (q = 0 there, so rejection sampling stays exact)."""
+    out = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return out.scatter_(1, ids, logits)
