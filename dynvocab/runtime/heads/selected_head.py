@@ -60,18 +60,19 @@ class BatchSets:
         return torch.cat([self.shared.expand(batch, -1), self.rows], dim=1)
 
 
-
 class SelectedHead:
     """A draft head over the rows a selector picks: ``select_and_score(hidden, weight)`` gives each row's logits over
     its own set and the set's ids (the module's docstring says how each part is scored and what is kept)."""
 
     def __init__(self, selector, pack=None, union: bool | None = None, whole=None):
-        """``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a shared part's rows are multiplied once packed (a host's
-        own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``). ``union``: score a batch's own sets over
-        their distinct ids (True) or row by row (False); None: by the rule in the module's docstring. ``whole``: the
-        host's own full head (``x -> x @ weight.T`` over all its rows, packed), which scores a batch's own sets whose
-        distinct ids pass :data:`WHOLE_SHARE` of the head: gathering that many rows and multiplying them unpacked
-        costs several times the packed head (None: always the gathered rows)."""
+        """``selector``: a strategy's selector (``select(hidden, ctx) -> BatchSets``; the strategies' are in
+        :mod:`dynvocab.runtime.selection`). ``pack(rows [n, d]) -> (x -> x @ rows.T)``: how a shared part's rows are
+        multiplied once packed (a host's own GEMM, e.g. vLLM's oneDNN handle on a CPU; None: ``F.linear``).
+        ``union``: score a batch's own sets over their distinct ids (True) or row by row (False); None: by the rule
+        in the module's docstring. ``whole``: the host's own full head (``x -> x @ weight.T`` over all its rows,
+        packed), which scores a batch's own sets whose distinct ids pass :data:`WHOLE_SHARE` of the head: gathering
+        that many rows and multiplying them unpacked costs several times the packed head (None: always the gathered
+        rows)."""
         self.selector = selector
         self.pack = pack or (lambda rows: lambda x: F.linear(x, rows))
         self.union = union
